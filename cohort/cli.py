@@ -1,0 +1,47 @@
+"""The `cohort` command: a dispatcher, nothing else.
+
+Each subcommand lives in its own package as a module with two functions,
+`add_arguments(parser)` and `run(args) -> int`. The module is imported only when its
+subcommand runs, so `cohort eval` never pays for torch or vLLM imports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+# name -> (module, one-line help)
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "eval": ("eval.cli", "compare batching plans on expert traces against random and an oracle"),
+    "traces": ("traces.cli", "inspect, import and convert expert-trace files"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="cohort", description="moe-cohort: expert-coherent batching for Mixture-of-Experts serving.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (_, help_text) in SUBCOMMANDS.items():
+        sub.add_parser(name, help=help_text)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] not in SUBCOMMANDS:
+        build_parser().parse_args(argv)  # prints help or "invalid choice" and exits
+        return 2
+    name = argv[0]
+    module_name, help_text = SUBCOMMANDS[name]
+    module = importlib.import_module(module_name)
+    parser = argparse.ArgumentParser(prog=f"cohort {name}", description=help_text)
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more log output (-vv for debug)")
+    module.add_arguments(parser)
+    args = parser.parse_args(argv[1:])
+    level = max(logging.WARNING - 10 * args.verbose, logging.DEBUG)
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    return int(module.run(args) or 0)
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,61 @@
+"""`cohort eval`: compare batching plans on expert traces against random batches and the oracle."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from eval.metrics import evaluate
+from eval.planfile import read_plan_file
+from eval.plans import PlanError
+from eval.report import format_table, write_report
+from traces.format import TraceFormatError
+from traces.importers import load_traces
+from traces.loads import DEFAULT_DECODE_STEPS, expert_masks
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--traces", required=True,
+                        help="trace file or directory (moe-cohort .npz, .jsonl, traces.npz+prompts.jsonl dir, or 'sample')")
+    parser.add_argument("--batch-size", type=_positive_int, required=True, help="requests per batch (B)")
+    parser.add_argument("--plan", help="plan file to evaluate: JSON lines {id, batch[, position]}")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument("--decode-steps", type=_positive_int, default=DEFAULT_DECODE_STEPS,
+                        help="decode steps of the prompt-token proxy for prefill-only traces (default %(default)s)")
+    parser.add_argument("--decode", choices=("auto", "real", "proxy"), default="auto",
+                        help="decode loads from generated tokens (real), the prompt proxy, or auto (default)")
+    parser.add_argument("--seeds", type=_positive_int, default=5, help="random plans to average (default %(default)s)")
+    parser.add_argument("--report", metavar="DIR", help="also write report.json, report.md and saving.png to DIR")
+    parser.add_argument("--sweep", default="8,16,32,64", help="batch sizes of the report's plot (default %(default)s)")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        ts = load_traces(args.traces)
+        masks = expert_masks(ts, decode_steps=args.decode_steps, decode=args.decode)
+        plans = {"plan": read_plan_file(args.plan, ts.request_ids)} if args.plan else {}
+        result = evaluate(ts, args.batch_size, masks=masks, seeds=args.seeds, plans=plans)
+    except (TraceFormatError, PlanError, OSError) as exc:
+        print(f"cohort eval: error: {exc}")
+        return 2
+    print(json.dumps(result, indent=2) if args.json else format_table(result))
+    if args.report:
+        sizes = sorted({*_sizes(args.sweep), args.batch_size})
+        results = [result if b == args.batch_size else evaluate(ts, b, masks=masks, seeds=args.seeds) for b in sizes]
+        for path in write_report(results, args.report):
+            print(f"wrote {path}")
+    return 0
+
+
+def _sizes(text: str) -> list[int]:
+    return [_positive_int(s) for s in text.split(",") if s.strip()]
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value

@@ -1,0 +1,32 @@
+"""Shared fixtures: small random trace sets built in the test (never copied from ../shared/data)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from traces.format import TraceSet, expert_dtype
+
+
+def random_traces(num_requests=12, *, num_experts=10, num_layers=3, top_k=2, max_prompt=7, max_decode=0,
+                  seed=0, with_weights=False, categories=None) -> TraceSet:
+    """Random traces with prompt lengths 0..max_prompt and decode lengths 0..max_decode (ids distinct per token)."""
+    rng = np.random.default_rng(seed)
+    n_prompt = rng.integers(0, max_prompt + 1, size=num_requests)
+    n_decode = rng.integers(0, max_decode + 1, size=num_requests)
+    total = int((n_prompt + n_decode).sum())
+    experts = np.argsort(rng.random((total, num_layers, num_experts)), axis=-1)[..., :top_k]
+    return TraceSet(
+        num_experts=num_experts, num_layers=num_layers, top_k=top_k,
+        token_offsets=np.concatenate([[0], np.cumsum(n_prompt + n_decode)]).astype(np.int64),
+        experts=experts.astype(expert_dtype(num_experts)), num_prompt_tokens=n_prompt.astype(np.int64),
+        request_ids=np.array([f"r{i}" for i in range(num_requests)]),
+        weights=rng.random(experts.shape).astype(np.float32) if with_weights else None,
+        texts=np.array([f"text {i}" for i in range(num_requests)]),
+        categories=None if categories is None else np.array([categories[i % len(categories)] for i in range(num_requests)]),
+    )
+
+
+@pytest.fixture
+def small_traces() -> TraceSet:
+    return random_traces(seed=1, with_weights=True, categories=["a", "b", "c"])

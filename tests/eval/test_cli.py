@@ -1,0 +1,58 @@
+"""`cohort eval` end to end on a small trace file written by the test."""
+
+import json
+
+import pytest
+
+from cohort.cli import main
+from tests.conftest import random_traces
+from traces.format import save_traces
+
+
+@pytest.fixture
+def trace_file(tmp_path):
+    return save_traces(tmp_path / "t.npz", random_traces(40, num_experts=24, top_k=3, max_prompt=9, seed=7,
+                                                         categories=["x", "y"]))
+
+
+def test_json_output_has_every_plan_and_the_schema(trace_file, capsys):
+    assert main(["eval", "--traces", str(trace_file), "--batch-size", "8", "--json", "--decode-steps", "6"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["batch_size"], out["decode_steps"], out["num_requests"]) == (8, 6, 40)
+    assert set(out["plans"]) == {"random", "arrival", "category", "oracle"}
+    for row in out["plans"].values():
+        assert {"decode_loads", "prefill_loads", "saving", "capture"} <= set(row)
+    assert out["plans"]["oracle"]["capture"] == 1.0
+    assert out["plans"]["oracle"]["decode_loads"] < out["plans"]["random"]["decode_loads"]
+
+
+def test_plan_file_is_evaluated_beside_the_baselines(trace_file, tmp_path, capsys):
+    plan = tmp_path / "plan.jsonl"
+    plan.write_text("".join(json.dumps({"id": f"r{i}", "batch": i // 8}) + "\n" for i in range(40)))
+    assert main(["eval", "--traces", str(trace_file), "--batch-size", "8", "--plan", str(plan), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)["plans"]
+    assert out["plan"]["decode_loads"] == out["arrival"]["decode_loads"]  # same batches as arrival order
+
+
+def test_report_writes_json_markdown_and_plot(trace_file, tmp_path, capsys):
+    assert main(["eval", "--traces", str(trace_file), "--batch-size", "4", "--report", str(tmp_path / "r"),
+                 "--sweep", "2,8"]) == 0
+    report = json.loads((tmp_path / "r" / "report.json").read_text())
+    assert [r["batch_size"] for r in report] == [2, 4, 8]
+    assert (tmp_path / "r" / "saving.png").read_bytes()[:4] == b"\x89PNG"
+    assert "oracle" in capsys.readouterr().out
+
+
+def test_errors_are_one_clear_line(tmp_path, trace_file, capsys):
+    assert main(["eval", "--traces", str(tmp_path / "nope.npz"), "--batch-size", "4"]) == 2
+    assert "no such file or directory" in capsys.readouterr().out
+    bad = tmp_path / "plan.jsonl"
+    bad.write_text(json.dumps({"id": "r0", "batch": 0}) + "\n")
+    assert main(["eval", "--traces", str(trace_file), "--batch-size", "4", "--plan", str(bad)]) == 2
+    assert "39 request(s) of the traces are in no batch" in capsys.readouterr().out
+
+
+def test_batch_size_must_be_positive(trace_file, capsys):
+    with pytest.raises(SystemExit):
+        main(["eval", "--traces", str(trace_file), "--batch-size", "0"])
+    assert "expected a positive integer" in capsys.readouterr().err

@@ -1,0 +1,139 @@
+"""Importers from other trace layouts, and `load_traces`, which recognises them all.
+
+Layouts understood by `load_traces(path)`:
+- a moe-cohort `.npz` (see traces.format);
+- a directory holding `traces.npz` + `prompts.jsonl` in the layout of the DeepSeek-V2-Lite
+  Puffin traces (experts [L, T, k], prompt-only, token 0 is BOS);
+- a `.jsonl` file of records {"id", "text", "experts": [[[k ids] x layers] x tokens],
+  "num_prompt_tokens", optional "weights" (same nesting), optional "category"}, so that traces
+  from any engine can be brought in;
+- the word `sample`: a small synthetic trace set built in (see traces.synthetic).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+
+from traces.format import FORMAT_NAME, TraceFormatError, TraceSet, expert_dtype, load_trace_file
+
+log = logging.getLogger(__name__)
+
+SAMPLE = "sample"
+
+
+def load_traces(path: str | Path, *, num_experts: int | None = None) -> TraceSet:
+    """Load traces from any supported layout; `num_experts` overrides the inferred count for imports."""
+    if str(path) == SAMPLE and not Path(path).exists():
+        from traces.synthetic import synthetic_traces
+
+        return synthetic_traces()
+    path = Path(path)
+    if path.is_dir():
+        if (path / "traces.npz").exists() and (path / "prompts.jsonl").exists():
+            return import_prompt_trace_dir(path, num_experts=num_experts)
+        raise TraceFormatError(f"{path}: a trace directory needs traces.npz and prompts.jsonl "
+                               f"(the DeepSeek-V2-Lite Puffin layout); pass a file path otherwise")
+    if not path.exists():
+        raise TraceFormatError(f"{path}: no such file or directory (use '{SAMPLE}' for the built-in sample traces)")
+    if path.suffix == ".jsonl":
+        return import_jsonl(path, num_experts=num_experts)
+    if path.suffix == ".npz":
+        return load_trace_file(path)
+    raise TraceFormatError(f"{path}: unknown trace layout; expected a {FORMAT_NAME} .npz, a .jsonl of "
+                           f"records or a directory with traces.npz + prompts.jsonl")
+
+
+def import_prompt_trace_dir(path: str | Path, *, num_experts: int | None = None) -> TraceSet:
+    """Import `traces.npz` (prompt_ids [N], token_offsets [N+1], experts [L, T, k]) + `prompts.jsonl`."""
+    path = Path(path)
+    with np.load(path / "traces.npz", allow_pickle=False) as z:
+        missing = {"prompt_ids", "token_offsets", "experts"} - set(z.files)
+        if missing:
+            raise TraceFormatError(f"{path / 'traces.npz'}: missing arrays {sorted(missing)}")
+        prompt_ids, offsets, experts_ltk = z["prompt_ids"], z["token_offsets"].astype(np.int64), z["experts"]
+    if experts_ltk.ndim != 3:
+        raise TraceFormatError(f"{path / 'traces.npz'}: experts must be [layers, tokens, k], got {list(experts_ltk.shape)}")
+    prompts = _read_jsonl(path / "prompts.jsonl")
+    if [p.get("prompt_id") for p in prompts] != prompt_ids.tolist():
+        raise TraceFormatError(f"{path}: prompts.jsonl must list the prompt_ids of traces.npz in the same order")
+    lengths = np.diff(offsets)
+    for line, (p, n) in enumerate(zip(prompts, lengths), start=1):
+        if "n_tokens" in p and p["n_tokens"] != n:
+            raise TraceFormatError(f"{path / 'prompts.jsonl'} line {line}: n_tokens={p['n_tokens']} but traces.npz has {n}")
+    experts = np.ascontiguousarray(experts_ltk.transpose(1, 0, 2))  # [L, T, k] -> [T, L, k]
+    e = num_experts or int(experts.max()) + 1
+    log.info("imported %d requests, %d tokens from %s", len(prompts), len(experts), path)
+    return TraceSet(num_experts=e, num_layers=experts.shape[1], top_k=experts.shape[2], token_offsets=offsets,
+                    experts=experts.astype(expert_dtype(e)), num_prompt_tokens=lengths.copy(),
+                    request_ids=np.array([str(i) for i in prompt_ids.tolist()]),
+                    texts=np.array([str(p.get("text", "")) for p in prompts]), model=path.name)
+
+
+def import_jsonl(path: str | Path, *, num_experts: int | None = None) -> TraceSet:
+    """Import one JSON record per request (see the module docstring); errors name the line."""
+    path = Path(path)
+    records = _read_jsonl(path)
+    if not records:
+        raise TraceFormatError(f"{path}: no records")
+    parsed = [_parse_record(r, f"{path} line {i}") for i, r in enumerate(records, start=1)]
+    shapes = {p["experts"].shape[1:] for p in parsed if len(p["experts"])}
+    if len(shapes) != 1:
+        raise TraceFormatError(f"{path}: every token must list the same number of layers and k ids; found shapes {sorted(shapes)}")
+    (num_layers, top_k), = shapes
+    experts = np.concatenate([p["experts"].reshape(-1, num_layers, top_k) for p in parsed])
+    has_w = [p["weights"] is not None for p in parsed]
+    if any(has_w) and not all(has_w):
+        raise TraceFormatError(f"{path}: give weights for every record or for none (record {has_w.index(not has_w[0]) + 1} differs)")
+    weights = np.concatenate([p["weights"].reshape(-1, num_layers, top_k) for p in parsed]) if all(has_w) else None
+    e = num_experts or int(experts.max()) + 1
+    cats = [p["category"] for p in parsed]
+    return TraceSet(
+        num_experts=e, num_layers=num_layers, top_k=top_k,
+        token_offsets=np.concatenate([[0], np.cumsum([len(p["experts"]) for p in parsed])]).astype(np.int64),
+        experts=experts.astype(expert_dtype(e)), weights=weights,
+        num_prompt_tokens=np.array([p["num_prompt_tokens"] for p in parsed], dtype=np.int64),
+        request_ids=np.array([p["id"] for p in parsed]), texts=np.array([p["text"] for p in parsed]),
+        categories=np.array(cats) if all(c is not None for c in cats) else None, model=path.stem,
+    )
+
+
+def _parse_record(rec: dict, where: str) -> dict:
+    for key in ("id", "experts"):
+        if key not in rec:
+            raise TraceFormatError(f"{where}: missing field {key!r}")
+    try:
+        experts = np.asarray(rec["experts"], dtype=np.int64)  # [n, L, k]
+        weights = None if rec.get("weights") is None else np.asarray(rec["weights"], dtype=np.float32)
+    except (ValueError, TypeError) as exc:
+        raise TraceFormatError(f"{where}: 'experts'/'weights' must be nested lists [tokens][layers][k] of numbers ({exc})") from exc
+    if experts.ndim != 3 and experts.size:
+        raise TraceFormatError(f"{where}: 'experts' must be nested [tokens][layers][k], got {experts.ndim} levels")
+    if weights is not None and weights.shape != experts.shape:
+        raise TraceFormatError(f"{where}: 'weights' shape {list(weights.shape)} differs from 'experts' {list(experts.shape)}")
+    if experts.size and experts.min() < 0:
+        raise TraceFormatError(f"{where}: expert ids must be >= 0")
+    n_prompt = rec.get("num_prompt_tokens", len(experts))
+    if not isinstance(n_prompt, int) or not 0 <= n_prompt <= len(experts):
+        raise TraceFormatError(f"{where}: num_prompt_tokens must be an integer in [0, {len(experts)}], got {n_prompt!r}")
+    return {"id": str(rec["id"]), "text": str(rec.get("text", "")), "experts": experts, "weights": weights,
+            "num_prompt_tokens": n_prompt, "category": rec.get("category")}
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for i, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise TraceFormatError(f"{path} line {i}: invalid JSON ({exc.msg})") from exc
+            if not isinstance(rec, dict):
+                raise TraceFormatError(f"{path} line {i}: expected a JSON object, got {type(rec).__name__}")
+            out.append(rec)
+    return out
