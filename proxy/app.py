@@ -1,0 +1,159 @@
+"""The OpenAI-compatible proxy: FastAPI routes in front of a vLLM backend.
+
+    POST /v1/chat/completions, POST /v1/completions   windowed, planned, dispatched with a policy
+    GET  /v1/models                                    relayed from the backend
+    GET  /health, GET /metrics                         proxy + backend health, Prometheus text
+
+`create_app(settings)` builds everything once: the settings, the backend client, the encoder
+and planner (plan function), the batcher and the metrics.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from proxy.backend import BackendClient
+from proxy.batcher import Batcher, PlanFn
+from proxy.errors import BackendStatusError, ProxyError, Unauthorized
+from proxy.metrics import ProxyMetrics
+from proxy.planning import make_plan_fn
+from proxy.protocol import ProxyRequest, Route, check_size, cohort_headers, parse_request
+from proxy.settings import Settings, load_settings
+from proxy.streaming import StreamRelay
+
+log = logging.getLogger(__name__)
+
+PATHS: dict[Route, str] = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
+
+
+class Proxy:
+    """The request path, independent of routing: auth, parse, admit, forward, relay."""
+
+    def __init__(self, settings: Settings, plan_fn: PlanFn, transport: httpx.AsyncBaseTransport | None = None) -> None:
+        self.settings = settings
+        self.metrics = ProxyMetrics()
+        self.backend = BackendClient(settings.backend_url, timeout_s=settings.request_timeout_s,
+                                     connect_timeout_s=settings.connect_timeout_s, transport=transport)
+        self.batcher = Batcher(plan_fn, self.metrics, batch_size=settings.batch_size, flush_size=settings.flush_size,
+                               max_wait_s=settings.max_wait_ms / 1000, max_queue_s=settings.max_queue_ms / 1000,
+                               max_in_flight=settings.max_in_flight)
+
+    async def close(self) -> None:
+        self.batcher.close()
+        await self.backend.close()
+
+    def authorize(self, request: Request) -> None:
+        if not self.settings.api_keys:
+            return
+        scheme, _, key = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or key.strip() not in self.settings.api_keys:
+            raise Unauthorized("missing or incorrect API key; send it as 'Authorization: Bearer <key>'",
+                               code="invalid_api_key")
+
+    def backend_headers(self, request: Request) -> dict[str, str]:
+        """Authorization for the backend (configured key, else the client's own when the proxy has none)."""
+        headers = {}
+        if self.settings.backend_api_key:
+            headers["authorization"] = f"Bearer {self.settings.backend_api_key}"
+        elif not self.settings.api_keys and "authorization" in request.headers:
+            headers["authorization"] = request.headers["authorization"]
+        if "x-request-id" in request.headers:
+            headers["x-request-id"] = request.headers["x-request-id"]
+        return headers
+
+    async def completion(self, request: Request, route: Route) -> Response:
+        self.authorize(request)
+        check_size(request.headers.get("content-length"), self.settings.max_body_bytes)
+        preq = parse_request(await request.body(), route, request.headers,
+                             default_policy=self.settings.default_policy, max_bytes=self.settings.max_body_bytes)
+        if self.settings.log_prompts:
+            log.info("%s request, policy %s: %r", route, preq.policy, preq.text)
+        if preq.stream:
+            relay = StreamRelay(self, preq, PATHS[route], self.backend_headers(request))
+            return await relay.start()
+        return await self._forward(preq, PATHS[route], self.backend_headers(request))
+
+    async def _forward(self, preq: ProxyRequest, path: str, headers: dict[str, str]) -> Response:
+        admission = await self.batcher.admit(preq.text, preq.policy)
+        try:
+            with self.metrics.backend_seconds.labels(preq.route).time():
+                answer = await self.backend.request("POST", path, json=preq.body, headers=headers)
+        finally:
+            self.batcher.release()
+        self.metrics.requests.labels(preq.route, str(answer.status_code)).inc()
+        return Response(answer.content, status_code=answer.status_code, headers=cohort_headers(admission),
+                        media_type=answer.headers.get("content-type", "application/json"))
+
+
+def create_app(settings: Settings | None = None, *, transport: httpx.AsyncBaseTransport | None = None) -> FastAPI:
+    """The ASGI app; `transport` replaces the network to the backend (tests of failures only)."""
+    settings = settings or load_settings()
+    if not settings.backend_url:
+        raise ValueError("settings.backend_url is empty; pass --backend URL (or run `cohort serve` without it "
+                         "to start the embedded vLLM backend)")
+    proxy = Proxy(settings, make_plan_fn(settings), transport)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        await proxy.close()
+
+    app = FastAPI(title="moe-cohort proxy", lifespan=lifespan)
+    app.state.proxy = proxy
+    _add_error_handlers(app, proxy)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await proxy.completion(request, "chat")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await proxy.completion(request, "completion")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        proxy.authorize(request)
+        answer = await proxy.backend.request("GET", "/v1/models", headers=proxy.backend_headers(request))
+        return Response(answer.content, status_code=answer.status_code, media_type="application/json")
+
+    @app.get("/health")
+    async def health() -> Response:
+        try:
+            await proxy.backend.request("GET", "/health")
+        except ProxyError as exc:
+            return JSONResponse({"status": "backend unavailable", "backend": settings.backend_url,
+                                 "detail": exc.message}, status_code=503)
+        return JSONResponse({"status": "ok", "backend": settings.backend_url})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(proxy.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def _add_error_handlers(app: FastAPI, proxy: Proxy) -> None:
+    @app.exception_handler(ProxyError)
+    async def proxy_error(request: Request, exc: ProxyError) -> Response:
+        proxy.metrics.requests.labels(_route_of(request), str(exc.status_code)).inc()
+        if isinstance(exc, BackendStatusError):
+            return Response(exc.content, status_code=exc.status_code, media_type=exc.content_type)
+        log.warning("%s %s -> %d: %s", request.method, request.url.path, exc.status_code, exc.message)
+        return JSONResponse(exc.body(), status_code=exc.status_code)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        error = ProxyError(f"{request.method} {request.url.path}: {exc.detail}", code=str(exc.status_code))
+        error.error_type = "invalid_request_error"
+        return JSONResponse(error.body(), status_code=exc.status_code)
+
+
+def _route_of(request: Request) -> str:
+    return {path: route for route, path in PATHS.items()}.get(request.url.path, request.url.path)

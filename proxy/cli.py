@@ -1,0 +1,76 @@
+"""`cohort serve`: the OpenAI-compatible proxy in front of vLLM (or of an embedded tiny-MoE vLLM)."""
+
+from __future__ import annotations
+
+import argparse
+
+from proxy.settings import Settings, SettingsError, load_settings
+
+# flag -> Settings field; defaults live in Settings (and COHORT_* variables), not here
+_FLAGS = {
+    "--backend": ("backend_url", str, "vLLM server to front, e.g. http://127.0.0.1:8000 (default: start a tiny one)"),
+    "--host": ("host", str, "address to listen on"),
+    "--port": ("port", int, "port to listen on"),
+    "--batch-size": ("batch_size", int, "requests per planned batch (B)"),
+    "--window-size": ("window_size", int, "flush the window when this many requests wait (default: B)"),
+    "--max-wait-ms": ("max_wait_ms", float, "flush when the oldest request has waited this long"),
+    "--max-queue-ms": ("max_queue_ms", float, "fairness bound: dispatch a request ahead of the plan past this"),
+    "--max-in-flight": ("max_in_flight", int, "requests at the backend at once (default: its max_num_seqs)"),
+    "--default-policy": ("default_policy", str, "routing policy when a request has no X-MoE-Routing header"),
+    "--encoder": ("encoder", str, "encoder name or path; 'none' disables planning (arrival order)"),
+    "--backend-api-key": ("backend_api_key", str, "API key to send to the backend"),
+    "--request-timeout-s": ("request_timeout_s", float, "backend timeout per request"),
+    "--max-body-bytes": ("max_body_bytes", int, "largest request body accepted"),
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    for flag, (dest, kind, help_text) in _FLAGS.items():
+        parser.add_argument(flag, dest=dest, type=kind, help=f"{help_text} (env COHORT_{dest.upper()})")
+    parser.add_argument("--api-key", dest="api_keys", action="append", help="accept this proxy API key (repeatable)")
+    parser.add_argument("--log-prompts", action="store_true", default=None, help="log prompt texts (off: they are user data)")
+    parser.add_argument("--model-dir", help="tiny MoE folder for the embedded backend (built there if missing)")
+
+
+def run(args: argparse.Namespace) -> int:
+    overrides = {dest: getattr(args, dest) for dest, _, _ in _FLAGS.values()}
+    overrides.update(api_keys=tuple(args.api_keys) if args.api_keys else None, log_prompts=args.log_prompts)
+    try:
+        settings = load_settings(overrides)
+    except SettingsError as exc:
+        print(f"cohort serve: error: {exc}")
+        return 2
+    server = None
+    if not settings.backend_url:
+        server, settings = _start_embedded(settings, args.model_dir, explicit_in_flight=args.max_in_flight is not None)
+    try:
+        _serve(settings)
+    finally:
+        if server is not None:
+            print("stopping the embedded vLLM backend")
+            server.stop()
+    return 0
+
+
+def _start_embedded(settings: Settings, model_dir: str | None, *, explicit_in_flight: bool):
+    from proxy.embedded import ensure_tiny_model, start_embedded_backend
+
+    max_num_seqs = settings.max_in_flight if explicit_in_flight else 16
+    path = ensure_tiny_model(model_dir)
+    print(f"no --backend given: starting a local vLLM CPU server on the tiny MoE in {path} "
+          f"(with the moe-cohort plugin; about 20 s)...")
+    server = start_embedded_backend(path, max_num_seqs=max_num_seqs)
+    print(f"vLLM backend ready at {server.url} (model '{server.served_model_name}', log {server.log_path})")
+    return server, settings.replace(backend_url=server.url, max_in_flight=max_num_seqs)
+
+
+def _serve(settings: Settings) -> None:
+    import uvicorn
+
+    from proxy.app import create_app
+
+    app = create_app(settings)
+    print(f"moe-cohort proxy on http://{settings.host}:{settings.port}/v1 -> {settings.backend_url} "
+          f"(B={settings.batch_size}, window {settings.max_wait_ms:g} ms, policy {settings.default_policy}); "
+          f"point an OpenAI client at base_url=http://{settings.host}:{settings.port}/v1. Ctrl-C stops.")
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning")

@@ -1,0 +1,65 @@
+"""The proxy's exception tree; each error knows its HTTP status and renders the OpenAI error shape.
+
+    ProxyError
+    ├── InvalidRequest      400  bad JSON, bad fields, bad routing policy
+    ├── Unauthorized        401  missing or wrong proxy API key
+    ├── PayloadTooLarge     413  body over the size limit
+    └── BackendError
+        ├── BackendUnreachable  502  connection refused / reset / DNS
+        ├── BackendTimeout      504  no answer within the timeout
+        └── BackendStatusError  the backend's own 4xx/5xx, passed through unchanged
+
+Transport errors are translated at the boundary (`raise BackendUnreachable(...) from exc`).
+"""
+
+from __future__ import annotations
+
+
+class ProxyError(Exception):
+    status_code = 500
+    error_type = "internal_error"
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message, self.param, self.code = message, param, code
+
+    def body(self) -> dict:
+        """{"error": {"message", "type", "param", "code"}}: the OpenAI error shape."""
+        return {"error": {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}}
+
+
+class InvalidRequest(ProxyError):
+    status_code = 400
+    error_type = "invalid_request_error"
+
+
+class Unauthorized(ProxyError):
+    status_code = 401
+    error_type = "invalid_request_error"
+
+
+class PayloadTooLarge(ProxyError):
+    status_code = 413
+    error_type = "invalid_request_error"
+
+
+class BackendError(ProxyError):
+    status_code = 502
+    error_type = "backend_error"
+
+
+class BackendUnreachable(BackendError):
+    status_code = 502
+
+
+class BackendTimeout(BackendError):
+    status_code = 504
+    error_type = "timeout"
+
+
+class BackendStatusError(BackendError):
+    """The backend answered with an error status; `content` is its body, relayed as is."""
+
+    def __init__(self, status_code: int, content: bytes, content_type: str = "application/json") -> None:
+        super().__init__(f"backend answered {status_code}")
+        self.status_code, self.content, self.content_type = status_code, content, content_type

@@ -1,0 +1,26 @@
+"""Prometheus metrics of the proxy, in a registry of its own (one per app, so tests can build many)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class ProxyMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("cohort_requests", "Requests answered, by route and status", ["route", "status"], registry=r)
+        self.queue_seconds = Histogram("cohort_queue_seconds", "Time from arrival to dispatch", buckets=LATENCY_BUCKETS, registry=r)
+        self.backend_seconds = Histogram("cohort_backend_seconds", "Backend time to response headers", ["route"],
+                                         buckets=LATENCY_BUCKETS, registry=r)
+        self.flushes = Counter("cohort_window_flushes", "Window flushes, by reason (size or deadline)", ["reason"], registry=r)
+        self.batch_size = Histogram("cohort_batch_size", "Requests per planned batch", buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+                                    registry=r)
+        self.plan_seconds = Histogram("cohort_plan_seconds", "Embedding + planning time per flush", buckets=LATENCY_BUCKETS, registry=r)
+        self.in_flight = Gauge("cohort_in_flight", "Requests at the backend now", registry=r)
+        self.waiting = Gauge("cohort_waiting", "Requests in the window or waiting for a backend slot", registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,37 @@
+"""The batcher's plan function: texts -> batches of indices, from the encoder and the planner.
+
+Built once per process from the settings; the encoder model is loaded here, at start-up, not on
+the first request.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Sequence
+
+from proxy.batcher import PlanFn
+from proxy.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+def arrival_batches(texts: Sequence[str], batch_size: int) -> list[range]:
+    """Batches in arrival order: the plan when no encoder is configured."""
+    return [range(i, min(i + batch_size, len(texts))) for i in range(0, len(texts), batch_size)]
+
+
+def make_plan_fn(settings: Settings) -> PlanFn:
+    """Embed with the configured encoder and plan with encoder.planner; 'none' = arrival order."""
+    if settings.encoder.lower() == "none":
+        return arrival_batches
+    from encoder.embedding import Embedder
+    from encoder.planner import plan_batches
+
+    embedder = Embedder(settings.encoder or None, max_seq_len=settings.encoder_max_seq_len)
+    log.info("encoder loaded: %s", embedder.source)
+
+    def plan_fn(texts: Sequence[str], batch_size: int) -> list[Sequence[int]]:
+        embeddings = embedder.encode(list(texts))  # [N, D] float32, L2-normalised
+        return plan_batches(embeddings, batch_size, seed=settings.seed)
+
+    return plan_fn

@@ -1,0 +1,109 @@
+"""Incoming OpenAI requests: parse, check the few fields the proxy relies on, attach the policy.
+
+The proxy checks only what it needs (a JSON object, `messages` or `prompt`, `stream`) and
+leaves every other field to vLLM: unknown fields pass through untouched. The routing policy
+comes from the `X-MoE-Routing` header, else from `vllm_xargs.moe_routing` in the body, else from
+the server default; it is validated here and sent to vLLM as `vllm_xargs.moe_routing` in its
+canonical form.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Literal, Mapping
+
+from backend.policy import PolicyError, parse_policy
+from encoder.text import RequestTextError, request_text
+from proxy.errors import InvalidRequest, PayloadTooLarge
+
+Route = Literal["chat", "completion"]
+POLICY_HEADER = "x-moe-routing"
+
+
+@dataclass(frozen=True)
+class ProxyRequest:
+    route: Route
+    body: dict  # the client's body, vllm_xargs.moe_routing set to `policy`
+    stream: bool
+    policy: str  # canonical policy string
+
+    @property
+    def text(self) -> str:
+        """What the encoder sees (encoder.text decides); "" when there is none (token-id prompts)."""
+        try:
+            return request_text(self.body)
+        except RequestTextError:
+            return ""
+
+
+def cohort_headers(admission) -> dict[str, str]:
+    """The X-Cohort-* response headers: which planned batch a request went with, how long it queued."""
+    return {"x-cohort-batch": admission.batch_id, "x-cohort-queue-ms": f"{admission.queue_s * 1000:.1f}"}
+
+
+def check_size(content_length: str | None, max_bytes: int) -> None:
+    """Reject a declared body size over the limit before reading it."""
+    if content_length is not None and content_length.isdigit() and int(content_length) > max_bytes:
+        raise PayloadTooLarge(_too_large(int(content_length), max_bytes))
+
+
+def parse_request(raw: bytes, route: Route, headers: Mapping[str, str], *, default_policy: str,
+                  max_bytes: int) -> ProxyRequest:
+    """Validate `raw` as a chat/completion request body and attach the routing policy."""
+    if len(raw) > max_bytes:
+        raise PayloadTooLarge(_too_large(len(raw), max_bytes))
+    body = _json_object(raw)
+    _check_fields(body, route)
+    policy = _policy(body, headers, default_policy)
+    xargs = body.get("vllm_xargs") or {}
+    body["vllm_xargs"] = {**xargs, "moe_routing": policy}
+    return ProxyRequest(route=route, body=body, stream=bool(body.get("stream", False)), policy=policy)
+
+
+def _json_object(raw: bytes) -> dict:
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise InvalidRequest(f"request body is not valid JSON ({exc}); send a JSON object "
+                             f"with Content-Type: application/json") from exc
+    if not isinstance(body, dict):
+        raise InvalidRequest(f"request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def _check_fields(body: dict, route: Route) -> None:
+    if route == "chat":
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+            raise InvalidRequest("'messages' must be a non-empty list of message objects, e.g. "
+                                 "[{\"role\": \"user\", \"content\": \"Hi\"}]", param="messages")
+    elif not _is_prompt(body.get("prompt")):
+        raise InvalidRequest("'prompt' must be a string, a list of strings or a list of token ids", param="prompt")
+    if "stream" in body and not isinstance(body["stream"], bool):
+        raise InvalidRequest(f"'stream' must be true or false, got {body['stream']!r}", param="stream")
+    if "vllm_xargs" in body and body["vllm_xargs"] is not None and not isinstance(body["vllm_xargs"], dict):
+        raise InvalidRequest("'vllm_xargs' must be an object", param="vllm_xargs")
+
+
+def _is_prompt(prompt) -> bool:
+    if isinstance(prompt, str):
+        return True
+    if isinstance(prompt, list) and prompt:
+        return all(isinstance(p, (str, int)) or (isinstance(p, list) and all(isinstance(t, int) for t in p))
+                   for p in prompt)
+    return False
+
+
+def _policy(body: dict, headers: Mapping[str, str], default_policy: str) -> str:
+    text = headers.get(POLICY_HEADER) or (body.get("vllm_xargs") or {}).get("moe_routing") or default_policy
+    try:
+        return str(parse_policy(text))
+    except PolicyError as exc:
+        raise InvalidRequest(f"invalid routing policy {text!r} (X-MoE-Routing): {exc}", param="X-MoE-Routing",
+                             code="invalid_policy") from exc
+
+
+def _too_large(size: int, max_bytes: int) -> str:
+    return (f"request body is {size} bytes, over the proxy's limit of {max_bytes} bytes; "
+            f"shorten the request or raise --max-body-bytes")

@@ -1,0 +1,88 @@
+"""The proxy's one settings object, built once from CLI flags and `COHORT_*` environment variables.
+
+Precedence: explicit values (CLI flags) > environment (`COHORT_<FIELD>` upper-cased, e.g.
+`COHORT_MAX_WAIT_MS=20`, `COHORT_API_KEYS=k1,k2`) > the defaults below.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, fields
+from typing import Mapping
+
+ENV_PREFIX = "COHORT_"
+
+
+class SettingsError(ValueError):
+    """A setting has a value of the wrong type or range; the message names it."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    backend_url: str = ""  # vLLM server to front, e.g. http://127.0.0.1:8000 (empty: start the embedded one)
+    host: str = "127.0.0.1"
+    port: int = 8080
+    batch_size: int = 16  # B: requests per planned batch
+    window_size: int = 0  # flush when this many requests of one policy wait (0: = batch_size)
+    max_wait_ms: float = 50.0  # flush when the oldest waiting request has waited this long
+    max_queue_ms: float = 30_000.0  # fairness bound: past this a request is dispatched ahead of the plan
+    max_in_flight: int = 256  # requests at the backend at once (vLLM's default max_num_seqs)
+    default_policy: str = "topk"  # routing policy when a request has no X-MoE-Routing header
+    encoder: str = ""  # encoder name or path ("" = the offline default, "none" = no embedding, arrival order)
+    encoder_max_seq_len: int = 128
+    seed: int = 0
+    api_keys: tuple[str, ...] = ()  # proxy keys clients must send as `Authorization: Bearer`; empty = open
+    backend_api_key: str = ""  # key sent to the backend; empty = forward the client's (when the proxy has no keys)
+    request_timeout_s: float = 600.0
+    connect_timeout_s: float = 5.0
+    max_body_bytes: int = 10 * 1024 * 1024
+    keepalive_s: float = 10.0  # SSE comment interval while a streaming request is queued
+    log_prompts: bool = False  # prompts are user data: never logged unless asked for
+
+    def __post_init__(self) -> None:
+        for name in ("port", "batch_size", "max_in_flight", "max_body_bytes", "encoder_max_seq_len"):
+            if getattr(self, name) < 1:
+                raise SettingsError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("window_size", "max_wait_ms", "max_queue_ms", "keepalive_s", "request_timeout_s"):
+            if getattr(self, name) < 0:
+                raise SettingsError(f"{name} must be >= 0, got {getattr(self, name)}")
+
+    @property
+    def flush_size(self) -> int:
+        return self.window_size or self.batch_size
+
+    def replace(self, **changes) -> "Settings":
+        return dataclasses.replace(self, **changes)
+
+
+def load_settings(overrides: Mapping[str, object] | None = None, environ: Mapping[str, str] | None = None) -> Settings:
+    """Defaults, then `COHORT_*` variables from `environ` (os.environ), then non-None `overrides`."""
+    environ = os.environ if environ is None else environ
+    values: dict[str, object] = {}
+    for f in fields(Settings):
+        raw = environ.get(ENV_PREFIX + f.name.upper())
+        if raw is not None:
+            values[f.name] = _convert(f.name, f.type, raw)
+    values.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    unknown = set(values) - {f.name for f in fields(Settings)}
+    if unknown:
+        raise SettingsError(f"unknown settings {sorted(unknown)}")
+    return Settings(**values)
+
+
+def _convert(name: str, type_name: str, raw: str) -> object:
+    try:
+        if type_name == "int":
+            return int(raw)
+        if type_name == "float":
+            return float(raw)
+        if type_name == "bool":
+            if raw.lower() not in {"1", "true", "yes", "0", "false", "no", ""}:
+                raise ValueError(raw)
+            return raw.lower() in {"1", "true", "yes"}
+        if type_name.startswith("tuple"):
+            return tuple(s.strip() for s in raw.split(",") if s.strip())
+        return raw
+    except ValueError:
+        raise SettingsError(f"{ENV_PREFIX}{name.upper()}={raw!r}: expected {type_name}") from None

@@ -1,0 +1,110 @@
+"""Server-sent events through the proxy: keep-alives while queued, then the backend's bytes as they come.
+
+A streaming request waits for its turn up to `keepalive_s` before answering. Admitted by then
+(the usual case), it opens the backend stream first, so a backend error keeps its own status
+code; otherwise it answers 200 at once and sends SSE comments (`: queued`) until admitted, and a
+later error arrives as an SSE `data: {"error": ...}` event, as vLLM itself reports errors mid-stream.
+Whatever happens (finish, error, client disconnect) `close()` runs once: it closes the backend
+connection, which makes vLLM abort the request, and frees the batcher slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from typing import TYPE_CHECKING, AsyncIterator
+
+from starlette.responses import StreamingResponse
+
+from proxy.errors import ProxyError
+from proxy.protocol import cohort_headers
+
+if TYPE_CHECKING:
+    from proxy.app import Proxy
+    from proxy.protocol import ProxyRequest
+
+log = logging.getLogger(__name__)
+
+
+class _ClosingStreamingResponse(StreamingResponse):
+    """A StreamingResponse that always runs `on_close`, even when the client leaves before the first byte."""
+
+    def __init__(self, content, on_close, **kwargs) -> None:
+        super().__init__(content, media_type="text/event-stream", **kwargs)
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._on_close()
+
+
+class StreamRelay:
+    def __init__(self, proxy: "Proxy", preq: "ProxyRequest", path: str, headers: dict[str, str]) -> None:
+        self.proxy, self.preq, self.path, self.headers = proxy, preq, path, headers
+        self._admit = asyncio.ensure_future(proxy.batcher.admit(preq.text, preq.policy))
+        self._stream: contextlib.AbstractAsyncContextManager | None = None
+        self._response = None
+        self._closed = False
+
+    async def start(self):
+        """Return the response: relayed at once when admitted within keepalive_s, else keep-alives first."""
+        try:
+            done, _ = await asyncio.wait({self._admit}, timeout=self.proxy.settings.keepalive_s)
+            if not done:
+                return _ClosingStreamingResponse(self._queued_then_relay(), self.close)
+            await self._open()
+        except BaseException:
+            await self.close()
+            raise
+        return _ClosingStreamingResponse(self._relay(), self.close, headers=cohort_headers(self._admit.result()))
+
+    async def _open(self) -> None:
+        stream = self.proxy.backend.stream(self.path, json=self.preq.body, headers=self.headers)
+        self._response = await stream.__aenter__()  # raises on a backend error status
+        self._stream = stream
+        self.proxy.metrics.requests.labels(self.preq.route, str(self._response.status_code)).inc()
+
+    async def _relay(self) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in self.proxy.backend.iter_raw(self._response):
+                yield chunk
+        except ProxyError as exc:
+            log.warning("backend stream broke: %s", exc.message)
+            yield _sse_error(exc)
+
+    async def _queued_then_relay(self) -> AsyncIterator[bytes]:
+        while not self._admit.done():
+            yield b": queued\n\n"
+            await asyncio.wait({self._admit}, timeout=self.proxy.settings.keepalive_s)
+        try:
+            await self._open()
+        except ProxyError as exc:
+            yield _sse_error(exc)
+            return
+        async for chunk in self._relay():
+            yield chunk
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if not self._admit.done():
+            self._admit.cancel()  # the batcher forgets the queued request
+            return
+        if self._stream is not None:
+            with contextlib.suppress(Exception):
+                await self._stream.__aexit__(None, None, None)
+        if not self._admit.cancelled() and self._admit.exception() is None:
+            self.proxy.batcher.release()
+
+
+def _sse_error(exc: ProxyError) -> bytes:
+    body = exc.body()
+    if hasattr(exc, "content"):  # a backend error status: relay its own body when it is JSON
+        with contextlib.suppress(ValueError):
+            body = json.loads(exc.content)
+    return b"data: " + json.dumps(body).encode() + b"\n\n"

@@ -1,0 +1,152 @@
+"""The window and dispatcher, driven directly with asyncio (no HTTP)."""
+
+import asyncio
+
+import pytest
+
+from proxy.batcher import Batcher
+from proxy.metrics import ProxyMetrics
+from proxy.planning import arrival_batches
+
+
+def reversed_plan(texts, batch_size):
+    """A planner that visibly reorders: reversed arrival order, cut into batches."""
+    order = list(range(len(texts)))[::-1]
+    return [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+
+
+def make(plan_fn=reversed_plan, **kw):
+    kw = {"batch_size": 2, "flush_size": 4, "max_wait_s": 30.0, "max_in_flight": 100, **kw}
+    return Batcher(plan_fn, ProxyMetrics(), **kw)
+
+
+def sample(batcher, name):
+    return batcher.metrics.registry.get_sample_value(name) or 0
+
+
+async def admit_all(batcher, texts, policy="topk"):
+    tasks = [asyncio.create_task(batcher.admit(t, policy)) for t in texts]
+    await asyncio.sleep(0)
+    return tasks
+
+
+def test_full_window_flushes_and_admits_in_planned_order():
+    async def main():
+        b = make()
+        order = []
+        tasks = await admit_all(b, "abcd")
+        for text, task in zip("abcd", tasks):
+            task.add_done_callback(lambda t, text=text: order.append((text, t.result().batch_id)))
+        await asyncio.gather(*tasks)
+        return b, order
+
+    b, order = asyncio.run(main())
+    assert order == [("d", "b0"), ("c", "b0"), ("b", "b1"), ("a", "b1")]
+    assert b.metrics.registry.get_sample_value("cohort_window_flushes_total", {"reason": "size"}) == 1
+
+
+def test_lone_request_leaves_at_the_deadline():
+    async def main():
+        b = make(max_wait_s=0.01)
+        admission = await b.admit("x", "topk")
+        return b, admission
+
+    b, admission = asyncio.run(main())
+    assert admission.queue_s >= 0.01
+    assert b.metrics.registry.get_sample_value("cohort_window_flushes_total", {"reason": "deadline"}) == 1
+
+
+def test_policies_are_never_batched_together():
+    async def main():
+        b = make(flush_size=2)
+        tasks = await admit_all(b, "ab", "topk") + await admit_all(b, "cd", "oea;k0=1")
+        await asyncio.wait_for(asyncio.gather(*tasks), 5)
+        return [t.result().batch_id for t in tasks]
+
+    ids = asyncio.run(main())
+    assert ids[0] == ids[1] and ids[2] == ids[3] and ids[0] != ids[2]
+
+
+def test_in_flight_cap_holds_requests_until_release():
+    async def main():
+        b = make(plan_fn=arrival_batches, flush_size=5, max_in_flight=2)
+        tasks = await admit_all(b, "abcde")
+        await asyncio.sleep(0.01)
+        first = [t.done() for t in tasks]
+        b.release()
+        await asyncio.sleep(0.01)
+        second = [t.done() for t in tasks]
+        for _ in range(4):
+            b.release()
+        await asyncio.gather(*tasks)
+        return first, second
+
+    first, second = asyncio.run(main())
+    assert first == [True, True, False, False, False]
+    assert second == [True, True, True, False, False]
+
+
+def test_overdue_request_beats_the_plan():
+    now = [0.0]
+
+    async def main():
+        b = make(plan_fn=arrival_batches, flush_size=1, max_in_flight=1, max_queue_s=5.0, clock=lambda: now[0])
+        first = await b.admit("a", "topk")  # takes the only slot
+        t_b = asyncio.create_task(b.admit("b", "topk"))
+        await asyncio.sleep(0.01)
+        now[0] = 1.0
+        t_c = asyncio.create_task(b.admit("c", "topk"))
+        await asyncio.sleep(0.01)
+        # reorder the ready queue so that the plan would serve c first; b is then overdue
+        b._ready.rotate(1)
+        now[0] = 10.0
+        b.release()
+        await asyncio.sleep(0.01)
+        return first, t_b.done(), t_c.done()
+
+    first, b_done, c_done = asyncio.run(main())
+    assert b_done and not c_done
+
+
+def test_cancelled_requests_free_their_place():
+    async def main():
+        b = make(plan_fn=arrival_batches, flush_size=1, max_in_flight=1)
+        await b.admit("a", "topk")
+        queued = asyncio.create_task(b.admit("b", "topk"))
+        later = asyncio.create_task(b.admit("c", "topk"))
+        await asyncio.sleep(0.01)
+        queued.cancel()
+        await asyncio.sleep(0.01)
+        b.release()  # a finishes: c, not the cancelled b, gets the slot
+        await asyncio.wait_for(later, 1)
+        return b
+
+    b = asyncio.run(main())
+    assert b._in_flight == 1 and sample(b, "cohort_waiting") == 0
+
+
+def test_cancel_in_the_window_removes_the_request():
+    async def main():
+        b = make(flush_size=3)
+        t1, t2 = await admit_all(b, "ab")
+        t1.cancel()
+        await asyncio.sleep(0)
+        t3 = (await admit_all(b, "c"))[0]
+        t4 = (await admit_all(b, "d"))[0]
+        admissions = await asyncio.gather(t2, t3, t4)
+        return t1, [a.batch_id for a in admissions]
+
+    cancelled, ids = asyncio.run(main())
+    assert cancelled.cancelled() and ids == ["b1", "b0", "b0"]  # b, c, d planned (reversed) together; a is gone
+
+
+def test_planner_failure_falls_back_to_arrival_order():
+    def broken(texts, batch_size):
+        raise RuntimeError("encoder crashed")
+
+    async def main():
+        b = make(plan_fn=broken)
+        tasks = await admit_all(b, "abcd")
+        return [a.batch_id for a in await asyncio.gather(*tasks)]
+
+    assert asyncio.run(main()) == ["b0", "b0", "b1", "b1"]

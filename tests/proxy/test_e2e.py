@@ -1,0 +1,128 @@
+"""The proxy end to end: a real vLLM CPU server on the tiny MoE, the proxy under uvicorn, the official client."""
+
+import asyncio
+import re
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from backend.server import free_port
+from proxy.app import create_app
+from proxy.settings import Settings
+
+MESSAGES = [{"role": "user", "content": "Write a poem about the sea"}]
+
+
+class ProxyThread:
+    """uvicorn serving the proxy app in a background thread."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.server = uvicorn.Server(uvicorn.Config(create_app(settings), host="127.0.0.1", port=settings.port,
+                                                    log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.url = f"http://127.0.0.1:{settings.port}"
+
+    def __enter__(self):
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline, "proxy did not start"
+            time.sleep(0.05)
+        return self
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def proxy(vllm_server):
+    settings = Settings(backend_url=vllm_server.url, port=free_port(), batch_size=4, max_wait_ms=300,
+                        max_in_flight=16, encoder="none", keepalive_s=5)
+    with ProxyThread(settings) as p:
+        yield p
+
+
+@pytest.fixture
+def client(proxy):
+    return openai.OpenAI(base_url=proxy.url + "/v1", api_key="unused", max_retries=0)
+
+
+def test_chat_and_completion_through_the_proxy(client, vllm_server):
+    raw = client.chat.completions.with_raw_response.create(model="tiny", messages=MESSAGES, max_tokens=8, temperature=0)
+    chat = raw.parse()
+    assert chat.choices[0].message.content and chat.usage.completion_tokens <= 8
+    assert raw.headers["x-cohort-batch"].startswith("b") and float(raw.headers["x-cohort-queue-ms"]) >= 0
+    direct = openai.OpenAI(base_url=vllm_server.url + "/v1", api_key="unused")
+    same = direct.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=8, temperature=0)
+    assert same.choices[0].message.content == chat.choices[0].message.content  # response comes back unchanged
+    completion = client.completions.create(model="tiny", prompt="1 2 3", max_tokens=5, temperature=0)
+    assert completion.choices[0].text is not None and completion.usage.completion_tokens <= 5
+
+
+def test_unknown_fields_reach_vllm(client):
+    out = client.completions.create(model="tiny", prompt="hello", max_tokens=3, logprobs=2,
+                                    extra_body={"ignore_eos": True, "min_tokens": 3})
+    assert out.usage.completion_tokens == 3 and len(out.choices[0].logprobs.top_logprobs[0]) >= 2
+
+
+def test_streaming_matches_the_non_streaming_answer(client):
+    kwargs = dict(model="tiny", messages=MESSAGES, max_tokens=12, temperature=0)
+    whole = client.chat.completions.create(**kwargs).choices[0].message.content
+    chunks = list(client.chat.completions.create(stream=True, **kwargs))
+    assert len(chunks) > 2
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole
+
+
+def test_concurrent_requests_land_in_one_batch(proxy):
+    async def main():
+        oa = openai.AsyncOpenAI(base_url=proxy.url + "/v1", api_key="unused", max_retries=0)
+        calls = [oa.chat.completions.with_raw_response.create(model="tiny", max_tokens=4,
+                                                              messages=[{"role": "user", "content": f"q{i}"}])
+                 for i in range(4)]
+        return await asyncio.gather(*calls)
+
+    answers = asyncio.run(main())
+    assert len({a.headers["x-cohort-batch"] for a in answers}) == 1
+
+
+def test_models_are_relayed_from_the_backend(client):
+    assert [m.id for m in client.models.list()] == ["tiny"]
+
+
+def test_policy_header_reaches_the_engine(client, vllm_server):
+    client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=8,
+                                   extra_headers={"X-MoE-Routing": "xshare;m=2;k0=1"},
+                                   extra_body={"ignore_eos": True})
+    text = httpx.get(vllm_server.url + "/metrics").text
+    decode = re.search(r'cohort_moe_expert_loads_after_total\{phase="decode",policy="(xshare[^"]*)"\} ([0-9.e+]+)', text)
+    assert decode, "the plugin saw no decode step under the header's policy"
+    assert float(decode.group(2)) > 0
+
+
+def _vllm_metric(server, name):
+    text = httpx.get(server.url + "/metrics").text
+    return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+]+)$", text, re.M))
+
+
+def test_client_disconnect_aborts_the_backend_request(proxy, vllm_server):
+    before = _vllm_metric(vllm_server, "vllm:generation_tokens_total")
+    body = {"model": "tiny", "prompt": "count", "max_tokens": 1000, "n": 4, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", proxy.url + "/v1/completions", json=body, timeout=30) as resp:
+        next(resp.iter_raw())  # the first chunk arrives, then the client hangs up
+    deadline = time.monotonic() + 30
+    while _vllm_metric(vllm_server, "vllm:num_requests_running") > 0:
+        assert time.monotonic() < deadline, "the request is still running at vLLM"
+        time.sleep(0.1)
+    generated = _vllm_metric(vllm_server, "vllm:generation_tokens_total") - before
+    assert 0 < generated < 4000  # stopped early: vLLM aborted it when the proxy closed the stream
+
+
+def test_proxy_metrics_and_health(proxy):
+    assert httpx.get(proxy.url + "/health").json()["status"] == "ok"
+    text = httpx.get(proxy.url + "/metrics").text
+    assert "cohort_requests_total" in text and "cohort_window_flushes_total" in text
