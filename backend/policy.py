@@ -11,6 +11,11 @@ Limits that depend on the model (`k0 <= top_k`, `max_p <= num_experts`) are chec
 `Policy.validate_for_model`, which the plugin calls when a request arrives, so that a bad header is
 rejected before it reaches the model's forward pass.
 
+`Policy.decode_only` follows each paper's setting: Lynx (both variants) and OEA route decode
+batches only, MoE-Spec and XShare's speculative variant budget the verification (decode) pass;
+plain XShare (Alg. 1-2) and its expert-parallel variant (Alg. 5-6) are stated for any batch and
+apply in prefill too. A decode-only policy routes prefill batches with plain top-k.
+
 The algorithms behind the names live in `backend.selection`; see each selector's docstring.
 """
 
@@ -253,7 +258,11 @@ class LynxAcc(Policy):
 
 @dataclass(frozen=True)
 class MoESpec(Policy):
-    """MoE-Spec: hard budget of B experts; router or static ranking; truncate or substitute."""
+    """MoE-Spec: hard budget of B experts; router or static ranking; truncate or substitute.
+
+    `calib` is a path on the engine's machine: a front end should accept it only from trusted
+    configuration, not from arbitrary clients.
+    """
 
     name: ClassVar[str] = "moe-spec"
     _decode_only: ClassVar[bool] = True

@@ -1,0 +1,23 @@
+"""Batch-aware expert selectors: router logits of a batch -> each token's experts.
+
+    select_experts(router_logits, top_k, policy, *, request_spans=None, expert_groups=None,
+                   is_prefill=False, scoring="softmax", renormalize=True)
+        -> (topk_weights [T, top_k] float32, topk_ids [T, top_k] int64)
+
+`policy` is a `backend.policy.Policy` or its string form. `SELECTORS` maps every policy name to
+its selector (same contract, typed policy). `select_experts_mixed` routes a batch whose requests
+carry different policies. Every selector traces under `torch.compile(fullgraph=True)`; request
+spans and policies are Python values there (guarded, so a new span layout recompiles), which is
+why an engine should call the selectors eagerly from inside its own custom op. Pure torch; no
+vLLM import.
+"""
+
+from backend.selection import lynx, moe_spec, oea, xshare  # noqa: F401  (register selectors)
+from backend.selection.base import SELECTORS, gate_scores, select_topk
+from backend.selection.dispatch import select_experts, select_experts_mixed
+from backend.selection.moe_spec import load_calibration
+
+__all__ = [
+    "SELECTORS", "gate_scores", "load_calibration", "select_experts", "select_experts_mixed",
+    "select_topk",
+]
