@@ -14,8 +14,12 @@ import sys
 
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "serve": ("proxy.cli", "run the OpenAI-compatible proxy in front of vLLM (or an embedded tiny-MoE vLLM)"),
     "eval": ("eval.cli", "compare batching plans on expert traces against random and an oracle"),
     "traces": ("traces.cli", "inspect, import and convert expert-trace files"),
+    "plan": ("encoder.cli", "turn prompts (JSONL) into expert-coherent batches from their text alone"),
+    "train": ("train.cli", "fine-tune a sentence encoder so that cosine similarity tracks expert overlap"),
+    "make-tiny-moe": ("backend.cli_tiny_moe", "write a tiny random MoE model (Qwen3-MoE, Mixtral, OLMoE) for tests"),
 }
 
 
