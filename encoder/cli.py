@@ -1,0 +1,93 @@
+"""`cohort plan`: prompts (JSONL) -> expert-coherent batches (JSONL).
+
+    cohort plan --input prompts.jsonl --batch-size 16 --output plan.jsonl
+
+Input lines are OpenAI Batch request lines (custom_id, body.messages or body.prompt) or plain
+{"id", "text"} lines, detected line by line. Output lines are {"id", "batch", "position"} in plan
+order: batch 0 first, then by position inside the batch. A bad input line stops the run with an
+error naming the line, unless --skip-invalid, which writes it to a rejects file and goes on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+from encoder.inputs import InputError, PlanInput, parse_lines
+
+log = logging.getLogger(__name__)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--input", required=True, type=Path, help="JSONL of OpenAI Batch request lines or {id, text} lines")
+    parser.add_argument("--output", required=True, type=Path, help="where to write the plan (JSONL of {id, batch, position})")
+    parser.add_argument("--batch-size", required=True, type=int, help="most requests per batch (B)")
+    parser.add_argument("--encoder", default=None, help="sentence-transformers model: local folder or hub name "
+                        "(default: the packaged all-MiniLM-L6-v2, works offline)")
+    parser.add_argument("--max-seq-len", type=int, default=None, help="truncate texts to this many tokens (default: the model's)")
+    parser.add_argument("--seed", type=int, default=0, help="planner seed (default 0)")
+    parser.add_argument("--skip-invalid", action="store_true", help="write bad lines to a rejects file instead of stopping")
+    parser.add_argument("--rejects", type=Path, default=None,
+                        help="rejects file for --skip-invalid (default: OUTPUT with .rejects.jsonl)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar while embedding")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.batch_size < 1:
+        return _fail(f"--batch-size must be >= 1, got {args.batch_size}")
+    if args.rejects is not None and not args.skip_invalid:
+        return _fail("--rejects only applies with --skip-invalid")
+    try:
+        items, rejects = _read(args.input, args.skip_invalid)
+    except (OSError, InputError) as exc:
+        return _fail(f"{args.input}: {exc}")
+    rejects_path = args.rejects or args.output.with_suffix(".rejects.jsonl")
+    if rejects:
+        _write_rejects(rejects_path, rejects)
+        print(f"skipped {len(rejects)} invalid line(s) -> {rejects_path}", file=sys.stderr)
+    if not items:
+        return _fail(f"{args.input}: no valid requests to plan")
+    from encoder import embed_texts
+    from encoder.planner import plan_batches
+
+    start = time.perf_counter()
+    x = embed_texts([it.text for it in items], encoder=args.encoder, max_seq_len=args.max_seq_len,
+                    progress=not args.no_progress)
+    embedded = time.perf_counter()
+    plan = plan_batches(x, args.batch_size, seed=args.seed)
+    planned = time.perf_counter()
+    _write_plan(args.output, items, plan)
+    print(f"planned {len(items)} requests into {len(plan)} batches of <= {args.batch_size} -> {args.output} "
+          f"(embedding {embedded - start:.1f}s, planning {planned - embedded:.2f}s)", file=sys.stderr)
+    return 0
+
+
+def _read(path: Path, skip_invalid: bool) -> tuple[list[PlanInput], list[InputError]]:
+    items: list[PlanInput] = []
+    rejects: list[InputError] = []
+    with open(path, "rb") as f:  # bytes: a line that is not UTF-8 is an error on that line, not for the file
+        for parsed in parse_lines(f, skip_invalid=skip_invalid):
+            (rejects if isinstance(parsed, InputError) else items).append(parsed)
+    return items, rejects
+
+
+def _write_plan(path: Path, items: list[PlanInput], plan) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        for b, batch in enumerate(plan):
+            for pos, i in enumerate(batch):
+                f.write(json.dumps({"id": items[int(i)].id, "batch": b, "position": pos}) + "\n")
+
+
+def _write_rejects(path: Path, rejects: list[InputError]) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        for err in rejects:
+            f.write(json.dumps({"line": err.line, "error": err.reason, "raw": err.raw}) + "\n")
+
+
+def _fail(message: str) -> int:
+    print(f"cohort plan: error: {message}", file=sys.stderr)
+    return 2

