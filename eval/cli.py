@@ -24,6 +24,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="decode steps of the prompt-token proxy for prefill-only traces (default %(default)s)")
     parser.add_argument("--decode", choices=("auto", "real", "proxy"), default="auto",
                         help="decode loads from generated tokens (real), the prompt proxy, or auto (default)")
+    parser.add_argument("--decode-phase", choices=("aligned", "random"), default="aligned",
+                        help="proxy cycles start at token 1 (aligned, default) or at a seeded random offset per request")
+    parser.add_argument("--encoder", default=None,
+                        help="encoder for the 'encoder' plan, from the traces' texts: local folder or hub name "
+                             "(default: the packaged all-MiniLM-L6-v2); 'none' leaves the plan out")
     parser.add_argument("--seeds", type=_positive_int, default=5, help="random plans to average (default %(default)s)")
     parser.add_argument("--report", metavar="DIR", help="also write report.json, report.md and saving.png to DIR")
     parser.add_argument("--sweep", default="8,16,32,64", help="batch sizes of the report's plot (default %(default)s)")
@@ -32,19 +37,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         ts = load_traces(args.traces)
-        masks = expert_masks(ts, decode_steps=args.decode_steps, decode=args.decode)
+        masks = expert_masks(ts, decode_steps=args.decode_steps, decode=args.decode, phase=args.decode_phase)
         plans = {"plan": read_plan_file(args.plan, ts.request_ids)} if args.plan else {}
-        result = evaluate(ts, args.batch_size, masks=masks, seeds=args.seeds, plans=plans)
+        planners = _encoder_planner(ts, args.encoder)
+        result = evaluate(ts, args.batch_size, masks=masks, seeds=args.seeds, plans=plans, planners=planners)
     except (TraceFormatError, PlanError, OSError) as exc:
         print(f"cohort eval: error: {exc}")
         return 2
     print(json.dumps(result, indent=2) if args.json else format_table(result))
     if args.report:
         sizes = sorted({*_sizes(args.sweep), args.batch_size})
-        results = [result if b == args.batch_size else evaluate(ts, b, masks=masks, seeds=args.seeds) for b in sizes]
+        results = [result if b == args.batch_size else evaluate(ts, b, masks=masks, seeds=args.seeds, planners=planners)
+                   for b in sizes]
         for path in write_report(results, args.report):
             print(f"wrote {path}")
     return 0
+
+
+def _encoder_planner(ts, encoder: str | None) -> dict:
+    """{"encoder": planner} over the traces' texts, embedded once; {} without texts or with 'none'."""
+    if (encoder or "").lower() == "none" or ts.texts is None or not any(t.strip() for t in ts.texts):
+        return {}
+    from encoder import embed_texts
+    from encoder.planner import plan_batches
+
+    x = embed_texts(list(ts.texts), encoder=encoder)  # [N, D]
+    return {"encoder": lambda _ts, batch_size: plan_batches(x, batch_size)}
 
 
 def _sizes(text: str) -> list[int]:

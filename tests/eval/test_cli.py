@@ -16,7 +16,8 @@ def trace_file(tmp_path):
 
 
 def test_json_output_has_every_plan_and_the_schema(trace_file, capsys):
-    assert main(["eval", "--traces", str(trace_file), "--batch-size", "8", "--json", "--decode-steps", "6"]) == 0
+    assert main(["eval", "--traces", str(trace_file), "--batch-size", "8", "--json", "--decode-steps", "6",
+                 "--encoder", "none"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert (out["batch_size"], out["decode_steps"], out["num_requests"]) == (8, 6, 40)
     assert set(out["plans"]) == {"random", "arrival", "category", "oracle"}
@@ -29,14 +30,15 @@ def test_json_output_has_every_plan_and_the_schema(trace_file, capsys):
 def test_plan_file_is_evaluated_beside_the_baselines(trace_file, tmp_path, capsys):
     plan = tmp_path / "plan.jsonl"
     plan.write_text("".join(json.dumps({"id": f"r{i}", "batch": i // 8}) + "\n" for i in range(40)))
-    assert main(["eval", "--traces", str(trace_file), "--batch-size", "8", "--plan", str(plan), "--json"]) == 0
+    assert main(["eval", "--traces", str(trace_file), "--batch-size", "8", "--plan", str(plan), "--json",
+                 "--encoder", "none"]) == 0
     out = json.loads(capsys.readouterr().out)["plans"]
     assert out["plan"]["decode_loads"] == out["arrival"]["decode_loads"]  # same batches as arrival order
 
 
 def test_report_writes_json_markdown_and_plot(trace_file, tmp_path, capsys):
     assert main(["eval", "--traces", str(trace_file), "--batch-size", "4", "--report", str(tmp_path / "r"),
-                 "--sweep", "2,8"]) == 0
+                 "--sweep", "2,8", "--encoder", "none"]) == 0
     report = json.loads((tmp_path / "r" / "report.json").read_text())
     assert [r["batch_size"] for r in report] == [2, 4, 8]
     assert (tmp_path / "r" / "saving.png").read_bytes()[:4] == b"\x89PNG"
@@ -56,3 +58,17 @@ def test_batch_size_must_be_positive(trace_file, capsys):
     with pytest.raises(SystemExit):
         main(["eval", "--traces", str(trace_file), "--batch-size", "0"])
     assert "expected a positive integer" in capsys.readouterr().err
+
+
+def test_encoder_plan_recovers_planted_topics(monkeypatch, capsys):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert main(["eval", "--traces", "sample", "--batch-size", "16", "--json"]) == 0
+    plans = json.loads(capsys.readouterr().out)["plans"]
+    assert plans["encoder"]["capture"] > 0.6  # texts carry the topic that drives the experts
+    assert plans["encoder"]["decode_loads"] < plans["arrival"]["decode_loads"]
+
+
+def test_random_decode_phase_is_accepted(trace_file, capsys):
+    assert main(["eval", "--traces", str(trace_file), "--batch-size", "8", "--json", "--encoder", "none",
+                 "--decode-phase", "random"]) == 0
+    assert json.loads(capsys.readouterr().out)["plans"]["oracle"]["saving"] > 0

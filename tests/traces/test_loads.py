@@ -71,6 +71,27 @@ def test_proxy_cycles_prompt_tokens_and_skips_short_requests():
     assert (ts.num_prompt_tokens < 2).any()  # the fixture exercises the skip
 
 
+def test_random_phase_shifts_each_cycle_by_a_seeded_offset():
+    ts = random_traces(40, num_experts=16, max_prompt=9, seed=3)
+    aligned = expert_masks(ts, decode_steps=12)
+    shifted = expert_masks(ts, decode_steps=12, phase="random", seed=5)
+    again = expert_masks(ts, decode_steps=12, phase="random", seed=5)
+    np.testing.assert_array_equal(shifted.decode, again.decode)  # deterministic under the seed
+    moved = 0
+    for i in range(len(ts)):
+        n = ts.num_prompt_tokens[i]
+        if n < 2:
+            assert not shifted.decode[i].any()
+            continue
+        # the shifted cycle is the aligned one rotated by some offset o in [0, n - 1)
+        cycle = aligned.decode[i, : n - 1]
+        offsets = [o for o in range(n - 1) if all(
+            np.array_equal(shifted.decode[i, t], cycle[(t + o) % (n - 1)]) for t in range(12))]
+        assert offsets, f"request {i} is not a rotation of its aligned cycle"
+        moved += 0 not in offsets
+    assert moved > 5
+
+
 def test_duplicate_ids_in_a_token_count_once():
     masks = token_masks(np.array([[[3, 3, 70]]]), num_experts=128)  # [T=1, L=1, k=3]
     assert masks.shape == (1, 1, 2)
