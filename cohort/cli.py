@@ -15,6 +15,7 @@ import sys
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("proxy.cli", "run the OpenAI-compatible proxy in front of vLLM (or an embedded tiny-MoE vLLM)"),
+    "batch": ("proxy.batch_cli", "run an OpenAI Batch file through vLLM, planned up front and resumable after a crash"),
     "eval": ("eval.cli", "compare batching plans on expert traces against random and an oracle"),
     "traces": ("traces.cli", "inspect, import and convert expert-trace files"),
     "plan": ("encoder.cli", "turn prompts (JSONL) into expert-coherent batches from their text alone"),

@@ -3,6 +3,7 @@
     POST /v1/chat/completions, POST /v1/completions   windowed, planned, dispatched with a policy
     GET  /v1/models                                    relayed from the backend
     GET  /health, GET /metrics                         proxy + backend health, Prometheus text
+    /v1/files, /v1/batches                             the OpenAI Batch API (proxy/batch_api.py)
 
 `create_app(settings)` builds everything once: the settings, the backend client, the encoder
 and planner (plan function), the batcher and the metrics.
@@ -20,6 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from proxy.backend import BackendClient
+from proxy.batch_api import add_batch_api
 from proxy.batcher import Batcher, PlanFn
 from proxy.errors import BackendStatusError, ProxyError, Unauthorized
 from proxy.metrics import ProxyMetrics
@@ -102,12 +104,15 @@ def create_app(settings: Settings | None = None, *, transport: httpx.AsyncBaseTr
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
+        await batch_jobs.resume()  # batches that were running when the proxy stopped
         yield
+        await batch_jobs.close()
         await proxy.close()
 
     app = FastAPI(title="moe-cohort proxy", lifespan=lifespan)
     app.state.proxy = proxy
     _add_error_handlers(app, proxy)
+    batch_jobs = add_batch_api(app, proxy)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:

@@ -21,6 +21,7 @@ _FLAGS = {
     "--backend-api-key": ("backend_api_key", str, "API key to send to the backend"),
     "--request-timeout-s": ("request_timeout_s", float, "backend timeout per request"),
     "--max-body-bytes": ("max_body_bytes", int, "largest request body accepted"),
+    "--data-dir": ("data_dir", str, "Batch API storage: uploaded files, results, SQLite records"),
 }
 
 

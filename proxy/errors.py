@@ -3,6 +3,7 @@
     ProxyError
     ├── InvalidRequest      400  bad JSON, bad fields, bad routing policy
     ├── Unauthorized        401  missing or wrong proxy API key
+    ├── NotFound            404  no such file or batch (Batch API)
     ├── PayloadTooLarge     413  body over the size limit
     └── BackendError
         ├── BackendUnreachable  502  connection refused / reset / DNS
@@ -35,6 +36,11 @@ class InvalidRequest(ProxyError):
 
 class Unauthorized(ProxyError):
     status_code = 401
+    error_type = "invalid_request_error"
+
+
+class NotFound(ProxyError):
+    status_code = 404
     error_type = "invalid_request_error"
 
 

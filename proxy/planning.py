@@ -7,6 +7,7 @@ the first request.
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Sequence
 
 from proxy.batcher import PlanFn
@@ -29,9 +30,11 @@ def make_plan_fn(settings: Settings) -> PlanFn:
 
     embedder = Embedder(settings.encoder or None, max_seq_len=settings.encoder_max_seq_len)
     log.info("encoder loaded: %s", embedder.source)
+    lock = threading.Lock()  # the batcher and Batch API jobs plan from different threads; fast tokenizers are not re-entrant
 
     def plan_fn(texts: Sequence[str], batch_size: int) -> list[Sequence[int]]:
-        embeddings = embedder.encode(list(texts))  # [N, D] float32, L2-normalised
-        return plan_batches(embeddings, batch_size, seed=settings.seed)
+        with lock:
+            embeddings = embedder.encode(list(texts))  # [N, D] float32, L2-normalised
+            return plan_batches(embeddings, batch_size, seed=settings.seed)
 
     return plan_fn

@@ -53,7 +53,11 @@ def parse_request(raw: bytes, route: Route, headers: Mapping[str, str], *, defau
     """Validate `raw` as a chat/completion request body and attach the routing policy."""
     if len(raw) > max_bytes:
         raise PayloadTooLarge(_too_large(len(raw), max_bytes))
-    body = _json_object(raw)
+    return prepare_body(_json_object(raw), route, headers, default_policy=default_policy)
+
+
+def prepare_body(body: dict, route: Route, headers: Mapping[str, str], *, default_policy: str) -> ProxyRequest:
+    """Check an already-decoded request body and attach the routing policy (used for batch-file lines too)."""
     _check_fields(body, route)
     policy = _policy(body, headers, default_policy)
     xargs = body.get("vllm_xargs") or {}

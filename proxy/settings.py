@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Mapping
 
 ENV_PREFIX = "COHORT_"
@@ -39,18 +40,34 @@ class Settings:
     max_body_bytes: int = 10 * 1024 * 1024
     keepalive_s: float = 10.0  # SSE comment interval while a streaming request is queued
     log_prompts: bool = False  # prompts are user data: never logged unless asked for
+    # Offline batches (`cohort batch run` and the Batch API, see proxy/batch_runner.py)
+    data_dir: str = ""  # Batch API files + SQLite records ("" = $XDG_DATA_HOME/moe-cohort, else ~/.local/share/moe-cohort)
+    max_file_bytes: int = 200 * 1024 * 1024  # largest uploaded batch file (OpenAI's limit)
+    batch_concurrency: int = 0  # batch requests at the backend at once (0: = batch_size, one planned batch)
+    batch_max_retries: int = 5  # retries per batch request for 429, 5xx and timeouts (exponential backoff)
 
     def __post_init__(self) -> None:
-        for name in ("port", "batch_size", "max_in_flight", "max_body_bytes", "encoder_max_seq_len"):
+        for name in ("port", "batch_size", "max_in_flight", "max_body_bytes", "encoder_max_seq_len", "max_file_bytes"):
             if getattr(self, name) < 1:
                 raise SettingsError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("window_size", "max_wait_ms", "max_queue_ms", "keepalive_s", "request_timeout_s"):
+        for name in ("window_size", "max_wait_ms", "max_queue_ms", "keepalive_s", "request_timeout_s",
+                     "batch_concurrency", "batch_max_retries"):
             if getattr(self, name) < 0:
                 raise SettingsError(f"{name} must be >= 0, got {getattr(self, name)}")
 
     @property
     def flush_size(self) -> int:
         return self.window_size or self.batch_size
+
+    @property
+    def batch_in_flight(self) -> int:
+        return self.batch_concurrency or self.batch_size
+
+    @property
+    def data_path(self) -> Path:
+        if self.data_dir:
+            return Path(self.data_dir).expanduser()
+        return Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share") / "moe-cohort"
 
     def replace(self, **changes) -> "Settings":
         return dataclasses.replace(self, **changes)

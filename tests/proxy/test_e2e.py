@@ -110,6 +110,8 @@ def _vllm_metric(server, name):
 
 
 def test_client_disconnect_aborts_the_backend_request(proxy, vllm_server):
+    warm = {"model": "tiny", "prompt": "warm", "max_tokens": 4, "stream": True}
+    httpx.post(vllm_server.url + "/v1/completions", json=warm, timeout=60)  # a cold server streams its first request late
     before = _vllm_metric(vllm_server, "vllm:generation_tokens_total")
     body = {"model": "tiny", "prompt": "count", "max_tokens": 1000, "n": 4, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", proxy.url + "/v1/completions", json=body, timeout=30) as resp:

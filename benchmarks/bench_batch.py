@@ -1,0 +1,224 @@
+"""Benchmark: an offline Batch file through the tiny MoE on vLLM CPU, in arrival order versus planned.
+
+    python benchmarks/bench_batch.py [--backend URL] [--prompts 1643] [--batch-size 16] [--max-tokens 16]
+
+../shared/data/prompts/mixed.jsonl becomes an OpenAI Batch file of /v1/completions lines (`max_tokens`
+short, `ignore_eos`, so every order does the same decode work; prompts that do not fit the model's
+context are left out). Three orders of the same file, against one backend, in one process:
+
+    shuffled   the file shuffled (seed 0): a random arrival order
+    file       the file's own order; mixed.jsonl is sorted by source (GSM8K, HumanEval, MT-Bench,
+               Vicuna), so this is already a category-ordered baseline
+    planned    embedded with the default encoder and planned by encoder.planner (`cohort batch run`'s plan)
+
+Two ways of sending, each reading the plugin's counters on the backend's /metrics before and after:
+
+1. `cohort batch run` (proxy.batch_runner.execute): one request per line, B = concurrency = the
+   backend's max_num_seqs, a freed slot goes to the next planned request. Wall time, and distinct
+   experts per MoE layer per pure decode step. On a small, busy CPU host the engine is often starved
+   (the API server cannot feed a model this fast), so the number of requests that share a decode step
+   varies from run to run; it is printed as "tok/step" and must be read next to the expert counts.
+2. lockstep: each planned batch is one /v1/completions request with B prompts, the next sent when it
+   finishes, so every decode step holds exactly the batch (Doubleword's setting). Distinct experts
+   per decode step then compare the plans alone.
+
+3. positive control (lockstep): B distinct prompts, each repeated B times, shuffled. Identical prompts
+   decode identical tokens (temperature 0), so their routing does track the text; a plan that puts the
+   copies together must show far fewer experts per decode step. This checks that the planner, the
+   dispatch and the counters can show a saving when the model's routing depends on the prompt.
+
+Without --backend a tiny-MoE vLLM CPU server is started (and stopped) here, with prefix caching off
+(a later run must not get cheaper prefills from an earlier one). The counters are server-wide: use a
+backend nothing else is using.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import functools
+import json
+import os
+import random
+import tempfile
+import time
+from pathlib import Path
+
+from proxy.backend import BackendClient
+from proxy.batch_runner import RunConfig, execute, plan_requests
+from proxy.batchfile import read_batch_file
+from proxy.expert_loads import ExpertLoads, parse_expert_loads
+from proxy.journal import Journal, JournalPaths
+from proxy.planning import arrival_batches, make_plan_fn
+from proxy.settings import Settings
+
+PROMPTS = Path(__file__).resolve().parents[1] / "../shared/data/prompts/mixed.jsonl"
+TOKENS_KEY = "cohort_moe_routed_tokens"
+
+
+def shuffled_batches(texts, batch_size):
+    order = list(range(len(texts)))
+    random.Random(0).shuffle(order)
+    return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+
+
+async def fitting_prompts(backend: BackendClient, texts: list[str], max_tokens: int) -> list[str]:
+    """The prompts whose tokens + max_tokens fit the served model's context (vLLM's /tokenize)."""
+    card = (await backend.request("GET", "/v1/models")).json()["data"][0]
+    limit = card.get("max_model_len") or 1 << 30
+    counts = await asyncio.gather(*(backend.request("POST", "/tokenize", json={"model": card["id"], "prompt": t})
+                                    for t in texts))
+    return [t for t, c in zip(texts, counts) if c.json()["count"] + max_tokens <= limit]
+
+
+def write_batch_file(path: Path, texts: list[str], max_tokens: int) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        for i, text in enumerate(texts):
+            body = {"model": "tiny", "prompt": text, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0}
+            f.write(json.dumps({"custom_id": f"p{i}", "method": "POST", "url": "/v1/completions", "body": body}) + "\n")
+
+
+async def counters(backend: BackendClient) -> dict:
+    """Decode-phase counters: whole pure-decode batches (ExpertLoads) and decode tokens / layer-forwards."""
+    text = (await backend.request("GET", "/metrics")).text
+    return {"decode": parse_expert_loads(text, "decode"), "tokens": _sum(text, TOKENS_KEY + "_total"),
+            "token_forwards": _sum(text, "cohort_moe_layer_forwards_total")}
+
+
+def _sum(text: str, sample: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == sample and s.labels.get("phase") == "decode")
+
+
+def delta(after: dict, before: dict, layers: int) -> dict:
+    d: ExpertLoads = after["decode"] - before["decode"]
+    steps = (after["token_forwards"] - before["token_forwards"]) / layers  # forwards with decode tokens
+    return {"decode": d, "tok_per_step": (after["tokens"] - before["tokens"]) / max(steps, 1)}
+
+
+async def run_runner(name: str, batch_file: Path, plan_fn, backend: BackendClient, args, workdir: Path) -> dict:
+    """`cohort batch run`'s code path: execute() with a fresh journal."""
+    parsed = read_batch_file(batch_file, default_policy="topk", max_line_bytes=10 << 20)
+    journal = Journal.open(JournalPaths.for_output(workdir / f"{name}.jsonl"),
+                           {"input_sha256": parsed.sha256, "input_bytes": parsed.size})
+    config = RunConfig(batch_size=args.batch_size, concurrency=args.batch_size, metrics_interval_s=0)
+    before = await counters(backend)
+    start = time.perf_counter()
+    try:
+        stats = await execute(parsed, journal, backend, plan_fn, config)
+    finally:
+        journal.close()
+    wall = time.perf_counter() - start - plan_fn.seconds_last
+    return {"name": name, "wall": wall, "ok": stats.succeeded, "failed": stats.failed,
+            **delta(await counters(backend), before, args.layers)}
+
+
+async def run_lockstep(name: str, batch_file: Path, plan_fn, backend: BackendClient, args) -> dict:
+    """Each planned batch as one multi-prompt /v1/completions request, one batch at a time."""
+    parsed = read_batch_file(batch_file, default_policy="topk", max_line_bytes=10 << 20)
+    plan = plan_requests(parsed.requests, plan_fn, args.batch_size)
+    before = await counters(backend)
+    start = time.perf_counter()
+    for batch in plan:
+        body = {**batch[0].body, "prompt": [r.body["prompt"] for r in batch]}
+        await backend.request("POST", "/v1/completions", json=body)
+    wall = time.perf_counter() - start
+    return {"name": name, "wall": wall, "ok": len(parsed.requests), "failed": 0,
+            **delta(await counters(backend), before, args.layers)}
+
+
+async def warm_up(backend: BackendClient, texts: list[str], max_tokens: int) -> None:
+    """One batch first, so that no measured run pays for the server's first steps."""
+    await backend.request("POST", "/v1/completions", json={"model": "tiny", "prompt": texts, "max_tokens": max_tokens})
+
+
+def timed_cache(plan_fn):
+    """The plan function, memoised per input (one embedding per order), with the time of its last call."""
+    @functools.lru_cache(maxsize=4)
+    def cached(texts: tuple, batch_size: int):
+        return plan_fn(list(texts), batch_size)
+
+    def timed(texts, batch_size):
+        t = time.perf_counter()
+        try:
+            return cached(tuple(texts), batch_size)
+        finally:
+            timed.seconds_last = time.perf_counter() - t
+    timed.seconds_last = 0.0
+    return timed
+
+
+def report(title: str, rows: list[dict]) -> None:
+    print(f"\n{title}")
+    print(f"{'order':>9} {'wall s':>7} {'ok':>5} {'fail':>4} {'tok/step':>8} {'experts/layer/decode step':>25} "
+          f"{'decode loads':>12} {'layer-steps':>11}")
+    for r in rows:
+        d = r["decode"]
+        print(f"{r['name']:>9} {r['wall']:>7.1f} {r['ok']:>5} {r['failed']:>4} {r['tok_per_step']:>8.1f} "
+              f"{d.per_forward or 0:>25.2f} {d.after:>12,.0f} {d.forwards:>11,.0f}")
+    planned = rows[-1]
+    for base in rows[:-1]:
+        p, b = planned["decode"], base["decode"]
+        if p.per_forward and b.per_forward:
+            print(f"planned vs {base['name']}: {1 - p.per_forward / b.per_forward:.1%} fewer distinct experts per "
+                  f"decode step ({p.per_forward:.2f} vs {b.per_forward:.2f}, at {planned['tok_per_step']:.1f} vs "
+                  f"{base['tok_per_step']:.1f} tok/step), {1 - p.after / b.after:.1%} fewer decode expert loads "
+                  f"({p.after:,.0f} vs {b.after:,.0f}); wall {planned['wall']:.1f} s vs {base['wall']:.1f} s")
+
+
+async def bench(args, backend_url: str) -> None:
+    backend = BackendClient(backend_url, timeout_s=600)
+    texts = [json.loads(line)["text"] for line in PROMPTS.read_text().splitlines()][: args.prompts]
+    fitting = await fitting_prompts(backend, texts, args.max_tokens)
+    t = time.perf_counter()
+    planned = timed_cache(make_plan_fn(Settings(encoder=args.encoder or "", backend_url=backend_url)))
+    orders = [("shuffled", timed_cache(shuffled_batches)), ("file", timed_cache(arrival_batches)), ("planned", planned)]
+    print(f"{len(fitting)} of {len(texts)} prompts of mixed.jsonl (the rest do not fit the context), "
+          f"{args.max_tokens} tokens each (ignore_eos), B = concurrency = {args.batch_size}, backend {backend_url}, "
+          f"{os.cpu_count()} CPUs; encoder loaded in {time.perf_counter() - t:.1f} s")
+    with tempfile.TemporaryDirectory(prefix="bench-batch-") as tmp:
+        batch_file = Path(tmp) / "requests.jsonl"
+        write_batch_file(batch_file, fitting, args.max_tokens)
+        await warm_up(backend, fitting[: args.batch_size], args.max_tokens)
+        parsed = read_batch_file(batch_file, default_policy="topk", max_line_bytes=10 << 20)
+        t = time.perf_counter()
+        planned([r.text for r in parsed.requests], args.batch_size)
+        print(f"embedding + planning {len(parsed.requests)} prompts: {time.perf_counter() - t:.1f} s (once; not in the walls)")
+        runner = [await run_runner(name, batch_file, fn, backend, args, Path(tmp)) for name, fn in orders]
+        lockstep = [await run_lockstep(name, batch_file, fn, backend, args) for name, fn in orders]
+        control_file = Path(tmp) / "control.jsonl"
+        copies = [fitting[i * len(fitting) // args.batch_size] for i in range(args.batch_size)] * args.batch_size
+        write_batch_file(control_file, [copies[i] for i in shuffled_batches(copies, len(copies))[0]], args.max_tokens)
+        control = [await run_lockstep(name, control_file, fn, backend, args) for name, fn in orders[1:]]
+    await backend.close()
+    report("1. `cohort batch run` (one request per line, sliding window of B)", runner)
+    report("2. lockstep (one multi-prompt request per planned batch: every decode step holds one whole batch)", lockstep)
+    report(f"3. positive control, lockstep: {args.batch_size} prompts x {args.batch_size} copies, shuffled file", control)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--backend", help="vLLM URL with the moe-cohort plugin (default: start a tiny-MoE vLLM CPU server)")
+    parser.add_argument("--prompts", type=int, default=1643, help="first N prompts of mixed.jsonl")
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--layers", type=int, default=4, help="MoE layers of the served model (the tiny MoE: 4)")
+    parser.add_argument("--encoder", default=None, help="encoder for the planned order (default: the packaged MiniLM)")
+    args = parser.parse_args()
+    server = None
+    if not args.backend:
+        from backend.server import start
+        from proxy.embedded import ensure_tiny_model
+
+        server = start(ensure_tiny_model(), max_num_seqs=args.batch_size, extra_args=["--no-enable-prefix-caching"])
+    try:
+        asyncio.run(bench(args, args.backend or server.url))
+    finally:
+        if server is not None:
+            server.stop()
+
+
+if __name__ == "__main__":
+    main()

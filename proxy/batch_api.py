@@ -1,0 +1,153 @@
+"""The OpenAI Files + Batch API on the proxy, for the official client's `files` and `batches` resources.
+
+    POST /v1/files                      multipart: file, purpose=batch      -> File
+    GET  /v1/files/{file_id}                                                -> File
+    GET  /v1/files/{file_id}/content                                        -> the file's bytes
+    POST /v1/batches                    {input_file_id, endpoint, completion_window, metadata}  -> Batch
+    GET  /v1/batches/{batch_id}                                             -> Batch
+    GET  /v1/batches?limit=&after=      newest first, cursor pagination     -> list of Batch
+    POST /v1/batches/{batch_id}/cancel                                      -> Batch
+
+Endpoints: /v1/chat/completions and /v1/completions. Errors use the OpenAI error shape (the app's
+ProxyError handler). Storage and jobs: proxy/batch_store.py, proxy/batch_jobs.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import TYPE_CHECKING
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import FileResponse, JSONResponse
+
+from proxy.batch_jobs import BatchJobs
+from proxy.batch_store import to_batch, to_file
+from proxy.batchfile import URLS, new_id
+from proxy.errors import InvalidRequest, NotFound, PayloadTooLarge
+from proxy.protocol import check_size
+
+if TYPE_CHECKING:
+    from proxy.app import Proxy
+
+COMPLETION_WINDOWS = ("24h",)
+
+
+def add_batch_api(app: FastAPI, proxy: "Proxy") -> BatchJobs:
+    """Add the routes to `app`; the returned jobs must be resumed at start-up and closed at shutdown."""
+    jobs = BatchJobs(proxy.settings, proxy.backend, proxy.batcher.plan_fn)
+    router = APIRouter(prefix="/v1")
+
+    @router.post("/files")
+    async def upload_file(request: Request) -> JSONResponse:
+        proxy.authorize(request)
+        check_size(request.headers.get("content-length"), proxy.settings.max_file_bytes + 64 * 1024)
+        return JSONResponse(to_file(await _store_upload(request, jobs, proxy.settings.max_file_bytes)))
+
+    @router.get("/files/{file_id}")
+    async def get_file(file_id: str, request: Request) -> JSONResponse:
+        proxy.authorize(request)
+        return JSONResponse(to_file(_file(jobs, file_id)))
+
+    @router.get("/files/{file_id}/content")
+    async def file_content(file_id: str, request: Request) -> FileResponse:
+        proxy.authorize(request)
+        row = _file(jobs, file_id)
+        return FileResponse(row["path"], media_type="application/jsonl", filename=row["filename"])
+
+    @router.post("/batches")
+    async def create_batch(request: Request) -> JSONResponse:
+        proxy.authorize(request)
+        params = _batch_params(await request.body())
+        return JSONResponse(to_batch(jobs.create(**params)))
+
+    @router.get("/batches/{batch_id}")
+    async def get_batch(batch_id: str, request: Request) -> JSONResponse:
+        proxy.authorize(request)
+        return JSONResponse(to_batch(jobs.get(batch_id)))
+
+    @router.get("/batches")
+    async def list_batches(request: Request) -> JSONResponse:
+        proxy.authorize(request)
+        limit = _limit(request.query_params.get("limit", "20"))
+        rows, has_more = jobs.store.list_batches(limit, request.query_params.get("after"))
+        data = [to_batch(r) for r in rows]
+        return JSONResponse({"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+                             "last_id": data[-1]["id"] if data else None, "has_more": has_more})
+
+    @router.post("/batches/{batch_id}/cancel")
+    async def cancel_batch(batch_id: str, request: Request) -> JSONResponse:
+        proxy.authorize(request)
+        return JSONResponse(to_batch(jobs.cancel(batch_id)))
+
+    app.include_router(router)
+    return jobs
+
+
+def _limit(raw: str) -> int:
+    if not raw.isdigit() or not 1 <= int(raw) <= 100:
+        raise InvalidRequest(f"limit must be an integer from 1 to 100, got {raw!r}", param="limit")
+    return int(raw)
+
+
+def _file(jobs: BatchJobs, file_id: str) -> dict:
+    row = jobs.store.get_file(file_id)
+    if row is None:
+        raise NotFound(f"no file {file_id!r}", param="file_id")
+    return row
+
+
+async def _store_upload(request: Request, jobs: BatchJobs, max_bytes: int) -> dict:
+    form = await request.form()
+    try:
+        upload, purpose = form.get("file"), form.get("purpose")
+        if purpose != "batch":
+            raise InvalidRequest(f"purpose must be 'batch' (the only purpose this proxy stores), got {purpose!r}",
+                                 param="purpose")
+        if upload is None or isinstance(upload, str):
+            raise InvalidRequest("send the file as multipart/form-data field 'file'", param="file")
+        file_id = new_id("file-")
+        path = jobs.store.upload_path(file_id)
+        size = await asyncio.to_thread(_copy, upload.file, path, max_bytes)
+        return jobs.store.add_file(file_id, upload.filename or "upload.jsonl", "batch", path, size)
+    finally:
+        await form.close()
+
+
+def _copy(src, path, max_bytes: int) -> int:
+    """Copy an upload to `path`; over `max_bytes` the partial copy is removed and 413 raised."""
+    size = 0
+    with open(path, "wb") as dst:
+        while chunk := src.read(1 << 20):
+            size += len(chunk)
+            if size > max_bytes:
+                break
+            dst.write(chunk)
+    if size > max_bytes:
+        path.unlink()
+        raise PayloadTooLarge(f"the file is over the proxy's limit of {max_bytes} bytes (--max-file-bytes)")
+    return size
+
+
+def _batch_params(raw: bytes) -> dict:
+    try:
+        body = json.loads(raw)
+    except ValueError as exc:
+        raise InvalidRequest(f"request body is not valid JSON ({exc})") from exc
+    if not isinstance(body, dict):
+        raise InvalidRequest("request body must be a JSON object")
+    if not isinstance(body.get("input_file_id"), str):
+        raise InvalidRequest("'input_file_id' is required (the id of a file uploaded with purpose 'batch')",
+                             param="input_file_id")
+    if body.get("endpoint") not in URLS:
+        raise InvalidRequest(f"unsupported endpoint {body.get('endpoint')!r}; this proxy runs batches for "
+                             f"{', '.join(sorted(URLS))}", param="endpoint")
+    if body.get("completion_window") not in COMPLETION_WINDOWS:
+        raise InvalidRequest(f"completion_window must be one of {COMPLETION_WINDOWS}, got "
+                             f"{body.get('completion_window')!r}", param="completion_window")
+    metadata = body.get("metadata")
+    if metadata is not None and not (isinstance(metadata, dict) and len(metadata) <= 16
+                                     and all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())):
+        raise InvalidRequest("metadata must be an object of at most 16 string keys and string values", param="metadata")
+    return {"input_file_id": body["input_file_id"], "endpoint": body["endpoint"],
+            "completion_window": body["completion_window"], "metadata": metadata}

@@ -1,0 +1,182 @@
+"""`cohort batch run`: an OpenAI Batch file through a vLLM backend, planned up front, resumable.
+
+    cohort batch run --input requests.jsonl --output results.jsonl --backend http://127.0.0.1:8000
+
+The whole file is validated first (nothing is sent if a line is bad, unless --skip-invalid), then
+planned (encoder + planner; --encoder none keeps file order), then sent with --concurrency requests
+at the backend. Results and failures are appended as they finish, with a journal next to the output
+(`results.jsonl.journal`): after a crash or kill, the same command finishes the rest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from pathlib import Path
+
+from proxy.settings import Settings, SettingsError, load_settings
+
+# flag -> Settings field (defaults live in Settings and COHORT_* variables)
+_FLAGS = {
+    "--backend": ("backend_url", str, "vLLM server, e.g. http://127.0.0.1:8000"),
+    "--batch-size": ("batch_size", int, "requests per planned batch (B); match the backend's max_num_seqs"),
+    "--policy": ("default_policy", str, "routing policy for lines without vllm_xargs.moe_routing, e.g. xshare;m=32"),
+    "--encoder": ("encoder", str, "encoder name or path; 'none' keeps the file order"),
+    "--concurrency": ("batch_concurrency", int, "requests at the backend at once (default: --batch-size)"),
+    "--max-retries": ("batch_max_retries", int, "retries per request for 429, 5xx and timeouts"),
+    "--request-timeout-s": ("request_timeout_s", float, "backend timeout per request"),
+    "--backend-api-key": ("backend_api_key", str, "API key to send to the backend"),
+    "--max-line-bytes": ("max_body_bytes", int, "longest input line accepted"),
+    "--seed": ("seed", int, "planner seed"),
+}
+MAX_LISTED_ERRORS = 20
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
+    run_parser = sub.add_parser("run", help="run a Batch file (resumable)", description=__doc__.splitlines()[0])
+    run_parser.add_argument("--input", required=True, type=Path, help="OpenAI Batch JSONL (custom_id, method, url, body)")
+    run_parser.add_argument("--output", required=True, type=Path, help="results JSONL (OpenAI Batch output lines)")
+    run_parser.add_argument("--errors", type=Path, help="error JSONL (default: OUTPUT's stem + .errors.jsonl)")
+    for flag, (dest, kind, help_text) in _FLAGS.items():
+        run_parser.add_argument(flag, dest=dest, type=kind, help=f"{help_text} (env COHORT_{dest.upper()})")
+    run_parser.add_argument("--skip-invalid", action="store_true", help="write bad lines to the error file and go on")
+    run_parser.add_argument("--dry-run", action="store_true", help="validate and plan only; write the plan, send nothing")
+    run_parser.add_argument("--plan", type=Path, help="where --dry-run writes the plan (default: OUTPUT + .plan.jsonl)")
+    run_parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        settings = load_settings({dest: getattr(args, dest) for dest, _, _ in _FLAGS.values()})
+    except SettingsError as exc:
+        return _fail(str(exc))
+    if not settings.backend_url and not args.dry_run:
+        return _fail("no backend: pass --backend URL (a vLLM server) or set COHORT_BACKEND_URL")
+    from proxy.batchfile import read_batch_file
+
+    try:
+        batch = read_batch_file(args.input, default_policy=settings.default_policy, max_line_bytes=settings.max_body_bytes)
+    except OSError as exc:
+        return _fail(f"cannot read {args.input}: {exc}")
+    if batch.errors and not args.skip_invalid:
+        _list_errors(args.input, batch.errors)
+        return 2
+    if not batch.requests and not batch.errors:
+        return _fail(f"{args.input} has no requests")
+    from proxy.planning import make_plan_fn
+
+    plan_fn = make_plan_fn(settings)
+    if args.dry_run:
+        return _dry_run(args, settings, batch, plan_fn)
+    return _execute(args, settings, batch, plan_fn)
+
+
+def _dry_run(args, settings: Settings, batch, plan_fn) -> int:
+    from proxy.batch_runner import plan_requests, write_plan
+
+    plan = plan_requests(batch.requests, plan_fn, settings.batch_size)
+    path = args.plan or args.output.with_name(args.output.name + ".plan.jsonl")
+    write_plan(path, plan)
+    skipped = f", {len(batch.errors)} invalid line(s) left out" if batch.errors else ""
+    print(f"dry run: planned {len(batch.requests)} requests into {len(plan)} batches of <= {settings.batch_size}"
+          f"{skipped} -> {path}; nothing was sent", file=sys.stderr)
+    return 0
+
+
+def _execute(args, settings: Settings, batch, plan_fn) -> int:
+    from proxy.batch_runner import RunAborted
+    from proxy.journal import Journal, JournalError, JournalPaths
+
+    paths = JournalPaths.for_output(args.output, args.errors)
+    try:
+        journal = Journal.open(paths, {"input_sha256": batch.sha256, "input_bytes": batch.size})
+    except (JournalError, OSError) as exc:
+        return _fail(str(exc))
+    try:
+        stats = asyncio.run(_run(settings, batch, journal, plan_fn, progress=not args.no_progress,
+                                 skip_invalid=args.skip_invalid))
+    except RunAborted as exc:
+        return _fail(f"{exc}\nresults so far are in {paths.output}; run the same command again to finish the rest", 1)
+    except KeyboardInterrupt:
+        return _fail(f"interrupted; results so far are in {paths.output}; run the same command again to finish", 130)
+    finally:
+        journal.close()
+    _summary(stats, journal, paths)
+    return 0
+
+
+async def _run(settings: Settings, batch, journal, plan_fn, *, progress: bool, skip_invalid: bool):
+    from proxy.backend import BackendClient
+    from proxy.batch_runner import RunConfig, execute
+
+    config = RunConfig(batch_size=settings.batch_size, concurrency=settings.batch_in_flight,
+                       max_retries=settings.batch_max_retries)
+    backend = BackendClient(settings.backend_url, timeout_s=settings.request_timeout_s,
+                            connect_timeout_s=settings.connect_timeout_s)
+    headers = {"authorization": f"Bearer {settings.backend_api_key}"} if settings.backend_api_key else {}
+    finished = sum(1 for r in batch.requests if r.line in journal.done)
+    with _ProgressBar(len(batch.requests), finished, enabled=progress) as bar:
+        try:
+            return await execute(batch, journal, backend, plan_fn, config, skip_invalid=skip_invalid,
+                                 headers=headers, on_progress=bar.update)
+        finally:
+            await backend.close()
+
+
+class _ProgressBar:
+    """tqdm: requests done (ETA from tqdm), tokens/s, and the backend's live expert loads."""
+
+    def __init__(self, total: int, finished: int, *, enabled: bool) -> None:
+        from tqdm.auto import tqdm
+
+        # `initial`: requests finished by an earlier run count as done but not towards the rate and ETA
+        self.bar = tqdm(total=total, initial=finished, unit="req", desc="batch", disable=not enabled,
+                        dynamic_ncols=True)
+
+    def update(self, stats) -> None:
+        self.bar.update(stats.done - self.bar.n)
+        postfix = f"{stats.tokens_per_s:.0f} tok/s"
+        loads = stats.expert_loads
+        if loads is not None and loads.per_forward is not None:
+            postfix += f", {loads.per_forward:.1f} experts/layer/decode step"
+            if loads.policy_saving:
+                postfix += f" ({loads.policy_saving:.1%} saved by the policy)"
+        self.bar.set_postfix_str(postfix, refresh=False)
+        self.bar.refresh()
+
+    def __enter__(self) -> "_ProgressBar":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.bar.close()
+
+
+def _summary(stats, journal, paths) -> None:
+    ok, failed = journal.counts["output"], journal.counts["errors"]
+    print(f"done: {ok} succeeded -> {paths.output}; {failed} failed or skipped -> {paths.errors}", file=sys.stderr)
+    if stats.succeeded + stats.failed == 0:
+        print(f"nothing to send: all {stats.total} requests were finished by an earlier run", file=sys.stderr)
+        return
+    print(f"this run: {stats.succeeded + stats.failed} requests in {stats.elapsed:.1f} s, "
+          f"{stats.tokens_per_s:.0f} generated tokens/s", file=sys.stderr)
+    loads = stats.expert_loads
+    if loads is not None and loads.per_forward is not None:
+        saving = f", routing policy saved {loads.policy_saving:.1%} of them" if loads.policy_saving else ""
+        print(f"backend decode steps: {loads.per_forward:.2f} distinct experts per MoE layer "
+              f"({loads.after:,.0f} expert loads over {loads.forwards:,.0f} layer-steps){saving}", file=sys.stderr)
+
+
+def _list_errors(path: Path, errors) -> None:
+    print(f"cohort batch: {path}: {len(errors)} invalid line(s); nothing was sent:", file=sys.stderr)
+    for err in errors[:MAX_LISTED_ERRORS]:
+        print(f"  {err.message}", file=sys.stderr)
+    if len(errors) > MAX_LISTED_ERRORS:
+        print(f"  ... and {len(errors) - MAX_LISTED_ERRORS} more", file=sys.stderr)
+    print("fix them, or pass --skip-invalid to write them to the error file and run the rest", file=sys.stderr)
+
+
+def _fail(message: str, code: int = 2) -> int:
+    print(f"cohort batch: error: {message}", file=sys.stderr)
+    return code

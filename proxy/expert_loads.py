@@ -1,0 +1,66 @@
+"""The plugin's live expert-load counters, read from the vLLM server's /metrics (see backend/metrics.py).
+
+Decode forwards of whole batches only (`cohort_moe_batch_*{phase="decode"}`, summed over policies):
+the memory-bound phase where the number of distinct experts a batch touches sets the cost.
+
+    before / after   distinct experts per (forward, MoE layer) under top-k / after the routing policy, summed
+    forwards         (forward, MoE layer) pairs
+
+`per_forward` = after / forwards is the mean number of experts loaded per layer in a decode step
+(what expert-coherent batching lowers); `policy_saving` = 1 - after / before is what the routing
+policy removed on top. The counters are server-wide: other traffic on the same server is counted too.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from prometheus_client.parser import text_string_to_metric_families
+
+log = logging.getLogger(__name__)
+
+FAMILIES = {"before": "cohort_moe_batch_expert_loads_before", "after": "cohort_moe_batch_expert_loads_after",
+            "forwards": "cohort_moe_batch_layer_forwards"}
+
+
+@dataclass(frozen=True)
+class ExpertLoads:
+    before: float = 0.0
+    after: float = 0.0
+    forwards: float = 0.0
+
+    def __sub__(self, other: "ExpertLoads") -> "ExpertLoads":
+        return ExpertLoads(self.before - other.before, self.after - other.after, self.forwards - other.forwards)
+
+    @property
+    def per_forward(self) -> float | None:
+        return self.after / self.forwards if self.forwards else None
+
+    @property
+    def policy_saving(self) -> float | None:
+        return 1 - self.after / self.before if self.before else None
+
+
+def parse_expert_loads(text: str, phase: str = "decode") -> ExpertLoads:
+    """The totals of `phase` in Prometheus text; zeros while the plugin has counted nothing (or is absent)."""
+    totals = {key: 0.0 for key in FAMILIES}
+    names = {name: key for key, name in FAMILIES.items()}
+    for family in text_string_to_metric_families(text):
+        key = names.get(family.name)
+        if key is not None:
+            totals[key] += sum(s.value for s in family.samples
+                               if s.name.endswith("_total") and s.labels.get("phase") == phase)
+    return ExpertLoads(**totals)
+
+
+async def fetch_expert_loads(backend) -> ExpertLoads | None:
+    """GET /metrics from `backend` (a proxy.backend.BackendClient); None when it cannot be read."""
+    from proxy.errors import ProxyError
+
+    try:
+        answer = await backend.request("GET", "/metrics")
+        return parse_expert_loads(answer.text)
+    except (ProxyError, ValueError) as exc:
+        log.debug("no expert-load metrics from the backend: %s", exc)
+        return None

@@ -1,0 +1,131 @@
+"""`cohort batch run` against a real vLLM CPU server: kill -9 and resume, invalid lines, dry run."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from cohort.cli import main
+
+
+def request_line(cid, content, max_tokens=4, url="/v1/chat/completions"):
+    body = {"model": "tiny", "max_tokens": max_tokens, "ignore_eos": True}
+    body.update({"messages": [{"role": "user", "content": content}]} if "chat" in url else {"prompt": content})
+    return json.dumps({"custom_id": cid, "method": "POST", "url": url, "body": body})
+
+
+def write(path, lines):
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def results(path):
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+def journal_entries(path):
+    try:
+        return max(0, len(path.read_bytes().split(b"\n")) - 2)  # header + complete entries, torn tail excluded
+    except FileNotFoundError:
+        return 0
+
+
+def test_kill_9_mid_run_then_rerun_finishes_without_loss_or_duplicates(vllm_server, tmp_path):
+    n = 80
+    src = write(tmp_path / "in.jsonl", [request_line(f"k{i}", f"kill test {i}", max_tokens=12,
+                                                     url="/v1/completions" if i % 2 else "/v1/chat/completions")
+                                        for i in range(n)])
+    out = tmp_path / "out.jsonl"
+    cmd = [sys.executable, "-m", "cohort.cli", "batch", "run", "--input", str(src), "--output", str(out),
+           "--backend", vllm_server.url, "--encoder", "none", "--concurrency", "1", "--no-progress"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    journal = tmp_path / "out.jsonl.journal"
+    deadline = time.monotonic() + 120
+    while journal_entries(journal) < 10:  # kill once the journal shows 10 finished requests
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read().decode()
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(10)
+    first = results(out)
+    assert 10 <= len(first) < n, "the run was not killed mid-way"
+
+    rerun = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert rerun.returncode == 0, rerun.stderr
+    final = results(out)
+    ids = [r["custom_id"] for r in final]
+    assert sorted(ids) == sorted(f"k{i}" for i in range(n)) and len(ids) == len(set(ids))
+    assert final[: len(first)] == first  # finished results were kept, not redone
+    assert all(r["response"]["status_code"] == 200 and r["error"] is None for r in final)
+    assert results(tmp_path / "out.errors.jsonl") == []
+    assert f"done: {n} succeeded" in rerun.stderr and "distinct experts per MoE layer" in rerun.stderr
+
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=120)  # a third run has nothing to do
+    assert again.returncode == 0 and results(out) == final
+
+
+def test_invalid_lines_stop_the_run_before_anything_is_sent(tmp_path, capsys):
+    src = write(tmp_path / "in.jsonl", [request_line("a", "hi"), "not json", request_line("a", "dup"),
+                                        request_line("b", "x" * 3000)])
+    out = tmp_path / "out.jsonl"
+    # an unreachable backend: any request sent would end the run with another error
+    code = main(["batch", "run", "--input", str(src), "--output", str(out), "--backend", "http://127.0.0.1:9",
+                 "--encoder", "none", "--max-line-bytes", "2000", "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2 and "3 invalid line(s); nothing was sent" in err
+    assert "line 2: invalid JSON" in err and 'line 3: duplicate custom_id "a" (first on line 1)' in err
+    assert "line 4: " in err and "over the limit of 2000 bytes" in err
+    assert not out.exists() and not (tmp_path / "out.jsonl.journal").exists()
+
+
+def test_skip_invalid_writes_bad_lines_to_the_error_file_once(vllm_server, tmp_path, capsys):
+    src = write(tmp_path / "in.jsonl", [request_line("a", "hi"), "{oops", request_line("a", "dup"),
+                                        request_line("b", "there", url="/v1/completions"),
+                                        request_line("c", "long", max_tokens=5000)])
+    out, errors = tmp_path / "res.jsonl", tmp_path / "err.jsonl"
+    args = ["batch", "run", "--input", str(src), "--output", str(out), "--errors", str(errors),
+            "--backend", vllm_server.url, "--encoder", "none", "--skip-invalid", "--no-progress"]
+    assert main(args) == 0
+    assert sorted(r["custom_id"] for r in results(out)) == ["a", "b"]
+    errs = results(errors)
+    skipped = {r["error"]["message"].split(":")[0]: r for r in errs if r["response"] is None}
+    assert set(skipped) == {"line 2", "line 3"} and skipped["line 3"]["custom_id"] == "a"
+    assert skipped["line 2"]["error"]["code"] == "invalid_request"
+    (rejected,) = [r for r in errs if r["response"] is not None]  # sent, and vLLM said no
+    assert rejected["custom_id"] == "c" and rejected["response"]["status_code"] == 400
+    assert "max_tokens=5000" in rejected["error"]["message"]
+    assert main(args) == 0  # rerun: nothing new, nothing twice
+    assert len(results(errors)) == 3 and len(results(out)) == 2
+    assert "done: 2 succeeded" in capsys.readouterr().err
+
+
+def test_output_from_another_input_is_never_mixed(vllm_server, tmp_path, capsys):
+    out = tmp_path / "out.jsonl"
+    first = write(tmp_path / "one.jsonl", [request_line("a", "hi", max_tokens=1)])
+    other = write(tmp_path / "two.jsonl", [request_line("b", "ho", max_tokens=1)])
+    base = ["batch", "run", "--output", str(out), "--backend", vllm_server.url, "--encoder", "none", "--no-progress"]
+    assert main([*base, "--input", str(first)]) == 0
+    assert main([*base, "--input", str(other)]) == 2
+    assert "belongs to another run" in capsys.readouterr().err and len(results(out)) == 1
+
+
+def test_dry_run_plans_with_the_encoder_and_sends_nothing(tmp_path, capsys):
+    pytest.importorskip("sentence_transformers")
+    math = [f"What is {a} plus {b}? Solve the arithmetic problem step by step." for a, b in zip(range(8), range(10, 18))]
+    poems = [f"Write a short poem about the {w} and the sea at night." for w in
+             ("moon", "stars", "wind", "waves", "harbour", "lighthouse", "sailors", "tide")]
+    lines = [request_line(f"{kind}{i}", text) for i in range(8) for kind, text in (("m", math[i]), ("p", poems[i]))]
+    src = write(tmp_path / "in.jsonl", lines)  # interleaved: arrival order mixes the topics in every batch
+    plan_path = tmp_path / "plan.jsonl"
+    code = main(["batch", "run", "--input", str(src), "--output", str(tmp_path / "out.jsonl"), "--dry-run",
+                 "--plan", str(plan_path), "--batch-size", "8", "--no-progress"])
+    assert code == 0 and "planned 16 requests into 2 batches" in capsys.readouterr().err
+    plan = results(plan_path)
+    assert sorted(p["custom_id"] for p in plan) == sorted(json.loads(x)["custom_id"] for x in lines)
+    batches = {}
+    for p in plan:
+        batches.setdefault(p["batch"], set()).add(p["custom_id"][0])
+    assert sorted(map(sorted, batches.values())) == [["m"], ["p"]]  # one topic per batch
+    assert not (tmp_path / "out.jsonl").exists() and not (tmp_path / "out.jsonl.journal").exists()

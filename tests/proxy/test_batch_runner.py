@@ -1,0 +1,152 @@
+"""The runner against failures a real vLLM cannot produce on demand (429, 503, hangs, a dead backend):
+the backend is an httpx.MockTransport. Successful runs against real vLLM are in test_batch_e2e.py."""
+
+import asyncio
+import json
+from collections import Counter
+
+import httpx
+import pytest
+
+from proxy.backend import BackendClient
+from proxy.batch_runner import RunAborted, RunConfig, execute, plan_requests
+from proxy.batchfile import read_batch_file
+from proxy.journal import Journal, JournalPaths
+from proxy.planning import arrival_batches
+
+OK = {"id": "cmpl", "object": "text_completion", "choices": [{"index": 0, "text": "ok"}],
+      "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}
+CONFIG = RunConfig(batch_size=4, concurrency=3, max_retries=3, backoff_s=0.001, max_backoff_s=0.01, metrics_interval_s=0)
+
+
+def batch_file(tmp_path, ids):
+    path = tmp_path / "in.jsonl"
+    path.write_text("".join(json.dumps({"custom_id": i, "method": "POST", "url": "/v1/completions",
+                                        "body": {"model": "tiny", "prompt": i, "max_tokens": 2}}) + "\n" for i in ids))
+    return read_batch_file(path, default_policy="topk", max_line_bytes=10_000)
+
+
+def run(tmp_path, parsed, handler, config=CONFIG):
+    paths = JournalPaths.for_output(tmp_path / "out.jsonl")
+
+    async def main():
+        backend = BackendClient("http://vllm.test", transport=httpx.MockTransport(handler))
+        journal = Journal.open(paths, {"input_sha256": parsed.sha256, "input_bytes": parsed.size})
+        try:
+            return await execute(parsed, journal, backend, arrival_batches, config)
+        finally:
+            journal.close()
+            await backend.close()
+
+    return asyncio.run(main()), paths
+
+
+def read_lines(path):
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_retries_with_backoff_then_the_backends_message_goes_to_the_error_file(tmp_path):
+    calls = Counter()
+
+    def backend(request):
+        prompt = json.loads(request.content)["prompt"]
+        calls[prompt] += 1
+        if prompt == "flaky" and calls[prompt] <= 2:
+            return httpx.Response(429, json={"error": {"message": "slow down"}})
+        if prompt == "hang" and calls[prompt] == 1:
+            raise httpx.ReadTimeout("timed out", request=request)
+        if prompt == "down":
+            return httpx.Response(503, json={"error": {"message": "engine overloaded", "code": 503}})
+        if prompt == "bad":
+            return httpx.Response(400, json={"error": {"message": "prompt too long", "type": "BadRequestError"}})
+        return httpx.Response(200, json=OK)
+
+    stats, paths = run(tmp_path, batch_file(tmp_path, ["a", "flaky", "hang", "down", "bad", "b"]), backend)
+    assert calls == {"a": 1, "b": 1, "flaky": 3, "hang": 2, "down": 4, "bad": 1}  # 503: 1 + max_retries
+    out, err = read_lines(paths.output), read_lines(paths.errors)
+    assert sorted(r["custom_id"] for r in out) == ["a", "b", "flaky", "hang"]
+    assert all(r["response"]["status_code"] == 200 and r["error"] is None for r in out)
+    errors = {r["custom_id"]: r for r in err}
+    assert errors["down"]["error"]["message"] == "engine overloaded" and errors["down"]["response"]["status_code"] == 503
+    assert errors["bad"]["error"]["message"] == "prompt too long"
+    assert (stats.succeeded, stats.failed, stats.completion_tokens) == (4, 2, 8)
+
+
+def test_timeouts_after_all_retries_fail_the_request_only(tmp_path):
+    def backend(request):
+        if json.loads(request.content)["prompt"] == "slow":
+            raise httpx.ReadTimeout("timed out", request=request)
+        return httpx.Response(200, json=OK)
+
+    stats, paths = run(tmp_path, batch_file(tmp_path, ["slow", "fast"]), backend)
+    (err,) = read_lines(paths.errors)
+    assert err["custom_id"] == "slow" and err["response"] is None and err["error"]["code"] == "backend_timeout"
+    assert [r["custom_id"] for r in read_lines(paths.output)] == ["fast"]
+
+
+def test_unreachable_backend_stops_the_run_and_a_rerun_finishes_it(tmp_path):
+    parsed = batch_file(tmp_path, [f"r{i}" for i in range(12)])
+    state = {"up": True, "served": 0}
+
+    def backend(request):
+        if not state["up"]:
+            raise httpx.ConnectError("connection refused", request=request)
+        state["served"] += 1
+        if state["served"] == 5:
+            state["up"] = False  # the backend dies after 5 answers
+        return httpx.Response(200, json=OK)
+
+    with pytest.raises(RunAborted, match="cannot reach the backend"):
+        run(tmp_path, parsed, backend)
+    first = [r["custom_id"] for r in read_lines(tmp_path / "out.jsonl")]
+    assert 1 <= len(first) <= 5 and not read_lines(tmp_path / "out.errors.jsonl")  # not the requests' fault
+    state["up"] = True
+    stats, paths = run(tmp_path, parsed, backend)
+    ids = [r["custom_id"] for r in read_lines(paths.output)]
+    assert sorted(ids) == sorted(f"r{i}" for i in range(12)) and len(ids) == len(set(ids))
+    assert stats.finished_before == len(first) and stats.succeeded == 12 - len(first)
+
+
+def test_dispatch_follows_the_plan_with_bounded_concurrency(tmp_path):
+    parsed = batch_file(tmp_path, [f"r{i}" for i in range(10)])
+    order, in_flight, peak = [], [0], [0]
+
+    async def backend(request):
+        order.append(json.loads(request.content)["prompt"])
+        in_flight[0] += 1
+        peak[0] = max(peak[0], in_flight[0])
+        await asyncio.sleep(0.01)
+        in_flight[0] -= 1
+        return httpx.Response(200, json=OK)
+
+    def reverse_plan(texts, batch_size):  # a planner that reverses the file
+        idx = list(range(len(texts)))[::-1]
+        return [idx[i:i + batch_size] for i in range(0, len(idx), batch_size)]
+
+    paths = JournalPaths.for_output(tmp_path / "out.jsonl")
+
+    async def main():
+        client = BackendClient("http://vllm.test", transport=httpx.MockTransport(backend))
+        journal = Journal.open(paths, {"input_sha256": parsed.sha256, "input_bytes": parsed.size})
+        try:
+            await execute(parsed, journal, client, reverse_plan, RunConfig(batch_size=4, concurrency=2, metrics_interval_s=0))
+        finally:
+            journal.close()
+            await client.close()
+
+    asyncio.run(main())
+    assert order == [f"r{i}" for i in range(9, -1, -1)] and peak[0] == 2
+
+
+def test_plan_is_per_policy_and_covers_every_request(tmp_path):
+    path = tmp_path / "in.jsonl"
+    rows = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
+             "body": {"prompt": f"p{i}", **({"vllm_xargs": {"moe_routing": "oea;k0=1"}} if i % 3 == 0 else {})}}
+            for i in range(10)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    parsed = read_batch_file(path, default_policy="topk", max_line_bytes=10_000)
+    plan = plan_requests(parsed.requests, arrival_batches, 3)
+    assert all(len({r.policy for r in batch}) == 1 for batch in plan)
+    assert sorted(r.custom_id for batch in plan for r in batch) == sorted(r["custom_id"] for r in rows)
+    with pytest.raises(RuntimeError, match="lost or repeated"):
+        plan_requests(parsed.requests, lambda texts, b: [[0, 0]], 3)
