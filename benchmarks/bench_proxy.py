@@ -7,7 +7,8 @@ directly to vLLM and through the proxy, alternating, at 1, 16 and 64 concurrent 
 prints latency p50/p99 and throughput of each, and the added p50/p99.
 Part 2, planning (window on): the same prompts (../shared/data/prompts/mixed.jsonl) through the
 proxy in arrival order (encoder none) and planned (default encoder), 64 concurrent clients;
-prints the mean distinct experts per layer per decode forward from the plugin's counters.
+prints the mean distinct experts per layer per decode forward from the plugin's counters, with
+the tokens per forward beside it (fewer tokens per forward touch fewer experts by themselves).
 Without --backend, a tiny-MoE vLLM CPU server is started (and stopped) here. The proxy runs as
 its own process (`cohort serve`), as in production.
 """
@@ -89,14 +90,15 @@ def overhead(backend: str, concurrency: list[int], per_client: int) -> None:
         proc.wait(30)
 
 
-def decode_distinct(backend: str) -> tuple[float, float]:
-    """(summed decode expert loads, decode layer-forwards) from the plugin's batch counters."""
+def decode_distinct(backend: str) -> tuple[float, float, float]:
+    """(decode expert loads, decode layer-forwards, decode tokens x layers) from the plugin's counters."""
     text = httpx.get(backend + "/metrics").text
 
     def total(name: str) -> float:
         return sum(float(v) for v in re.findall(rf'^{name}\{{[^}}]*phase="decode"[^}}]*\}} ([0-9.e+]+)$', text, re.M))
 
-    return total("cohort_moe_batch_expert_loads_after_total"), total("cohort_moe_batch_layer_forwards_total")
+    return (total("cohort_moe_batch_expert_loads_after_total"), total("cohort_moe_batch_layer_forwards_total"),
+            total("cohort_moe_routed_tokens_total"))
 
 
 async def send_prompts(url: str, prompts: list[str], clients: int, max_tokens: int) -> float:
@@ -117,7 +119,7 @@ async def send_prompts(url: str, prompts: list[str], clients: int, max_tokens: i
     return time.perf_counter() - t
 
 
-def planning(backend: str, prompts: list[str], batch_size: int, max_tokens: int) -> None:
+def planning(backend: str, prompts: list[str], batch_size: int, max_tokens: int, moe_layers: int) -> None:
     common = ["--batch-size", str(batch_size), "--window-size", str(4 * batch_size), "--max-wait-ms", "200",
               "--max-in-flight", str(batch_size)]
     print(f"{len(prompts)} prompts, 64 clients, B={batch_size}, window {4 * batch_size} requests / 200 ms, "
@@ -125,15 +127,15 @@ def planning(backend: str, prompts: list[str], batch_size: int, max_tokens: int)
     for name, extra in (("arrival", ["--encoder", "none"]), ("planned", [])):
         proc, proxy = start_proxy(backend, *common, *extra)
         try:
-            loads0, fwd0 = decode_distinct(backend)
+            loads0, fwd0, tok0 = decode_distinct(backend)
             wall = asyncio.run(send_prompts(proxy, prompts, 64, max_tokens))
-            loads1, fwd1 = decode_distinct(backend)
+            loads1, fwd1, tok1 = decode_distinct(backend)
         finally:
             proc.terminate()
             proc.wait(30)
-        per = (loads1 - loads0) / max(fwd1 - fwd0, 1)
-        print(f"{name:>8}: {per:6.2f} distinct experts per layer per decode forward "
-              f"({loads1 - loads0:,.0f} loads over {fwd1 - fwd0:,.0f} layer-forwards), wall {wall:.1f} s")
+        per, occupancy = (loads1 - loads0) / max(fwd1 - fwd0, 1), (tok1 - tok0) * moe_layers / max(fwd1 - fwd0, 1)
+        print(f"{name:>8}: {per:6.2f} distinct experts per layer per decode forward at {occupancy:.1f} tokens "
+              f"per forward ({loads1 - loads0:,.0f} loads over {fwd1 - fwd0:,.0f} layer-forwards), wall {wall:.1f} s")
 
 
 def main() -> None:
@@ -143,6 +145,7 @@ def main() -> None:
     parser.add_argument("--concurrency", default="1,16,64")
     parser.add_argument("--prompts", type=int, default=512, help="prompts of mixed.jsonl for part 2")
     parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--moe-layers", type=int, default=4, help="MoE layers of the backend's model (tiny MoE: 4)")
     args = parser.parse_args()
     server = None
     if not args.backend:
@@ -154,7 +157,7 @@ def main() -> None:
         print(f"backend {args.backend}; proxy = `cohort serve` in its own process; {os.cpu_count()} CPUs")
         overhead(args.backend, [int(c) for c in args.concurrency.split(",")], args.requests_per_client)
         prompts = [json.loads(line)["text"] for line in PROMPTS.read_text().splitlines()][: args.prompts]
-        planning(args.backend, prompts, 16, args.max_tokens)
+        planning(args.backend, prompts, 16, args.max_tokens, args.moe_layers)
     finally:
         if server is not None:
             server.stop()
