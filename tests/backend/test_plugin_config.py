@@ -1,0 +1,55 @@
+"""Plugin configuration, version check and layering (no vLLM server needed)."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from backend.policy import PolicyError, TopK, parse_policy
+from backend.vllm_plugin import PluginConfig, UnsupportedVllmError, check_vllm_version
+
+
+def test_config_defaults():
+    config = PluginConfig.from_env({})
+    assert config.default_policy == TopK() and not config.record_all and config.metrics
+    assert config.trace_dir == Path("cohort-traces").absolute()
+
+
+def test_config_from_environment(tmp_path):
+    config = PluginConfig.from_env({"COHORT_MOE_ROUTING": "oea;k0=2", "COHORT_RECORD_TRACES": "1",
+                                    "COHORT_TRACE_DIR": str(tmp_path), "COHORT_MOE_METRICS": "0"})
+    assert config == PluginConfig(parse_policy("oea;k0=2"), True, tmp_path, False)
+
+
+def test_bad_default_policy_names_the_variable():
+    with pytest.raises(PolicyError, match="COHORT_MOE_ROUTING='xshare': xshare: needs key 'm'"):
+        PluginConfig.from_env({"COHORT_MOE_ROUTING": "xshare"})
+
+
+def test_bad_flag_names_the_variable():
+    with pytest.raises(ValueError, match="COHORT_RECORD_TRACES must be 0 or 1, got 'sometimes'"):
+        PluginConfig.from_env({"COHORT_RECORD_TRACES": "sometimes"})
+
+
+@pytest.mark.parametrize("version", ["0.32.0", "0.32.1", "0.33.0"])
+def test_supported_versions(version):
+    check_vllm_version(version)
+
+
+@pytest.mark.parametrize("version", ["0.31.2", "0.34.0", "1.0.0"])
+def test_unsupported_versions_raise_a_clear_error(version):
+    with pytest.raises(UnsupportedVllmError, match=rf"vLLM {version} is not supported \(supported: 0.32.x, 0.33.x\)"):
+        check_vllm_version(version)
+    check_vllm_version(version, allow_untested=True)  # the escape hatch only warns
+
+
+def test_engine_side_modules_do_not_import_vllm():
+    """Layering: only backend.vllm_plugin's lazily loaded backend.vllm_patches imports vLLM."""
+    modules = ["backend.vllm_plugin", "backend.routing_hook", "backend.engine_state", "backend.metrics",
+               "backend.recorder", "backend.server", "backend.tiny_moe", "backend.policy", "backend.selection"]
+    code = (f"import sys, importlib; [importlib.import_module(m) for m in {modules!r}]; "
+            "bad = sorted(m for m in sys.modules if m == 'vllm' or m.startswith('vllm.')); "
+            "print(bad); sys.exit(1 if bad else 0)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr

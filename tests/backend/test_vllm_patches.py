@@ -1,0 +1,148 @@
+"""Pieces of the vLLM wiring that run without a server: the custom op under torch.compile,
+router description, model limits, and request validation."""
+
+import importlib.util
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from backend import vllm_patches
+from backend.engine_state import RequestOptions, build_step
+from backend.metrics import ExpertLoadMetrics
+from backend.policy import TopK, parse_policy
+from backend.routing_hook import HookConfig, LayerInfo, RoutingHook
+from backend.selection import select_topk
+
+has_vllm = importlib.util.find_spec("vllm") is not None
+LYNX = parse_policy("lynx-lat;drop=6")
+
+
+@pytest.fixture
+def hook(monkeypatch):
+    hook = RoutingHook(HookConfig(), ExpertLoadMetrics())
+    hook.layers[0] = LayerInfo(top_k=4, num_experts=16)
+    monkeypatch.setattr(vllm_patches, "_HOOK", hook)
+    vllm_patches._define_custom_op()
+    return hook
+
+
+def _step():
+    opts = [RequestOptions(TopK(), False), RequestOptions(LYNX, False), RequestOptions(LYNX, False)]
+    return build_step(["a", "b", "c"], [0, 1, 2, 3], [5, 5, 5], [3, 3, 3], opts)
+
+
+def test_custom_op_under_torch_compile_matches_eager(hook):
+    logits = torch.randn(3, 16, generator=torch.Generator().manual_seed(0)) * 3
+    weights, ids = select_topk(logits, 4)
+    ids = ids.int()
+    hook.begin_step(_step())
+    eager_w, eager_ids = hook.route(0, logits, weights, ids)
+    hook.end_step()
+
+    @torch.compile(fullgraph=True, backend="aot_eager", dynamic=True)
+    def moe_layer(logits, weights, ids):
+        w, i = torch.ops.moe_cohort.plugin_route(logits, weights, ids, 0)
+        return w * 2, i + 0  # the graph goes on using the op's outputs
+
+    hook.begin_step(_step())
+    compiled_w, compiled_ids = moe_layer(logits, weights, ids)
+    hook.end_step()
+    assert torch.equal(compiled_ids, eager_ids) and torch.allclose(compiled_w, 2 * eager_w)
+    assert not torch.equal(eager_ids[1:], ids[1:])  # the policy rows did change
+    # the op ran inside the compiled graph and counted both forwards
+    assert hook.metrics.value("cohort_moe_layer_forwards_total", "decode", "lynx-lat;drop=6") == 2
+
+
+def test_custom_op_output_never_aliases_its_input(hook):
+    logits = torch.randn(2, 16)
+    weights, ids = select_topk(logits, 4)
+    w, i = torch.ops.moe_cohort.plugin_route(logits, weights, ids, 0)  # no step: unchanged values
+    assert torch.equal(w, weights) and w.data_ptr() != weights.data_ptr() and i.data_ptr() != ids.data_ptr()
+
+
+def test_route_safely_keeps_the_router_choice_when_the_hook_fails(hook, monkeypatch, caplog):
+    def broken(*args):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(hook, "route", broken)
+    weights, ids = torch.rand(2, 4), torch.zeros(2, 4, dtype=torch.int32)
+    assert vllm_patches.route_safely(0, torch.randn(2, 16), weights, ids) == (weights, ids)
+    assert "routing failed in MoE layer 0" in caplog.text
+
+
+def test_layer_info_describes_plain_and_special_routers():
+    plain = SimpleNamespace(top_k=8, global_num_experts=128, renormalize=False, scoring_func="softmax")
+    assert vllm_patches.layer_info(plain) == LayerInfo(8, 128, renormalize=False)
+    biased = SimpleNamespace(top_k=8, global_num_experts=256, scoring_func="sigmoid",
+                             e_score_correction_bias=torch.zeros(256), routed_scaling_factor=2.5)
+    info = vllm_patches.layer_info(biased)
+    assert info.scoring == "sigmoid" and info.scale == 2.5 and not info.supports_policies
+
+
+@pytest.mark.parametrize("config, expected", [
+    (SimpleNamespace(num_experts_per_tok=8, num_experts=128), {"top_k": 8, "num_experts": 128}),  # Qwen3-MoE
+    (SimpleNamespace(num_experts_per_tok=2, num_local_experts=8), {"top_k": 2, "num_experts": 8}),  # Mixtral
+    (SimpleNamespace(num_experts_per_tok=6, n_routed_experts=64), {"top_k": 6, "num_experts": 64}),  # DeepSeek
+    (SimpleNamespace(hidden_size=64), {}),  # dense model: nothing to check
+])
+def test_model_limits(config, expected):
+    assert vllm_patches.model_limits(config) == expected
+
+
+@pytest.mark.skipif(not has_vllm, reason="vLLM is not installed")
+def test_validation_raises_vllm_400_errors_and_skips_the_prefix_cache(monkeypatch):
+    from vllm.exceptions import VLLMValidationError
+
+    from backend.vllm_plugin import PluginConfig
+
+    config = PluginConfig.from_env({})
+    monkeypatch.setattr(vllm_patches, "_MODEL_LIMITS", {"top_k": 4, "num_experts": 16})
+
+    def params(extra):
+        return SimpleNamespace(extra_args=extra, skip_reading_prefix_cache=None)
+
+    with pytest.raises(VLLMValidationError, match="invalid vllm_xargs.moe_routing: oea: key 'k0' must be <= top_k=4"):
+        vllm_patches.validate_extra_args(params({"moe_routing": "oea;k0=5"}), config)
+    with pytest.raises(VLLMValidationError, match="invalid vllm_xargs.moe_record"):
+        vllm_patches.validate_extra_args(params({"moe_record": "x"}), config)
+    for extra, skips in [({"moe_routing": LYNX.name + ";drop=2"}, None),  # decode only: cache is fine
+                         ({"moe_routing": "xshare;m=4"}, True),  # changes prefill: compute it
+                         ({"moe_record": True}, True),  # recording needs every position computed
+                         ({}, None)]:
+        p = params(extra)
+        vllm_patches.validate_extra_args(p, config)
+        assert p.skip_reading_prefix_cache is skips
+
+
+def _engine_config(v2=False, cudagraph="NONE"):
+    return SimpleNamespace(use_v2_model_runner=v2,
+                           compilation_config=SimpleNamespace(cudagraph_mode=SimpleNamespace(name=cudagraph)))
+
+
+def test_engine_settings_that_would_bypass_the_plugin_are_refused():
+    vllm_patches.check_engine_config(_engine_config())  # V1 runner, no CUDA graphs: fine
+    with pytest.raises(RuntimeError, match="VLLM_USE_V2_MODEL_RUNNER=0"):
+        vllm_patches.check_engine_config(_engine_config(v2=True))
+    with pytest.raises(RuntimeError, match="--enforce-eager"):
+        vllm_patches.check_engine_config(_engine_config(cudagraph="FULL_AND_PIECEWISE"))
+
+
+@pytest.mark.skipif(not has_vllm, reason="vLLM is not installed")
+def test_register_is_idempotent_and_patches_once():
+    """In a fresh process (patching vLLM classes must not leak into this one)."""
+    import subprocess
+    import sys
+
+    code = """
+from backend.vllm_plugin import register
+register(); register()
+from vllm.model_executor.layers.fused_moe.router.fused_moe_router import FusedMoERouter
+from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+from vllm.sampling_params import SamplingParams
+for fn in (FusedMoERouter.select_experts, GPUModelRunner._model_forward, SamplingParams._verify_args):
+    assert hasattr(fn, "__wrapped__") and not hasattr(fn.__wrapped__, "__wrapped__"), fn
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
