@@ -218,7 +218,10 @@ def test_recorded_traces_load_and_match_the_router(server, client, trace_dir, re
     jobs = [(f"Translate to French number {i}: good morning", pol, True, f"rec{i}")
             for i, pol in enumerate(["topk", MOE_SPEC, "topk", MOE_SPEC, "topk"])]
     before = _metrics(server)
-    responses = _concurrently(lambda p, pol, rec, rid: _complete(client, p, pol, rec, rid), jobs)
+    with cf.ThreadPoolExecutor(1) as pool:  # a long top-k request that every job's decode steps overlap
+        anchor = pool.submit(_complete, client, "anchor", max_tokens=600)
+        responses = _concurrently(lambda p, pol, rec, rid: _complete(client, p, pol, rec, rid), jobs)
+        anchor.result()
     # top-k and moe-spec requests shared decode forwards, so the checks below show that each
     # policy applied to its own tokens only
     assert _delta(_metrics(server), before, "cohort_moe_batch_layer_forwards_total", "decode", "mixed") > 0

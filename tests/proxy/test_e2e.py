@@ -113,7 +113,7 @@ def test_client_disconnect_aborts_the_backend_request(proxy, vllm_server):
     warm = {"model": "tiny", "prompt": "warm", "max_tokens": 4, "stream": True}
     httpx.post(vllm_server.url + "/v1/completions", json=warm, timeout=60)  # a cold server streams its first request late
     before = _vllm_metric(vllm_server, "vllm:generation_tokens_total")
-    body = {"model": "tiny", "prompt": "count", "max_tokens": 1000, "n": 16, "ignore_eos": True, "stream": True}
+    body = {"model": "tiny", "prompt": "count", "max_tokens": 1000, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", proxy.url + "/v1/completions", json=body, timeout=30) as resp:
         next(resp.iter_raw())  # the first chunk arrives, then the client hangs up
     deadline = time.monotonic() + 30
@@ -121,7 +121,7 @@ def test_client_disconnect_aborts_the_backend_request(proxy, vllm_server):
         assert time.monotonic() < deadline, "the request is still running at vLLM"
         time.sleep(0.1)
     generated = _vllm_metric(vllm_server, "vllm:generation_tokens_total") - before
-    assert 0 < generated < 16000  # stopped early: vLLM aborted it when the proxy closed the stream
+    assert 0 < generated < 1000  # stopped early: vLLM aborted it when the proxy closed the stream
 
 
 def test_proxy_metrics_and_health(proxy):
