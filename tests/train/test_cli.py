@@ -1,0 +1,76 @@
+"""`cohort train` end to end: clear errors before any model is loaded, and a short real run."""
+
+import json
+
+import numpy as np
+import pytest
+
+import train.finetune
+from cohort.cli import main
+from traces.format import save_traces
+from traces.synthetic import synthetic_traces
+
+
+@pytest.fixture
+def no_model_loading(monkeypatch):
+    def refuse(base):
+        raise AssertionError("a model was loaded before the traces were checked")
+
+    monkeypatch.setattr(train.finetune, "_load_base", refuse)
+
+
+def run(capsys, *argv):
+    code = main(["train", *map(str, argv)])
+    return code, capsys.readouterr().out
+
+
+def test_traces_without_texts_fail_before_any_model_is_loaded(tmp_path, capsys, no_model_loading):
+    ts = synthetic_traces(30, seed=0)
+    path = save_traces(tmp_path / "t.npz", type(ts)(**{**ts.__dict__, "texts": None}))
+    code, out = run(capsys, "--traces", path, "--base", "any-model", "--output", tmp_path / "m")
+    assert code == 2 and "no prompt texts" in out
+    assert not (tmp_path / "m").exists()
+
+
+def test_traces_with_wrong_shapes_fail_with_the_reason(tmp_path, capsys, no_model_loading):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"id": "a", "text": "x", "experts": [[[0, 1]], [[2, 3]]]}) + "\n"
+                   + json.dumps({"id": "b", "text": "y", "experts": [[[0, 1], [1, 2]]]}) + "\n")
+    code, out = run(capsys, "--traces", bad, "--base", "any-model", "--output", tmp_path / "m")
+    assert code == 2 and "cohort train: error:" in out and "same number of layers" in out
+
+
+def test_a_missing_trace_file_and_bad_options_are_errors(tmp_path, capsys, no_model_loading):
+    code, out = run(capsys, "--traces", tmp_path / "none.npz", "--base", "m", "--output", tmp_path / "m")
+    assert code == 2 and "no such file" in out
+    path = save_traces(tmp_path / "t.npz", synthetic_traces(30, seed=0))
+    code, out = run(capsys, "--traces", path, "--base", "m", "--output", tmp_path / "m", "--holdout", "1.5")
+    assert code == 2 and "holdout" in out
+
+
+def test_a_non_empty_output_needs_resume(tmp_path, capsys, no_model_loading):
+    path = save_traces(tmp_path / "t.npz", synthetic_traces(30, seed=0))
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "something").write_text("x")
+    code, out = run(capsys, "--traces", path, "--base", "m", "--output", tmp_path / "m")
+    assert code == 2 and "--resume" in out
+
+
+def test_a_short_run_saves_a_model_and_reports_the_correlations(tmp_path, capsys, tiny_model_dir):
+    from sentence_transformers import SentenceTransformer
+
+    path = save_traces(tmp_path / "t.npz", synthetic_traces(60, seed=1))
+    code, out = run(capsys, "--traces", path, "--base", tiny_model_dir, "--output", tmp_path / "m", "--max-pairs", "64",
+                    "--batch-size", "16", "--no-progress")
+    assert code == 0, out
+    assert "saved the fine-tuned encoder" in out and "held-out Spearman" in out
+    model = SentenceTransformer(str(tmp_path / "m"), device="cpu")
+    assert model.encode(["sum integer equation"]).shape == (1, 32)
+    assert np.isfinite(json.loads((tmp_path / "m" / "training.json").read_text())["spearman_after"]["all_pairs"])
+
+
+def test_a_base_model_that_cannot_be_found_is_a_clear_error(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    path = save_traces(tmp_path / "t.npz", synthetic_traces(30, seed=0))
+    code, out = run(capsys, "--traces", path, "--base", tmp_path / "no-such-model", "--output", tmp_path / "m")
+    assert code == 2 and "cohort train: error:" in out

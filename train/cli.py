@@ -1,0 +1,64 @@
+"""`cohort train`: fine-tune a sentence encoder on expert traces so that cosine tracks expert overlap."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from encoder.embedding import DEFAULT_MODEL
+from traces.format import TraceFormatError
+from traces.importers import load_traces
+from train.targets import DEFAULT_TARGET, TARGETS
+from train.finetune import LOSSES, TrainConfig, TrainDataError, check_traces, check_output, train_encoder
+
+_DEFAULTS = TrainConfig()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--traces", required=True, help="trace file or directory with prompt texts (see `cohort traces`)")
+    parser.add_argument("--base", default=DEFAULT_MODEL,
+                        help="base sentence-transformers model: a local folder, a hub name (online), or the bundled "
+                             "offline default %(default)s")
+    parser.add_argument("--output", required=True, help="folder for the fine-tuned model (a sentence-transformers folder)")
+    parser.add_argument("--epochs", type=float, default=_DEFAULTS.epochs, help="passes over the pairs (default %(default)s)")
+    parser.add_argument("--max-pairs", type=int, default=_DEFAULTS.max_pairs, help="training pairs (default %(default)s)")
+    parser.add_argument("--batch-size", type=int, default=_DEFAULTS.batch_size, help="pairs per step (default %(default)s)")
+    parser.add_argument("--learning-rate", type=float, default=_DEFAULTS.learning_rate, help="default %(default)s")
+    parser.add_argument("--max-seq-length", type=int, default=_DEFAULTS.max_seq_length,
+                        help="truncate texts to this many word pieces, in training and in the saved model; 0 keeps the base's (default %(default)s)")
+    parser.add_argument("--target", choices=TARGETS, default=DEFAULT_TARGET, help="overlap target (default %(default)s)")
+    parser.add_argument("--loss", choices=LOSSES, default=_DEFAULTS.loss, help="sentence-transformers loss (default %(default)s)")
+    parser.add_argument("--holdout", type=float, default=_DEFAULTS.holdout,
+                        help="share of requests held out for the before/after report (default %(default)s)")
+    parser.add_argument("--seed", type=int, default=_DEFAULTS.seed, help="split, pair sampling and training seed (default %(default)s)")
+    parser.add_argument("--save-steps", type=int, default=_DEFAULTS.save_steps, help="checkpoint every N steps (default %(default)s)")
+    parser.add_argument("--resume", action="store_true", help="continue the run in --output from its newest checkpoint")
+    parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+
+
+def run(args: argparse.Namespace) -> int:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        config = TrainConfig(epochs=args.epochs, max_pairs=args.max_pairs, batch_size=args.batch_size,
+                             learning_rate=args.learning_rate, max_seq_length=args.max_seq_length or None,
+                             target=args.target, loss=args.loss, holdout=args.holdout, seed=args.seed,
+                             save_steps=args.save_steps)
+        ts = load_traces(args.traces)
+        check_traces(ts, config.holdout)  # before any model is loaded
+        check_output(Path(args.output), args.resume)
+    except (TraceFormatError, TrainDataError, ValueError, OSError) as exc:
+        print(f"cohort train: error: {exc}")
+        return 2
+    print(f"training on {len(ts)} requests of {args.traces} (holdout {config.holdout:.0%}), base {args.base}")
+    try:
+        result = train_encoder(ts, args.base, args.output, config, resume=args.resume, progress=not args.no_progress)
+    except (TrainDataError, OSError, ValueError) as exc:  # OSError: e.g. a base model that cannot be found
+        print(f"cohort train: error: {exc}")
+        return 2
+    print(f"saved the fine-tuned encoder to {result.output} ({result.device}, {result.train_seconds:.0f} s of training; "
+          f"pairs {result.pair_counts})")
+    for name in result.spearman_after:
+        print(f"held-out Spearman(cosine, {config.target}) on {name.replace('_', ' ')}: "
+              f"{result.spearman_before[name]:.3f} before, {result.spearman_after[name]:.3f} after")
+    return 0
