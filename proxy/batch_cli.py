@@ -15,7 +15,7 @@ import asyncio
 import sys
 from pathlib import Path
 
-from proxy.settings import Settings, SettingsError, load_settings
+from proxy.settings import Settings, SettingsError, add_setting_flags, flag_overrides, load_settings
 
 # flag -> Settings field (defaults live in Settings and COHORT_* variables)
 _FLAGS = {
@@ -39,8 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run_parser.add_argument("--input", required=True, type=Path, help="OpenAI Batch JSONL (custom_id, method, url, body)")
     run_parser.add_argument("--output", required=True, type=Path, help="results JSONL (OpenAI Batch output lines)")
     run_parser.add_argument("--errors", type=Path, help="error JSONL (default: OUTPUT's stem + .errors.jsonl)")
-    for flag, (dest, kind, help_text) in _FLAGS.items():
-        run_parser.add_argument(flag, dest=dest, type=kind, help=f"{help_text} (env COHORT_{dest.upper()})")
+    add_setting_flags(run_parser, _FLAGS)
     run_parser.add_argument("--skip-invalid", action="store_true", help="write bad lines to the error file and go on")
     run_parser.add_argument("--dry-run", action="store_true", help="validate and plan only; write the plan, send nothing")
     run_parser.add_argument("--plan", type=Path, help="where --dry-run writes the plan (default: OUTPUT + .plan.jsonl)")
@@ -49,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        settings = load_settings({dest: getattr(args, dest) for dest, _, _ in _FLAGS.values()})
+        settings = load_settings(flag_overrides(args, _FLAGS))
     except SettingsError as exc:
         return _fail(str(exc))
     if not settings.backend_url and not args.dry_run:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from proxy.settings import Settings, SettingsError, load_settings
+from proxy.settings import Settings, SettingsError, add_setting_flags, flag_overrides, load_settings
 
 # flag -> Settings field; defaults live in Settings (and COHORT_* variables), not here
 _FLAGS = {
@@ -26,15 +26,14 @@ _FLAGS = {
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    for flag, (dest, kind, help_text) in _FLAGS.items():
-        parser.add_argument(flag, dest=dest, type=kind, help=f"{help_text} (env COHORT_{dest.upper()})")
+    add_setting_flags(parser, _FLAGS)
     parser.add_argument("--api-key", dest="api_keys", action="append", help="accept this proxy API key (repeatable)")
     parser.add_argument("--log-prompts", action="store_true", default=None, help="log prompt texts (off: they are user data)")
     parser.add_argument("--model-dir", help="tiny MoE folder for the embedded backend (built there if missing)")
 
 
 def run(args: argparse.Namespace) -> int:
-    overrides = {dest: getattr(args, dest) for dest, _, _ in _FLAGS.values()}
+    overrides = flag_overrides(args, _FLAGS)
     overrides.update(api_keys=tuple(args.api_keys) if args.api_keys else None, log_prompts=args.log_prompts)
     try:
         settings = load_settings(overrides)

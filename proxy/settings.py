@@ -73,6 +73,21 @@ class Settings:
         return dataclasses.replace(self, **changes)
 
 
+# A CLI's flag table: flag -> (Settings field, type, help). Defaults stay in Settings and COHORT_*.
+FlagTable = dict[str, tuple[str, type, str]]
+
+
+def add_setting_flags(parser, flags: FlagTable) -> None:
+    """Add one argparse option per flag, defaulting to None so unset flags fall back to env/defaults."""
+    for flag, (dest, kind, help_text) in flags.items():
+        parser.add_argument(flag, dest=dest, type=kind, help=f"{help_text} (env {ENV_PREFIX}{dest.upper()})")
+
+
+def flag_overrides(args, flags: FlagTable) -> dict[str, object]:
+    """The Settings overrides that the parsed `args` carry for `flags` (None where not given)."""
+    return {dest: getattr(args, dest) for dest, _, _ in flags.values()}
+
+
 def load_settings(overrides: Mapping[str, object] | None = None, environ: Mapping[str, str] | None = None) -> Settings:
     """Defaults, then `COHORT_*` variables from `environ` (os.environ), then non-None `overrides`."""
     environ = os.environ if environ is None else environ
