@@ -12,9 +12,9 @@ and planner (plan function), the batcher and the metrics.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 
-import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -38,11 +38,11 @@ PATHS: dict[Route, str] = {"chat": "/v1/chat/completions", "completion": "/v1/co
 class Proxy:
     """The request path, independent of routing: auth, parse, admit, forward, relay."""
 
-    def __init__(self, settings: Settings, plan_fn: PlanFn, transport: httpx.AsyncBaseTransport | None = None) -> None:
+    def __init__(self, settings: Settings, plan_fn: PlanFn) -> None:
         self.settings = settings
         self.metrics = ProxyMetrics()
         self.backend = BackendClient(settings.backend_url, timeout_s=settings.request_timeout_s,
-                                     connect_timeout_s=settings.connect_timeout_s, transport=transport)
+                                     connect_timeout_s=settings.connect_timeout_s)
         self.batcher = Batcher(plan_fn, self.metrics, batch_size=settings.batch_size, flush_size=settings.flush_size,
                                max_wait_s=settings.max_wait_ms / 1000, max_queue_s=settings.max_queue_ms / 1000,
                                max_in_flight=settings.max_in_flight)
@@ -91,20 +91,25 @@ class Proxy:
             self.batcher.release()
         self.metrics.requests.labels(preq.route, str(answer.status_code)).inc()
         return Response(answer.content, status_code=answer.status_code, headers=cohort_headers(admission),
-                        media_type=answer.headers.get("content-type", "application/json"))
+                        media_type=answer.content_type)
 
 
-def create_app(settings: Settings | None = None, *, transport: httpx.AsyncBaseTransport | None = None) -> FastAPI:
-    """The ASGI app; `transport` replaces the network to the backend (tests of failures only)."""
+def create_app(settings: Settings | None = None) -> FastAPI:
+    """The ASGI app."""
     settings = settings or load_settings()
     if not settings.backend_url:
         raise ValueError("settings.backend_url is empty; pass --backend URL (or run `cohort serve` without it "
                          "to start the embedded vLLM backend)")
-    proxy = Proxy(settings, make_plan_fn(settings), transport)
+    proxy = Proxy(settings, make_plan_fn(settings))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         await batch_jobs.resume()  # batches that were running when the proxy stopped
+        # Everything loaded so far (encoder, FAISS, the app) lives as long as the process: keep it out
+        # of the garbage collector's full passes, which otherwise pause every request for 10-100 ms
+        # now and then (vLLM's API server does the same after startup).
+        gc.collect()
+        gc.freeze()
         yield
         await batch_jobs.close()
         await proxy.close()

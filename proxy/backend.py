@@ -1,71 +1,115 @@
-"""The HTTP client for the vLLM backend; transport failures become proxy errors here, at the boundary."""
+"""The HTTP client for the vLLM backend; transport failures become proxy errors here, at the boundary.
+
+It is aiohttp rather than httpx: on the proxy's hot path httpx cost ~0.8 ms of CPU per request
+(most of it httpcore scanning its connection pool), aiohttp about a quarter of that; see
+benchmarks/bench_proxy.py. The session is made lazily in the running event loop (aiohttp
+sessions belong to one loop).
+"""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import json as jsonlib
 import logging
+from dataclasses import dataclass
 from typing import AsyncIterator
 
-import httpx
+import aiohttp
 
 from proxy.errors import BackendStatusError, BackendTimeout, BackendUnreachable
 
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class BackendAnswer:
+    """A whole backend response."""
+
+    status_code: int
+    content: bytes
+    content_type: str
+
+    @property
+    def text(self) -> str:
+        return self.content.decode("utf-8", errors="replace")
+
+
 class BackendClient:
-    """POST/GET to `base_url` (the server root, without /v1) with one pooled httpx.AsyncClient."""
+    """POST/GET to `base_url` (the server root, without /v1) over one pooled keep-alive session."""
 
     def __init__(self, base_url: str, *, timeout_s: float = 600.0, connect_timeout_s: float = 5.0,
-                 max_connections: int = 512, transport: httpx.AsyncBaseTransport | None = None) -> None:
+                 max_connections: int = 512) -> None:
         self.base_url = base_url.rstrip("/")
-        self._client = httpx.AsyncClient(
-            base_url=self.base_url, transport=transport,
-            timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
-            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
-        )
+        self.max_connections = max_connections
+        # timeout_s bounds each wait for bytes (a whole answer, or the next chunk of a stream)
+        self.timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s, sock_read=timeout_s)
+        self._session: aiohttp.ClientSession | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     async def close(self) -> None:
-        await self._client.aclose()
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
 
     async def request(self, method: str, path: str, *, json: dict | None = None,
-                      headers: dict[str, str] | None = None) -> httpx.Response:
+                      headers: dict[str, str] | None = None) -> BackendAnswer:
         """Send and read the whole answer; raise BackendStatusError for 4xx/5xx."""
         with _translated(self.base_url):
-            response = await self._client.request(method, path, json=json, headers=headers)
-        _raise_for_status(response, response.content)
-        return response
+            async with self._send(method, path, json, headers) as response:
+                answer = BackendAnswer(response.status, await response.read(),
+                                       response.headers.get("content-type", "application/json"))
+        if answer.status_code >= 400:
+            raise BackendStatusError(answer.status_code, answer.content, answer.content_type)
+        return answer
 
     @contextlib.asynccontextmanager
     async def stream(self, path: str, *, json: dict, headers: dict[str, str] | None = None
-                     ) -> AsyncIterator[httpx.Response]:
+                     ) -> AsyncIterator[aiohttp.ClientResponse]:
         """Open a streaming POST; the caller iterates `iter_raw(response)`. Leaving the block closes
         the connection, which makes vLLM abort the request (how a client disconnect propagates)."""
         with _translated(self.base_url):
-            async with self._client.stream("POST", path, json=json, headers=headers) as response:
-                if response.status_code >= 400:
-                    _raise_for_status(response, await response.aread())
-                yield response
+            response = await self._send("POST", path, json, headers)
+        try:
+            if response.status >= 400:
+                with _translated(self.base_url):
+                    content = await response.read()
+                raise BackendStatusError(response.status, content, response.headers.get("content-type", "application/json"))
+            yield response
+        finally:
+            response.release()  # back to the pool when read to the end, else the connection is closed
 
-    async def iter_raw(self, response: httpx.Response) -> AsyncIterator[bytes]:
+    async def iter_raw(self, response: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
         """The bytes of an open stream as they arrive; a broken connection becomes a BackendError."""
         with _translated(self.base_url):
-            async for chunk in response.aiter_raw():
+            async for chunk in response.content.iter_any():
                 yield chunk
 
+    def _send(self, method: str, path: str, body: dict | None, headers: dict[str, str] | None):
+        if body is not None:
+            headers = {**(headers or {}), "content-type": "application/json"}
+        data = None if body is None else jsonlib.dumps(body).encode()
+        return self._client().request(method, self.base_url + path, data=data, headers=headers)
 
-def _raise_for_status(response: httpx.Response, content: bytes) -> None:
-    if response.status_code >= 400:
-        raise BackendStatusError(response.status_code, content, response.headers.get("content-type", "application/json"))
+    def _client(self) -> aiohttp.ClientSession:
+        loop = asyncio.get_running_loop()
+        if self._session is None or self._session.closed or self._loop is not loop:
+            if self._session is not None and not self._session.closed:
+                log.debug("event loop changed; opening a new backend session")
+                self._session.detach()
+            connector = aiohttp.TCPConnector(limit=self.max_connections, ttl_dns_cache=300)
+            self._session = aiohttp.ClientSession(connector=connector, timeout=self.timeout)
+            self._loop = loop
+        return self._session
 
 
 @contextlib.contextmanager
 def _translated(base_url: str):
     try:
         yield
-    except httpx.TimeoutException as exc:
+    except TimeoutError as exc:  # aiohttp's connect and read timeouts are TimeoutErrors
         raise BackendTimeout(f"the backend at {base_url} did not answer in time ({type(exc).__name__}); "
                              f"raise --request-timeout-s or check the backend's load") from exc
-    except (httpx.TransportError, OSError) as exc:
+    except (aiohttp.ClientError, OSError) as exc:
         raise BackendUnreachable(f"cannot reach the backend at {base_url} ({type(exc).__name__}: {exc}); "
                                  f"is vLLM running there?") from exc

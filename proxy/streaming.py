@@ -66,7 +66,7 @@ class StreamRelay:
         stream = self.proxy.backend.stream(self.path, json=self.preq.body, headers=self.headers)
         self._response = await stream.__aenter__()  # raises on a backend error status
         self._stream = stream
-        self.proxy.metrics.requests.labels(self.preq.route, str(self._response.status_code)).inc()
+        self.proxy.metrics.requests.labels(self.preq.route, str(self._response.status)).inc()
 
     async def _relay(self) -> AsyncIterator[bytes]:
         try:

@@ -1,11 +1,11 @@
 """The runner against failures a real vLLM cannot produce on demand (429, 503, hangs, a dead backend):
-the backend is an httpx.MockTransport. Successful runs against real vLLM are in test_batch_e2e.py."""
+the backend is a throwaway local server (local_backend.py). Successful runs against real vLLM are in
+test_batch_e2e.py."""
 
 import asyncio
 import json
 from collections import Counter
 
-import httpx
 import pytest
 
 from proxy.backend import BackendClient
@@ -13,6 +13,7 @@ from proxy.batch_runner import RunAborted, RunConfig, execute, plan_requests
 from proxy.batchfile import read_batch_file
 from proxy.journal import Journal, JournalPaths
 from proxy.planning import arrival_batches
+from tests.proxy.local_backend import answer, body_of, drop, local_backend
 
 OK = {"id": "cmpl", "object": "text_completion", "choices": [{"index": 0, "text": "ok"}],
       "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}
@@ -26,17 +27,19 @@ def batch_file(tmp_path, ids):
     return read_batch_file(path, default_policy="topk", max_line_bytes=10_000)
 
 
-def run(tmp_path, parsed, handler, config=CONFIG):
+def run(tmp_path, parsed, handler, config=CONFIG, plan_fn=arrival_batches):
+    """Execute `parsed` against a local server answering with `handler`; (stats, journal paths)."""
     paths = JournalPaths.for_output(tmp_path / "out.jsonl")
 
     async def main():
-        backend = BackendClient("http://vllm.test", transport=httpx.MockTransport(handler))
-        journal = Journal.open(paths, {"input_sha256": parsed.sha256, "input_bytes": parsed.size})
-        try:
-            return await execute(parsed, journal, backend, arrival_batches, config)
-        finally:
-            journal.close()
-            await backend.close()
+        async with local_backend(handler) as url:
+            backend = BackendClient(url, timeout_s=0.3)
+            journal = Journal.open(paths, {"input_sha256": parsed.sha256, "input_bytes": parsed.size})
+            try:
+                return await execute(parsed, journal, backend, plan_fn, config)
+            finally:
+                journal.close()
+                await backend.close()
 
     return asyncio.run(main()), paths
 
@@ -48,18 +51,18 @@ def read_lines(path):
 def test_retries_with_backoff_then_the_backends_message_goes_to_the_error_file(tmp_path):
     calls = Counter()
 
-    def backend(request):
-        prompt = json.loads(request.content)["prompt"]
+    async def backend(request):
+        prompt = (await body_of(request))["prompt"]
         calls[prompt] += 1
         if prompt == "flaky" and calls[prompt] <= 2:
-            return httpx.Response(429, json={"error": {"message": "slow down"}})
+            return answer({"error": {"message": "slow down"}}, status=429)
         if prompt == "hang" and calls[prompt] == 1:
-            raise httpx.ReadTimeout("timed out", request=request)
+            await asyncio.sleep(2)  # past the client's 0.3 s timeout
         if prompt == "down":
-            return httpx.Response(503, json={"error": {"message": "engine overloaded", "code": 503}})
+            return answer({"error": {"message": "engine overloaded", "code": 503}}, status=503)
         if prompt == "bad":
-            return httpx.Response(400, json={"error": {"message": "prompt too long", "type": "BadRequestError"}})
-        return httpx.Response(200, json=OK)
+            return answer({"error": {"message": "prompt too long", "type": "BadRequestError"}}, status=400)
+        return answer(OK)
 
     stats, paths = run(tmp_path, batch_file(tmp_path, ["a", "flaky", "hang", "down", "bad", "b"]), backend)
     assert calls == {"a": 1, "b": 1, "flaky": 3, "hang": 2, "down": 4, "bad": 1}  # 503: 1 + max_retries
@@ -73,10 +76,10 @@ def test_retries_with_backoff_then_the_backends_message_goes_to_the_error_file(t
 
 
 def test_timeouts_after_all_retries_fail_the_request_only(tmp_path):
-    def backend(request):
-        if json.loads(request.content)["prompt"] == "slow":
-            raise httpx.ReadTimeout("timed out", request=request)
-        return httpx.Response(200, json=OK)
+    async def backend(request):
+        if (await body_of(request))["prompt"] == "slow":
+            await asyncio.sleep(2)  # past the client's 0.3 s timeout
+        return answer(OK)
 
     stats, paths = run(tmp_path, batch_file(tmp_path, ["slow", "fast"]), backend)
     (err,) = read_lines(paths.errors)
@@ -88,13 +91,13 @@ def test_unreachable_backend_stops_the_run_and_a_rerun_finishes_it(tmp_path):
     parsed = batch_file(tmp_path, [f"r{i}" for i in range(12)])
     state = {"up": True, "served": 0}
 
-    def backend(request):
+    async def backend(request):
         if not state["up"]:
-            raise httpx.ConnectError("connection refused", request=request)
+            return drop(request)
         state["served"] += 1
         if state["served"] == 5:
             state["up"] = False  # the backend dies after 5 answers
-        return httpx.Response(200, json=OK)
+        return answer(OK)
 
     with pytest.raises(RunAborted, match="cannot reach the backend"):
         run(tmp_path, parsed, backend)
@@ -112,29 +115,18 @@ def test_dispatch_follows_the_plan_with_bounded_concurrency(tmp_path):
     order, in_flight, peak = [], [0], [0]
 
     async def backend(request):
-        order.append(json.loads(request.content)["prompt"])
+        order.append((await body_of(request))["prompt"])
         in_flight[0] += 1
         peak[0] = max(peak[0], in_flight[0])
         await asyncio.sleep(0.01)
         in_flight[0] -= 1
-        return httpx.Response(200, json=OK)
+        return answer(OK)
 
     def reverse_plan(texts, batch_size):  # a planner that reverses the file
         idx = list(range(len(texts)))[::-1]
         return [idx[i:i + batch_size] for i in range(0, len(idx), batch_size)]
 
-    paths = JournalPaths.for_output(tmp_path / "out.jsonl")
-
-    async def main():
-        client = BackendClient("http://vllm.test", transport=httpx.MockTransport(backend))
-        journal = Journal.open(paths, {"input_sha256": parsed.sha256, "input_bytes": parsed.size})
-        try:
-            await execute(parsed, journal, client, reverse_plan, RunConfig(batch_size=4, concurrency=2, metrics_interval_s=0))
-        finally:
-            journal.close()
-            await client.close()
-
-    asyncio.run(main())
+    run(tmp_path, parsed, backend, RunConfig(batch_size=4, concurrency=2, metrics_interval_s=0), reverse_plan)
     assert order == [f"r{i}" for i in range(9, -1, -1)] and peak[0] == 2
 
 

@@ -1,0 +1,97 @@
+"""The backend client's connection handling against a local server: keep-alive reuse (the proxy's
+latency depends on it), a finished stream returning its connection, an abandoned stream closing
+its own (how vLLM learns to abort), and errors translated at the boundary."""
+
+import asyncio
+
+import pytest
+from aiohttp import web
+
+from proxy.backend import BackendClient
+from proxy.errors import BackendStatusError
+from tests.proxy.local_backend import answer, local_backend
+
+
+def peer_port(request) -> int:
+    return request.transport.get_extra_info("peername")[1]
+
+
+async def serve_and_record(ports: list[int], request):
+    ports.append(peer_port(request))
+    if request.path == "/stream":
+        response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await response.prepare(request)
+        for i in range(3):
+            await response.write(f"data: {i}\n\n".encode())
+            await asyncio.sleep(0.01)
+        await response.write_eof()
+        return response
+    return answer({"path": request.path})
+
+
+def test_requests_reuse_one_connection_and_stream_end_returns_it():
+    ports: list[int] = []
+
+    async def main():
+        async with local_backend(lambda r: serve_and_record(ports, r)) as url:
+            client = BackendClient(url)
+            try:
+                for _ in range(3):
+                    assert (await client.request("POST", "/a", json={"x": 1})).content == b'{"path": "/a"}'
+                async with client.stream("/stream", json={}) as response:
+                    chunks = [c async for c in client.iter_raw(response)]
+                await client.request("GET", "/b")
+            finally:
+                await client.close()
+        return chunks
+
+    chunks = asyncio.run(main())
+    assert b"".join(chunks) == b"data: 0\n\ndata: 1\n\ndata: 2\n\n"
+    assert len(ports) == 5 and len(set(ports)) == 1
+
+
+def test_abandoned_stream_closes_its_connection():
+    disconnected = asyncio.Event()
+
+    async def endless(request):
+        response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await response.prepare(request)
+        try:
+            while True:
+                await response.write(b"data: more\n\n")
+                await asyncio.sleep(0.01)
+        except (ConnectionError, asyncio.CancelledError):  # the server noticed the client leave
+            disconnected.set()
+            raise
+
+    async def main():
+        async with local_backend(endless) as url:
+            client = BackendClient(url)
+            try:
+                async with client.stream("/stream", json={}) as response:
+                    async for _ in client.iter_raw(response):
+                        break  # the client went away after the first chunk
+                await asyncio.wait_for(disconnected.wait(), timeout=5)
+            finally:
+                await client.close()
+
+    asyncio.run(main())  # times out unless the backend saw the connection close
+
+
+def test_error_status_keeps_the_backends_body_and_client_survives_a_new_event_loop():
+    async def handler(request):
+        return answer({"error": {"message": "no such model"}}, status=404)
+
+    async def call(client_or_none):
+        async with local_backend(handler) as url:
+            client = client_or_none or BackendClient(url)
+            client.base_url = url
+            with pytest.raises(BackendStatusError) as exc:
+                await client.request("POST", "/v1/completions", json={})
+            return client, exc.value
+
+    client, first = asyncio.run(call(None))
+    _, second = asyncio.run(call(client))  # the same client from another event loop (tests, reloads)
+    asyncio.run(client.close())
+    assert first.status_code == second.status_code == 404
+    assert first.content == b'{"error": {"message": "no such model"}}'
