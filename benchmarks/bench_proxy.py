@@ -1,10 +1,15 @@
 """Benchmark: what the proxy adds, and what planning buys, against one vLLM backend in one run.
 
-    python benchmarks/bench_proxy.py [--backend URL] [--requests-per-client 40]
+    python benchmarks/bench_proxy.py [--backend URL] [--requests-per-client 40] [--no-pin]
 
 Part 1, overhead (window at 0, no encoder): clients send tiny completions (max_tokens=1)
 directly to vLLM and through the proxy, alternating, at 1, 16 and 64 concurrent clients;
 prints latency p50/p99 and throughput of each, and the added p50/p99.
+CPUs: the embedded backend runs on the first half of this process's CPUs, the proxy and the
+load generator on the other half, as a proxy would run beside (not on) an inference server's
+cores. Without that split, on a 2-core machine vLLM's API server and engine core, the proxy and
+the clients all compete for two cores, and the "added" latency measures that contention rather
+than the proxy (--no-pin shows it).
 Part 2, planning (window on): the same prompts (../shared/data/prompts/mixed.jsonl) through the
 proxy in arrival order (encoder none) and planned (default encoder), 64 concurrent clients;
 prints the mean distinct experts per layer per decode forward from the plugin's counters, with
@@ -23,9 +28,10 @@ import re
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
-import httpx
+import aiohttp
 import numpy as np
 
 from backend.server import free_port
@@ -33,24 +39,46 @@ from backend.server import free_port
 PROMPTS = Path(__file__).resolve().parents[1] / "../shared/data/prompts/mixed.jsonl"
 
 
-async def client_loop(http: httpx.AsyncClient, url: str, body: dict, n: int, latencies: list[float]) -> None:
+async def post(http: aiohttp.ClientSession, url: str, body: dict) -> None:
+    async with http.post(url, json=body) as resp:
+        await resp.read()
+        resp.raise_for_status()
+
+
+async def client_loop(http: aiohttp.ClientSession, url: str, body: dict, n: int, latencies: list[float]) -> None:
     for _ in range(n):
         t = time.perf_counter()
-        resp = await http.post(url, json=body)
-        resp.raise_for_status()
+        await post(http, url, body)
         latencies.append(time.perf_counter() - t)
 
 
 async def load(url: str, clients: int, per_client: int) -> tuple[np.ndarray, float]:
     """Latencies [clients * per_client] in seconds and requests per second."""
-    body = {"model": "tiny", "prompt": "hi", "max_tokens": 1}
+    # the body vLLM gets either way: the proxy would add this policy field to a body without it
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 1, "vllm_xargs": {"moe_routing": "topk"}}
     latencies: list[float] = []
-    async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=clients)) as http:
-        await http.post(url, json=body)  # warm the connection pool and the server
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=clients)) as http:
+        warm: list[float] = []  # the connection pool, the server and the proxy at this concurrency
+        await asyncio.gather(*(client_loop(http, url, body, 3, warm) for _ in range(clients)))
         t = time.perf_counter()
         await asyncio.gather(*(client_loop(http, url, body, per_client, latencies) for _ in range(clients)))
         wall = time.perf_counter() - t
     return np.array(latencies), len(latencies) / wall
+
+
+def split_cpus() -> tuple[set[int], set[int]]:
+    """(backend CPUs, proxy + client CPUs): the first and second half of the CPUs we may use."""
+    cpus = sorted(os.sched_getaffinity(0))
+    half = max(1, len(cpus) // 2)
+    return set(cpus[:half]), set(cpus[half:] or cpus)
+
+
+def healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=1) as resp:
+            return resp.status == 200
+    except OSError:
+        return False
 
 
 def start_proxy(backend: str, *flags: str) -> tuple[subprocess.Popen, str]:
@@ -60,11 +88,9 @@ def start_proxy(backend: str, *flags: str) -> tuple[subprocess.Popen, str]:
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            time.sleep(0.2)
+        if healthy(url):
+            return proc, url
+        time.sleep(0.2)
     proc.kill()
     raise RuntimeError(f"proxy did not start: {' '.join(cmd)}")
 
@@ -92,7 +118,8 @@ def overhead(backend: str, concurrency: list[int], per_client: int) -> None:
 
 def decode_distinct(backend: str) -> tuple[float, float, float]:
     """(decode expert loads, decode layer-forwards, decode tokens x layers) from the plugin's counters."""
-    text = httpx.get(backend + "/metrics").text
+    with urllib.request.urlopen(backend + "/metrics", timeout=10) as resp:
+        text = resp.read().decode()
 
     def total(name: str) -> float:
         return sum(float(v) for v in re.findall(rf'^{name}\{{[^}}]*phase="decode"[^}}]*\}} ([0-9.e+]+)$', text, re.M))
@@ -106,15 +133,15 @@ async def send_prompts(url: str, prompts: list[str], clients: int, max_tokens: i
     for p in prompts:
         queue.put_nowait(p)
 
-    async def worker(http: httpx.AsyncClient) -> None:
+    async def worker(http: aiohttp.ClientSession) -> None:
         while not queue.empty():
             prompt = queue.get_nowait()
             body = {"model": "tiny", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
                     "ignore_eos": True}
-            (await http.post(url + "/v1/chat/completions", json=body)).raise_for_status()
+            await post(http, url + "/v1/chat/completions", body)
 
     t = time.perf_counter()
-    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=clients)) as http:
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=clients)) as http:
         await asyncio.gather(*(worker(http) for _ in range(clients)))
     return time.perf_counter() - t
 
@@ -146,15 +173,22 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=512, help="prompts of mixed.jsonl for part 2")
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--moe-layers", type=int, default=4, help="MoE layers of the backend's model (tiny MoE: 4)")
+    parser.add_argument("--no-pin", dest="pin", action="store_false",
+                        help="run backend, proxy and clients on all CPUs (default: split the CPUs)")
     args = parser.parse_args()
+    backend_cpus, client_cpus = split_cpus() if args.pin else (os.sched_getaffinity(0),) * 2
     server = None
     if not args.backend:
         from proxy.embedded import start_embedded_backend
 
+        os.sched_setaffinity(0, backend_cpus)  # vLLM's processes inherit it
         server = start_embedded_backend(max_num_seqs=64)
         args.backend = server.url
+    os.sched_setaffinity(0, client_cpus)  # the clients, and the proxy processes started from here
     try:
-        print(f"backend {args.backend}; proxy = `cohort serve` in its own process; {os.cpu_count()} CPUs")
+        where = f"backend on CPUs {sorted(backend_cpus)}, " if server else ""
+        print(f"backend {args.backend}; proxy = `cohort serve` in its own process; {os.cpu_count()} CPUs: "
+              f"{where}proxy and clients on CPUs {sorted(client_cpus)}")
         overhead(args.backend, [int(c) for c in args.concurrency.split(",")], args.requests_per_client)
         prompts = [json.loads(line)["text"] for line in PROMPTS.read_text().splitlines()][: args.prompts]
         planning(args.backend, prompts, 16, args.max_tokens, args.moe_layers)
