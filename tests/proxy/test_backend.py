@@ -9,7 +9,7 @@ from aiohttp import web
 
 from proxy.backend import BackendClient
 from proxy.errors import BackendStatusError
-from tests.proxy.local_backend import answer, local_backend
+from tests.proxy.servers import answer, local_backend
 
 
 def peer_port(request) -> int:

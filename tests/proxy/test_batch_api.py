@@ -12,7 +12,7 @@ import pytest
 from backend.server import free_port
 from proxy.app import create_app
 from proxy.settings import Settings
-from tests.proxy.test_e2e import ProxyThread
+from tests.proxy.servers import ProxyThread
 
 
 def request_line(cid, content, max_tokens=6, **body):

@@ -1,5 +1,5 @@
 """The runner against failures a real vLLM cannot produce on demand (429, 503, hangs, a dead backend):
-the backend is a throwaway local server (local_backend.py). Successful runs against real vLLM are in
+the backend is a throwaway local server (tests/proxy/servers.py). Successful runs against real vLLM are in
 test_batch_e2e.py."""
 
 import asyncio
@@ -13,7 +13,7 @@ from proxy.batch_runner import RunAborted, RunConfig, execute, plan_requests
 from proxy.batchfile import read_batch_file
 from proxy.journal import Journal, JournalPaths
 from proxy.planning import arrival_batches
-from tests.proxy.local_backend import answer, body_of, drop, local_backend
+from tests.proxy.servers import answer, body_of, drop, local_backend
 
 OK = {"id": "cmpl", "object": "text_completion", "choices": [{"index": 0, "text": "ok"}],
       "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}

@@ -2,41 +2,17 @@
 
 import asyncio
 import re
-import threading
 import time
 
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from backend.server import free_port
-from proxy.app import create_app
 from proxy.settings import Settings
+from tests.proxy.servers import ProxyThread
 
 MESSAGES = [{"role": "user", "content": "Write a poem about the sea"}]
-
-
-class ProxyThread:
-    """uvicorn serving the proxy app in a background thread."""
-
-    def __init__(self, settings: Settings) -> None:
-        self.server = uvicorn.Server(uvicorn.Config(create_app(settings), host="127.0.0.1", port=settings.port,
-                                                    log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.url = f"http://127.0.0.1:{settings.port}"
-
-    def __enter__(self):
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert time.monotonic() < deadline, "proxy did not start"
-            time.sleep(0.05)
-        return self
-
-    def __exit__(self, *exc):
-        self.server.should_exit = True
-        self.thread.join(10)
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
 """Failures a real vLLM cannot be made to produce on demand (5xx, hangs, dropped streams), and the
-proxy's own rejections. The backend is a throwaway local server (local_backend.py); the proxy runs
+proxy's own rejections. The backend is a throwaway local server (tests/proxy/servers.py); the proxy runs
 in-process behind httpx.ASGITransport."""
 
 import asyncio
@@ -11,9 +11,10 @@ import openai
 import pytest
 from aiohttp import web
 
+from backend.server import free_port
 from proxy.app import create_app
 from proxy.settings import Settings
-from tests.proxy.local_backend import answer, body_of, local_backend
+from tests.proxy.servers import ProxyThread, answer, body_of, local_backend
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
 OK_BODY = {"id": "x", "object": "chat.completion", "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}}]}
@@ -195,3 +196,32 @@ def test_streaming_request_gets_keepalives_while_queued():
     first, second = run(main())
     assert first.status_code == 200
     assert second.text.startswith(": queued\n\n") and second.text.endswith("data: [DONE]\n\n")
+
+
+def test_stream_chunks_are_relayed_as_they_arrive():
+    """The backend holds its second event until the client has the first: a buffering proxy hangs."""
+    first_seen = asyncio.Event()
+
+    async def backend(request):
+        response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(b'data: {"n": 1}\n\n')
+        await first_seen.wait()
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    async def main():
+        async with local_backend(backend) as url:
+            settings = Settings(backend_url=url, port=free_port(), encoder="none", max_wait_ms=0)
+            with ProxyThread(settings) as proxy:  # a real server: httpx.ASGITransport buffers whole bodies
+                async with httpx.AsyncClient(base_url=proxy.url, timeout=10) as c:
+                    async with c.stream("POST", "/v1/chat/completions", json={**CHAT, "stream": True}) as resp:
+                        chunks = resp.aiter_raw()
+                        first = await asyncio.wait_for(anext(chunks), timeout=5)
+                        first_seen.set()
+                        rest = b"".join([chunk async for chunk in chunks])
+        return first, rest
+
+    first, rest = run(main())
+    assert first == b'data: {"n": 1}\n\n' and rest == b"data: [DONE]\n\n"
