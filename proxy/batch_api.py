@@ -1,7 +1,9 @@
 """The OpenAI Files + Batch API on the proxy, for the official client's `files` and `batches` resources.
 
     POST /v1/files                      multipart: file, purpose=batch      -> File
+    GET  /v1/files?purpose=&limit=&order=&after=   cursor pagination        -> list of File
     GET  /v1/files/{file_id}                                                -> File
+    DELETE /v1/files/{file_id}          refused while a batch reads it      -> deletion status
     GET  /v1/files/{file_id}/content                                        -> the file's bytes
     POST /v1/batches                    {input_file_id, endpoint, completion_window, metadata}  -> Batch
     GET  /v1/batches/{batch_id}                                             -> Batch
@@ -44,6 +46,23 @@ def add_batch_api(app: FastAPI, proxy: "Proxy") -> BatchJobs:
         check_size(request.headers.get("content-length"), proxy.settings.max_file_bytes + 64 * 1024)
         return JSONResponse(to_file(await _store_upload(request, jobs, proxy.settings.max_file_bytes)))
 
+    @router.get("/files")
+    async def list_files(request: Request) -> JSONResponse:
+        proxy.authorize(request)
+        query = request.query_params
+        order = query.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise InvalidRequest(f"order must be 'asc' or 'desc', got {order!r}", param="order")
+        rows, has_more = jobs.store.list_files(_limit(query.get("limit", "10000"), 10_000), after=query.get("after"),
+                                               purpose=query.get("purpose"), order=order)
+        return _page([to_file(r) for r in rows], has_more)
+
+    @router.delete("/files/{file_id}")
+    async def delete_file(file_id: str, request: Request) -> JSONResponse:
+        proxy.authorize(request)
+        jobs.delete_file(file_id)
+        return JSONResponse({"id": file_id, "object": "file", "deleted": True})
+
     @router.get("/files/{file_id}")
     async def get_file(file_id: str, request: Request) -> JSONResponse:
         proxy.authorize(request)
@@ -69,11 +88,9 @@ def add_batch_api(app: FastAPI, proxy: "Proxy") -> BatchJobs:
     @router.get("/batches")
     async def list_batches(request: Request) -> JSONResponse:
         proxy.authorize(request)
-        limit = _limit(request.query_params.get("limit", "20"))
+        limit = _limit(request.query_params.get("limit", "20"), 100)
         rows, has_more = jobs.store.list_batches(limit, request.query_params.get("after"))
-        data = [to_batch(r) for r in rows]
-        return JSONResponse({"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
-                             "last_id": data[-1]["id"] if data else None, "has_more": has_more})
+        return _page([to_batch(r) for r in rows], has_more)
 
     @router.post("/batches/{batch_id}/cancel")
     async def cancel_batch(batch_id: str, request: Request) -> JSONResponse:
@@ -84,10 +101,16 @@ def add_batch_api(app: FastAPI, proxy: "Proxy") -> BatchJobs:
     return jobs
 
 
-def _limit(raw: str) -> int:
-    if not raw.isdigit() or not 1 <= int(raw) <= 100:
-        raise InvalidRequest(f"limit must be an integer from 1 to 100, got {raw!r}", param="limit")
+def _limit(raw: str, maximum: int) -> int:
+    if not raw.isdigit() or not 1 <= int(raw) <= maximum:
+        raise InvalidRequest(f"limit must be an integer from 1 to {maximum}, got {raw!r}", param="limit")
     return int(raw)
+
+
+def _page(data: list[dict], has_more: bool) -> JSONResponse:
+    """An OpenAI cursor page."""
+    return JSONResponse({"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+                         "last_id": data[-1]["id"] if data else None, "has_more": has_more})
 
 
 def _file(jobs: BatchJobs, file_id: str) -> dict:

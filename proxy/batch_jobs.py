@@ -82,6 +82,17 @@ class BatchJobs:
         self._start(row["id"])
         return row
 
+    def delete_file(self, file_id: str) -> None:
+        """Delete an uploaded or result file, unless an unfinished batch still reads it."""
+        if self.store.get_file(file_id) is None:
+            raise NotFound(f"no file {file_id!r}", param="file_id")
+        readers = self.store.active_batches_reading(file_id)
+        if readers:
+            raise InvalidRequest(f"file {file_id} is the input of unfinished batch {', '.join(readers)}; cancel it "
+                                 f"(POST /v1/batches/{{id}}/cancel) or let it finish, then delete the file",
+                                 param="file_id")
+        self.store.delete_file(file_id)
+
     def get(self, batch_id: str) -> dict:
         row = self.store.get_batch(batch_id)
         if row is None:

@@ -97,7 +97,35 @@ class BatchStore:
             row = self._db.execute("SELECT * FROM files WHERE id = ?", (file_id,)).fetchone()
         return dict(row) if row else None
 
+    def list_files(self, limit: int, *, after: str | None = None, purpose: str | None = None,
+                   order: str = "desc") -> tuple[list[dict], bool]:
+        """`limit` files in upload order (`order` asc or desc) after the file `after`; and whether more follow."""
+        op, direction = ("<", "DESC") if order == "desc" else (">", "ASC")
+        with self._lock:
+            bound = self._db.execute("SELECT rowid FROM files WHERE id = ?", (after,)).fetchone() if after else None
+            where = [f"rowid {op} ?"] + (["purpose = ?"] if purpose else [])
+            start = bound[0] if bound else (1 << 62 if order == "desc" else -1)
+            rows = self._db.execute(f"SELECT * FROM files WHERE {' AND '.join(where)} ORDER BY rowid {direction} "
+                                    f"LIMIT ?", (start, *([purpose] if purpose else []), limit + 1)).fetchall()
+        return [dict(r) for r in rows[:limit]], len(rows) > limit
+
+    def delete_file(self, file_id: str) -> None:
+        """Forget the file's record and remove its bytes."""
+        with self._lock:
+            row = self._db.execute("SELECT path FROM files WHERE id = ?", (file_id,)).fetchone()
+            self._db.execute("DELETE FROM files WHERE id = ?", (file_id,))
+        if row is not None:
+            Path(row["path"]).unlink(missing_ok=True)
+
     # batches
+
+    def active_batches_reading(self, file_id: str) -> list[str]:
+        """Ids of the unfinished batches whose input is `file_id`."""
+        marks = ", ".join("?" * len(ACTIVE))
+        with self._lock:
+            rows = self._db.execute(f"SELECT id FROM batches WHERE input_file_id = ? AND status IN ({marks})",
+                                    (file_id, *ACTIVE)).fetchall()
+        return [r["id"] for r in rows]
 
     def add_batch(self, record: dict) -> dict:
         cols = ", ".join(record)

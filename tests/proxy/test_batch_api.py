@@ -11,6 +11,7 @@ import pytest
 
 from backend.server import free_port
 from proxy.app import create_app
+from proxy.batch_store import BatchStore
 from proxy.settings import Settings
 from tests.proxy.servers import ProxyThread
 
@@ -186,3 +187,38 @@ def test_batch_routes_need_the_proxy_key_and_answer_in_openai_shape(tmp_path):
     assert bad_limit.status_code == 400 and "limit must be an integer from 1 to 100" in bad_limit.json()["error"]["message"]
     assert bad_json.status_code == 400 and "not valid JSON" in bad_json.json()["error"]["message"]
     assert empty.json() == {"object": "list", "data": [], "first_id": None, "last_id": None, "has_more": False}
+
+
+def test_files_list_pages_and_delete_refuses_a_file_a_running_batch_reads(tmp_path):
+    app = create_app(Settings(backend_url="http://127.0.0.1:9", encoder="none", data_dir=str(tmp_path)))
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy") as http:
+            client = openai.AsyncOpenAI(base_url="http://proxy/v1", api_key="unused", max_retries=0, http_client=http)
+            ids = [(await client.files.create(file=(f"f{i}.jsonl", jsonl([request_line("a", "x")])),
+                                              purpose="batch")).id for i in range(3)]
+            newest = await client.files.list(limit=2)
+            rest = await client.files.list(limit=2, after=newest.data[-1].id)
+            oldest_first = await client.files.list(order="asc")
+            outputs = await client.files.list(purpose="batch_output")
+            BatchStore(tmp_path).add_batch({"id": "batch_running", "status": "in_progress", "endpoint": "/v1/completions",
+                                            "input_file_id": ids[0], "completion_window": "24h", "created_at": 0})
+            with pytest.raises(openai.BadRequestError) as in_use:
+                await client.files.delete(ids[0])
+            deleted = await client.files.delete(ids[1])
+            with pytest.raises(openai.NotFoundError):
+                await client.files.retrieve(ids[1])
+            with pytest.raises(openai.NotFoundError):
+                await client.files.delete(ids[1])
+            bad_order = await http.get("/v1/files?order=sideways")
+            left = [f.id for f in (await client.files.list()).data]
+        return ids, newest, rest, oldest_first, outputs, in_use.value, deleted, bad_order, left
+
+    ids, newest, rest, oldest_first, outputs, in_use, deleted, bad_order, left = asyncio.run(main())
+    assert [f.id for f in newest.data] == [ids[2], ids[1]] and newest.has_more
+    assert [f.id for f in rest.data] == [ids[0]] and not rest.has_more
+    assert [f.id for f in oldest_first.data] == ids and outputs.data == []
+    assert "unfinished batch batch_running" in in_use.message
+    assert deleted.deleted and deleted.id == ids[1] and left == [ids[2], ids[0]]
+    assert not (tmp_path / "files" / ids[1]).exists() and (tmp_path / "files" / ids[0]).exists()
+    assert bad_order.status_code == 400 and "order must be 'asc' or 'desc'" in bad_order.json()["error"]["message"]
