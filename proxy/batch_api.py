@@ -37,7 +37,7 @@ COMPLETION_WINDOWS = ("24h",)
 
 def add_batch_api(app: FastAPI, proxy: "Proxy") -> BatchJobs:
     """Add the routes to `app`; the returned jobs must be resumed at start-up and closed at shutdown."""
-    jobs = BatchJobs(proxy.settings, proxy.backend, proxy.batcher.plan_fn)
+    jobs = BatchJobs(proxy.settings, proxy.backend, proxy.batcher.plan_fn, gate=proxy.batcher)
     router = APIRouter(prefix="/v1")
 
     @router.post("/files")

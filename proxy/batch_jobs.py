@@ -11,7 +11,8 @@ dispatched together would mix their planned batches at the backend. Running is
 `proxy.batch_runner.execute` with a journal in the batch's folder, the same code as `cohort batch
 run`: a restarted proxy calls `_job` again for every batch still validating, in_progress,
 finalizing or cancelling, and the journal skips what was finished. While the backend is
-unreachable a batch stays in_progress and retries with backoff.
+unreachable a batch stays in_progress and retries with backoff. With `gate` (the proxy's
+dispatcher) a batch's requests use only backend slots that online requests leave free.
 """
 
 from __future__ import annotations
@@ -36,8 +37,9 @@ RETRY_S = (5.0, 300.0)  # first and longest pause while the backend is unreachab
 
 
 class BatchJobs:
-    def __init__(self, settings: Settings, backend, plan_fn) -> None:
+    def __init__(self, settings: Settings, backend, plan_fn, gate=None) -> None:
         self.settings, self.backend, self.plan_fn = settings, backend, plan_fn  # backend: BackendClient
+        self.gate = gate  # proxy.batcher.Batcher
         self._store: BatchStore | None = None
         self._turn = asyncio.Lock()
         self._cancels: dict[str, asyncio.Event] = {}
@@ -178,7 +180,7 @@ class BatchJobs:
         while True:
             try:
                 await execute(parsed, journal, self.backend, self.plan_fn, config, skip_invalid=False,
-                              headers=headers, on_progress=counts, cancel=cancel)
+                              headers=headers, on_progress=counts, cancel=cancel, gate=self.gate)
                 return
             except RunAborted as exc:
                 log.warning("batch %s paused: %s; retrying in %.0f s", batch_id, exc, pause)

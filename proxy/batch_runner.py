@@ -8,7 +8,9 @@ One implementation for `cohort batch run` and the proxy's Batch API (`execute`):
    function (encoder + planner, or arrival order), and sent in plan order with at most
    `concurrency` at the backend: a slot that frees goes to the next planned request at once, so
    the backend stays full and the requests running together come from one or two planned batches
-   (set concurrency = the backend's max_num_seqs = batch_size);
+   (set concurrency = the backend's max_num_seqs = batch_size); on the proxy, each request also
+   takes a background slot of the online dispatcher (`gate`, proxy/batcher.py), so batch work
+   only uses backend capacity that interactive requests leave free;
 4. 429, 408, 5xx and timeouts are retried with exponential backoff and jitter; a request that still
    fails, or gets another 4xx, goes to the error file with the backend's message. An unreachable
    backend (after the retries) stops the run (`RunAborted`): the requests are fine, the backend is
@@ -31,7 +33,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from proxy.batchfile import BatchFile, BatchRequest, failure_line, new_id, result_line
-from proxy.batcher import PlanFn
+from proxy.batcher import Batcher, PlanFn
 from proxy.errors import BackendStatusError, BackendTimeout, BackendUnreachable
 from proxy.expert_loads import ExpertLoads, fetch_expert_loads
 from proxy.journal import Journal, Record
@@ -112,8 +114,10 @@ def write_plan(path: str | Path, plan: Plan) -> None:
 
 async def execute(batch: BatchFile, journal: Journal, backend, plan_fn: PlanFn, config: RunConfig, *,
                   skip_invalid: bool = True, headers: dict[str, str] | None = None,
-                  on_progress: ProgressFn | None = None, cancel: asyncio.Event | None = None) -> RunStats:
-    """Finish every line of `batch` that `journal` has not: invalid ones into the error file, the rest planned and sent."""
+                  on_progress: ProgressFn | None = None, cancel: asyncio.Event | None = None,
+                  gate: "Batcher | None" = None) -> RunStats:
+    """Finish every line of `batch` that `journal` has not: invalid ones into the error file, the rest planned and sent.
+    With `gate`, every request also waits for a background slot of that dispatcher."""
     if skip_invalid:
         journal.commit([Record(e.line, "errors", failure_line(e.custom_id, "invalid_request", e.message))
                         for e in batch.errors if e.line not in journal.done])
@@ -123,7 +127,7 @@ async def execute(batch: BatchFile, journal: Journal, backend, plan_fn: PlanFn, 
         return stats
     plan = await asyncio.to_thread(plan_requests, pending, plan_fn, config.batch_size)
     log.info("planned %d requests into %d batches of <= %d", len(pending), len(plan), config.batch_size)
-    runner = BatchRunner(backend, journal, config, headers=headers, on_progress=on_progress)
+    runner = BatchRunner(backend, journal, config, headers=headers, on_progress=on_progress, gate=gate)
     return await runner.run(plan, stats, cancel)
 
 
@@ -131,8 +135,9 @@ class BatchRunner:
     """Send planned requests with bounded concurrency, retry, and commit their results."""
 
     def __init__(self, backend, journal: Journal, config: RunConfig, *, headers: dict[str, str] | None = None,
-                 on_progress: ProgressFn | None = None) -> None:
+                 on_progress: ProgressFn | None = None, gate: "Batcher | None" = None) -> None:
         self.backend, self.journal, self.config = backend, journal, config  # backend: proxy.backend.BackendClient
+        self.gate = gate
         self.headers = dict(headers or {})
         self.on_progress = on_progress or (lambda stats: None)
         self._abort: BaseException | None = None
@@ -168,7 +173,7 @@ class BatchRunner:
         for batch in plan:
             for request in batch:
                 await slots.acquire()
-                if stop.is_set():
+                if not await self._admitted(stop) or stop.is_set():
                     slots.release()
                     return
                 task = asyncio.create_task(self._one(request, slots, writer, stop))
@@ -182,6 +187,25 @@ class BatchRunner:
             self._stopper(stop)(exc)
         finally:
             slots.release()
+            if self.gate is not None:
+                self.gate.release()
+
+    async def _admitted(self, stop: asyncio.Event) -> bool:
+        """Wait for the gate's background slot; False (holding none) when `stop` comes first."""
+        if self.gate is None:
+            return True
+        admit = asyncio.ensure_future(self.gate.admit_background())
+        stopped = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({admit, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        stopped.cancel()
+        if not admit.done():
+            admit.cancel()  # the batcher forgets the waiter (or frees a slot granted meanwhile)
+            await asyncio.gather(admit, return_exceptions=True)
+            return False
+        if stop.is_set():
+            self.gate.release()
+            return False
+        return True
 
     async def _send(self, request: BatchRequest) -> Record:
         """The request's result, after retries; raises BackendUnreachable when the backend stays unreachable."""

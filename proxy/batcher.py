@@ -6,8 +6,10 @@ the window. A flush plans the waiting requests (embedding + planner, in a worker
 batches; the batches join one ready queue in planned order. At most `max_in_flight` requests are
 admitted to the backend at once; when a slot frees, the next ready request goes, unless some
 ready request has waited longer than `max_queue_s`: then the oldest of those goes first
-(fairness beats the plan). Nothing here knows HTTP: a caller awaits `admit()`, talks to the
-backend, then calls `release()`.
+(fairness beats the plan). Background work (the Batch API's jobs) shares the same slots through
+`admit_background()` but only gets a slot that no ready request wants: interactive traffic goes
+first, and together they never exceed `max_in_flight`. Nothing here knows HTTP: a caller awaits
+`admit()` (or `admit_background()`), talks to the backend, then calls `release()`.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ class Batcher:
     clock: Callable[[], float] = time.monotonic
     _windows: dict[str, list[_Ticket]] = field(default_factory=dict)
     _ready: deque = field(default_factory=deque)
+    _background: deque = field(default_factory=deque)  # futures of waiting background requests
     _in_flight: int = 0
     _batch_ids: itertools.count = field(default_factory=itertools.count)
     _executor: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, "cohort-plan"))
@@ -74,6 +77,20 @@ class Batcher:
             return await ticket.future
         except asyncio.CancelledError:
             self._cancel(ticket)
+            raise
+
+    async def admit_background(self) -> None:
+        """Wait for a slot that no ready request wants; the caller must `release()` afterwards."""
+        future = asyncio.get_running_loop().create_future()
+        self._background.append(future)
+        self._pump()
+        try:
+            await future
+        except asyncio.CancelledError:
+            if future.done() and not future.cancelled():
+                self.release()  # granted, but the waiter was cancelled before it could use the slot
+            else:
+                future.cancel()
             raise
 
     def release(self) -> None:
@@ -137,6 +154,13 @@ class Batcher:
             self.metrics.waiting.dec()
             self.metrics.queue_seconds.observe(queue_s)
             ticket.future.set_result(Admission(ticket.batch_id, queue_s))
+        while self._in_flight < self.max_in_flight and self._background:
+            future = self._background.popleft()
+            if future.done():
+                continue  # cancelled while waiting
+            self._in_flight += 1
+            self.metrics.in_flight.set(self._in_flight)
+            future.set_result(None)
 
     def _next_ready(self) -> _Ticket:
         """The head of the ready queue, unless a request there is past the fairness bound."""

@@ -43,7 +43,9 @@ class Settings:
     # Offline batches (`cohort batch run` and the Batch API, see proxy/batch_runner.py)
     data_dir: str = ""  # Batch API files + SQLite records ("" = $XDG_DATA_HOME/moe-cohort, else ~/.local/share/moe-cohort)
     max_file_bytes: int = 200 * 1024 * 1024  # largest uploaded batch file (OpenAI's limit)
-    batch_concurrency: int = 0  # batch requests at the backend at once (0: = batch_size, one planned batch)
+    # Batch API requests at the backend at once (0: = batch_size, one planned batch); they also take
+    # only slots of max_in_flight that online requests leave free
+    batch_concurrency: int = 0
     batch_max_retries: int = 5  # retries per batch request for 429, 5xx and timeouts (exponential backoff)
 
     def __post_init__(self) -> None:

@@ -9,9 +9,11 @@ from collections import Counter
 import pytest
 
 from proxy.backend import BackendClient
+from proxy.batcher import Batcher
 from proxy.batch_runner import RunAborted, RunConfig, execute, plan_requests
 from proxy.batchfile import read_batch_file
 from proxy.journal import Journal, JournalPaths
+from proxy.metrics import ProxyMetrics
 from proxy.planning import arrival_batches
 from tests.proxy.servers import answer, body_of, drop, local_backend
 
@@ -142,3 +144,44 @@ def test_plan_is_per_policy_and_covers_every_request(tmp_path):
     assert sorted(r.custom_id for batch in plan for r in batch) == sorted(r["custom_id"] for r in rows)
     with pytest.raises(RuntimeError, match="lost or repeated"):
         plan_requests(parsed.requests, lambda texts, b: [[0, 0]], 3)
+
+
+def test_gate_gives_batch_work_only_the_slots_online_traffic_leaves(tmp_path):
+    parsed = batch_file(tmp_path, [f"r{i}" for i in range(8)])
+    in_flight, peak = [0], [0]
+
+    async def backend(request):
+        in_flight[0] += 1
+        peak[0] = max(peak[0], in_flight[0])
+        await asyncio.sleep(0.01)
+        in_flight[0] -= 1
+        return answer(OK)
+
+    async def main():
+        gate = Batcher(arrival_batches, ProxyMetrics(), flush_size=1, max_in_flight=3)
+        await gate.admit("online 1", "topk")  # two interactive requests hold two of the three slots
+        await gate.admit("online 2", "topk")
+        paths = JournalPaths.for_output(tmp_path / "out.jsonl")
+        async with local_backend(backend) as url:
+            client = BackendClient(url)
+            journal = Journal.open(paths, {"input_sha256": parsed.sha256, "input_bytes": parsed.size})
+            try:
+                stats = await execute(parsed, journal, client, arrival_batches, CONFIG, gate=gate)
+                cancel = asyncio.Event()  # now a run that cannot get a slot at all, cancelled while waiting
+                await gate.admit("online 3", "topk")
+                asyncio.get_running_loop().call_later(0.05, cancel.set)
+                (tmp_path / "second").mkdir()
+                parsed2 = batch_file(tmp_path / "second", ["s0", "s1"])
+                journal2 = Journal.open(JournalPaths.for_output(tmp_path / "out2.jsonl"),
+                                        {"input_sha256": parsed2.sha256, "input_bytes": parsed2.size})
+                stats2 = await asyncio.wait_for(execute(parsed2, journal2, client, arrival_batches, CONFIG,
+                                                        cancel=cancel, gate=gate), 5)
+                journal2.close()
+            finally:
+                journal.close()
+                await client.close()
+        return stats, stats2, gate._in_flight
+
+    stats, stats2, held = asyncio.run(main())
+    assert stats.succeeded == 8 and peak[0] == 1  # CONFIG allows 3, the gate had 1 free
+    assert stats2.succeeded == 0 and held == 3  # the three online requests; the batch holds none

@@ -150,3 +150,37 @@ def test_planner_failure_falls_back_to_arrival_order():
         return [a.batch_id for a in await asyncio.gather(*tasks)]
 
     assert asyncio.run(main()) == ["b0", "b0", "b1", "b1"]
+
+
+def test_background_work_takes_only_slots_no_ready_request_wants():
+    async def main():
+        b = make(plan_fn=arrival_batches, flush_size=1, max_in_flight=2)
+        order = []
+
+        async def background(name):
+            await b.admit_background()
+            order.append(name)
+
+        first = asyncio.create_task(background("bg1"))  # a free slot: granted at once
+        online = [asyncio.create_task(b.admit(t, "topk")) for t in "ab"]
+        second = asyncio.create_task(background("bg2"))
+        await asyncio.sleep(0.01)
+        granted = ([t.done() for t in online], first.done(), second.done(), sample(b, "cohort_in_flight"))
+        b.release()  # bg1 finishes: the ready online request goes before the waiting background one
+        await asyncio.sleep(0)
+        after_release = ([t.done() for t in online], second.done())
+        for _ in range(2):
+            b.release()  # online a, then b
+        await asyncio.wait_for(second, 1)
+        await asyncio.wait_for(b.admit("c", "topk"), 1)  # both slots taken again: bg2 and c
+        cancelled = asyncio.create_task(background("bg3"))
+        await asyncio.sleep(0)
+        cancelled.cancel()  # a cancelled waiter gives its place back and never holds a slot
+        await asyncio.sleep(0)
+        b.release()  # c finishes
+        return order, granted, after_release, b._in_flight
+
+    order, granted, after_release, in_flight = asyncio.run(main())
+    assert granted == ([True, False], True, False, 2)
+    assert after_release == ([True, True], False)
+    assert order == ["bg1", "bg2"] and in_flight == 1  # bg2 still holds its slot
