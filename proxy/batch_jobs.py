@@ -5,6 +5,9 @@ Life of a batch (statuses are the OpenAI Batch statuses, kept in proxy/batch_sto
     validating ─┬─> failed                          a bad line fails the batch: errors name the lines
                 └─> in_progress ──> finalizing ──> completed
     validating / in_progress ──> cancelling ──> cancelled     (partial results kept)
+    validating / in_progress ──> finalizing ──> expired       (past expires_at: the unfinished
+                                                               requests go to the error file as
+                                                               batch_expired, results kept)
 
 Every batch is one asyncio task (`_job`). Batches run one at a time (`_turn`), because two files
 dispatched together would mix their planned batches at the backend. Running is
@@ -25,15 +28,16 @@ import time
 
 from proxy.batch_runner import RunAborted, RunConfig, execute
 from proxy.batch_store import ACTIVE, BatchStore
-from proxy.batchfile import URLS, BatchFile, new_id, read_batch_file
+from proxy.batchfile import URLS, BatchFile, failure_line, new_id, read_batch_file
 from proxy.errors import InvalidRequest, NotFound
-from proxy.journal import Journal, JournalPaths
+from proxy.journal import Journal, JournalPaths, Record
 from proxy.settings import Settings
 
 log = logging.getLogger(__name__)
 
 MAX_ERRORS_KEPT = 100  # validation errors stored on a failed batch
 RETRY_S = (5.0, 300.0)  # first and longest pause while the backend is unreachable
+EXPIRED = "This request could not be executed before the completion window expired."
 
 
 class BatchJobs:
@@ -44,6 +48,8 @@ class BatchJobs:
         self._turn = asyncio.Lock()
         self._cancels: dict[str, asyncio.Event] = {}
         self._tasks: dict[str, asyncio.Task] = {}
+        self._deadlines: dict[str, asyncio.TimerHandle] = {}
+        self._expiring: set[str] = set()
         self._parsed: dict[str, BatchFile] = {}  # validated files, kept until their run starts
 
     @property
@@ -116,11 +122,25 @@ class BatchJobs:
 
     def _start(self, batch_id: str) -> None:
         self._cancels[batch_id] = asyncio.Event()
-        task = asyncio.get_running_loop().create_task(self._job(batch_id))
+        loop = asyncio.get_running_loop()
+        expires_at = self.get(batch_id)["expires_at"]
+        if expires_at is not None:
+            self._deadlines[batch_id] = loop.call_later(max(0.0, expires_at - time.time()), self._expire, batch_id)
+        task = loop.create_task(self._job(batch_id))
         self._tasks[batch_id] = task
         task.add_done_callback(lambda t: self._forget(batch_id, t))
 
+    def _expire(self, batch_id: str) -> None:
+        """The completion window has passed: stop the batch where it is (see `_close_expired`)."""
+        if self.get(batch_id)["status"] in ("validating", "in_progress"):
+            log.warning("batch %s expired (completion window passed); stopping it", batch_id)
+            self._expiring.add(batch_id)
+            self._cancels[batch_id].set()
+
     def _forget(self, batch_id: str, task: asyncio.Task) -> None:
+        if batch_id in self._deadlines:
+            self._deadlines.pop(batch_id).cancel()
+        self._expiring.discard(batch_id)
         self._tasks.pop(batch_id, None)
         self._cancels.pop(batch_id, None)
         self._parsed.pop(batch_id, None)
@@ -137,6 +157,8 @@ class BatchJobs:
                     await self._run(batch_id, cancel)
                 finally:
                     self._turn.release()
+            if batch_id in self._expiring and self.get(batch_id)["status"] == "in_progress":
+                await self._close_expired(batch_id)
             if self.get(batch_id)["status"] in ("finalizing", "cancelling"):
                 await self._finalize(batch_id)
         except Exception as exc:  # a bug or a changed input file: fail the batch visibly, never leave it hanging
@@ -167,6 +189,18 @@ class BatchJobs:
             journal.close()
         if not cancel.is_set():
             self.store.transition(batch_id, ("in_progress",), "finalizing")
+
+    async def _close_expired(self, batch_id: str) -> None:
+        """Every request the journal has not finished goes to the error file as batch_expired."""
+        row = self.get(batch_id)
+        parsed = self._parsed.pop(batch_id, None) or await self._reread(row)
+        journal = await asyncio.to_thread(Journal.open, self._paths(batch_id), _meta(row))
+        try:
+            journal.commit([Record(r.line, "errors", failure_line(r.custom_id, "batch_expired", EXPIRED))
+                            for r in parsed.requests if r.line not in journal.done])
+        finally:
+            journal.close()
+        self.store.transition(batch_id, ("in_progress",), "finalizing", expired_at=int(time.time()))
 
     async def _execute(self, batch_id: str, parsed: BatchFile, journal: Journal, cancel: asyncio.Event) -> None:
         config = RunConfig(batch_size=self.settings.batch_size, concurrency=self.settings.batch_in_flight,
@@ -205,9 +239,10 @@ class BatchJobs:
         return parsed
 
     async def _finalize(self, batch_id: str) -> None:
-        """Register the output and error files and close the batch: completed, or cancelled when it was cancelling."""
+        """Register the output and error files and close the batch: completed, cancelled when it was
+        cancelling, expired when `_close_expired` stamped it."""
         row = self.get(batch_id)
-        final = "cancelled" if row["status"] == "cancelling" else "completed"
+        final = "cancelled" if row["status"] == "cancelling" else "expired" if row["expired_at"] else "completed"
         fields = {"output_file_id": None, "error_file_id": None, "usage": None}
         if row["input_sha256"]:  # validated: a journal may exist; opening it recovers a crash's torn tail
             journal = await asyncio.to_thread(Journal.open, self._paths(batch_id), _meta(row))
