@@ -88,6 +88,20 @@ class VllmServer:
             self._log_file.close()
             self._log_file = None
 
+    def worker_cpus(self) -> set[int]:
+        """The CPUs vLLM pinned its CPU worker processes to; empty when it pinned none (GPU builds)."""
+        pinned: set[int] = set()
+        for pid in group_members(self.process.pid):
+            try:
+                if not Path(f"/proc/{pid}/comm").read_text().startswith("VLLM::Worker"):
+                    continue
+                allowed = _cpu_list(Path(f"/proc/{pid}/status").read_text())
+            except OSError:
+                continue
+            if allowed != os.sched_getaffinity(0):
+                pinned |= allowed
+        return pinned
+
     def __enter__(self) -> "VllmServer":
         return self
 
@@ -142,6 +156,23 @@ def start(
     return server
 
 
+def stay_off_worker_cpus(server: VllmServer) -> set[int] | None:
+    """Move the calling process off the CPUs of `server`'s CPU worker; the CPUs it ran on before,
+    or None when nothing changed (no pinned worker, or no CPU left besides the worker's).
+
+    vLLM's CPU worker busy-polls its input queue on the cores it is pinned to; a process queued
+    behind it there (a client, the proxy) waits tens of milliseconds for every wake-up. On small
+    machines that serializes requests that were sent together.
+    """
+    before = os.sched_getaffinity(0)
+    rest = before - server.worker_cpus()
+    if not rest or rest == before:
+        return None
+    os.sched_setaffinity(0, rest)
+    log.info("moved pid %d to CPUs %s, off the vLLM worker's", os.getpid(), sorted(rest))
+    return before
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that was free a moment ago."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -155,6 +186,16 @@ def _http_ok(url: str) -> bool:
             return resp.status == 200
     except (urllib.error.URLError, OSError):
         return False
+
+
+def _cpu_list(status: str) -> set[int]:
+    """The CPUs of a /proc/<pid>/status text's Cpus_allowed_list ("0-3,6")."""
+    line = next(x for x in status.splitlines() if x.startswith("Cpus_allowed_list:"))
+    cpus = set()
+    for part in line.split(":", 1)[1].strip().split(","):
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
 
 
 def group_members(pgid: int) -> list[int]:

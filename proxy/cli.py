@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from proxy.settings import Settings, SettingsError, add_setting_flags, flag_overrides, load_settings
 
@@ -53,6 +54,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _start_embedded(settings: Settings, model_dir: str | None, *, explicit_in_flight: bool):
+    from backend.server import stay_off_worker_cpus
     from proxy.embedded import ensure_tiny_model, start_embedded_backend
 
     max_num_seqs = settings.max_in_flight if explicit_in_flight else 16
@@ -61,6 +63,9 @@ def _start_embedded(settings: Settings, model_dir: str | None, *, explicit_in_fl
           f"(with the moe-cohort plugin; about 20 s)...")
     server = start_embedded_backend(path, max_num_seqs=max_num_seqs)
     print(f"vLLM backend ready at {server.url} (model '{server.served_model_name}', log {server.log_path})")
+    if stay_off_worker_cpus(server):  # its worker busy-polls its cores; the proxy would wait behind it
+        print(f"proxy runs on CPUs {sorted(os.sched_getaffinity(0))}, beside vLLM's worker "
+              f"on {sorted(server.worker_cpus())}")
     return server, settings.replace(backend_url=server.url, max_in_flight=max_num_seqs)
 
 

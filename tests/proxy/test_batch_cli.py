@@ -44,13 +44,16 @@ def test_kill_9_mid_run_then_rerun_finishes_without_loss_or_duplicates(vllm_serv
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     journal = tmp_path / "out.jsonl.journal"
     deadline = time.monotonic() + 120
-    while journal_entries(journal) < 10:  # kill once the journal shows 10 finished requests
+    # Kill once the journal shows a finished request. Not later: commits are grouped, and while one
+    # fsync is slow (a busy disk) every request can finish and wait for the next commit.
+    while journal_entries(journal) < 1:
         assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read().decode()
         time.sleep(0.01)
     proc.send_signal(signal.SIGKILL)
     proc.wait(10)
-    first = results(out)
-    assert 10 <= len(first) < n, "the run was not killed mid-way"
+    committed = journal_entries(journal)
+    assert 1 <= committed < n, "the run was not killed mid-way"
+    first = [json.loads(x) for x in out.read_bytes().split(b"\n")[:committed]]  # past them: maybe torn
 
     rerun = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert rerun.returncode == 0, rerun.stderr
