@@ -4,7 +4,8 @@
 
 Part 1, overhead (window at 0, no encoder): clients send tiny completions (max_tokens=1)
 directly to vLLM and through the proxy, alternating, at 1, 16 and 64 concurrent clients;
-prints latency p50/p99 and throughput of each, and the added p50/p99.
+prints latency p50/p99 and throughput of each, and the added p50/p99; then the same for
+streams (max_tokens=8) timed to their first chunk, at up to 16 clients.
 CPUs: the embedded backend runs on the first half of this process's CPUs, the proxy and the
 load generator on the other half, as a proxy would run beside (not on) an inference server's
 cores. Without that split, on a 2-core machine vLLM's API server and engine core, the proxy and
@@ -39,23 +40,32 @@ from backend.server import free_port
 PROMPTS = Path(__file__).resolve().parents[1] / "../shared/data/prompts/mixed.jsonl"
 
 
-async def post(http: aiohttp.ClientSession, url: str, body: dict) -> None:
+async def post(http: aiohttp.ClientSession, url: str, body: dict) -> float:
+    """Send `body`, read the whole answer; seconds until the first chunk of it arrived."""
+    t = time.perf_counter()
+    first = None
     async with http.post(url, json=body) as resp:
-        await resp.read()
         resp.raise_for_status()
+        async for _ in resp.content.iter_any():
+            first = first or time.perf_counter() - t
+    return first
 
 
 async def client_loop(http: aiohttp.ClientSession, url: str, body: dict, n: int, latencies: list[float]) -> None:
+    """n requests one after another; a latency each: whole answer, or first chunk of a stream."""
     for _ in range(n):
         t = time.perf_counter()
-        await post(http, url, body)
-        latencies.append(time.perf_counter() - t)
+        first = await post(http, url, body)
+        latencies.append(first if body.get("stream") else time.perf_counter() - t)
 
 
-async def load(url: str, clients: int, per_client: int) -> tuple[np.ndarray, float]:
-    """Latencies [clients * per_client] in seconds and requests per second."""
+async def load(url: str, clients: int, per_client: int, stream: bool = False) -> tuple[np.ndarray, float]:
+    """Latencies [clients * per_client] in seconds and requests per second. A streamed request
+    (8 tokens) is timed to its first chunk (time to first token), a plain one (1 token) to its end."""
     # the body vLLM gets either way: the proxy would add this policy field to a body without it
-    body = {"model": "tiny", "prompt": "hi", "max_tokens": 1, "vllm_xargs": {"moe_routing": "topk"}}
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 8 if stream else 1, "vllm_xargs": {"moe_routing": "topk"}}
+    if stream:
+        body.update(stream=True, ignore_eos=True)
     latencies: list[float] = []
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=clients)) as http:
         warm: list[float] = []  # the connection pool, the server and the proxy at this concurrency
@@ -98,22 +108,30 @@ def start_proxy(backend: str, *flags: str) -> tuple[subprocess.Popen, str]:
 def overhead(backend: str, concurrency: list[int], per_client: int) -> None:
     proc, proxy = start_proxy(backend, "--max-wait-ms", "0", "--encoder", "none", "--max-in-flight", "256")
     try:
-        print(f"{'clients':>7} {'path':>6} {'p50 ms':>8} {'p99 ms':>8} {'req/s':>8}")
-        for c in concurrency:
-            rows = {}
-            for name, url in (("direct", backend), ("proxy", proxy), ("direct", backend), ("proxy", proxy)):
-                lat, rps = asyncio.run(load(url + "/v1/completions", c, per_client))
-                rows.setdefault(name, []).append((lat, rps))
-            stats = {}
-            for name, runs in rows.items():
-                lat = np.concatenate([r[0] for r in runs]) * 1000
-                stats[name] = (np.percentile(lat, 50), np.percentile(lat, 99), np.mean([r[1] for r in runs]))
-                print(f"{c:>7} {name:>6} {stats[name][0]:>8.2f} {stats[name][1]:>8.2f} {stats[name][2]:>8.1f}")
-            print(f"{c:>7} {'added':>6} {stats['proxy'][0] - stats['direct'][0]:>8.2f} "
-                  f"{stats['proxy'][1] - stats['direct'][1]:>8.2f}")
+        print("whole answers (max_tokens=1):")
+        compare(backend, proxy, concurrency, per_client, stream=False)
+        print("streams (max_tokens=8), time to the first chunk:")
+        compare(backend, proxy, [c for c in concurrency if c <= 16], per_client, stream=True)
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def compare(backend: str, proxy: str, concurrency: list[int], per_client: int, *, stream: bool) -> None:
+    """Direct and proxied runs, alternating, at each concurrency; a table of p50/p99/throughput and the difference."""
+    print(f"{'clients':>7} {'path':>6} {'p50 ms':>8} {'p99 ms':>8} {'req/s':>8}")
+    for c in concurrency:
+        rows = {}
+        for name, url in (("direct", backend), ("proxy", proxy), ("direct", backend), ("proxy", proxy)):
+            lat, rps = asyncio.run(load(url + "/v1/completions", c, per_client, stream))
+            rows.setdefault(name, []).append((lat, rps))
+        stats = {}
+        for name, runs in rows.items():
+            lat = np.concatenate([r[0] for r in runs]) * 1000
+            stats[name] = (np.percentile(lat, 50), np.percentile(lat, 99), np.mean([r[1] for r in runs]))
+            print(f"{c:>7} {name:>6} {stats[name][0]:>8.2f} {stats[name][1]:>8.2f} {stats[name][2]:>8.1f}")
+        print(f"{c:>7} {'added':>6} {stats['proxy'][0] - stats['direct'][0]:>8.2f} "
+              f"{stats['proxy'][1] - stats['direct'][1]:>8.2f}")
 
 
 def decode_distinct(backend: str) -> tuple[float, float, float]:
