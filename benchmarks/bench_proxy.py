@@ -105,24 +105,25 @@ def start_proxy(backend: str, *flags: str) -> tuple[subprocess.Popen, str]:
     raise RuntimeError(f"proxy did not start: {' '.join(cmd)}")
 
 
-def overhead(backend: str, concurrency: list[int], per_client: int) -> None:
+def overhead(backend: str, concurrency: list[int], per_client: int, rounds: int) -> None:
     proc, proxy = start_proxy(backend, "--max-wait-ms", "0", "--encoder", "none", "--max-in-flight", "256")
     try:
         print("whole answers (max_tokens=1):")
-        compare(backend, proxy, concurrency, per_client, stream=False)
+        compare(backend, proxy, concurrency, per_client, rounds, stream=False)
         print("streams (max_tokens=8), time to the first chunk:")
-        compare(backend, proxy, [c for c in concurrency if c <= 16], per_client, stream=True)
+        compare(backend, proxy, [c for c in concurrency if c <= 16], per_client, rounds, stream=True)
     finally:
         proc.terminate()
         proc.wait(30)
 
 
-def compare(backend: str, proxy: str, concurrency: list[int], per_client: int, *, stream: bool) -> None:
-    """Direct and proxied runs, alternating, at each concurrency; a table of p50/p99/throughput and the difference."""
+def compare(backend: str, proxy: str, concurrency: list[int], per_client: int, rounds: int, *, stream: bool) -> None:
+    """`rounds` direct and proxied runs, alternating, at each concurrency (the machine drifts: one
+    of each in a row would compare two moments); a table of p50/p99/throughput and the difference."""
     print(f"{'clients':>7} {'path':>6} {'p50 ms':>8} {'p99 ms':>8} {'req/s':>8}")
     for c in concurrency:
         rows = {}
-        for name, url in (("direct", backend), ("proxy", proxy), ("direct", backend), ("proxy", proxy)):
+        for name, url in [("direct", backend), ("proxy", proxy)] * rounds:
             lat, rps = asyncio.run(load(url + "/v1/completions", c, per_client, stream))
             rows.setdefault(name, []).append((lat, rps))
         stats = {}
@@ -188,6 +189,7 @@ def main() -> None:
     parser.add_argument("--backend", help="vLLM URL (default: start a tiny-MoE vLLM CPU server)")
     parser.add_argument("--requests-per-client", type=int, default=40)
     parser.add_argument("--concurrency", default="1,16,64")
+    parser.add_argument("--rounds", type=int, default=2, help="direct/proxy alternations per concurrency")
     parser.add_argument("--prompts", type=int, default=512, help="prompts of mixed.jsonl for part 2")
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--moe-layers", type=int, default=4, help="MoE layers of the backend's model (tiny MoE: 4)")
@@ -207,7 +209,7 @@ def main() -> None:
         where = f"backend on CPUs {sorted(backend_cpus)}, " if server else ""
         print(f"backend {args.backend}; proxy = `cohort serve` in its own process; {os.cpu_count()} CPUs: "
               f"{where}proxy and clients on CPUs {sorted(client_cpus)}")
-        overhead(args.backend, [int(c) for c in args.concurrency.split(",")], args.requests_per_client)
+        overhead(args.backend, [int(c) for c in args.concurrency.split(",")], args.requests_per_client, args.rounds)
         prompts = [json.loads(line)["text"] for line in PROMPTS.read_text().splitlines()][: args.prompts]
         planning(args.backend, prompts, 16, args.max_tokens, args.moe_layers)
     finally:
