@@ -26,7 +26,7 @@ import json
 import logging
 import time
 
-from proxy.batch_runner import RunAborted, RunConfig, execute
+from proxy.batch_runner import RunAborted, RunConfig, acquire_unless, execute
 from proxy.batch_store import ACTIVE, BatchStore
 from proxy.batchfile import URLS, BatchFile, failure_line, new_id, read_batch_file
 from proxy.errors import InvalidRequest, NotFound
@@ -152,7 +152,8 @@ class BatchJobs:
         try:
             if self.get(batch_id)["status"] == "validating":
                 await self._validate(batch_id)
-            if self.get(batch_id)["status"] == "in_progress" and await _acquire(self._turn, cancel):
+            in_progress = self.get(batch_id)["status"] == "in_progress"
+            if in_progress and await acquire_unless(self._turn.acquire(), self._turn.release, cancel):
                 try:
                     await self._run(batch_id, cancel)
                 finally:
@@ -266,25 +267,6 @@ class BatchJobs:
     def _paths(self, batch_id: str) -> JournalPaths:
         folder = self.store.batch_dir(batch_id)
         return JournalPaths(folder / "output.jsonl", folder / "errors.jsonl", folder / "output.jsonl.journal")
-
-
-async def _acquire(lock: asyncio.Lock, cancel: asyncio.Event) -> bool:
-    """Wait for `lock` unless `cancel` is set first; True when the lock is held."""
-    acquire = asyncio.ensure_future(lock.acquire())
-    cancelled = asyncio.ensure_future(cancel.wait())
-    try:
-        await asyncio.wait({acquire, cancelled}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        cancelled.cancel()
-        if not acquire.done():
-            acquire.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await acquire
-    held = acquire.done() and not acquire.cancelled()
-    if held and cancel.is_set():
-        lock.release()
-        return False
-    return held
 
 
 def _meta(row: dict) -> dict:

@@ -30,7 +30,7 @@ import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Awaitable, Callable, Sequence
 
 from proxy.batchfile import BatchFile, BatchRequest, failure_line, new_id, result_line
 from proxy.batcher import Batcher, PlanFn
@@ -194,18 +194,7 @@ class BatchRunner:
         """Wait for the gate's background slot; False (holding none) when `stop` comes first."""
         if self.gate is None:
             return True
-        admit = asyncio.ensure_future(self.gate.admit_background())
-        stopped = asyncio.ensure_future(stop.wait())
-        await asyncio.wait({admit, stopped}, return_when=asyncio.FIRST_COMPLETED)
-        stopped.cancel()
-        if not admit.done():
-            admit.cancel()  # the batcher forgets the waiter (or frees a slot granted meanwhile)
-            await asyncio.gather(admit, return_exceptions=True)
-            return False
-        if stop.is_set():
-            self.gate.release()
-            return False
-        return True
+        return await acquire_unless(self.gate.admit_background(), self.gate.release, stop)
 
     async def _send(self, request: BatchRequest) -> Record:
         """The request's result, after retries; raises BackendUnreachable when the backend stays unreachable."""
@@ -320,6 +309,25 @@ class _Writer:
                 self.on_commit(records)
             if self._closing and not self._buffer:
                 return
+
+
+async def acquire_unless(acquire: Awaitable, release: Callable[[], None], event: asyncio.Event) -> bool:
+    """Await `acquire` unless `event` is set first; True when it holds what it acquired (if both
+    happen, it gives it back with `release` and returns False). `acquire` must undo itself when cancelled."""
+    acquiring = asyncio.ensure_future(acquire)
+    waiting = asyncio.ensure_future(event.wait())
+    try:
+        await asyncio.wait({acquiring, waiting}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        waiting.cancel()
+        if not acquiring.done():
+            acquiring.cancel()
+            await asyncio.gather(acquiring, return_exceptions=True)
+    held = acquiring.done() and not acquiring.cancelled() and acquiring.exception() is None
+    if held and event.is_set():
+        release()
+        return False
+    return held
 
 
 async def _forward(cancel: asyncio.Event, stop: asyncio.Event) -> None:
