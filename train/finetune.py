@@ -1,8 +1,9 @@
 """Fine-tune a sentence encoder so that embedding cosine ranks requests by expert overlap.
 
 Pipeline (`train_encoder`): check the traces (texts, shapes) -> split by request
-(train.pairs.split_requests) -> expert profiles and overlap targets (train.targets) -> pairs
-over the training side only (near neighbours, hard negatives against the base encoder, random)
+(traces.split.split_requests, the project's one split) -> expert profiles and overlap targets
+(train.targets) -> pairs over the training side only (near neighbours, hard negatives against
+the base encoder, random)
 -> sentence-transformers training with CoSENT (Su 2022, "CoSENT: a more efficient sentence
 vector scheme than Sentence-BERT"; `sentence_transformers.losses.CoSENTLoss`) through
 `SentenceTransformerTrainer` -> a normal sentence-transformers folder (loadable by
@@ -34,7 +35,8 @@ import numpy as np
 
 from traces.format import TraceSet
 from train.correlation import cosine_spearman
-from train.pairs import PairSet, sample_pairs, split_requests
+from traces.split import split_requests
+from train.pairs import PairSet, sample_pairs
 from train.targets import DEFAULT_TARGET, TARGETS, counted_tokens, profiles
 
 log = logging.getLogger(__name__)

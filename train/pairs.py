@@ -1,7 +1,8 @@
-"""Training pairs from traces: a held-out split by request, and pair sampling that teaches batching.
+"""Training pairs from traces: pair sampling that teaches batching.
 
-The split is by request, never by pair: every pair is built inside one side, so no held-out
-request (nor any request with the same text) is ever seen in training.
+The held-out split is traces.split (the project's one split), by request, never by pair: every
+pair is built inside one side, so no held-out request (nor any request with the same text) is
+ever seen in training.
 
 A planner needs the encoder to get two things right: which requests are a request's best
 batch-mates (the top of the ranking) and which look alike but are not (the base encoder's
@@ -20,10 +21,9 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Sequence
-
 import numpy as np
 
+from traces.split import split_requests  # noqa: F401  (the one split lives in traces.split; re-exported for old callers)
 from train.targets import DEFAULT_TARGET, Target, pair_targets, target_block
 
 log = logging.getLogger(__name__)
@@ -44,29 +44,6 @@ class PairSet:
 
     def counts(self) -> dict[str, int]:
         return {name: int((self.kinds == i).sum()) for i, name in enumerate(KIND_NAMES)}
-
-
-def split_requests(n: int, holdout: float = 0.2, seed: int = 0,
-                   groups: Sequence | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """(train, heldout): disjoint sorted int64 indices covering range(n), by request.
-
-    About `holdout` of the requests go to the held-out side (at least one of each side when
-    0 < holdout < 1 and n >= 2). Requests with equal `groups` keys (e.g. identical texts) land
-    on the same side. Deterministic under `seed`.
-    """
-    if not 0 <= holdout < 1:
-        raise ValueError(f"holdout must lie in [0, 1), got {holdout}")
-    keys = np.arange(n) if groups is None else np.unique(np.asarray(groups), return_inverse=True)[1].ravel()
-    num_groups = int(keys.max()) + 1 if n else 0
-    order = np.random.default_rng(seed).permutation(num_groups)  # [G] groups in held-out-first order
-    sizes = np.bincount(keys, minlength=num_groups)[order]  # [G]
-    want = int(round(holdout * n))
-    if holdout > 0 and num_groups >= 2:
-        want = min(max(want, 1), n - 1)
-    taken = int(np.searchsorted(np.cumsum(sizes), want, side="left")) + 1 if want > 0 else 0
-    taken = min(taken, num_groups - 1) if num_groups >= 2 else taken
-    held = np.isin(keys, order[:taken])  # [N]
-    return np.flatnonzero(~held), np.flatnonzero(held)
 
 
 def sample_pairs(prof: np.ndarray, top_k: int, max_pairs: int, *, embeddings: np.ndarray | None = None,

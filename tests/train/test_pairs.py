@@ -1,4 +1,4 @@
-"""Split by request and pair sampling: no leakage, determinism, and what each pair kind means."""
+"""Pair sampling over the training side of the split: no leakage, determinism, and what each pair kind means."""
 
 import numpy as np
 import pytest
@@ -6,36 +6,9 @@ import pytest
 from tests.conftest import random_traces
 from traces.synthetic import synthetic_traces
 from train.finetune import TrainConfig, build_pairs
-from train.pairs import HARD, NEAR, RANDOM, hard_negative_pairs, near_pairs, random_pairs, sample_pairs, split_requests
+from traces.split import split_requests
+from train.pairs import HARD, NEAR, RANDOM, hard_negative_pairs, near_pairs, random_pairs, sample_pairs
 from train.targets import pair_targets, profiles, target_matrix
-
-
-@pytest.mark.parametrize("n,holdout", [(2, 0.2), (10, 0.2), (101, 0.3), (50, 0.0)])
-def test_split_is_a_disjoint_cover_of_the_requests(n, holdout):
-    train, held = split_requests(n, holdout, seed=3)
-    assert len(np.intersect1d(train, held)) == 0
-    np.testing.assert_array_equal(np.sort(np.concatenate([train, held])), np.arange(n))
-    assert len(held) == (0 if holdout == 0 else max(1, round(holdout * n)))
-    assert len(train) >= 1
-
-
-def test_split_is_deterministic_under_the_seed():
-    a, b, c = (split_requests(200, 0.2, seed=s) for s in (7, 7, 8))
-    np.testing.assert_array_equal(a[1], b[1])
-    assert not np.array_equal(a[1], c[1])
-
-
-def test_requests_with_the_same_text_land_on_the_same_side():
-    texts = np.array([f"t{i % 13}" for i in range(100)])  # 13 texts, each repeated
-    for seed in range(5):
-        train, held = split_requests(100, 0.25, seed, groups=texts)
-        assert not set(texts[train]) & set(texts[held])
-        assert 15 <= len(held) <= 35
-
-
-def test_split_rejects_a_bad_holdout():
-    with pytest.raises(ValueError, match="holdout"):
-        split_requests(10, 1.0)
 
 
 def test_pairs_are_built_from_training_requests_only():
