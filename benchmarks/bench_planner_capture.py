@@ -34,7 +34,8 @@ from encoder.baselines import kmeans_sort_chunk  # noqa: E402
 from encoder.ordering import consecutive_similarity  # noqa: E402
 from encoder.planner import PlannerConfig, plan_batches  # noqa: E402
 from eval.oracle import greedy_oracle  # noqa: E402
-from eval.plans import chunk, random_plan, validate_plan  # noqa: E402
+from encoder.plans import chunk, validate_plan  # noqa: E402
+from eval.plans import random_plan  # noqa: E402
 from traces.importers import load_traces  # noqa: E402
 from traces.loads import ExpertMasks, expert_masks, plan_loads  # noqa: E402
 

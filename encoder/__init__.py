@@ -24,7 +24,7 @@ def encoder_plan(texts: Sequence[str], batch_size: int, *, encoder: str | None =
     """Batches (int64 arrays of indices into `texts`, at most `batch_size` each) planned from the texts alone.
 
     Embeds with `encoder` (a local folder, a hub name, or None for the packaged all-MiniLM-L6-v2) and
-    runs `encoder.planner.plan_batches` with its defaults. Same structure as eval.plans.Plan.
+    runs `encoder.planner.plan_batches` with its defaults. See encoder.plans.Plan.
     """
     from encoder.planner import plan_batches
 

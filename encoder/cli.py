@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from encoder.inputs import InputError, PlanInput, parse_lines
+from encoder.plans import write_plan_file
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     embedded = time.perf_counter()
     plan = plan_batches(x, args.batch_size, seed=args.seed)
     planned = time.perf_counter()
-    _write_plan(args.output, items, plan)
+    write_plan_file(args.output, plan, [it.id for it in items])
     print(f"planned {len(items)} requests into {len(plan)} batches of <= {args.batch_size} -> {args.output} "
           f"(embedding {embedded - start:.1f}s, planning {planned - embedded:.2f}s)", file=sys.stderr)
     return 0
@@ -73,13 +74,6 @@ def _read(path: Path, skip_invalid: bool) -> tuple[list[PlanInput], list[InputEr
         for parsed in parse_lines(f, skip_invalid=skip_invalid):
             (rejects if isinstance(parsed, InputError) else items).append(parsed)
     return items, rejects
-
-
-def _write_plan(path: Path, items: list[PlanInput], plan) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        for b, batch in enumerate(plan):
-            for pos, i in enumerate(batch):
-                f.write(json.dumps({"id": items[int(i)].id, "batch": b, "position": pos}) + "\n")
 
 
 def _write_rejects(path: Path, rejects: list[InputError]) -> None:

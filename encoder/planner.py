@@ -13,7 +13,7 @@ Pipeline (each step is its own module, each a pure numpy/FAISS function, no I/O)
               ordering.arrange_members: inside a batch, members most like the previous batch
               come first and those most like the next batch last (the seams of continuous batching).
 
-A plan is a list of int64 arrays of request indices (the same structure as eval.plans.Plan):
+A plan (encoder.plans.Plan) is a list of int64 arrays of request indices:
 every request in exactly one batch, no batch over B, at most one batch under B. Deterministic
 under `seed`.
 """
@@ -30,12 +30,10 @@ from threadpoolctl import threadpool_limits
 from encoder.growth import density_order, greedy_growth
 from encoder.ordering import arrange_members, centroids, chain_order
 from encoder.partition import balanced_cells
+from encoder.plans import Plan
 from encoder.swaps import SwapSearch
 
 log = logging.getLogger(__name__)
-
-Plan = list[np.ndarray]
-
 
 @dataclass(frozen=True)
 class PlannerConfig:

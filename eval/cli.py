@@ -5,9 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from encoder.plans import PlanError, read_plan_file
 from eval.metrics import evaluate
-from eval.planfile import read_plan_file
-from eval.plans import PlanError
 from eval.report import format_table, write_report
 from traces.format import TraceFormatError
 from traces.importers import load_traces

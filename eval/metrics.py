@@ -13,7 +13,8 @@ from typing import Callable, Mapping
 import numpy as np
 
 from eval.oracle import greedy_oracle
-from eval.plans import Plan, arrival_plan, category_plan, random_plan, validate_plan
+from encoder.plans import Plan, arrival_plan, validate_plan
+from eval.plans import category_plan, random_plan
 from traces.format import TraceSet
 from traces.loads import ExpertMasks, expert_masks, plan_loads
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from eval.plans import Plan
+from encoder.plans import Plan
 
 
 def greedy_oracle(rows: np.ndarray, batch_size: int) -> Plan:

@@ -32,6 +32,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Awaitable, Callable, Sequence
 
+import numpy as np
+
+from encoder.plans import write_plan_file
 from proxy.batchfile import BatchFile, BatchRequest, failure_line, new_id, result_line
 from proxy.batcher import Batcher, PlanFn
 from proxy.errors import BackendStatusError, BackendTimeout, BackendUnreachable
@@ -104,12 +107,12 @@ def _check_plan(plan: Plan, requests: Sequence[BatchRequest]) -> None:
 
 
 def write_plan(path: str | Path, plan: Plan) -> None:
-    """The plan as JSONL: {custom_id, line, batch, position, policy} in dispatch order."""
-    with open(path, "w", encoding="utf-8") as f:
-        for b, batch in enumerate(plan):
-            for pos, r in enumerate(batch):
-                f.write(json.dumps({"custom_id": r.custom_id, "line": r.line, "batch": b, "position": pos,
-                                    "policy": r.policy}) + "\n")
+    """The plan in the one plan-file format (encoder.plans), in dispatch order; `id` is the custom_id,
+    so `cohort eval --plan` reads it. Extra fields: custom_id, line, policy."""
+    requests = [r for batch in plan for r in batch]
+    starts = np.cumsum([0] + [len(batch) for batch in plan])
+    write_plan_file(path, [np.arange(a, b) for a, b in zip(starts[:-1], starts[1:])], [r.custom_id for r in requests],
+                    [{"custom_id": r.custom_id, "line": r.line, "policy": r.policy} for r in requests])
 
 
 async def execute(batch: BatchFile, journal: Journal, backend, plan_fn: PlanFn, config: RunConfig, *,

@@ -23,6 +23,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+from encoder.plans import arrival_plan
+
 log = logging.getLogger(__name__)
 
 # texts, batch size -> batches of indices into texts, in dispatch order
@@ -127,7 +129,7 @@ class Batcher:
             batches = await asyncio.get_running_loop().run_in_executor(self._executor, self.plan_fn, texts, self.batch_size)
         except Exception:  # a planner failure must not lose requests: fall back to arrival order
             log.exception("planning %d requests failed; dispatching them in arrival order", len(texts))
-            batches = [range(i, min(i + self.batch_size, len(texts))) for i in range(0, len(texts), self.batch_size)]
+            batches = arrival_plan(len(texts), self.batch_size)
         self.metrics.plan_seconds.observe(time.perf_counter() - start)
         self._enqueue(tickets, batches)
 

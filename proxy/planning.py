@@ -10,15 +10,16 @@ import logging
 import threading
 from typing import Sequence
 
+from encoder.plans import Plan, arrival_plan
 from proxy.batcher import PlanFn
 from proxy.settings import Settings
 
 log = logging.getLogger(__name__)
 
 
-def arrival_batches(texts: Sequence[str], batch_size: int) -> list[range]:
+def arrival_batches(texts: Sequence[str], batch_size: int) -> Plan:
     """Batches in arrival order: the plan when no encoder is configured."""
-    return [range(i, min(i + batch_size, len(texts))) for i in range(0, len(texts), batch_size)]
+    return arrival_plan(len(texts), batch_size)
 
 
 def make_plan_fn(settings: Settings) -> PlanFn:

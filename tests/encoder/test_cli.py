@@ -4,8 +4,7 @@ import numpy as np
 import pytest
 
 from cohort.cli import main
-from eval.planfile import read_plan_file
-from eval.plans import validate_plan
+from encoder.plans import read_plan_file, validate_plan
 
 
 def batch_line(cid, content):

@@ -6,7 +6,7 @@ import pytest
 from encoder.baselines import kmeans_sort_chunk
 from encoder.planner import PlannerConfig, plan_batches
 from encoder.swaps import within_similarity
-from eval.plans import validate_plan
+from encoder.plans import validate_plan
 from tests.encoder.conftest import planted, unit
 
 CONFIGS = {

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from eval.oracle import greedy_oracle
-from eval.plans import validate_plan
+from encoder.plans import validate_plan
 from tests.conftest import random_traces
 from traces.loads import expert_masks
 

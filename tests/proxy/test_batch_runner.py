@@ -10,7 +10,8 @@ import pytest
 
 from proxy.backend import BackendClient
 from proxy.batcher import Batcher
-from proxy.batch_runner import RunAborted, RunConfig, execute, plan_requests
+from encoder.plans import read_plan_file
+from proxy.batch_runner import RunAborted, RunConfig, execute, plan_requests, write_plan
 from proxy.batchfile import read_batch_file
 from proxy.journal import Journal, JournalPaths
 from proxy.metrics import ProxyMetrics
@@ -144,6 +145,14 @@ def test_plan_is_per_policy_and_covers_every_request(tmp_path):
     assert sorted(r.custom_id for batch in plan for r in batch) == sorted(r["custom_id"] for r in rows)
     with pytest.raises(RuntimeError, match="lost or repeated"):
         plan_requests(parsed.requests, lambda texts, b: [[0, 0]], 3)
+
+
+def test_a_dry_run_plan_is_what_cohort_eval_reads(tmp_path):
+    parsed = batch_file(tmp_path, [f"r{i}" for i in range(7)])
+    plan = plan_requests(parsed.requests, lambda texts, b: [[6, 0], [3, 1, 2], [5, 4]], 3)
+    write_plan(tmp_path / "plan.jsonl", plan)
+    read = read_plan_file(tmp_path / "plan.jsonl", [f"r{i}" for i in range(7)])  # what `cohort eval --plan` calls
+    assert [b.tolist() for b in read] == [[6, 0], [3, 1, 2], [5, 4]]
 
 
 def test_gate_gives_batch_work_only_the_slots_online_traffic_leaves(tmp_path):
