@@ -6,8 +6,8 @@ position, so a request that is preempted and recomputed overwrites its rows inst
 them twice. A finished request becomes one `traces.format` file, `<dir>/<request id>.npz`,
 holding one request: its prompt tokens and every generated token that went through the model
 (the last sampled token never does), ids and router weights of every MoE layer, and the prompt
-text when a tokenizer is at hand. `load_recorded(dir)` merges such files into one TraceSet for
-`cohort eval` / `cohort train`.
+text when a tokenizer is at hand. `traces.importers.load_traces(dir)` (and so `cohort eval
+--traces dir`, `cohort train --traces dir`) reads a folder of such files as one TraceSet.
 
 Positions the engine did not compute (a prompt prefix served from vLLM's prefix cache) leave a
 hole; such a request is skipped with a warning. The plugin asks vLLM not to read the prefix cache
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from traces.format import TraceSet, expert_dtype, load_trace_file, save_traces
+from traces.format import TraceSet, expert_dtype, save_traces
 
 log = logging.getLogger(__name__)
 
@@ -120,39 +120,3 @@ class TraceRecorder:
 
 def _file_name(req_id: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]", "_", req_id)[:200]
-
-
-def merge_traces(sets: Sequence[TraceSet]) -> TraceSet:
-    """One TraceSet holding the requests of `sets` in order (same model shape required)."""
-    if not sets:
-        raise ValueError("no trace sets to merge")
-    first = sets[0]
-    for ts in sets:
-        if (ts.num_experts, ts.num_layers, ts.top_k) != (first.num_experts, first.num_layers, first.top_k):
-            raise ValueError(f"cannot merge traces of different model shapes: "
-                             f"{(first.num_experts, first.num_layers, first.top_k)} vs "
-                             f"{(ts.num_experts, ts.num_layers, ts.top_k)}")
-    lengths = np.concatenate([ts.num_tokens for ts in sets])
-    has = lambda name: all(getattr(ts, name) is not None for ts in sets)  # noqa: E731
-    cat = lambda name: np.concatenate([getattr(ts, name) for ts in sets]) if has(name) else None  # noqa: E731
-    policies = {}
-    for ts in sets:
-        if "policy" in ts.extra and len(ts) == 1:
-            policies[str(ts.request_ids[0])] = ts.extra["policy"]
-        policies.update(ts.extra.get("policies", {}))
-    return TraceSet(
-        num_experts=first.num_experts, num_layers=first.num_layers, top_k=first.top_k,
-        token_offsets=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
-        experts=np.concatenate([ts.experts for ts in sets]), weights=cat("weights"),
-        num_prompt_tokens=np.concatenate([ts.num_prompt_tokens for ts in sets]),
-        request_ids=np.concatenate([ts.request_ids for ts in sets]), texts=cat("texts"),
-        categories=cat("categories"), model=first.model, extra={"source": SOURCE, "policies": policies},
-    )
-
-
-def load_recorded(directory: str | Path) -> TraceSet:
-    """Merge every `.npz` trace file in `directory` (sorted by name) into one TraceSet."""
-    paths = sorted(Path(directory).glob("*.npz"))
-    if not paths:
-        raise FileNotFoundError(f"{directory}: no recorded .npz trace files")
-    return merge_traces([load_trace_file(p) for p in paths])

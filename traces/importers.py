@@ -4,6 +4,8 @@ Layouts understood by `load_traces(path)`:
 - a moe-cohort `.npz` (see traces.format);
 - a directory holding `traces.npz` + `prompts.jsonl` in the layout of the DeepSeek-V2-Lite
   Puffin traces (experts [L, T, k], prompt-only, token 0 is BOS);
+- a directory of moe-cohort `.npz` files, one request each as the vLLM plugin records them,
+  merged in file-name order (see traces.merge);
 - a `.jsonl` file of records {"id", "text", "experts": [[[k ids] x layers] x tokens],
   "num_prompt_tokens", optional "weights" (same nesting), optional "category"}, so that traces
   from any engine can be brought in;
@@ -19,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from traces.format import FORMAT_NAME, TraceFormatError, TraceSet, expert_dtype, load_trace_file
+from traces.merge import load_trace_dir
 
 log = logging.getLogger(__name__)
 
@@ -35,8 +38,11 @@ def load_traces(path: str | Path, *, num_experts: int | None = None) -> TraceSet
     if path.is_dir():
         if (path / "traces.npz").exists() and (path / "prompts.jsonl").exists():
             return import_prompt_trace_dir(path, num_experts=num_experts)
+        if any(path.glob("*.npz")):
+            return load_trace_dir(path)
         raise TraceFormatError(f"{path}: a trace directory needs traces.npz and prompts.jsonl "
-                               f"(the DeepSeek-V2-Lite Puffin layout); pass a file path otherwise")
+                               f"(the DeepSeek-V2-Lite Puffin layout) or recorded .npz trace files; "
+                               f"pass a file path otherwise")
     if not path.exists():
         raise TraceFormatError(f"{path}: no such file or directory (use '{SAMPLE}' for the built-in sample traces)")
     if path.suffix == ".jsonl":
@@ -44,7 +50,7 @@ def load_traces(path: str | Path, *, num_experts: int | None = None) -> TraceSet
     if path.suffix == ".npz":
         return load_trace_file(path)
     raise TraceFormatError(f"{path}: unknown trace layout; expected a {FORMAT_NAME} .npz, a .jsonl of "
-                           f"records or a directory with traces.npz + prompts.jsonl")
+                           f"records, a directory of recorded .npz files or one with traces.npz + prompts.jsonl")
 
 
 def import_prompt_trace_dir(path: str | Path, *, num_experts: int | None = None) -> TraceSet:

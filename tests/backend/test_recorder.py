@@ -1,9 +1,8 @@
-"""Trace recording by position, holes, and merging recorded files (no vLLM needed)."""
+"""Trace recording by position and holes; a folder of recorded files reads as one set (no vLLM needed)."""
 
 import numpy as np
-import pytest
 
-from backend.recorder import TraceRecorder, load_recorded, merge_traces
+from backend.recorder import TraceRecorder
 from traces.format import load_trace_file
 from traces.importers import load_traces
 
@@ -70,29 +69,14 @@ def test_unknown_request_writes_nothing(tmp_path):
     assert _recorder(tmp_path).finish("never-seen", [1], [2]) is None
 
 
-def test_load_recorded_merges_files_and_keeps_policies(tmp_path):
+def test_a_folder_of_recorded_requests_loads_as_one_set(tmp_path):
     rec = _recorder(tmp_path)
     for i, policy in enumerate(["topk", "lynx-lat;drop=2", "topk"]):
         rows = _rows(3 + i, i)
         rec.add_rows(f"req{i}", policy, 0, *rows)
         rec.finish(f"req{i}", [1, 2], [3] * (2 + i))
-    ts = load_recorded(tmp_path)
+    ts = load_traces(tmp_path)  # what `cohort eval/train --traces DIR` read
     assert ts.request_ids.tolist() == ["req0", "req1", "req2"]
     assert ts.num_tokens.tolist() == [3, 4, 5] and ts.num_prompt_tokens.tolist() == [2, 2, 2]
     assert ts.extra["policies"] == {"req0": "topk", "req1": "lynx-lat;drop=2", "req2": "topk"}
     np.testing.assert_array_equal(ts.request_experts(1), _rows(4, 1)[0])
-
-
-def test_merge_rejects_different_shapes(tmp_path):
-    a = _recorder(tmp_path / "a")
-    a.add_rows("x", "topk", 0, *_rows(2, 0))
-    b = TraceRecorder(tmp_path / "b", num_layers=L, num_experts=E + 1, top_k=K)
-    b.add_rows("y", "topk", 0, *_rows(2, 0))
-    sets = [load_trace_file(a.finish("x", [1], [2])), load_trace_file(b.finish("y", [1], [2]))]
-    with pytest.raises(ValueError, match="different model shapes"):
-        merge_traces(sets)
-
-
-def test_load_recorded_of_empty_directory(tmp_path):
-    with pytest.raises(FileNotFoundError, match="no recorded"):
-        load_recorded(tmp_path)
