@@ -209,7 +209,7 @@ def main() -> None:
     args = parser.parse_args()
     server = None
     if not args.backend:
-        from backend.server import start
+        from devtools.server import start
         from proxy.embedded import ensure_tiny_model
 
         server = start(ensure_tiny_model(), max_num_seqs=args.batch_size, extra_args=["--no-enable-prefix-caching"])

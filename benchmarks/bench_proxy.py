@@ -35,7 +35,7 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 
-from backend.server import free_port
+from devtools.server import free_port
 
 PROMPTS = Path(__file__).resolve().parents[1] / "../shared/data/prompts/mixed.jsonl"
 

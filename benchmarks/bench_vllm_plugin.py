@@ -151,7 +151,7 @@ def main() -> None:
         return child(args)
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from backend.tiny_moe import make_tiny_moe
+    from devtools.tiny_moe import make_tiny_moe
 
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model or make_tiny_moe(Path(tmp) / "tiny-moe")

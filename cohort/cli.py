@@ -20,7 +20,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "traces": ("traces.cli", "inspect, import and convert expert-trace files"),
     "plan": ("encoder.cli", "turn prompts (JSONL) into expert-coherent batches from their text alone"),
     "train": ("train.cli", "fine-tune a sentence encoder so that cosine similarity tracks expert overlap"),
-    "make-tiny-moe": ("backend.cli_tiny_moe", "write a tiny random MoE model (Qwen3-MoE, Mixtral, OLMoE) for tests"),
+    "make-tiny-moe": ("devtools.cli_tiny_moe", "write a tiny random MoE model (Qwen3-MoE, Mixtral, OLMoE) for tests"),
 }
 
 

@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _start_embedded(settings: Settings, model_dir: str | None, *, explicit_in_flight: bool):
-    from backend.server import stay_off_worker_cpus
+    from devtools.server import stay_off_worker_cpus
     from proxy.embedded import ensure_tiny_model, start_embedded_backend
 
     max_num_seqs = settings.max_in_flight if explicit_in_flight else 16

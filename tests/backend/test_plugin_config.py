@@ -47,7 +47,7 @@ def test_unsupported_versions_raise_a_clear_error(version):
 def test_engine_side_modules_do_not_import_vllm():
     """Layering: only backend.vllm_plugin's lazily loaded backend.vllm_patches imports vLLM."""
     modules = ["backend.vllm_plugin", "backend.routing_hook", "backend.engine_state", "backend.metrics",
-               "backend.recorder", "backend.server", "backend.tiny_moe", "backend.policy", "backend.selection"]
+               "backend.recorder", "devtools.server", "devtools.tiny_moe", "backend.policy", "backend.selection"]
     code = (f"import sys, importlib; [importlib.import_module(m) for m in {modules!r}]; "
             "bad = sorted(m for m in sys.modules if m == 'vllm' or m.startswith('vllm.')); "
             "print(bad); sys.exit(1 if bad else 0)")

@@ -37,7 +37,7 @@ POLICIES = [None, "topk", "xshare;m=4;k0=1", "oea;k0=1", LYNX, "lynx-acc;drop=4"
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from backend.tiny_moe import make_tiny_moe
+    from devtools.tiny_moe import make_tiny_moe
 
     return make_tiny_moe(tmp_path_factory.mktemp("tiny-moe"))
 
@@ -49,7 +49,7 @@ def trace_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model_dir, trace_dir, tmp_path_factory):
-    from backend import server as vllm_server
+    from devtools import server as vllm_server
 
     if not any(ep.name == "moe_cohort" for ep in entry_points(group="vllm.general_plugins")):
         pytest.fail("the moe_cohort vLLM plugin entry point is not installed; run `pip install -e .`")

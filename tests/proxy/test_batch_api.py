@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from backend.server import free_port
+from devtools.server import free_port
 from proxy.app import create_app
 from proxy.batch_store import BatchStore
 from proxy.settings import Settings

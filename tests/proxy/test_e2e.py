@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 
-from backend.server import free_port
+from devtools.server import free_port
 from proxy.settings import Settings
 from tests.proxy.servers import ProxyThread
 

@@ -11,7 +11,7 @@ import openai
 import pytest
 from aiohttp import web
 
-from backend.server import free_port
+from devtools.server import free_port
 from proxy.app import create_app
 from proxy.settings import Settings
 from tests.proxy.servers import ProxyThread, answer, body_of, local_backend

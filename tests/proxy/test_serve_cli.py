@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from backend.server import free_port
+from devtools.server import free_port
 
 
 def test_embedded_default_serves_and_shuts_down_cleanly(tiny_moe_dir, tmp_path):

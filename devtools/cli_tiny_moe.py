@@ -6,7 +6,7 @@ import argparse
 import dataclasses
 import json
 
-from backend.tiny_moe import ARCHITECTURES, TinyMoeArgs, make_tiny_moe
+from devtools.tiny_moe import ARCHITECTURES, TinyMoeArgs, make_tiny_moe
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

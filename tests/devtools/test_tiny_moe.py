@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from backend.tiny_moe import TinyMoeArgs, make_tiny_moe
+from devtools.tiny_moe import TinyMoeArgs, make_tiny_moe
 from cohort.cli import main
 
 transformers = pytest.importorskip("transformers")
