@@ -1,0 +1,185 @@
+"""vLLM's waiting queue, reordered by predicted experts: the engine-side admission of moe-cohort.
+
+vLLM's scheduler admits waiting requests into free slots (up to max_num_seqs) by peeking at
+the front of its waiting queue and popping it once it fits. `ExpertAwareQueue` implements the
+whole request-queue contract of vLLM's `RequestQueue` (add, pop, peek, prepend, remove, bool,
+len, iter), but its front is chosen, not fixed: among the waiting requests that carry a
+predicted expert profile, the one expected to add the fewest experts per step to the running
+set (`encoder.admission.ResidentExperts`). The rest of vLLM's semantics are kept:
+
+- requests put back at the front (preempted ones, ones skipped in a scheduling pass) stay in
+  front, in vLLM's order, before any choice;
+- a request without a profile keeps first-come-first-served: no later request overtakes it;
+- fairness: a request that has waited `max_wait_s` goes first, oldest first;
+- `pop_request` returns what `peek_request` showed (the scheduler peeks, checks, then pops).
+
+The profile travels in the request's `vllm_xargs` as `moe_profile`: a flat list of L*E ints in
+0..255, the quantised per-layer expert frequencies u[l, e] * 255 (`encode_profile`). This module
+imports no vLLM: requests are duck-typed (`request_id`, `arrival_time`,
+`sampling_params.extra_args`), so it is tested without an engine; backend/scheduler.py plugs it in.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from encoder.admission import ResidentExperts
+
+log = logging.getLogger(__name__)
+
+PROFILE_KEY = "moe_profile"
+_LEVELS = 255
+
+
+def encode_profile(profile: np.ndarray) -> list[int]:
+    """Expert frequencies [L, E] in [0, 1] -> the compact `moe_profile` list (L*E ints in 0..255)."""
+    return np.rint(np.clip(np.asarray(profile, dtype=np.float64).ravel(), 0.0, 1.0) * _LEVELS).astype(int).tolist()
+
+
+def decode_profile(value: Any) -> np.ndarray | None:
+    """A `moe_profile` value -> flat frequencies [L*E] float32, or None if it is not a valid one."""
+    if not isinstance(value, list) or not value or not all(type(v) is int and 0 <= v <= _LEVELS for v in value):
+        return None
+    return np.asarray(value, dtype=np.float32) / _LEVELS
+
+
+def profile_of(request) -> np.ndarray | None:
+    """The request's decoded profile, or None when it sent none (or a malformed one, logged)."""
+    extra = getattr(getattr(request, "sampling_params", None), "extra_args", None) or {}
+    if PROFILE_KEY not in extra:
+        return None
+    profile = decode_profile(extra[PROFILE_KEY])
+    if profile is None:
+        log.warning("request %s: vllm_xargs.%s must be a non-empty list of ints in 0..%d; admitting it first come, "
+                    "first served", request.request_id, PROFILE_KEY, _LEVELS)
+    return profile
+
+
+class ExpertAwareQueue:
+    """A waiting queue whose front is the request that best fits the running set (see the module doc).
+
+    `running()` returns the scheduler's running requests (read on every choice); `clock()` is
+    comparable with the requests' `arrival_time` (vLLM: time.time()).
+    """
+
+    def __init__(self, running: Callable[[], Sequence[Any]], *, max_wait_s: float = 30.0,
+                 clock: Callable[[], float] = time.time):
+        self._running, self.max_wait_s, self._clock = running, max_wait_s, clock
+        self._front: deque = deque()  # put back by the scheduler; served first, in order
+        self._pool: dict[str, Any] = {}  # request_id -> request, in arrival order
+        self._profiles: dict[str, np.ndarray | None] = {}  # request_id -> [L*E] or None
+        self._choice: tuple[tuple, float, Any] | None = None  # (running ids, valid until, request) of the last peek
+
+    # --- the RequestQueue contract -------------------------------------------------------
+    def add_request(self, request) -> None:
+        self._pool[request.request_id] = request
+        self._remember(request)
+
+    def pop_request(self):
+        """The request the last peek showed, if nothing changed since; else a fresh choice."""
+        if self._front:
+            return self._front.popleft()
+        fresh = self._choice is not None and self._choice[0] == self._state_key()
+        request = self._choice[2] if fresh else self.peek_request()
+        self._discard(request)
+        return request
+
+    def peek_request(self):
+        if self._front:
+            return self._front[0]
+        if not self._pool:
+            raise IndexError("peek from an empty queue")
+        key = self._state_key()
+        if self._choice is None or self._choice[0] != key or self._clock() >= self._choice[1]:
+            self._choice = (key, self._next_deadline(), self._choose())
+        return self._choice[2]
+
+    def prepend_request(self, request) -> None:
+        self._front.appendleft(request)
+        self._remember(request)
+
+    def prepend_requests(self, requests: Iterable) -> None:
+        """Like vLLM's FCFS queue: each is put in front in turn (so the last given ends up first)."""
+        for request in requests:
+            self.prepend_request(request)
+
+    def remove_request(self, request) -> None:
+        if request.request_id not in self._pool and request not in self._front:
+            raise ValueError(f"request {request.request_id} is not in the queue")
+        self._discard(request)
+
+    def remove_requests(self, requests: Iterable) -> None:
+        for request in list(requests):
+            self._discard(request)
+
+    def __bool__(self) -> bool:
+        return bool(self._front) or bool(self._pool)
+
+    def __len__(self) -> int:
+        return len(self._front) + len(self._pool)
+
+    def __iter__(self) -> Iterator:
+        """Front first, then arrival order (vLLM iterates the queue for stats and aborts)."""
+        yield from list(self._front)
+        yield from list(self._pool.values())
+
+    # --- the choice ----------------------------------------------------------------------
+    def _choose(self):
+        pool = list(self._pool.values())  # arrival order
+        now = self._clock()
+        overdue = [r for r in pool if now - r.arrival_time >= self.max_wait_s]
+        if overdue:
+            return min(overdue, key=lambda r: r.arrival_time)
+        profiles = [self._profiles[r.request_id] for r in pool]
+        plain = next((i for i, p in enumerate(profiles) if p is None), len(pool))
+        if plain == 0:
+            return pool[0]  # a profile-less request at the head: first come, first served
+        size = profiles[0].shape[0]  # the head's profile size; others of another size wait their turn
+        eligible = [i for i in range(plain) if profiles[i].shape[0] == size]  # nobody overtakes pool[plain]
+        chosen = self._resident(size).pick(np.stack([profiles[i] for i in eligible]))  # [n, L*E]
+        return pool[eligible[chosen]]
+
+    def _resident(self, size: int) -> ResidentExperts:
+        """The running requests' predicted experts (those with a profile of the same size)."""
+        resident = ResidentExperts(1, size)
+        for request in self._running():
+            profile = self._profile(request)
+            if profile is not None and profile.shape[0] == size:
+                resident.admit(profile)
+        return resident
+
+    def _profile(self, request) -> np.ndarray | None:
+        """Cached decoded profile (the cache forgets requests that are neither queued nor running)."""
+        if request.request_id not in self._profiles:
+            self._profiles[request.request_id] = profile_of(request)
+            self._forget_finished()
+        return self._profiles[request.request_id]
+
+    def _forget_finished(self) -> None:
+        if len(self._profiles) > 2 * (len(self) + len(self._running())) + 64:
+            alive = {r.request_id for r in (*self, *self._running())}
+            self._profiles = {k: v for k, v in self._profiles.items() if k in alive}
+
+    def _next_deadline(self) -> float:
+        """When the oldest queued request becomes overdue (a cached choice is stale from then on)."""
+        return min(r.arrival_time for r in self._pool.values()) + self.max_wait_s
+
+    def _state_key(self) -> tuple:
+        """What a choice depends on besides the pool, which every mutation already resets."""
+        return tuple(r.request_id for r in self._running())
+
+    def _remember(self, request) -> None:
+        self._profile(request)
+        self._choice = None
+
+    def _discard(self, request) -> None:
+        self._pool.pop(request.request_id, None)
+        if request in self._front:
+            self._front.remove(request)
+        self._choice = None

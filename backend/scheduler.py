@@ -1,0 +1,69 @@
+"""vLLM schedulers that admit waiting requests by predicted experts (`--scheduler-cls`).
+
+    vllm serve MODEL --scheduler-cls backend.scheduler.ExpertAwareScheduler
+    vllm serve MODEL --scheduler-cls backend.scheduler.ExpertAwareAsyncScheduler --async-scheduling
+
+vLLM's own scheduler (FCFS) is kept whole: running requests, preemption, chunked prefill, the
+KV budget and skipped requests all work as in vLLM. Only its waiting queue is replaced by
+`backend.admission_queue.ExpertAwareQueue`, whose front is the waiting request expected to add
+the fewest experts per step to the running set, read from the `moe_profile` the proxy sends in
+`vllm_xargs` (requests without one keep FCFS). vLLM warns that the scheduler interface is not
+public: these classes are written for, and tested on, the versions of
+`backend.vllm_plugin.TESTED_VERSIONS` (vLLM 0.32); `check_vllm_version` refuses others.
+
+Environment (read when the engine builds the scheduler):
+
+    COHORT_SCHEDULER_MAX_WAIT_MS   fairness bound: a request waiting this long goes first (default 30000)
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import vllm
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.request_queue import RequestQueue, SchedulingPolicy
+from vllm.v1.core.sched.scheduler import Scheduler
+
+from backend.admission_queue import ExpertAwareQueue
+from backend.vllm_plugin import ENV_ALLOW, check_vllm_version
+
+log = logging.getLogger(__name__)
+
+ENV_MAX_WAIT = "COHORT_SCHEDULER_MAX_WAIT_MS"
+RequestQueue.register(ExpertAwareQueue)  # it implements the whole contract, without importing vLLM
+
+
+def max_wait_s(environ=None) -> float:
+    """The fairness bound in seconds, from COHORT_SCHEDULER_MAX_WAIT_MS; ValueError names the variable."""
+    env = os.environ if environ is None else environ
+    text = env.get(ENV_MAX_WAIT, "30000")
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        raise ValueError(f"{ENV_MAX_WAIT} must be a number of milliseconds >= 0, got {text!r}")
+    return value / 1000.0
+
+
+class _ExpertAware:
+    """Mixin: after vLLM's scheduler is built, swap its (empty) FCFS waiting queue for ours."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        check_vllm_version(vllm.__version__, allow_untested=os.environ.get(ENV_ALLOW, "0") == "1")
+        super().__init__(*args, **kwargs)
+        if self.policy != SchedulingPolicy.FCFS:
+            raise ValueError(f"{type(self).__name__} reorders an FCFS queue; vLLM was started with "
+                             f"--scheduling-policy {self.policy.value}: use fcfs, or drop --scheduler-cls")
+        self.waiting = ExpertAwareQueue(lambda: self.running, max_wait_s=max_wait_s())
+        log.info("moe-cohort: admission by predicted experts (fairness bound %.1f s)", self.waiting.max_wait_s)
+
+
+class ExpertAwareScheduler(_ExpertAware, Scheduler):
+    """vLLM's Scheduler with admission by predicted experts."""
+
+
+class ExpertAwareAsyncScheduler(_ExpertAware, AsyncScheduler):
+    """vLLM's AsyncScheduler (async scheduling on) with admission by predicted experts."""
