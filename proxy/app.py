@@ -20,15 +20,17 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from proxy.auth import Authorizer, backend_headers
 from proxy.backend import BackendClient
 from proxy.batch_api import add_batch_api
+from proxy.batch_jobs import BatchJobs
 from proxy.batcher import Batcher, PlanFn
-from proxy.errors import BackendStatusError, ProxyError, Unauthorized
+from proxy.errors import BackendStatusError, ProxyError
 from proxy.metrics import ProxyMetrics
 from proxy.planning import make_plan_fn
 from proxy.protocol import ProxyRequest, Route, check_size, cohort_headers, parse_request
 from proxy.settings import Settings, load_settings
-from proxy.streaming import StreamRelay
+from proxy.streaming import StreamRelay, Upstream
 
 log = logging.getLogger(__name__)
 
@@ -41,46 +43,28 @@ class Proxy:
     def __init__(self, settings: Settings, plan_fn: PlanFn) -> None:
         self.settings = settings
         self.metrics = ProxyMetrics()
-        self.backend = BackendClient(settings.backend_url, timeout_s=settings.request_timeout_s,
-                                     connect_timeout_s=settings.connect_timeout_s)
+        self.backend = BackendClient.from_settings(settings)
         self.batcher = Batcher(plan_fn, self.metrics, batch_size=settings.batch_size, flush_size=settings.flush_size,
                                max_wait_s=settings.max_wait_ms / 1000, max_queue_s=settings.max_queue_ms / 1000,
                                max_in_flight=settings.max_in_flight)
+        self.authorize = Authorizer(settings.api_keys)  # called with a request's headers
+        self.upstream = Upstream(self.batcher, self.backend, self.metrics, settings.keepalive_s)
 
     async def close(self) -> None:
         self.batcher.close()
         await self.backend.close()
 
-    def authorize(self, request: Request) -> None:
-        if not self.settings.api_keys:
-            return
-        scheme, _, key = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or key.strip() not in self.settings.api_keys:
-            raise Unauthorized("missing or incorrect API key; send it as 'Authorization: Bearer <key>'",
-                               code="invalid_api_key")
-
-    def backend_headers(self, request: Request) -> dict[str, str]:
-        """Authorization for the backend (configured key, else the client's own when the proxy has none)."""
-        headers = {}
-        if self.settings.backend_api_key:
-            headers["authorization"] = f"Bearer {self.settings.backend_api_key}"
-        elif not self.settings.api_keys and "authorization" in request.headers:
-            headers["authorization"] = request.headers["authorization"]
-        if "x-request-id" in request.headers:
-            headers["x-request-id"] = request.headers["x-request-id"]
-        return headers
-
     async def completion(self, request: Request, route: Route) -> Response:
-        self.authorize(request)
+        self.authorize(request.headers)
         check_size(request.headers.get("content-length"), self.settings.max_body_bytes)
         preq = parse_request(await request.body(), route, request.headers,
                              default_policy=self.settings.default_policy, max_bytes=self.settings.max_body_bytes)
         if self.settings.log_prompts:
             log.info("%s request, policy %s: %r", route, preq.policy, preq.text)
         if preq.stream:
-            relay = StreamRelay(self, preq, PATHS[route], self.backend_headers(request))
+            relay = StreamRelay(self.upstream, preq, PATHS[route], backend_headers(self.settings, request.headers))
             return await relay.start()
-        return await self._forward(preq, PATHS[route], self.backend_headers(request))
+        return await self._forward(preq, PATHS[route], backend_headers(self.settings, request.headers))
 
     async def _forward(self, preq: ProxyRequest, path: str, headers: dict[str, str]) -> Response:
         admission = await self.batcher.admit(preq.text, preq.policy)
@@ -118,7 +102,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app = FastAPI(title="moe-cohort proxy", lifespan=lifespan)
     app.state.proxy = proxy
     _add_error_handlers(app, proxy)
-    batch_jobs = add_batch_api(app, proxy)
+    batch_jobs = BatchJobs(settings, proxy.backend, proxy.batcher.plan_fn, gate=proxy.batcher)
+    add_batch_api(app, batch_jobs, proxy.authorize, settings.max_file_bytes)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -130,8 +115,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
-        proxy.authorize(request)
-        answer = await proxy.backend.request("GET", "/v1/models", headers=proxy.backend_headers(request))
+        proxy.authorize(request.headers)
+        answer = await proxy.backend.request("GET", "/v1/models", headers=backend_headers(settings, request.headers))
         return Response(answer.content, status_code=answer.status_code, media_type="application/json")
 
     @app.get("/health")

@@ -47,6 +47,12 @@ class BackendClient:
         self._session: aiohttp.ClientSession | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
+    @classmethod
+    def from_settings(cls, settings) -> "BackendClient":
+        """The client of `settings.backend_url` with its timeouts (proxy.settings.Settings)."""
+        return cls(settings.backend_url, timeout_s=settings.request_timeout_s,
+                   connect_timeout_s=settings.connect_timeout_s)
+
     async def close(self) -> None:
         if self._session is not None:
             await self._session.close()

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import TYPE_CHECKING
+from typing import Callable, Mapping
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse
@@ -29,26 +29,24 @@ from proxy.batchfile import URLS, new_id
 from proxy.errors import InvalidRequest, NotFound, PayloadTooLarge
 from proxy.protocol import check_size
 
-if TYPE_CHECKING:
-    from proxy.app import Proxy
-
 COMPLETION_WINDOWS = ("24h",)
 
 
-def add_batch_api(app: FastAPI, proxy: "Proxy") -> BatchJobs:
-    """Add the routes to `app`; the returned jobs must be resumed at start-up and closed at shutdown."""
-    jobs = BatchJobs(proxy.settings, proxy.backend, proxy.batcher.plan_fn, gate=proxy.batcher)
+def add_batch_api(app: FastAPI, jobs: BatchJobs, authorize: Callable[[Mapping[str, str]], None],
+                  max_file_bytes: int) -> None:
+    """Add the routes to `app`, serving `jobs` (resumed at start-up and closed at shutdown by the app);
+    `authorize(headers)` raises Unauthorized for a request without a valid key."""
     router = APIRouter(prefix="/v1")
 
     @router.post("/files")
     async def upload_file(request: Request) -> JSONResponse:
-        proxy.authorize(request)
-        check_size(request.headers.get("content-length"), proxy.settings.max_file_bytes + 64 * 1024)
-        return JSONResponse(to_file(await _store_upload(request, jobs, proxy.settings.max_file_bytes)))
+        authorize(request.headers)
+        check_size(request.headers.get("content-length"), max_file_bytes + 64 * 1024)
+        return JSONResponse(to_file(await _store_upload(request, jobs, max_file_bytes)))
 
     @router.get("/files")
     async def list_files(request: Request) -> JSONResponse:
-        proxy.authorize(request)
+        authorize(request.headers)
         query = request.query_params
         order = query.get("order", "desc")
         if order not in ("asc", "desc"):
@@ -59,46 +57,45 @@ def add_batch_api(app: FastAPI, proxy: "Proxy") -> BatchJobs:
 
     @router.delete("/files/{file_id}")
     async def delete_file(file_id: str, request: Request) -> JSONResponse:
-        proxy.authorize(request)
+        authorize(request.headers)
         jobs.delete_file(file_id)
         return JSONResponse({"id": file_id, "object": "file", "deleted": True})
 
     @router.get("/files/{file_id}")
     async def get_file(file_id: str, request: Request) -> JSONResponse:
-        proxy.authorize(request)
+        authorize(request.headers)
         return JSONResponse(to_file(_file(jobs, file_id)))
 
     @router.get("/files/{file_id}/content")
     async def file_content(file_id: str, request: Request) -> FileResponse:
-        proxy.authorize(request)
+        authorize(request.headers)
         row = _file(jobs, file_id)
         return FileResponse(row["path"], media_type="application/jsonl", filename=row["filename"])
 
     @router.post("/batches")
     async def create_batch(request: Request) -> JSONResponse:
-        proxy.authorize(request)
+        authorize(request.headers)
         params = _batch_params(await request.body())
         return JSONResponse(to_batch(jobs.create(**params)))
 
     @router.get("/batches/{batch_id}")
     async def get_batch(batch_id: str, request: Request) -> JSONResponse:
-        proxy.authorize(request)
+        authorize(request.headers)
         return JSONResponse(to_batch(jobs.get(batch_id)))
 
     @router.get("/batches")
     async def list_batches(request: Request) -> JSONResponse:
-        proxy.authorize(request)
+        authorize(request.headers)
         limit = _limit(request.query_params.get("limit", "20"), 100)
         rows, has_more = jobs.store.list_batches(limit, request.query_params.get("after"))
         return _page([to_batch(r) for r in rows], has_more)
 
     @router.post("/batches/{batch_id}/cancel")
     async def cancel_batch(batch_id: str, request: Request) -> JSONResponse:
-        proxy.authorize(request)
+        authorize(request.headers)
         return JSONResponse(to_batch(jobs.cancel(batch_id)))
 
     app.include_router(router)
-    return jobs
 
 
 def _limit(raw: str, maximum: int) -> int:

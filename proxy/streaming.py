@@ -14,16 +14,16 @@ import asyncio
 import contextlib
 import json
 import logging
-from typing import TYPE_CHECKING, AsyncIterator
+from dataclasses import dataclass
+from typing import AsyncIterator
 
 from starlette.responses import StreamingResponse
 
+from proxy.backend import BackendClient
+from proxy.batcher import Batcher
 from proxy.errors import ProxyError
-from proxy.protocol import cohort_headers
-
-if TYPE_CHECKING:
-    from proxy.app import Proxy
-    from proxy.protocol import ProxyRequest
+from proxy.metrics import ProxyMetrics
+from proxy.protocol import ProxyRequest, cohort_headers
 
 log = logging.getLogger(__name__)
 
@@ -42,10 +42,20 @@ class _ClosingStreamingResponse(StreamingResponse):
             await self._on_close()
 
 
+@dataclass(frozen=True)
+class Upstream:
+    """What a relay uses: the dispatcher (`gate`), the backend, the metrics, the keep-alive interval."""
+
+    gate: Batcher
+    backend: BackendClient
+    metrics: ProxyMetrics
+    keepalive_s: float
+
+
 class StreamRelay:
-    def __init__(self, proxy: "Proxy", preq: "ProxyRequest", path: str, headers: dict[str, str]) -> None:
-        self.proxy, self.preq, self.path, self.headers = proxy, preq, path, headers
-        self._admit = asyncio.ensure_future(proxy.batcher.admit(preq.text, preq.policy))
+    def __init__(self, upstream: Upstream, preq: ProxyRequest, path: str, headers: dict[str, str]) -> None:
+        self.up, self.preq, self.path, self.headers = upstream, preq, path, headers
+        self._admit = asyncio.ensure_future(upstream.gate.admit(preq.text, preq.policy))
         self._stream: contextlib.AbstractAsyncContextManager | None = None
         self._response = None
         self._closed = False
@@ -53,7 +63,7 @@ class StreamRelay:
     async def start(self):
         """Return the response: relayed at once when admitted within keepalive_s, else keep-alives first."""
         try:
-            done, _ = await asyncio.wait({self._admit}, timeout=self.proxy.settings.keepalive_s)
+            done, _ = await asyncio.wait({self._admit}, timeout=self.up.keepalive_s)
             if not done:
                 return _ClosingStreamingResponse(self._queued_then_relay(), self.close)
             await self._open()
@@ -63,14 +73,14 @@ class StreamRelay:
         return _ClosingStreamingResponse(self._relay(), self.close, headers=cohort_headers(self._admit.result()))
 
     async def _open(self) -> None:
-        stream = self.proxy.backend.stream(self.path, json=self.preq.body, headers=self.headers)
+        stream = self.up.backend.stream(self.path, json=self.preq.body, headers=self.headers)
         self._response = await stream.__aenter__()  # raises on a backend error status
         self._stream = stream
-        self.proxy.metrics.requests.labels(self.preq.route, str(self._response.status)).inc()
+        self.up.metrics.requests.labels(self.preq.route, str(self._response.status)).inc()
 
     async def _relay(self) -> AsyncIterator[bytes]:
         try:
-            async for chunk in self.proxy.backend.iter_raw(self._response):
+            async for chunk in self.up.backend.iter_raw(self._response):
                 yield chunk
         except ProxyError as exc:
             log.warning("backend stream broke: %s", exc.message)
@@ -79,7 +89,7 @@ class StreamRelay:
     async def _queued_then_relay(self) -> AsyncIterator[bytes]:
         while not self._admit.done():
             yield b": queued\n\n"
-            await asyncio.wait({self._admit}, timeout=self.proxy.settings.keepalive_s)
+            await asyncio.wait({self._admit}, timeout=self.up.keepalive_s)
         try:
             await self._open()
         except ProxyError as exc:
@@ -99,7 +109,7 @@ class StreamRelay:
             with contextlib.suppress(Exception):
                 await self._stream.__aexit__(None, None, None)
         if not self._admit.cancelled() and self._admit.exception() is None:
-            self.proxy.batcher.release()
+            self.up.gate.release()
 
 
 def _sse_error(exc: ProxyError) -> bytes:

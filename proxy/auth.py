@@ -1,0 +1,42 @@
+"""Keys on both sides of the proxy: the client keys it accepts, and the Authorization it sends to vLLM.
+
+`Authorizer` checks a request's `Authorization: Bearer <key>` against the configured client keys
+(none configured: the proxy is open). `backend_headers` is the one place that builds the headers a
+backend request carries, for online requests (the client's headers given) and batch requests alike.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Mapping
+
+from proxy.errors import Unauthorized
+from proxy.settings import Settings
+
+
+class Authorizer:
+    """Callable on a request's headers; raises Unauthorized unless they carry one of `keys`."""
+
+    def __init__(self, keys: Iterable[str]) -> None:
+        self.keys = frozenset(keys)
+
+    def __call__(self, headers: Mapping[str, str]) -> None:
+        if not self.keys:
+            return
+        scheme, _, key = headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or key.strip() not in self.keys:
+            raise Unauthorized("missing or incorrect API key; send it as 'Authorization: Bearer <key>'",
+                               code="invalid_api_key")
+
+
+def backend_headers(settings: Settings, client: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Headers for the backend: the configured backend key, else the client's own Authorization when the
+    proxy itself takes no keys; and the client's x-request-id. Batch requests pass no `client`."""
+    client = client or {}
+    headers = {}
+    if settings.backend_api_key:
+        headers["authorization"] = f"Bearer {settings.backend_api_key}"
+    elif not settings.api_keys and "authorization" in client:
+        headers["authorization"] = client["authorization"]
+    if "x-request-id" in client:
+        headers["x-request-id"] = client["x-request-id"]
+    return headers
