@@ -13,8 +13,9 @@ set (`encoder.admission.ResidentExperts`). The rest of vLLM's semantics are kept
 - fairness: a request that has waited `max_wait_s` goes first, oldest first;
 - `pop_request` returns what `peek_request` showed (the scheduler peeks, checks, then pops).
 
-The profile travels in the request's `vllm_xargs` as `moe_profile`: a flat list of L*E ints in
-0..255, the quantised per-layer expert frequencies u[l, e] * 255 (`encode_profile`). This module
+The profile travels in the request's `vllm_xargs` as `moe_profile`: the compact form of
+`encoder.profile` (per MoE layer its `COMPACT_TOP` most frequent experts, one int
+`expert * 256 + round(255 * u)` each, layer after layer). This module
 imports no vLLM: requests are duck-typed (`request_id`, `arrival_time`,
 `sampling_params.extra_args`), so it is tested without an engine; backend/scheduler.py plugs it in.
 """
@@ -30,47 +31,48 @@ from typing import Any
 import numpy as np
 
 from encoder.admission import ResidentExperts
+from encoder.profile import COMPACT_TOP, expand
 
 log = logging.getLogger(__name__)
 
 PROFILE_KEY = "moe_profile"
-_LEVELS = 255
 
 
-def encode_profile(profile: np.ndarray) -> list[int]:
-    """Expert frequencies [L, E] in [0, 1] -> the compact `moe_profile` list (L*E ints in 0..255)."""
-    return np.rint(np.clip(np.asarray(profile, dtype=np.float64).ravel(), 0.0, 1.0) * _LEVELS).astype(int).tolist()
-
-
-def decode_profile(value: Any) -> np.ndarray | None:
+def decode_profile(value: Any, num_experts: int) -> np.ndarray | None:
     """A `moe_profile` value -> flat frequencies [L*E] float32, or None if it is not a valid one."""
-    if not isinstance(value, list) or not value or not all(type(v) is int and 0 <= v <= _LEVELS for v in value):
+    if (not isinstance(value, list) or not value or len(value) % COMPACT_TOP
+            or not all(type(v) is int and v >= 0 for v in value)):
         return None
-    return np.asarray(value, dtype=np.float32) / _LEVELS
+    try:
+        return expand(value, len(value) // COMPACT_TOP, num_experts).ravel()  # [L*E]
+    except ValueError:  # an expert id outside the model's
+        return None
 
 
-def profile_of(request) -> np.ndarray | None:
+def profile_of(request, num_experts: int) -> np.ndarray | None:
     """The request's decoded profile, or None when it sent none (or a malformed one, logged)."""
     extra = getattr(getattr(request, "sampling_params", None), "extra_args", None) or {}
     if PROFILE_KEY not in extra:
         return None
-    profile = decode_profile(extra[PROFILE_KEY])
+    profile = decode_profile(extra[PROFILE_KEY], num_experts)
     if profile is None:
-        log.warning("request %s: vllm_xargs.%s must be a non-empty list of ints in 0..%d; admitting it first come, "
-                    "first served", request.request_id, PROFILE_KEY, _LEVELS)
+        log.warning("request %s: vllm_xargs.%s must be a list of %d ints per MoE layer, expert * 256 + level, with "
+                    "experts below %d (encoder.profile.compact); admitting it first come, first served",
+                    request.request_id, PROFILE_KEY, COMPACT_TOP, num_experts)
     return profile
 
 
 class ExpertAwareQueue:
     """A waiting queue whose front is the request that best fits the running set (see the module doc).
 
-    `running()` returns the scheduler's running requests (read on every choice); `clock()` is
-    comparable with the requests' `arrival_time` (vLLM: time.time()).
+    `running()` returns the scheduler's running requests (read on every choice); `num_experts` is
+    the model's routed experts per layer; `clock()` is comparable with the requests'
+    `arrival_time` (vLLM: time.time()).
     """
 
-    def __init__(self, running: Callable[[], Sequence[Any]], *, max_wait_s: float = 30.0,
+    def __init__(self, running: Callable[[], Sequence[Any]], num_experts: int, *, max_wait_s: float = 30.0,
                  clock: Callable[[], float] = time.time):
-        self._running, self.max_wait_s, self._clock = running, max_wait_s, clock
+        self._running, self.num_experts, self.max_wait_s, self._clock = running, num_experts, max_wait_s, clock
         self._front: deque = deque()  # put back by the scheduler; served first, in order
         self._pool: dict[str, Any] = {}  # request_id -> request, in arrival order
         self._profiles: dict[str, np.ndarray | None] = {}  # request_id -> [L*E] or None
@@ -157,7 +159,7 @@ class ExpertAwareQueue:
     def _profile(self, request) -> np.ndarray | None:
         """Cached decoded profile (the cache forgets requests that are neither queued nor running)."""
         if request.request_id not in self._profiles:
-            self._profiles[request.request_id] = profile_of(request)
+            self._profiles[request.request_id] = profile_of(request, self.num_experts)
             self._forget_finished()
         return self._profiles[request.request_id]
 

@@ -48,6 +48,15 @@ def max_wait_s(environ=None) -> float:
     return value / 1000.0
 
 
+def routed_experts(hf_config) -> int:
+    """Routed experts per MoE layer, under the names the MoE architectures vLLM serves use."""
+    for name in ("num_experts", "n_routed_experts", "num_local_experts"):
+        if isinstance(getattr(hf_config, name, None), int):
+            return getattr(hf_config, name)
+    raise ValueError(f"--scheduler-cls {__name__}: the model ({type(hf_config).__name__}) has no routed experts "
+                     f"(num_experts, n_routed_experts or num_local_experts); admission by experts needs an MoE model")
+
+
 class _ExpertAware:
     """Mixin: after vLLM's scheduler is built, swap its (empty) FCFS waiting queue for ours."""
 
@@ -57,7 +66,8 @@ class _ExpertAware:
         if self.policy != SchedulingPolicy.FCFS:
             raise ValueError(f"{type(self).__name__} reorders an FCFS queue; vLLM was started with "
                              f"--scheduling-policy {self.policy.value}: use fcfs, or drop --scheduler-cls")
-        self.waiting = ExpertAwareQueue(lambda: self.running, max_wait_s=max_wait_s())
+        self.waiting = ExpertAwareQueue(lambda: self.running, routed_experts(self.vllm_config.model_config.hf_text_config),
+                                        max_wait_s=max_wait_s())
         log.info("moe-cohort: admission by predicted experts (fairness bound %.1f s)", self.waiting.max_wait_s)
 
 

@@ -7,40 +7,54 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from backend.admission_queue import ExpertAwareQueue, decode_profile, encode_profile
+from backend.admission_queue import ExpertAwareQueue, decode_profile
+from encoder.profile import COMPACT_TOP, compact
+
+E = COMPACT_TOP + 4  # experts per layer in these tests
 
 _ids = itertools.count()
 
 
 def req(profile=None, arrival=0.0, raw=None):
-    """A duck-typed vLLM request; `profile` [L*E] frequencies in 0..1 (sent quantised), `raw` sent as is."""
-    extra = {} if profile is None and raw is None else {"moe_profile": raw if raw is not None else encode_profile(profile)}
+    """A duck-typed vLLM request; `profile` [L, E] frequencies in 0..1 (sent in compact form), `raw` sent as is."""
+    sent = raw if raw is not None else None if profile is None else compact(np.asarray(profile).reshape(-1, E))
+    extra = {} if sent is None else {"moe_profile": sent}
     return SimpleNamespace(request_id=f"q{next(_ids)}", arrival_time=arrival,
                            sampling_params=SimpleNamespace(extra_args=extra))
 
 
 def queue(running=(), max_wait_s=100.0, now=(0.0,)):
-    return ExpertAwareQueue(lambda: list(running), max_wait_s=max_wait_s, clock=lambda: now[0])
+    return ExpertAwareQueue(lambda: list(running), E, max_wait_s=max_wait_s, clock=lambda: now[0])
+
+
+def one_hot(*experts, layers=1):
+    """[L, E] profile that uses `experts` in every layer."""
+    u = np.zeros((layers, E))
+    u[:, list(experts)] = 1.0
+    return u
 
 
 def brute_force_best(running, candidates):
     """Expected new experts per step, term by term: sum_{l,e} u_c[l,e] * prod_r (1 - u_r[l,e])."""
     def cost(c):
         total = 0.0
-        for j, u in enumerate(decode_profile(c.sampling_params.extra_args["moe_profile"])):
+        for j, u in enumerate(decode_profile(c.sampling_params.extra_args["moe_profile"], E)):
             idle = 1.0
             for r in running:
-                idle *= 1.0 - min(decode_profile(r.sampling_params.extra_args["moe_profile"])[j], 0.999)
+                idle *= 1.0 - min(decode_profile(r.sampling_params.extra_args["moe_profile"], E)[j], 0.999)
             total += u * idle
         return total
     return min(candidates, key=cost)
 
 
 def test_profiles_round_trip_and_malformed_ones_are_refused():
-    u = np.array([0.0, 0.25, 1.0, 0.5])
-    assert np.allclose(decode_profile(encode_profile(u)), u, atol=1 / 255)
-    for bad in ([], [1, 256], [0.5], "1,2", [True], None):
-        assert decode_profile(bad) is None
+    u = np.zeros((2, E))
+    u[0, :COMPACT_TOP] = np.linspace(0.1, 0.9, COMPACT_TOP)
+    u[1, 3:3 + COMPACT_TOP] = 0.5
+    assert np.allclose(decode_profile(compact(u), E), u.ravel(), atol=1 / 255)
+    good = compact(u)
+    for bad in ([], good[:-1], [0.5] * COMPACT_TOP, "1,2", [True] * COMPACT_TOP, None, [E * 256] * COMPACT_TOP):
+        assert decode_profile(bad, E) is None
 
 
 def test_without_profiles_it_behaves_like_vllms_fcfs_queue():
@@ -70,8 +84,8 @@ def test_without_profiles_it_behaves_like_vllms_fcfs_queue():
 def test_admits_the_candidate_with_fewest_expected_new_experts():
     rng = np.random.default_rng(3)
     for _ in range(20):
-        running = [req(rng.dirichlet(np.full(12, 0.3)) * 3) for _ in range(rng.integers(0, 4))]
-        candidates = [req(rng.dirichlet(np.full(12, 0.3)) * 3) for _ in range(6)]
+        running = [req(rng.dirichlet(np.full(E, 0.3), size=2) * 3) for _ in range(rng.integers(0, 4))]
+        candidates = [req(rng.dirichlet(np.full(E, 0.3), size=2) * 3) for _ in range(6)]
         q = queue(running)
         for c in candidates:
             q.add_request(c)
@@ -80,7 +94,7 @@ def test_admits_the_candidate_with_fewest_expected_new_experts():
 
 
 def test_the_running_set_steers_the_choice():
-    a, b = np.array([1.0, 1.0, 0.0, 0.0]), np.array([0.0, 0.0, 1.0, 1.0])
+    a, b = one_hot(0, 1), one_hot(2, 3)
     running = [req(a)]
     q = queue(running)
     like_b, like_a = req(b), req(a)
@@ -92,26 +106,26 @@ def test_the_running_set_steers_the_choice():
 
 
 def test_a_request_without_profile_is_never_overtaken():
-    running = [req(np.array([1.0, 0.0]))]
+    running = [req(one_hot(0))]
     q = queue(running)
-    early, plain, late = req(np.array([0.0, 1.0])), req(), req(np.array([1.0, 0.0]))
+    early, plain, late = req(one_hot(1)), req(), req(one_hot(0))
     for r in (early, plain, late):
         q.add_request(r)
     assert [q.pop_request() for _ in range(3)] == [early, plain, late]
 
 
 def test_malformed_profiles_keep_first_come_first_served():
-    q = queue([req(np.array([1.0, 0.0]))])
-    bad, good = req(raw=[1, 999]), req(np.array([1.0, 0.0]))
+    q = queue([req(one_hot(0))])
+    bad, good = req(raw=[1, 999]), req(one_hot(0))
     q.add_request(bad), q.add_request(good)
     assert q.pop_request() is bad
 
 
 def test_fairness_bound_puts_the_oldest_overdue_request_first():
     now = [8.0]
-    running = [req(np.array([1.0, 0.0]))]
+    running = [req(one_hot(0))]
     q = queue(running, max_wait_s=5.0, now=now)
-    old_misfit, fit = req(np.array([0.0, 1.0]), arrival=4.0), req(np.array([1.0, 0.0]), arrival=7.0)
+    old_misfit, fit = req(one_hot(1), arrival=4.0), req(one_hot(0), arrival=7.0)
     q.add_request(old_misfit), q.add_request(fit)
     assert q.peek_request() is fit  # old_misfit has waited 4 s
     now[0] = 9.0  # ... now 5 s: it goes first, although it fits worse
@@ -120,9 +134,9 @@ def test_fairness_bound_puts_the_oldest_overdue_request_first():
 
 def test_pop_returns_what_peek_showed_even_if_a_deadline_passes_in_between():
     now = [0.0]
-    running = [req(np.array([1.0, 0.0]))]
+    running = [req(one_hot(0))]
     q = queue(running, max_wait_s=5.0, now=now)
-    misfit, fit = req(np.array([0.0, 1.0]), arrival=0.0), req(np.array([1.0, 0.0]), arrival=0.0)
+    misfit, fit = req(one_hot(1), arrival=0.0), req(one_hot(0), arrival=0.0)
     q.add_request(misfit), q.add_request(fit)
     assert q.peek_request() is fit
     now[0] = 6.0  # both overdue now; the scheduler already checked `fit`

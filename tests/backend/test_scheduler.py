@@ -16,15 +16,18 @@ import pytest
 DRIVER = r"""
 import json, sys
 from vllm import LLM, SamplingParams
-from backend.admission_queue import encode_profile
+from encoder.profile import compact
 
 model, scheduler = sys.argv[1], sys.argv[2]
 llm = LLM(model=model, max_num_seqs=2, max_model_len=256, enforce_eager=True, seed=0,
           **({"scheduler_cls": scheduler} if scheduler != "fcfs" else {}))
-like, unlike = [1.0] * 4 + [0.0] * 4, [0.0] * 4 + [1.0] * 4  # [L*E] = [2 * 4] expert frequencies
+num_experts = llm.llm_engine.vllm_config.model_config.hf_text_config.num_experts
+like, unlike = [[0.0] * num_experts for _ in range(2)], [[0.0] * num_experts for _ in range(2)]  # [L=2, E]
+for layer in range(2):
+    like[layer][:4], unlike[layer][4:8] = [1.0] * 4, [1.0] * 4
 engine = llm.llm_engine
 for rid, profile, tokens in (("R", like, 48), ("D1", unlike, 4), ("D2", unlike, 4), ("S", like, 4)):
-    params = SamplingParams(max_tokens=tokens, ignore_eos=True, extra_args={"moe_profile": encode_profile(profile)})
+    params = SamplingParams(max_tokens=tokens, ignore_eos=True, extra_args={"moe_profile": compact(profile)})
     engine.add_request(rid, "The quick brown fox", params)
 first_step, step = {}, 0
 while engine.has_unfinished_requests():
