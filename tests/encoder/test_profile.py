@@ -1,0 +1,55 @@
+"""The expert-profile head: prediction contract, save/load, and the compact form for vllm_xargs."""
+
+import numpy as np
+import pytest
+
+from encoder.profile import ProfileHead, compact, expand, load_profile_head
+
+
+def _head(dim=4, layers=2, experts=5, seed=0):
+    rng = np.random.default_rng(seed)
+    return ProfileHead(weight=rng.normal(size=(dim, layers * experts)).astype(np.float32),
+                       bias=rng.normal(size=layers * experts).astype(np.float32), num_layers=layers,
+                       num_experts=experts, top_k=2, alpha=0.3)
+
+
+def test_predict_is_the_clipped_linear_map_reshaped_to_layers_and_experts():
+    head = _head()
+    x = np.random.default_rng(1).normal(size=(3, 4)).astype(np.float32)
+    got = head.predict(x)
+    assert got.shape == (3, 2, 5)
+    for i in range(3):
+        want = np.clip(x[i] @ head.weight + head.bias, 0, 1).reshape(2, 5)
+        np.testing.assert_allclose(got[i], want, rtol=1e-6)
+    np.testing.assert_allclose(head.predict(x[0]), got[0], rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="dimension"):
+        head.predict(np.zeros((1, 3)))
+
+
+def test_save_and_load_round_trip(tmp_path):
+    head = _head()
+    assert load_profile_head(tmp_path) is None
+    head.save(tmp_path)
+    back = load_profile_head(tmp_path)
+    np.testing.assert_array_equal(back.weight, head.weight)
+    np.testing.assert_array_equal(back.bias, head.bias)
+    assert (back.num_layers, back.num_experts, back.top_k, back.alpha) == (2, 5, 2, 0.3)
+
+
+def test_compact_keeps_each_layers_top_experts_quantised():
+    rng = np.random.default_rng(2)
+    p = rng.random((3, 20)).astype(np.float32)
+    codes = compact(p, top=4)
+    assert len(codes) == 12 and all(isinstance(c, int) for c in codes)
+    back = expand(codes, 3, 20)
+    for layer in range(3):
+        top = np.argsort(-p[layer])[:4]
+        np.testing.assert_allclose(back[layer, top], p[layer, top], atol=0.5 / 255 + 1e-6)
+        assert np.count_nonzero(back[layer]) <= 4
+        rest = np.setdiff1d(np.arange(20), top)
+        assert (back[layer, rest] == 0).all()
+
+
+def test_expand_rejects_experts_outside_the_model():
+    with pytest.raises(ValueError, match="experts"):
+        expand([9 * 256 + 10], 1, 8)

@@ -1,0 +1,57 @@
+"""The profile head's ridge fit against a direct solve, its leave-one-out choice against refits."""
+
+import numpy as np
+
+from encoder.profile import load_profile_head
+from traces.split import split_requests
+from traces.synthetic import synthetic_traces
+from train.profile_head import _loo_error, fit_profile_head, train_profile_head
+from train.targets import profiles
+
+
+def _ridge(x, y, alpha):
+    """Ridge with an unpenalised intercept, by the normal equations on centred data."""
+    xm, ym = x.mean(0), y.mean(0)
+    xc = x - xm
+    w = np.linalg.solve(xc.T @ xc + alpha * np.eye(x.shape[1]), xc.T @ (y - ym))
+    return w, ym - xm @ w
+
+
+def test_fit_equals_the_normal_equations_for_its_chosen_penalty():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(40, 6))
+    prof = np.clip(rng.random((40, 2, 3)) + x[:, :1, None] * 0.1, 0, 1)
+    head = fit_profile_head(x, prof, top_k=1, alphas=(0.5,))
+    w, b = _ridge(x, prof.reshape(40, -1), 0.5)
+    np.testing.assert_allclose(head.weight, w, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(head.bias, b, rtol=1e-4, atol=1e-5)
+
+
+def test_leave_one_out_error_equals_refitting_without_each_request():
+    rng = np.random.default_rng(1)
+    x, y = rng.normal(size=(15, 4)), rng.normal(size=(15, 3))
+    u, s, _ = np.linalg.svd(x - x.mean(0), full_matrices=False)
+    yc = y - y.mean(0)
+    for alpha in (0.1, 2.0):
+        errors = []
+        for i in range(15):
+            keep = np.arange(15) != i
+            w, b = _ridge(x[keep], y[keep], alpha)
+            errors.append(((y[i] - (x[i] @ w + b)) ** 2).mean())
+        np.testing.assert_allclose(_loo_error(u, s, u.T @ yc, yc, alpha), np.mean(errors), rtol=1e-8)
+
+
+def test_train_profile_head_fits_the_training_side_only_and_saves_beside_the_encoder(tmp_path):
+    ts = synthetic_traces(80, seed=2)
+    seen = []
+
+    def embed(texts):
+        seen.extend(texts)
+        return np.random.default_rng(len(texts)).normal(size=(len(texts), 8))
+
+    head, path = train_profile_head(ts, embed, tmp_path, holdout=0.25, seed=3)
+    train_idx, held_idx = split_requests(len(ts), 0.25, 3, groups=ts.texts)
+    assert sorted(seen) == sorted(ts.texts[train_idx].tolist())
+    assert not set(seen) & set(ts.texts[held_idx].tolist())
+    assert path.parent == tmp_path and load_profile_head(tmp_path).weight.shape == (8, ts.num_layers * ts.num_experts)
+    assert head.predict(np.zeros(8)).shape == profiles(ts).shape[1:]

@@ -1,0 +1,63 @@
+"""Fit the expert-profile head (encoder.profile.ProfileHead): ridge regression embedding -> [L, E].
+
+Targets are the requests' expert profiles (train.targets.profiles: per layer, the fraction of
+the request's decode tokens, or prompt tokens after BOS for prompt-only traces, that pick each
+expert). Features are the encoder's unit embeddings. Ridge with an unpenalised intercept,
+closed form through one SVD of the centred features; the penalty is chosen from `alphas` by
+exact leave-one-out error (for ridge, the LOO residual is the residual over 1 - h_ii, with h
+the hat matrix), so no request is ever scored by a fit that saw it. Only the training side of
+the project's split (traces.split) is ever passed in.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+
+from encoder.profile import ProfileHead
+from traces.format import TraceSet
+from traces.split import split_requests
+from train.targets import profiles
+
+log = logging.getLogger(__name__)
+
+DEFAULT_ALPHAS = (0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0)
+
+
+def fit_profile_head(x: np.ndarray, prof: np.ndarray, top_k: int, alphas: Sequence[float] = DEFAULT_ALPHAS) -> ProfileHead:
+    """Ridge from embeddings x [N, D] to profiles prof [N, L, E], penalty by leave-one-out error."""
+    n, layers, experts = prof.shape
+    x = np.asarray(x, dtype=np.float64)
+    y = prof.reshape(n, -1).astype(np.float64)  # [N, L*E]
+    x_mean, y_mean = x.mean(axis=0), y.mean(axis=0)
+    u, s, vt = np.linalg.svd(x - x_mean, full_matrices=False)  # [N, r], [r], [r, D]
+    uty = u.T @ (y - y_mean)  # [r, L*E]
+    alpha = min(alphas, key=lambda a: _loo_error(u, s, uty, y - y_mean, a)) if len(alphas) > 1 else alphas[0]
+    weight = vt.T @ ((s / (s**2 + alpha))[:, None] * uty)  # [D, L*E]
+    bias = y_mean - x_mean @ weight  # [L*E]
+    log.info("profile head: %d requests, dim %d -> %d x %d, alpha %g", n, x.shape[1], layers, experts, alpha)
+    return ProfileHead(weight=weight.astype(np.float32), bias=bias.astype(np.float32), num_layers=layers,
+                       num_experts=experts, top_k=top_k, alpha=float(alpha))
+
+
+def _loo_error(u: np.ndarray, s: np.ndarray, uty: np.ndarray, yc: np.ndarray, alpha: float) -> float:
+    """Mean squared leave-one-out residual of the ridge fit with penalty `alpha` (intercept included)."""
+    shrink = s**2 / (s**2 + alpha)  # [r]
+    fitted = u @ (shrink[:, None] * uty)  # [N, L*E]
+    h = (u**2) @ shrink + 1.0 / len(u)  # [N] hat diagonal, the intercept's 1/N included
+    return float((((yc - fitted) / (1.0 - h)[:, None]) ** 2).mean())
+
+
+def train_profile_head(ts: TraceSet, embed: Callable[[Sequence[str]], np.ndarray], output_dir: str | Path, *,
+                       holdout: float = 0.2, seed: int = 0) -> tuple[ProfileHead, Path]:
+    """Fit the head on the training side of the split of `ts` with `embed` (texts -> [n, D]); save it."""
+    if ts.texts is None:
+        raise ValueError("the traces carry no prompt texts; the profile head is fitted from text")
+    train_idx, _ = split_requests(len(ts), holdout, seed, groups=ts.texts)
+    prof = profiles(ts)  # [N, L, E]
+    train_idx = train_idx[prof[train_idx].sum(axis=(1, 2)) > 0]  # requests with counted tokens only
+    head = fit_profile_head(embed(list(ts.texts[train_idx])), prof[train_idx], ts.top_k)
+    return head, head.save(output_dir)
