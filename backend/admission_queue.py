@@ -5,12 +5,11 @@ the front of its waiting queue and popping it once it fits. `ExpertAwareQueue` i
 whole request-queue contract of vLLM's `RequestQueue` (add, pop, peek, prepend, remove, bool,
 len, iter), but its front is chosen, not fixed: among the waiting requests that carry a
 predicted expert profile, the one expected to add the fewest experts per step to the running
-set (`encoder.admission.ResidentExperts`). The rest of vLLM's semantics are kept:
+set, by the rule of `encoder.waiting.next_to_admit` (which the proxy's pool uses too: fairness
+bound first, FCFS for requests without a profile). The rest of vLLM's semantics are kept:
 
 - requests put back at the front (preempted ones, ones skipped in a scheduling pass) stay in
   front, in vLLM's order, before any choice;
-- a request without a profile keeps first-come-first-served: no later request overtakes it;
-- fairness: a request that has waited `max_wait_s` goes first, oldest first;
 - `pop_request` returns what `peek_request` showed (the scheduler peeks, checks, then pops).
 
 The profile travels in the request's `vllm_xargs` as `moe_profile`: the compact form of
@@ -32,6 +31,7 @@ import numpy as np
 
 from encoder.admission import ResidentExperts
 from encoder.profile import COMPACT_TOP, expand
+from encoder.waiting import next_to_admit
 
 log = logging.getLogger(__name__)
 
@@ -135,17 +135,9 @@ class ExpertAwareQueue:
     def _choose(self):
         pool = list(self._pool.values())  # arrival order
         now = self._clock()
-        overdue = [r for r in pool if now - r.arrival_time >= self.max_wait_s]
-        if overdue:
-            return min(overdue, key=lambda r: r.arrival_time)
         profiles = [self._profiles[r.request_id] for r in pool]
-        plain = next((i for i, p in enumerate(profiles) if p is None), len(pool))
-        if plain == 0:
-            return pool[0]  # a profile-less request at the head: first come, first served
-        size = profiles[0].shape[0]  # the head's profile size; others of another size wait their turn
-        eligible = [i for i in range(plain) if profiles[i].shape[0] == size]  # nobody overtakes pool[plain]
-        chosen = self._resident(size).pick(np.stack([profiles[i] for i in eligible]))  # [n, L*E]
-        return pool[eligible[chosen]]
+        resident = None if profiles[0] is None else self._resident(profiles[0].shape[0])
+        return pool[next_to_admit([now - r.arrival_time for r in pool], profiles, resident, self.max_wait_s)]
 
     def _resident(self, size: int) -> ResidentExperts:
         """The running requests' predicted experts (those with a profile of the same size)."""

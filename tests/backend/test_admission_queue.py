@@ -44,7 +44,7 @@ def brute_force_best(running, candidates):
                 idle *= 1.0 - min(decode_profile(r.sampling_params.extra_args["moe_profile"], E)[j], 0.999)
             total += u * idle
         return total
-    return min(candidates, key=cost)
+    return min(candidates, key=cost) if running else candidates[0]  # nobody to fit: the oldest
 
 
 def test_profiles_round_trip_and_malformed_ones_are_refused():
