@@ -6,6 +6,7 @@ import argparse
 import json
 
 from encoder.plans import PlanError, read_plan_file
+from eval.engine_cli import add_engine_arguments, heldout_traces, run_engine
 from eval.metrics import evaluate
 from eval.report import format_table, write_report
 from traces.format import TraceFormatError
@@ -16,7 +17,8 @@ from traces.loads import DEFAULT_DECODE_STEPS, expert_masks
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--traces", required=True,
                         help="trace file or directory (moe-cohort .npz, .jsonl, traces.npz+prompts.jsonl dir, or 'sample')")
-    parser.add_argument("--batch-size", type=_positive_int, required=True, help="requests per batch (B)")
+    parser.add_argument("--batch-size", type=_positive_int, default=None,
+                        help="requests per batch (B); required for static batches, the plan's B under --engine continuous")
     parser.add_argument("--plan", help="plan file to evaluate: JSON lines {id, batch[, position]}")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--decode-steps", type=_positive_int, default=DEFAULT_DECODE_STEPS,
@@ -31,11 +33,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seeds", type=_positive_int, default=5, help="random plans to average (default %(default)s)")
     parser.add_argument("--report", metavar="DIR", help="also write report.json, report.md and saving.png to DIR")
     parser.add_argument("--sweep", default="8,16,32,64", help="batch sizes of the report's plot (default %(default)s)")
+    add_engine_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.engine == "continuous":
+        return run_engine(args)
+    if args.batch_size is None:
+        print("cohort eval: error: --batch-size is required for static batches")
+        return 2
     try:
-        ts = load_traces(args.traces)
+        ts = heldout_traces(load_traces(args.traces), args.heldout)
         masks = expert_masks(ts, decode_steps=args.decode_steps, decode=args.decode, phase=args.decode_phase)
         plans = {"plan": read_plan_file(args.plan, ts.request_ids)} if args.plan else {}
         planners = _encoder_planner(ts, args.encoder)

@@ -61,3 +61,11 @@ def parse_cost_model(text: str, non_moe_us: float | None = None, moe_share: floa
         raise ValueError(f"moe share must lie in (0, 1], got {moe_share}")
     return replace(model, non_moe_us=non_moe_us if non_moe_us is not None else model.non_moe_us,
                    moe_share=moe_share if moe_share is not None else model.moe_share)
+
+
+def static_moe_us_per_token(cost: CostModel, decode_loads: float, num_requests: int, batch_size: int,
+                            decode_steps: int, num_layers: int) -> float:
+    """MoE time per token of static batches: ceil(N / B) batches of `decode_steps` steps at B tokens each."""
+    batches = -(-num_requests // batch_size)
+    fixed = batches * decode_steps * num_layers * float(cost.a(min(batch_size, num_requests)))
+    return (fixed + cost.b * decode_loads) / (num_requests * decode_steps)

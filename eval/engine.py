@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Callable, Mapping
 
 import numpy as np
+from threadpoolctl import threadpool_limits
 
 from eval.cost import CostModel
 from eval.policies import PolicyFactory, random_order
@@ -78,12 +79,14 @@ def evaluate_continuous(tokens: DecodeTokens, slots: int, policies: Mapping[str,
                         cost: CostModel, num_layers: int, *, seeds: int = 5, max_wait: float | None = None) -> dict:
     """Replay random order and every policy over `seeds` seeds; rows as in the module docstring.
 
-    `policies` should hold REFERENCE for `capture`; without it capture is 0."""
+    `policies` should hold REFERENCE for `capture`; without it capture is 0. BLAS runs on one
+    thread: a replay makes thousands of small products, which extra threads only slow down."""
     runs: dict[str, list[Replay]] = {"random": []}
-    for seed in range(seeds):
-        lens = lengths(seed)
-        for name, factory in {"random": random_order(len(tokens)), **policies}.items():
-            runs.setdefault(name, []).append(replay(tokens, lens, slots, factory(seed), max_wait=max_wait))
+    with threadpool_limits(limits=1, user_api="blas"):
+        for seed in range(seeds):
+            lens = lengths(seed)
+            for name, factory in {"random": random_order(len(tokens)), **policies}.items():
+                runs.setdefault(name, []).append(replay(tokens, lens, slots, factory(seed), max_wait=max_wait))
     rows = {name: _row(rs, runs["random"], cost, num_layers) for name, rs in runs.items()}
     non_moe = _non_moe_us(rows["random"], cost)
     ref = rows.get(REFERENCE, {}).get("saving", 0.0)

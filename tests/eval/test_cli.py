@@ -72,3 +72,31 @@ def test_random_decode_phase_is_accepted(trace_file, capsys):
     assert main(["eval", "--traces", str(trace_file), "--batch-size", "8", "--json", "--encoder", "none",
                  "--decode-phase", "random"]) == 0
     assert json.loads(capsys.readouterr().out)["plans"]["oracle"]["saving"] > 0
+
+
+def test_continuous_engine_json_keeps_the_plans_shape_and_the_report_draws_both_engines(tmp_path, capsys):
+    from traces.synthetic import synthetic_traces
+
+    path = save_traces(tmp_path / "s.npz", synthetic_traces(90, num_experts=16, num_layers=3, top_k=2, seed=1))
+    assert main(["eval", "--traces", str(path), "--engine", "continuous", "--slots", "4", "--json", "--encoder", "none",
+                 "--lengths", "lognormal:0.5", "--mean-length", "6", "--seeds", "2", "--cost-model", "qwen3-30b-a3b"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["slots"], out["num_requests"], out["cost_model"]) == (4, 90, "qwen3-30b-a3b")
+    assert list(out["plans"]) == ["random", "arrival", "reference"]
+    for row in out["plans"].values():
+        assert {"saving", "capture", "loads_per_token", "step_us_per_token", "tokens_per_s"} <= set(row)
+    assert out["plans"]["reference"]["capture"] == 1.0 and out["plans"]["reference"]["saving"] > 0
+    assert main(["eval", "--traces", str(path), "--engine", "continuous", "--slots", "4", "--encoder", "none",
+                 "--mean-length", "6", "--seeds", "2", "--report", str(tmp_path / "r"), "--sweep", "2,8"]) == 0
+    assert {p.name for p in (tmp_path / "r").iterdir()} == {"report.json", "report.md", "saving.png", "moe_time.png"}
+    report = json.loads((tmp_path / "r" / "report.json").read_text())
+    assert [r["slots"] for r in report["continuous"]] == [2, 4, 8] == [r["batch_size"] for r in report["static"]]
+    assert all("moe_us_per_token" in row for r in report["static"] for row in r["plans"].values())
+
+
+def test_continuous_engine_rejects_a_bad_cost_model_and_static_needs_a_batch_size(trace_file, capsys):
+    assert main(["eval", "--traces", str(trace_file), "--engine", "continuous", "--encoder", "none",
+                 "--cost-model", "warp-drive"]) == 2
+    assert "cost model" in capsys.readouterr().out
+    assert main(["eval", "--traces", str(trace_file), "--encoder", "none"]) == 2
+    assert "--batch-size" in capsys.readouterr().out

@@ -1,0 +1,172 @@
+"""`cohort eval --engine continuous`: the admission policies in the continuous-batching replay.
+
+Policies, in the order of the output (random is always first):
+    arrival          admission in trace (file) order
+    plan             a static plan's batches one after another: the --plan file, else the
+                     encoder's plan of batches of --batch-size (default: S)
+    text-nearest     nearest embedding to the resident set (the --encoder's embeddings)
+    text-profile     fewest expected new experts by the profile head saved with the encoder
+                     (`cohort train` writes it beside the fine-tuned encoder)
+    text-profile-lead  the same, scored against a typical resident set (encoder.admission)
+    reference        fewest expected new experts by the traces' own profiles (issue 13, 2c)
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+import numpy as np
+
+from encoder.plans import Plan
+from eval.cost import DEFAULT_COST_MODEL, PRESETS, parse_cost_model
+from eval.engine import DEFAULT_MEAN_LENGTH, REFERENCE, evaluate_continuous, lengths_from_spec
+from eval.policies import PolicyFactory, by_embedding, by_profile, fixed_order
+from eval.replay import DecodeTokens, decode_profiles, decode_tokens
+from traces.format import TraceSet
+from traces.split import heldout_split
+
+log = logging.getLogger(__name__)
+
+DEFAULT_LEAD = 0.5
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--engine", choices=("static", "continuous"), default="static",
+                        help="static batches (default) or a continuous-batching engine replay with --slots")
+    parser.add_argument("--slots", type=int, default=16, help="continuous: resident requests S (default %(default)s)")
+    parser.add_argument("--lengths", default="lognormal",
+                        help="continuous: output lengths, fixed | lognormal[:SIGMA] | FILE (default %(default)s)")
+    parser.add_argument("--mean-length", type=int, default=DEFAULT_MEAN_LENGTH,
+                        help="continuous: mean output length of fixed/lognormal (default %(default)s)")
+    parser.add_argument("--cost-model", default=DEFAULT_COST_MODEL,
+                        help=f"continuous: {', '.join(PRESETS)} or 'A8,A128,B' in us (default %(default)s)")
+    parser.add_argument("--non-moe-us", type=float, default=None,
+                        help="continuous: us per step outside the MoE blocks (default: from --moe-share)")
+    parser.add_argument("--moe-share", type=float, default=None,
+                        help="continuous: MoE share of a random-order step (default 0.73)")
+    parser.add_argument("--max-wait", type=float, default=None,
+                        help="continuous: fairness bound in steps; an overdue request goes first (default: none)")
+    parser.add_argument("--heldout", action="store_true",
+                        help="evaluate the held-out requests of the project's split only (traces.split)")
+
+
+def heldout_traces(ts: TraceSet, heldout: bool) -> TraceSet:
+    """The held-out side of the one split, or `ts` itself."""
+    return ts.subset(heldout_split(ts)[1]) if heldout else ts
+
+
+def run_continuous(args: argparse.Namespace, ts: TraceSet, plan: Plan | None, text: tuple) -> dict:
+    """One replay summary (eval.engine.evaluate_continuous) at S = args.slots for the CLI's options.
+
+    `text` is (embeddings [N, D] or None, profile head or None), from `text_side`."""
+    if args.slots < 1:
+        raise ValueError(f"--slots must be >= 1, got {args.slots}")
+    tokens = decode_tokens(ts, args.decode)
+    lengths = _lengths(args, ts, tokens)
+    cost = parse_cost_model(args.cost_model, args.non_moe_us, args.moe_share)
+    x, head = text
+    policies = continuous_policies(ts, tokens, args.slots, x=x, head=head, plan=plan, batch_size=args.batch_size)
+    return evaluate_continuous(tokens, args.slots, policies, lengths, cost, ts.num_layers, seeds=args.seeds,
+                               max_wait=args.max_wait)
+
+
+def continuous_policies(ts: TraceSet, tokens: DecodeTokens, slots: int, *, x: np.ndarray | None = None, head=None,
+                        plan: Plan | None = None, batch_size: int | None = None) -> dict[str, PolicyFactory]:
+    """The policies of the module docstring that the inputs allow (text ones need x [N, D])."""
+    out: dict[str, PolicyFactory] = {"arrival": fixed_order(np.arange(len(ts)))}
+    if plan is None and x is not None:
+        from encoder.planner import plan_batches
+
+        plan = plan_batches(x, batch_size or slots)
+    if plan is not None:
+        out["plan"] = fixed_order(np.concatenate(plan))
+    if x is not None:
+        out.update(text_policies("", x, head))
+    out[REFERENCE] = by_profile(decode_profiles(tokens, ts))
+    return out
+
+
+def text_policies(suffix: str, x: np.ndarray, head=None, lead: float = DEFAULT_LEAD) -> dict[str, PolicyFactory]:
+    """text-nearest{suffix}, and with a profile head text-profile{suffix} and text-profile-lead{suffix}."""
+    out = {f"text-nearest{suffix}": by_embedding(x)}
+    if head is not None:
+        predicted = head.predict(x)  # [N, L, E]
+        out[f"text-profile{suffix}"] = by_profile(predicted)
+        out[f"text-profile-lead{suffix}"] = by_profile(predicted, lead)
+    return out
+
+
+def _lengths(args: argparse.Namespace, ts: TraceSet, tokens: DecodeTokens):
+    if tokens.mode == "real":  # recorded generations run as long as they ran
+        own = np.maximum(ts.num_decode_tokens, 1)
+        return lambda seed: own
+    return lengths_from_spec(args.lengths, ts.request_ids, mean=args.mean_length)
+
+
+def text_side(ts: TraceSet, encoder: str | None):
+    """(embeddings [N, D], profile head or None) from --encoder; (None, None) without texts or with 'none'."""
+    if (encoder or "").lower() == "none" or ts.texts is None or not any(t.strip() for t in ts.texts):
+        return None, None
+    from encoder import embed_texts
+    from encoder.profile import load_profile_head
+
+    head = load_profile_head(encoder) if encoder and Path(encoder).is_dir() else None
+    if head is None:
+        log.info("no profile head beside encoder %s (cohort train writes one): text-profile left out", encoder)
+    return embed_texts(list(ts.texts), encoder=encoder), head
+
+
+def run_engine(args: argparse.Namespace) -> int:
+    """The CLI's continuous mode: print the table (or JSON), and with --report the sweep over S."""
+    import json
+
+    from encoder.plans import PlanError, read_plan_file
+    from eval.report import format_engine_table
+    from traces.format import TraceFormatError
+    from traces.importers import load_traces
+
+    try:
+        ts = heldout_traces(load_traces(args.traces), args.heldout)
+        plan = read_plan_file(args.plan, ts.request_ids) if args.plan else None
+        text = text_side(ts, args.encoder)
+        result = run_continuous(args, ts, plan, text)
+    except (TraceFormatError, PlanError, OSError, ValueError) as exc:
+        print(f"cohort eval: error: {exc}")
+        return 2
+    print(json.dumps(result, indent=2) if args.json else format_engine_table(result))
+    if args.report:
+        for path in engine_report(args, ts, text, result):
+            print(f"wrote {path}")
+    return 0
+
+
+def engine_report(args: argparse.Namespace, ts: TraceSet, text: tuple, result: dict) -> list[Path]:
+    """Replays and static evaluations at every S of --sweep, drawn by eval.report.write_engine_report."""
+    from eval.cost import static_moe_us_per_token
+    from eval.metrics import evaluate
+    from eval.report import write_engine_report
+    from traces.loads import expert_masks
+
+    sizes = sorted({*(int(s) for s in args.sweep.split(",") if s.strip()), args.slots})
+    masks = expert_masks(ts, decode_steps=args.mean_length, decode=args.decode)
+    cost = parse_cost_model(args.cost_model, args.non_moe_us, args.moe_share)
+    planners = {}
+    if text[0] is not None:
+        from encoder.planner import plan_batches
+
+        planners["encoder"] = lambda _ts, b: plan_batches(text[0], b)
+    static, continuous = [], []
+    for s in sizes:
+        row = evaluate(ts, s, masks=masks, seeds=args.seeds, planners=planners)
+        for r in row["plans"].values():
+            r["moe_us_per_token"] = static_moe_us_per_token(cost, r["decode_loads"], len(ts), s, masks.decode_steps,
+                                                            ts.num_layers)
+        static.append(row)
+        continuous.append(result if s == args.slots else run_continuous(_with(args, slots=s), ts, None, text))
+    return write_engine_report(static, continuous, args.report)
+
+
+def _with(args: argparse.Namespace, **changes) -> argparse.Namespace:
+    return argparse.Namespace(**{**vars(args), **changes})
