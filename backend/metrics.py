@@ -12,131 +12,119 @@ Metric families (labels `phase`, `policy`; policy is the canonical policy string
     cohort_moe_expert_loads_after_total     the same after the policy (what the engine loaded)
     cohort_moe_layer_forwards_total         (forward, layer) pairs in which the group had tokens
     cohort_moe_routed_tokens_total          tokens of the group, counted once per forward
-    cohort_moe_distinct_experts_before      histogram of the per-(forward, layer) counts, top-k
-    cohort_moe_distinct_experts_after       histogram of the per-(forward, layer) counts, policy
+    cohort_moe_distinct_experts_before      histograms of the per-(forward, layer) counts, top-k
+    cohort_moe_distinct_experts_after       and policy
     cohort_moe_batch_expert_loads_before_total / _after_total / cohort_moe_batch_layer_forwards_total
-                                            the same for the whole batch (all groups together):
-                                            phase is prefill, decode or mixed, policy is the one
-                                            policy of the batch or "mixed"
-    cohort_moe_plugin_cpu_seconds_total     (no labels) worker-thread CPU time spent in the plugin,
-    cohort_moe_forward_cpu_seconds_total    and in the model forwards it wraps (plugin included):
-                                            the ratio is the plugin's overhead. On CPU backends the
-                                            forward's CPU time is its compute; on GPU, its host side
+                                            the same for the whole batch: phase prefill, decode or
+                                            mixed, policy the batch's one policy or "mixed"
+    cohort_moe_plugin_cpu_seconds_total     (no labels) worker-thread CPU time in the plugin, and
+    cohort_moe_forward_cpu_seconds_total    in the model forwards it wraps (plugin included): the
+                                            ratio is the plugin's overhead (on GPU, the host side)
 
-Transport: metrics are produced in vLLM's worker process but served by the API server process.
-Workers write them with prometheus_client's multiprocess file format (`MmapedDict`) into
-`$PROMETHEUS_MULTIPROC_DIR` when vLLM runs in multiprocess mode (that collector then serves them),
-else into a private directory that the API server process created and serves with its own
-`MultiProcessCollector` on the default registry (what vLLM's /metrics uses then). A worker
-publishes at most every 100 ms, and at once when the engine runs out of work.
+Transport: counted in vLLM's worker process, served by the API server process, one of two ways:
+- prometheus_client's multiprocess mode, if this process runs in it (PROMETHEUS_MULTIPROC_DIR set
+  before prometheus_client was imported: by the user, or by vLLM for --api-server-count > 1):
+  every update also goes to a `Counter`/`Histogram`, i.e. to that directory, and vLLM's /metrics
+  serves it (`MultiProcessCollector`). That costs an mmap write per update (~0.9 ms per forward
+  of 26 layers and two policy groups on a shared 2-core machine, against ~0.07 ms in memory).
+  Dead processes' totals stay: no `mark_process_dead` (it only drops live gauges; we have none).
+- else (vLLM's default; the worker is forked from the API server, so its prometheus_client
+  counts in memory) the API server makes a private directory (`COHORT_METRICS_DIR`, inherited by
+  its children); each worker writes its totals there (`write_to_textfile`, a few ms) at most
+  once a second while busy and whenever the engine runs out of work; a `SnapshotCollector` on
+  the default registry (what vLLM's /metrics serves then) sums the files.
 """
 
 from __future__ import annotations
 
 import atexit
 import bisect
-import functools
+import itertools
 import logging
 import os
 import shutil
 import tempfile
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 
-import numpy as np
+from prometheus_client import CollectorRegistry, Counter, Histogram, values, write_to_textfile
+from prometheus_client.metrics_core import CounterMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.utils import floatToGoString
 
 log = logging.getLogger(__name__)
 
 PROMETHEUS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 COHORT_DIR_ENV = "COHORT_METRICS_DIR"  # set by the API server process for its children
 LABELS = ("phase", "policy")
-BUCKETS = (1.0, 2.0, 4.0, 8.0, 12.0, 16.0, 24.0, 32.0, 48.0, 64.0, 96.0, 128.0, 192.0, 256.0, 384.0, 512.0,
-           float("inf"))
+BUCKETS = (1.0, 2.0, 4.0, 8.0, 12.0, 16.0, 24.0, 32.0, 48.0, 64.0, 96.0, 128.0, 192.0, 256.0, 384.0, 512.0, float("inf"))
+_SUMMED = ", summed over forwards and MoE layers"
+COUNTERS = {  # name -> help; the two CPU-time counters have no labels
+    "cohort_moe_expert_loads_before": "Distinct experts chosen by the router (top-k)" + _SUMMED,
+    "cohort_moe_expert_loads_after": "Distinct experts used after the routing policy" + _SUMMED,
+    "cohort_moe_layer_forwards": "(forward, MoE layer) pairs with tokens of this phase and policy",
+    "cohort_moe_routed_tokens": "Tokens routed, counted once per forward",
+    "cohort_moe_batch_expert_loads_before": "Distinct experts of the whole batch under top-k" + _SUMMED,
+    "cohort_moe_batch_expert_loads_after": "Distinct experts of the whole batch after the policies" + _SUMMED,
+    "cohort_moe_batch_layer_forwards": "(forward, MoE layer) pairs of whole batches",
+    "cohort_moe_plugin_cpu_seconds": "Worker-thread CPU time spent in the moe-cohort plugin "
+                                     "(batch bookkeeping, re-routing, metrics, recording)",
+    "cohort_moe_forward_cpu_seconds": "Worker-thread CPU time of model forward passes, the plugin's share included",
+}
+UNLABELLED = ("cohort_moe_plugin_cpu_seconds", "cohort_moe_forward_cpu_seconds")
+_BOUNDS = [floatToGoString(b) for b in BUCKETS]  # "1.0", ..., "+Inf": the `le` labels
+HISTOGRAMS = {
+    "cohort_moe_distinct_experts_before": "Distinct experts per forward and MoE layer under the router's top-k",
+    "cohort_moe_distinct_experts_after": "Distinct experts per forward and MoE layer after the routing policy",
+}
 
+class _Totals:
+    """This process's totals, in memory, as a prometheus_client custom collector."""
 
-@dataclass(frozen=True)
-class Family:
-    name: str
-    kind: str  # "counter" or "histogram"
-    help: str
+    def __init__(self) -> None:
+        self.counters: dict[str, dict[tuple, float]] = {name: {} for name in COUNTERS}  # name -> labels -> total
+        # name -> labels -> [sum, per-bucket counts (not cumulative) ...]
+        self.histograms: dict[str, dict[tuple, list[float]]] = {name: {} for name in HISTOGRAMS}
 
-
-FAMILIES = {f.name: f for f in (
-    Family("cohort_moe_expert_loads_before", "counter",
-           "Distinct experts chosen by the router (top-k), summed over forwards and MoE layers"),
-    Family("cohort_moe_expert_loads_after", "counter",
-           "Distinct experts used after the routing policy, summed over forwards and MoE layers"),
-    Family("cohort_moe_layer_forwards", "counter", "(forward, MoE layer) pairs with tokens of this phase and policy"),
-    Family("cohort_moe_routed_tokens", "counter", "Tokens routed, counted once per forward"),
-    Family("cohort_moe_distinct_experts_before", "histogram",
-           "Distinct experts per forward and MoE layer under the router's top-k"),
-    Family("cohort_moe_distinct_experts_after", "histogram",
-           "Distinct experts per forward and MoE layer after the routing policy"),
-    Family("cohort_moe_batch_expert_loads_before", "counter",
-           "Distinct experts of the whole batch under top-k, summed over forwards and MoE layers"),
-    Family("cohort_moe_batch_expert_loads_after", "counter",
-           "Distinct experts of the whole batch after the policies, summed over forwards and MoE layers"),
-    Family("cohort_moe_batch_layer_forwards", "counter", "(forward, MoE layer) pairs of whole batches"),
-    Family("cohort_moe_plugin_cpu_seconds", "counter",
-           "Worker-thread CPU time spent in the moe-cohort plugin (batch bookkeeping, re-routing, metrics, recording)"),
-    Family("cohort_moe_forward_cpu_seconds", "counter",
-           "Worker-thread CPU time of model forward passes, the plugin's share included"),
-)}
-
-
-SMALL_LAYER = 512  # ids per layer up to which Python sets beat numpy (right after a forward, caches are cold)
-
-
-def distinct_experts(ids: Sequence[np.ndarray], group: np.ndarray, num_groups: int,
-                     num_experts: int) -> list[list[int]]:
-    """Distinct experts per token group and for all tokens, per layer.
-
-    ids: L arrays [n, k] (or one [L, n, k] array) of expert ids; group [n] group index of each token
-    in [0, num_groups). Returns [L][num_groups + 1]: entry g counts group g's experts, the last entry
-    all tokens' experts. Small batches use Python sets, large ones one numpy scatter for all layers.
-    """
-    if len(ids) == 0:
-        return []
-    if ids[0].size > SMALL_LAYER:
-        return _distinct_numpy(np.stack(ids), group, num_groups, num_experts).tolist()
-    if num_groups == 1:
-        return [[c, c] for c in (len(set(layer.ravel().tolist())) for layer in ids)]
-    groups, counts = group.tolist(), []
-    for layer in ids:
-        used = [set() for _ in range(num_groups)]
-        for g, row in zip(groups, layer.tolist()):
-            used[g].update(row)
-        counts.append([len(u) for u in used] + [len(set().union(*used))])
-    return counts
-
-
-def _distinct_numpy(ids: np.ndarray, group: np.ndarray, num_groups: int, num_experts: int) -> np.ndarray:
-    """`distinct_experts` for ids [L, n, k] as one scatter; returns [L, num_groups + 1]."""
-    num_layers = ids.shape[0]
-    used = np.zeros((num_layers, num_groups, num_experts), dtype=bool)  # [L, G, E]
-    used[np.arange(num_layers)[:, None, None], group[None, :, None], ids] = True
-    return np.concatenate([used.sum(2), used.any(1).sum(1, keepdims=True)], axis=1)  # [L, G + 1]
+    def collect(self) -> Iterator[Metric]:
+        for name, series in self.counters.items():
+            family = CounterMetricFamily(name, COUNTERS[name], labels=() if name in UNLABELLED else LABELS)
+            for labels, total in series.items():
+                family.add_metric(labels, total)
+            yield family
+        for name, series in self.histograms.items():
+            family = HistogramMetricFamily(name, HISTOGRAMS[name], labels=LABELS)
+            for labels, (total, *counts) in series.items():
+                family.add_metric(labels, list(zip(_BOUNDS, itertools.accumulate(counts))), total)
+            yield family
 
 
 class ExpertLoadMetrics:
-    """This process's metric totals; `flush()` writes the changed ones to the multiprocess files.
+    """This process's expert-load metrics; `flush()` publishes them where the API server reads them.
 
-    `directory` None keeps the totals in memory only (`value()` reads them). Writing costs a few
-    microseconds per value, so `flush()` writes at most every `flush_interval` seconds unless forced;
-    the plugin forces a flush whenever the engine runs out of work.
+    Totals are kept in memory (`value()` reads them). In prometheus_client's multiprocess mode
+    every update also goes to a `Counter`/`Histogram` in PROMETHEUS_MULTIPROC_DIR at once. Else,
+    given a `directory`, `flush()` writes a snapshot `<directory>/cohort-<pid>.prom` at most every
+    `flush_interval` s unless forced (the plugin forces one whenever the engine runs out of work).
     """
 
-    def __init__(self, directory: str | Path | None = None, flush_interval: float = 0.1) -> None:
-        self._directory = Path(directory) if directory else None
-        self._flush_interval = flush_interval
-        self._last_flush = float("-inf")
-        self._series: dict[tuple[str, tuple[str, str]], list[str]] = {}  # (family, labels) -> mmap keys
-        self._values: dict[str, float] = {}  # mmap key -> total
-        self._kinds: dict[str, str] = {}  # mmap key -> "counter" / "histogram"
-        self._dirty: set[str] = set()
-        self._files: dict[str, object] = {}
+    def __init__(self, directory: str | Path | None = None, flush_interval: float = 1.0) -> None:
+        self._totals = _Totals()
+        self._registry = CollectorRegistry()
+        self._registry.register(self._totals)
+        # prometheus_client picks in-memory or multiprocess values once, when imported (from
+        # PROMETHEUS_MULTIPROC_DIR then), so the variable alone does not tell which this process uses
+        self._shared = {} if not getattr(values.ValueClass, "_multiprocess", False) else {
+            **{n: Counter(n, text, () if n in UNLABELLED else LABELS, registry=None) for n, text in COUNTERS.items()},
+            **{n: Histogram(n, text, LABELS, buckets=BUCKETS, registry=None) for n, text in HISTOGRAMS.items()}}
+        self._children: dict[tuple[str, tuple], object] = {}  # (family, labels) -> labelled child of _shared
+        self._directory = Path(directory) if directory is not None and not self._shared else None
+        if self._directory is not None and os.environ.get(PROMETHEUS_DIR_ENV):
+            log.warning("%s was set after prometheus_client was imported in pid %d: its expert-load metrics "
+                        "will not reach /metrics", PROMETHEUS_DIR_ENV, os.getpid())
+        self._flush_interval, self._last_flush, self._dirty = flush_interval, float("-inf"), False
 
     def observe_forward(self, groups: list[tuple[str, str]], tokens: list[int],
                         before: list[list[int]], after: list[list[int]],
@@ -147,8 +135,8 @@ class ExpertLoadMetrics:
         group; batch (phase, policy) of the whole batch; batch_before/batch_after [L].
         """
         for g, labels in enumerate(groups):
-            col_before = [row[g] for row in before]
-            col_after = [row[g] for row in after]
+            col_before = [row[g] for row in before]  # [L]
+            col_after = [row[g] for row in after]  # [L]
             self._add("cohort_moe_expert_loads_before", labels, sum(col_before))
             self._add("cohort_moe_expert_loads_after", labels, sum(col_after))
             self._add("cohort_moe_layer_forwards", labels, len(col_before))
@@ -165,81 +153,71 @@ class ExpertLoadMetrics:
         self._add("cohort_moe_forward_cpu_seconds", (), forward_seconds)
 
     def value(self, sample: str, phase: str | None = None, policy: str | None = None, le: str | None = None) -> float:
-        """The current total of one sample, e.g. value("cohort_moe_expert_loads_after_total", "decode", "topk")."""
+        """This process's total of one sample, e.g. value("cohort_moe_expert_loads_after_total", "decode", "topk");
+        histogram buckets are cumulative, as /metrics shows them. 0 for a series never updated."""
         labels = {} if phase is None else {"phase": phase, "policy": policy}
         labels.update({"le": le} if le else {})
-        family = sample.removesuffix("_total").removesuffix("_sum").removesuffix("_bucket")
-        return self._values.get(_mmap_key(family, sample, labels), 0.0)
+        return self._registry.get_sample_value(sample, labels) or 0.0
 
     def flush(self, force: bool = False) -> None:
-        """Write every changed value to this process's `<type>_cohort-<pid>.db` files (at most every
-        `flush_interval` seconds unless `force`)."""
+        """Write the snapshot file if anything changed (at most every `flush_interval` s unless `force`)."""
         now = time.monotonic()
-        if not self._dirty or (not force and now - self._last_flush < self._flush_interval):
+        if self._directory is None or not self._dirty or (not force and now - self._last_flush < self._flush_interval):
             return
-        if self._directory is not None:
-            for key in self._dirty:
-                self._file(self._kinds[key]).write_value(key, self._values[key], 0.0)
-        self._dirty.clear()
-        self._last_flush = now
-
-    def _keys(self, family: str, labels: tuple[str, ...]) -> list[str]:
-        """Counter: [total]; histogram: [sum, bucket 0, bucket 1, ...]. New series start at 0, and a
-        new histogram exposes every bucket, as prometheus_client's Histogram does."""
-        keys = self._series.get((family, labels))
-        if keys is None:
-            names = dict(zip(LABELS, labels))
-            if FAMILIES[family].kind == "counter":
-                keys = [_mmap_key(family, family + "_total", names)]
-            else:
-                keys = [_mmap_key(family, family + "_sum", names)] + [
-                    _mmap_key(family, family + "_bucket", {**names, "le": _go_float(b)}) for b in BUCKETS]
-            for key in keys:
-                self._values[key], self._kinds[key] = 0.0, FAMILIES[family].kind
-            self._dirty.update(keys)
-            self._series[(family, labels)] = keys
-        return keys
+        self._directory.mkdir(parents=True, exist_ok=True)
+        write_to_textfile(str(self._directory / f"cohort-{os.getpid()}.prom"), self._registry)
+        self._dirty, self._last_flush = False, now
 
     def _add(self, family: str, labels: tuple[str, ...], amount: float) -> None:
-        key = self._keys(family, labels)[0]
-        self._values[key] += amount
-        self._dirty.add(key)
+        series = self._totals.counters[family]
+        series[labels] = series.get(labels, 0.0) + amount
+        self._dirty = True
+        if self._shared:
+            self._child(family, labels).inc(amount)
 
     def _observe(self, family: str, labels: tuple[str, str], amounts: list[int]) -> None:
-        """Histogram observations (multiprocess files hold per-bucket counts, not cumulative ones)."""
-        keys = self._keys(family, labels)
-        self._values[keys[0]] += sum(amounts)
-        self._dirty.add(keys[0])
+        """Histogram observations (kept per bucket, made cumulative when collected)."""
+        sums = self._totals.histograms[family].setdefault(labels, [0.0] * (len(BUCKETS) + 1))
+        sums[0] += sum(amounts)
         for amount in amounts:
-            key = keys[1 + bisect.bisect_left(BUCKETS, amount)]
-            self._values[key] += 1
-            self._dirty.add(key)
+            sums[1 + bisect.bisect_left(BUCKETS, amount)] += 1
+        if self._shared:
+            child = self._child(family, labels)
+            for amount in amounts:
+                child.observe(amount)
 
-    def _file(self, kind: str):
-        from prometheus_client.mmap_dict import MmapedDict
-
-        if kind not in self._files:
-            self._directory.mkdir(parents=True, exist_ok=True)
-            self._files[kind] = MmapedDict(str(self._directory / f"{kind}_cohort-{os.getpid()}.db"))
-        return self._files[kind]
-
-
-def _mmap_key(family: str, sample: str, labels: dict[str, str]) -> str:
-    from prometheus_client.mmap_dict import mmap_key
-
-    return mmap_key(family, sample, list(labels), list(labels.values()), FAMILIES[family].help)
+    def _child(self, family: str, labels: tuple[str, ...]):
+        child = self._children.get((family, labels))
+        if child is None:
+            metric = self._shared[family]
+            child = self._children[(family, labels)] = metric.labels(*labels) if labels else metric
+        return child
 
 
-@functools.cache
-def _go_float(value: float) -> str:
-    """Prometheus' spelling of a bucket bound ("4.0", "+Inf"); cached, called per observation."""
-    from prometheus_client.utils import floatToGoString
+class SnapshotCollector:
+    """A prometheus_client collector serving the sum of every `*.prom` snapshot in `directory`:
+    samples with the same name and labels are added across files (counters, histogram buckets,
+    counts and sums all sum across processes)."""
 
-    return floatToGoString(value)
+    def __init__(self, directory: str | Path) -> None:
+        self._directory = Path(directory)
+
+    def collect(self) -> Iterator[Metric]:
+        families: dict[str, Metric] = {}
+        totals: dict[str, dict[tuple, float]] = defaultdict(lambda: defaultdict(float))
+        for path in sorted(self._directory.glob("*.prom")):
+            for family in text_string_to_metric_families(path.read_text(encoding="utf-8")):
+                families.setdefault(family.name, Metric(family.name, family.documentation, family.type))
+                for s in family.samples:
+                    totals[family.name][(s.name, tuple(s.labels.items()))] += s.value
+        for name, metric in families.items():
+            for (sample, labels), total in totals[name].items():
+                metric.add_sample(sample, dict(labels), total)
+            yield metric
 
 
 def worker_directory() -> Path | None:
-    """Where this process writes its metric files: vLLM's multiprocess dir, else the API server's."""
+    """Where this process's metrics go: vLLM's multiprocess dir, else the API server's."""
     path = os.environ.get(PROMETHEUS_DIR_ENV) or os.environ.get(COHORT_DIR_ENV)
     return Path(path) if path else None
 
@@ -249,16 +227,15 @@ def setup_serving_process() -> None:
 
     With `PROMETHEUS_MULTIPROC_DIR` set, vLLM's /metrics already merges every file in it. Without
     it, create a private directory, export it to child processes as `COHORT_METRICS_DIR`, and
-    register a `MultiProcessCollector` over it on the default registry, which /metrics serves.
+    register a `SnapshotCollector` over it on the default registry, which /metrics serves.
     Idempotent; child processes inherit the variable and do nothing here.
     """
     if os.environ.get(PROMETHEUS_DIR_ENV) or os.environ.get(COHORT_DIR_ENV):
         return
     from prometheus_client import REGISTRY
-    from prometheus_client.multiprocess import MultiProcessCollector
 
     directory = tempfile.mkdtemp(prefix="cohort-metrics-")
     os.environ[COHORT_DIR_ENV] = directory
     atexit.register(shutil.rmtree, directory, ignore_errors=True)
-    MultiProcessCollector(REGISTRY, path=directory)
-    log.info("moe-cohort metrics: worker files in %s, served on the default Prometheus registry", directory)
+    REGISTRY.register(SnapshotCollector(directory))
+    log.info("moe-cohort metrics: worker snapshots in %s, served on the default Prometheus registry", directory)

@@ -25,7 +25,8 @@ import numpy as np
 import torch
 
 from backend.engine_state import RequestOptions, Step, request_options
-from backend.metrics import ExpertLoadMetrics, distinct_experts
+from backend.distinct import distinct_experts
+from backend.metrics import ExpertLoadMetrics
 from backend.policy import Policy, PolicyError, TopK
 from backend.recorder import TraceRecorder
 from backend.selection import select_experts_mixed

@@ -1,30 +1,14 @@
-"""Distinct-expert counting and the Prometheus multiprocess files (real prometheus_client)."""
+"""Expert-load totals, and both ways worker metrics reach /metrics (real prometheus_client, real processes)."""
 
 import os
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from backend.metrics import ExpertLoadMetrics, distinct_experts
-
-
-@pytest.mark.parametrize("g", [1, 4])
-@pytest.mark.parametrize("n", [13, 300])  # Python sets below SMALL_LAYER ids per layer, numpy above
-def test_distinct_experts_matches_brute_force(g, n):
-    rng = np.random.default_rng(g)
-    for _ in range(10):
-        layers, k, e = 3, 3, 10
-        ids = rng.integers(0, e, (layers, n, k))
-        group = rng.integers(0, g, n)
-        got = distinct_experts(list(ids), group, g, e)
-        assert got == distinct_experts(ids, group, g, e)  # a list of layers or one array
-        expected = [[len({x for t in range(n) if group[t] == gi for x in ids[layer, t]}) for gi in range(g)]
-                    + [len(set(ids[layer].ravel()))] for layer in range(layers)]
-        assert got == expected
+from backend.metrics import ExpertLoadMetrics, SnapshotCollector
 
 
 def _observe(metrics: ExpertLoadMetrics) -> None:
@@ -45,24 +29,47 @@ def test_totals_in_memory():
     assert metrics.value("cohort_moe_routed_tokens_total", "decode", "lynx-lat;drop=2") == 4
     assert metrics.value("cohort_moe_batch_expert_loads_after_total", "decode", "mixed") == 26
     assert metrics.value("cohort_moe_distinct_experts_after_bucket", "decode", "lynx-lat;drop=2", le="1.0") == 2
-    assert metrics.value("cohort_moe_distinct_experts_after_bucket", "decode", "lynx-lat;drop=2", le="2.0") == 2
+    assert metrics.value("cohort_moe_distinct_experts_after_bucket", "decode", "lynx-lat;drop=2", le="2.0") == 4
     assert metrics.value("cohort_moe_distinct_experts_after_sum", "decode", "lynx-lat;drop=2") == 6
 
 
-def _write_from_another_process(directory) -> None:
-    code = ("import sys; from backend.metrics import ExpertLoadMetrics; m = ExpertLoadMetrics(sys.argv[1]); "
-            "m.observe_forward([('decode', 'topk')], [4], [[7], [5]], [[7], [5]], ('decode', 'topk'), [7, 5], [7, 5]); "
-            "m.flush()")
-    subprocess.run([sys.executable, "-c", code, str(directory)], check=True, cwd=os.getcwd())
+def write(directory: str, which: str) -> None:
+    """One worker process's metrics: `_observe` once (which="a") or a forward of its own ("b"), flushed."""
+    metrics = ExpertLoadMetrics(directory)
+    if which == "a":
+        _observe(metrics)
+    else:
+        metrics.observe_forward([("decode", "topk")], [4], [[7], [5]], [[7], [5]], ("decode", "topk"), [7, 5], [7, 5])
+    metrics.add_time(0.25, 1.5)
+    metrics.flush(force=True)
 
 
-def test_files_are_served_by_prometheus_multiprocess_collector(tmp_path):
-    metrics = ExpertLoadMetrics(tmp_path)
-    _observe(metrics)
-    metrics.flush()
-    _write_from_another_process(tmp_path)  # a second worker process adds to the same families
+def _write_in_processes(directory, multiprocess_mode: bool) -> None:
+    """Two worker processes, in prometheus_client's multiprocess mode (PROMETHEUS_MULTIPROC_DIR set
+    before it is imported) or not (vLLM's default: snapshots in `directory`)."""
+    directory.mkdir(exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if k not in ("PROMETHEUS_MULTIPROC_DIR", "COHORT_METRICS_DIR")}
+    if multiprocess_mode:
+        env["PROMETHEUS_MULTIPROC_DIR"] = str(directory)
+    for which in ("a", "b"):
+        code = "import sys; from tests.backend.test_metrics import write; write(sys.argv[1], sys.argv[2])"
+        subprocess.run([sys.executable, "-c", code, str(directory), which], check=True, cwd=os.getcwd(), env=env)
+
+
+def _served_by(collector_type, directory) -> CollectorRegistry:
     registry = CollectorRegistry()
-    MultiProcessCollector(registry, path=str(tmp_path))
+    if collector_type is MultiProcessCollector:
+        MultiProcessCollector(registry, path=str(directory))
+    else:
+        registry.register(SnapshotCollector(directory))
+    return registry
+
+
+@pytest.mark.parametrize("multiprocess_mode", [True, False])
+def test_two_worker_processes_are_summed_on_metrics(tmp_path, multiprocess_mode):
+    _write_in_processes(tmp_path, multiprocess_mode)
+    assert {p.suffix for p in tmp_path.iterdir()} == ({".db"} if multiprocess_mode else {".prom"})
+    registry = _served_by(MultiProcessCollector if multiprocess_mode else SnapshotCollector, tmp_path)
     get = registry.get_sample_value
     labels = {"phase": "decode", "policy": "topk"}
     assert get("cohort_moe_expert_loads_before_total", labels) == 11 + 12
@@ -71,29 +78,57 @@ def test_files_are_served_by_prometheus_multiprocess_collector(tmp_path):
     assert get("cohort_moe_distinct_experts_before_bucket", {**labels, "le": "4.0"}) == 0
     assert get("cohort_moe_distinct_experts_before_bucket", {**labels, "le": "8.0"}) == 4  # cumulative
     assert get("cohort_moe_distinct_experts_before_sum", labels) == 23
-    lynx = {"phase": "decode", "policy": "lynx-lat;drop=2"}
-    assert get("cohort_moe_expert_loads_after_total", lynx) == 3
+    assert get("cohort_moe_expert_loads_after_total", {"phase": "decode", "policy": "lynx-lat;drop=2"}) == 3
+    assert get("cohort_moe_batch_expert_loads_after_total", {"phase": "decode", "policy": "mixed"}) == 13
+    assert get("cohort_moe_plugin_cpu_seconds_total") == 0.5 and get("cohort_moe_forward_cpu_seconds_total") == 3.0
     text = generate_latest(registry).decode()
     assert "# HELP cohort_moe_expert_loads_after_total Distinct experts used after the routing policy" in text
     assert "# TYPE cohort_moe_distinct_experts_after histogram" in text
+    assert "# TYPE cohort_moe_routed_tokens_total counter" in text and "_created" not in text
 
 
-def _served(directory, sample="cohort_moe_expert_loads_before_total", labels=None):
-    registry = CollectorRegistry()
-    MultiProcessCollector(registry, path=str(directory))
+def _samples(registry) -> set:
+    return {(s.name, tuple(sorted(s.labels.items())), s.value) for m in registry.collect() for s in m.samples}
+
+
+def test_both_transports_serve_the_same_samples(tmp_path):
+    """What /metrics shows does not depend on how the worker's numbers reached the API server."""
+    _write_in_processes(tmp_path / "mp", multiprocess_mode=True)
+    _write_in_processes(tmp_path / "snap", multiprocess_mode=False)
+    native = _samples(_served_by(MultiProcessCollector, tmp_path / "mp"))
+    assert len(native) > 50
+    assert _samples(_served_by(SnapshotCollector, tmp_path / "snap")) == native
+
+
+def test_setup_serving_process_serves_worker_snapshots_on_the_default_registry(tmp_path):
+    code = ("from prometheus_client import REGISTRY, generate_latest\n"
+            "from backend.metrics import ExpertLoadMetrics, setup_serving_process, worker_directory\n"
+            "setup_serving_process(); setup_serving_process()  # idempotent\n"
+            "from tests.backend.test_metrics import write\n"
+            "write(str(worker_directory()), 'a')\n"
+            "print(generate_latest(REGISTRY).decode())")
+    env = {k: v for k, v in os.environ.items() if k not in ("PROMETHEUS_MULTIPROC_DIR", "COHORT_METRICS_DIR")}
+    out = subprocess.run([sys.executable, "-c", code], check=True, cwd=os.getcwd(), env=env,
+                         capture_output=True, text=True).stdout
+    assert 'cohort_moe_expert_loads_before_total{phase="decode",policy="topk"} 11.0' in out
+    assert "python_info" in out  # the default registry's own collectors are still there
+
+
+def _snapshot_value(directory, sample="cohort_moe_expert_loads_before_total", labels=None):
+    registry = _served_by(SnapshotCollector, directory)
     return registry.get_sample_value(sample, labels or {"phase": "decode", "policy": "topk"})
 
 
-def test_flush_is_rate_limited_unless_forced(tmp_path):
+def test_snapshots_are_rate_limited_unless_forced(tmp_path):
     metrics = ExpertLoadMetrics(tmp_path, flush_interval=3600)
     _observe(metrics)
     metrics.flush()  # the first flush writes
-    assert _served(tmp_path) == 11
+    assert _snapshot_value(tmp_path) == 11
     _observe(metrics)
     metrics.flush()  # within the interval: kept in memory
-    assert _served(tmp_path) == 11 and metrics.value("cohort_moe_expert_loads_before_total", "decode", "topk") == 22
+    assert _snapshot_value(tmp_path) == 11 and metrics.value("cohort_moe_expert_loads_before_total", "decode", "topk") == 22
     metrics.flush(force=True)  # what the plugin does when the engine goes idle
-    assert _served(tmp_path) == 22
+    assert _snapshot_value(tmp_path) == 22
 
 
 @pytest.mark.parametrize("env", [{}, {"PROMETHEUS_MULTIPROC_DIR": "/x"}, {"COHORT_METRICS_DIR": "/y"}])
