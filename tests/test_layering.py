@@ -1,0 +1,153 @@
+"""Layering: the floors of DESIGN.md and the purity of the algorithm modules, from the code's imports.
+
+Every `import` statement of our packages is read from the source (module level or inside a
+function, so lazy imports count too). Floors: traces/ and encoder/ are the ground (they import no
+other package of ours), backend/, train/ and eval/ stand on them, devtools/ on those, proxy/ on
+top, cohort/ (the command) above all; a package imports only packages on lower floors. The pure
+modules (traces/, encoder/, eval/, train/, backend/selection/) import no web framework, no HTTP
+client and no vLLM, and import each other in no circle.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+FLOORS = {"traces": 0, "encoder": 0, "backend": 1, "train": 1, "eval": 1, "devtools": 2, "proxy": 3, "cohort": 4}
+PURE = ("traces", "encoder", "eval", "train", "backend.selection")
+FORBIDDEN_IN_PURE = ("vllm", "fastapi", "starlette", "uvicorn", "aiohttp", "httpx", "requests", "urllib3", "flask",
+                     "urllib.request", "http.client", "http.server")
+HEAVY = ["torch", "sentence_transformers", "transformers", "vllm", "httpx", "fastapi", "starlette", "aiohttp", "requests"]
+
+
+def modules(root: Path = ROOT) -> dict[str, Path]:
+    """Every module of our packages: dotted name -> file."""
+    found = {}
+    for package in FLOORS:
+        for path in sorted((root / package).rglob("*.py")):
+            parts = path.relative_to(root).with_suffix("").parts
+            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def imports(path: Path, known: dict[str, Path]) -> set[str]:
+    """The modules `path` imports; `from a import b` names a.b when that is one of `known`, else a."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            submodules = {f"{node.module}.{a.name}" for a in node.names} & known.keys()
+            names.update(submodules)
+            if len(submodules) < len(node.names):  # some names are attributes of the module itself
+                names.add(node.module)
+    return names
+
+
+def _within(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
+
+
+def floor_breaches(known: dict[str, Path]) -> list[str]:
+    """'a.b -> c.d' for every import of a package on the same or a higher floor than the importer's."""
+    out = []
+    for name, path in known.items():
+        own = name.split(".")[0]
+        for target in imports(path, known):
+            other = target.split(".")[0]
+            if other in FLOORS and other != own and FLOORS[other] >= FLOORS[own]:
+                out.append(f"{name} -> {target}")
+    return sorted(out)
+
+
+def impure_imports(known: dict[str, Path]) -> list[str]:
+    """'module -> import' for every web framework, HTTP client or vLLM import of a pure module."""
+    out = []
+    for name, path in known.items():
+        if any(_within(name, p) for p in PURE):
+            out += [f"{name} -> {t}" for t in imports(path, known) if any(_within(t, f) for f in FORBIDDEN_IN_PURE)]
+    return sorted(out)
+
+
+def circles(known: dict[str, Path], scope: tuple[str, ...]) -> list[list[str]]:
+    """Import circles among the modules under `scope` (strongly connected components, Tarjan)."""
+    nodes = [n for n in known if any(_within(n, p) for p in scope)]
+    edges = {n: sorted(t for t in imports(known[n], known) if t in nodes and t != n) for n in nodes}
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(n: str) -> None:
+        index[n] = low[n] = len(index)
+        stack.append(n)
+        on_stack.add(n)
+        for m in edges[n]:
+            if m not in index:
+                visit(m)
+                low[n] = min(low[n], low[m])
+            elif m in on_stack:
+                low[n] = min(low[n], index[m])
+        if low[n] == index[n]:
+            component = []
+            while not component or component[-1] != n:
+                component.append(stack.pop())
+                on_stack.discard(component[-1])
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for n in nodes:
+        if n not in index:
+            visit(n)
+    return found
+
+
+@pytest.fixture(scope="module")
+def known() -> dict[str, Path]:
+    return modules()
+
+
+def test_every_package_imports_only_lower_floors(known):
+    assert {"traces.format", "encoder.planner", "backend.selection", "devtools.server", "proxy.app"} <= known.keys()
+    assert floor_breaches(known) == []
+
+
+def test_pure_modules_import_no_web_framework_http_client_or_vllm(known):
+    assert impure_imports(known) == []
+
+
+def test_pure_modules_import_each_other_in_no_circle(known):
+    assert circles(known, PURE) == []
+
+
+def _package(root: Path, files: dict[str, str]) -> dict[str, Path]:
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    return modules(root)
+
+
+def test_the_checks_see_a_forbidden_import_once_added(tmp_path):
+    """Each rule goes red on one bad import, lazy ones included."""
+    known = _package(tmp_path, {
+        "traces/__init__.py": "", "traces/format.py": "def load():\n    from eval import report\n",
+        "eval/__init__.py": "", "eval/report.py": "import numpy\n",
+        "encoder/__init__.py": "", "encoder/a.py": "from encoder import b\n", "encoder/b.py": "import encoder.a\n",
+        "backend/selection/__init__.py": "", "backend/selection/x.py": "from vllm.model_executor import layers\n",
+        "proxy/__init__.py": "", "proxy/app.py": "from backend.selection import x\n"})
+    assert floor_breaches(known) == ["traces.format -> eval.report"]
+    assert impure_imports(known) == ["backend.selection.x -> vllm.model_executor"]
+    assert circles(known, PURE) == [["encoder.a", "encoder.b"]]
+
+
+def test_planner_modules_stay_pure():
+    """Planning needs numpy and FAISS only: no torch, no web framework, no HTTP client, no vLLM (at run time,
+    imports of imports included)."""
+    code = ("import sys, json; import encoder, encoder.planner, encoder.baselines, encoder.inputs, encoder.text, "
+            "encoder.cli; print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in %r)))" % (HEAVY,))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == []
