@@ -258,7 +258,10 @@ class LynxAcc(Policy):
 
 @dataclass(frozen=True)
 class MoESpec(Policy):
-    """MoE-Spec: hard budget of B experts; router or static ranking; truncate or substitute.
+    """MoE-Spec: hard budget of B experts; truncate or substitute.
+
+    `rank`: `router` (the paper's: routing probabilities summed over the batch's tokens),
+    `topk` (each token's top-k weights summed), or `static` (calibration counts from `calib`).
 
     `calib` is a path on the engine's machine: a front end should accept it only from trusted
     configuration, not from arbitrary clients.
@@ -267,7 +270,7 @@ class MoESpec(Policy):
     name: ClassVar[str] = "moe-spec"
     _decode_only: ClassVar[bool] = True
     budget: int = _param(_Int(1))
-    rank: str = _param(_Choice(("router", "static")), "router")
+    rank: str = _param(_Choice(("router", "topk", "static")), "router")
     cover: str = _param(_Choice(("truncate", "substitute")), "truncate")
     calib: str | None = _param(_Path())
 

@@ -1,17 +1,24 @@
 """Time every expert selector against plain softmax + top-k, and count distinct experts.
 
 For T in {16, 64, 256} tokens and E in {64, 128, 256} experts (top_k = 8): the time per call of
-each selector (eager, one CPU thread; the best over interleaved rounds of the mean over many
-calls, so that load from other processes hits every selector alike) and its ratio to plain
-`softmax -> topk -> renormalize`, plus the mean number of distinct experts a batch loads.
-Target: every selector within 3x of plain top-k at T = 256, E = 128.
+each selector and its ratio to plain `softmax -> topk -> renormalize`, plus the mean number of
+distinct experts a batch loads.
+
+- `--device cpu` (default): the torch selectors, eager, one CPU thread; the best over
+  interleaved rounds of the mean over many calls, so that load from other processes hits every
+  selector alike. Target: every selector within 3x of plain top-k at T = 256, E = 128.
+- `--device cuda`: GPU time per call inside a CUDA graph (10 calls captured per graph, replayed,
+  timed with CUDA events; best of interleaved rounds) for the Triton kernels
+  (`backend.selection.fused`, what `select_experts` runs on CUDA) and for the torch selectors,
+  plus whether each runs free of host synchronisation (`torch.cuda.set_sync_debug_mode`).
+  Target (issue 15): every kernel selector <= 1.5x topk at T = 256, E = 128, sync-free.
 
 Logits come from a Dirichlet-skewed synthetic generator, not a model: each batch draws an expert
 popularity pi ~ Dirichlet(0.3) (smoothed: 0.9 pi + 0.1 / E), and each token's logits are
 log(pi) + 1.5 N(0, 1). Run from the repository root (with the package installed,
 `pip install -e .`, or as a module so the checkout is on the path):
 
-    python -m benchmarks.bench_selectors [--quick]
+    python -m benchmarks.bench_selectors [--quick] [--device cuda]
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from torch.distributions import Dirichlet
 
 from backend.policy import parse_policy
 from backend.selection import SELECTORS, select_experts
+from benchmarks.bench_selectors_cuda import bench_cuda
 
 TOP_K, SPEC_LEN, GPUS = 8, 4, 8
 
@@ -97,7 +105,10 @@ def main() -> int:
     parser.add_argument("--calls", type=int, default=40)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--batches", type=int, default=20, help="batches for the distinct count")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     args = parser.parse_args()
+    if args.device == "cuda":
+        return bench_cuda(args, skewed_logits, policies, TOP_K, SPEC_LEN, GPUS)
     torch.set_num_threads(1)
     configs = [(256, 128)] if args.quick else [(t, e) for t in (16, 64, 256) for e in (64, 128, 256)]
     print(f"torch {torch.__version__}, 1 CPU thread, eager, top_k={TOP_K}; logits: Dirichlet-skewed "

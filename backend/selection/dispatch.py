@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import torch
 
 from backend.policy import Policy, TopK, parse_policy
+from backend.selection import fused
 from backend.selection.base import SCORINGS, SELECTORS, check_spans
 
 Span = tuple[int, int]
@@ -39,6 +40,8 @@ def select_experts(router_logits: torch.Tensor, top_k: int, policy: Policy | str
 
     See `backend.selection.base` for the contract. A `decode_only` policy routes a prefill batch
     with plain top-k. `layer` is needed only by `moe-spec;rank=static` with per-layer counts.
+    On CUDA with Triton installed the fused kernels run (`backend.selection.fused`: no host
+    synchronisation, CUDA-graph safe once warmed up); elsewhere the torch selectors.
     Raises PolicyError (a ValueError) if the policy does not fit the model (e.g. k0 > top_k).
     """
     policy = as_policy(policy)
@@ -47,6 +50,10 @@ def select_experts(router_logits: torch.Tensor, top_k: int, policy: Policy | str
     policy.validate_for_model(top_k, router_logits.shape[1])
     if is_prefill and policy.decode_only:
         policy = TopK()
+    if not isinstance(policy, TopK) and fused.available(router_logits) and router_logits.is_cuda:
+        return fused.select_fused(router_logits, top_k, policy, request_spans=request_spans,
+                                  expert_groups=expert_groups, scoring=scoring, renormalize=renormalize,
+                                  layer=layer)
     return SELECTORS[policy.name](
         router_logits, top_k, policy, request_spans=request_spans, expert_groups=expert_groups,
         scoring=scoring, renormalize=renormalize, layer=layer)

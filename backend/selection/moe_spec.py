@@ -3,15 +3,16 @@
 McDanel et al., "MoE-Spec: Expert Budgeting for Efficient Speculative Decoding"
 (arXiv 2602.16052), Sec. 3. The verification batch may load at most B experts per layer:
 
-- ranking (Sec. 3.1): `rank=router` scores each expert by its aggregate routing probability over
-  the batch; `rank=static` uses a ranking counted offline on calibration data (`calib` file);
+- ranking (Sec. 3.1, Alg. 1): `rank=router` scores each expert by its aggregate routing
+  probability over the batch's tokens, sum_t p[t, e]; `rank=topk` (an option, not the paper's)
+  sums only each token's top-k weights, the mass the batch actually routes; `rank=static` uses
+  a ranking counted offline on calibration data (`calib` file);
 - selection: the top-B experts by that ranking;
 - coverage (Sec. 3.2): `cover=truncate` drops a token's experts outside the budget (the token
   keeps the rest); `cover=substitute` replaces each missing expert with the token's next-best
   expert inside the budget (its top-k within the budget set).
 
-Choices where the paper leaves room: the router aggregate sums each token's top-k routing weights
-(the mass the batch actually routes), and both rankings consider only experts some token selects,
+Choices where the paper leaves room: every ranking considers only experts some token selects,
 so the budget is never spent on an expert nobody uses and |S| <= min(B, union of top-k). A token
 whose top-k lies wholly outside the budget under truncation would keep no expert; it keeps its
 best expert inside the budget instead (every token keeps >= 1 expert; the union stays <= B).
@@ -66,17 +67,21 @@ def static_ranking(path: str, layer: int | None, num_experts: int) -> torch.Tens
 
 
 def moe_spec_route(scores: torch.Tensor, top_k: int, budget: int, substitute: bool,
-                   static: torch.Tensor | None, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                   static: torch.Tensor | None, renormalize: bool,
+                   topk_mass: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """[T, E] scores -> (weights, ids) with at most `budget` distinct experts in the batch.
 
-    static: [E] calibration counts for `rank=static`, None for `rank=router`. Ranking ties go to
-    the lower expert index.
+    static: [E] calibration counts for `rank=static`; None ranks by the batch's summed routing
+    probabilities (`rank=router`), or with topk_mass by its summed top-k weights (`rank=topk`).
+    Ranking ties go to the lower expert index.
     """
     num_experts = scores.shape[1]
     weights, ids = scores.topk(top_k, dim=-1)                   # [T, k]
     used = expert_mask(ids, num_experts)                        # [E]
-    if static is None:
+    if static is None and topk_mass:
         static = scores.new_zeros(num_experts).index_add(0, ids.reshape(-1), weights.reshape(-1))
+    elif static is None:
+        static = scores.sum(dim=0)                              # [E] aggregate probability
     rank = lex_rank([-static.to(scores)], used)                 # [E] ties: lower index first
     budget_set = used & (rank < budget)                         # [E]
     if substitute:
@@ -99,4 +104,4 @@ def select_moe_spec(router_logits: torch.Tensor, top_k: int, policy: MoESpec, *,
     if policy.rank == "static":
         static = static_ranking(policy.calib, layer, scores.shape[1]).to(scores.device)
     return moe_spec_route(scores, top_k, policy.budget, policy.cover == "substitute", static,
-                          renormalize)
+                          renormalize, topk_mass=policy.rank == "topk")

@@ -143,11 +143,13 @@ def ref_lynx(rows, k, policy: LynxLat | LynxAcc, **_):
 def ref_moe_spec(rows, k, policy: MoESpec, static=None, **_):
     tops = [ranking(row)[:k] for row in rows]
     used = {e for top in tops for e in top}
-    if static is None:
+    if static is None and policy.rank == "topk":
         static = [0.0] * len(rows[0])
         for row, top in zip(rows, tops):
             for e in top:
                 static[e] += row[e]
+    elif static is None:      # the paper's: routing probability summed over the batch's tokens
+        static = column_sums(rows)
     budget_set = set(sorted(used, key=lambda e: (-static[e], e))[:policy.budget])
     out = []
     for row, top in zip(rows, tops):
