@@ -4,7 +4,7 @@ For every seed the output lengths are drawn once and every policy, and a random 
 order of that seed, run through eval.replay with them. Per policy:
 
     loads_per_token    loads (distinct experts per layer, summed over layers and steps) / tokens
-    saving             1 - loads_per_token / that of the random order of the same seed, mean over seeds
+    saving             1 - loads_per_token / that of random orders with the same lengths, mean over seeds
     saving_std         spread of that saving over the seeds
     capture            saving / saving of the reference admission (the traces' own profiles)
     moe_us_per_token   modelled MoE time (eval.cost) per generated token
@@ -76,17 +76,24 @@ def read_lengths(path: str | Path, request_ids: np.ndarray) -> np.ndarray:  # [N
 
 
 def evaluate_continuous(tokens: DecodeTokens, slots: int, policies: Mapping[str, PolicyFactory], lengths: Lengths,
-                        cost: CostModel, num_layers: int, *, seeds: int = 5, max_wait: float | None = None) -> dict:
+                        cost: CostModel, num_layers: int, *, seeds: int = 5, max_wait: float | None = None,
+                        random_draws: int = 4) -> dict:
     """Replay random order and every policy over `seeds` seeds; rows as in the module docstring.
+
+    Each seed's random baseline is the mean of `random_draws` random orders with that seed's
+    lengths: on a few hundred requests one random order alone is a noisy yardstick.
 
     `policies` should hold REFERENCE for `capture`; without it capture is 0. BLAS runs on one
     thread: a replay makes thousands of small products, which extra threads only slow down."""
-    runs: dict[str, list[Replay]] = {"random": []}
+    runs: dict[str, list[list[Replay]]] = {"random": []}
+    shuffled = random_order(len(tokens))
     with threadpool_limits(limits=1, user_api="blas"):
         for seed in range(seeds):
             lens = lengths(seed)
-            for name, factory in {"random": random_order(len(tokens)), **policies}.items():
-                runs.setdefault(name, []).append(replay(tokens, lens, slots, factory(seed), max_wait=max_wait))
+            run = lambda policy: replay(tokens, lens, slots, policy, max_wait=max_wait)  # noqa: E731
+            runs["random"].append([run(shuffled(seed * random_draws + j)) for j in range(random_draws)])
+            for name, factory in policies.items():
+                runs.setdefault(name, []).append([run(factory(seed))])
     rows = {name: _row(rs, runs["random"], cost, num_layers) for name, rs in runs.items()}
     non_moe = _non_moe_us(rows["random"], cost)
     ref = rows.get(REFERENCE, {}).get("saving", 0.0)
@@ -100,11 +107,13 @@ def evaluate_continuous(tokens: DecodeTokens, slots: int, policies: Mapping[str,
             "cost_model": cost.name, "non_moe_us_per_step": non_moe, "plans": rows}
 
 
-def _row(runs: list[Replay], randoms: list[Replay], cost: CostModel, num_layers: int) -> dict:
-    lpt = np.array([r.loads_per_token for r in runs])  # [seeds]
-    saving = 1.0 - lpt / np.array([r.loads_per_token for r in randoms])  # [seeds] paired by seed
-    moe = np.array([cost.moe_us(r.steps, r.resident, r.loads, num_layers) / r.tokens for r in runs])
-    steps = np.array([r.steps.sum() / r.tokens for r in runs])
+def _row(runs: list[list[Replay]], randoms: list[list[Replay]], cost: CostModel, num_layers: int) -> dict:
+    """Means over each seed's replays, then over seeds; the saving is paired with the seed's random baseline."""
+    per_seed = lambda f, rs: np.array([np.mean([f(r) for r in group]) for group in rs])  # noqa: E731  [seeds]
+    lpt = per_seed(lambda r: r.loads_per_token, runs)
+    saving = 1.0 - lpt / per_seed(lambda r: r.loads_per_token, randoms)
+    moe = per_seed(lambda r: cost.moe_us(r.steps, r.resident, r.loads, num_layers) / r.tokens, runs)
+    steps = per_seed(lambda r: r.steps.sum() / r.tokens, runs)
     return {"loads_per_token": float(lpt.mean()), "saving": float(saving.mean()), "saving_std": float(saving.std()),
             "moe_us_per_token": float(moe.mean()), "steps_per_token": float(steps.mean())}
 

@@ -35,6 +35,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--save-steps", type=int, default=_DEFAULTS.save_steps, help="checkpoint every N steps (default %(default)s)")
     parser.add_argument("--resume", action="store_true", help="continue the run in --output from its newest checkpoint")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    parser.add_argument("--profile-head", choices=("yes", "no", "only"), default="yes",
+                        help="also fit the expert-profile head (embedding -> per-layer expert frequencies) on the "
+                             "training side and save it beside the encoder (yes, default); no; or only fit the head for "
+                             "the --base encoder, saving it in --output, without fine-tuning")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -46,10 +50,13 @@ def run(args: argparse.Namespace) -> int:
                              save_steps=args.save_steps)
         ts = load_traces(args.traces)
         check_traces(ts, config.holdout)  # before any model is loaded
-        check_output(Path(args.output), args.resume)
+        if args.profile_head != "only":
+            check_output(Path(args.output), args.resume)
     except (TraceFormatError, TrainDataError, ValueError, OSError) as exc:
         print(f"cohort train: error: {exc}")
         return 2
+    if args.profile_head == "only":
+        return _profile_head(ts, args.base, args.output, config)
     print(f"training on {len(ts)} requests of {args.traces} (holdout {config.holdout:.0%}), base {args.base}")
     try:
         result = train_encoder(ts, args.base, args.output, config, resume=args.resume, progress=not args.no_progress)
@@ -61,4 +68,19 @@ def run(args: argparse.Namespace) -> int:
     for name in result.spearman_after:
         print(f"held-out Spearman(cosine, {config.target}) on {name.replace('_', ' ')}: "
               f"{result.spearman_before[name]:.3f} before, {result.spearman_after[name]:.3f} after")
+    return _profile_head(ts, str(result.output), result.output, config) if args.profile_head == "yes" else 0
+
+
+def _profile_head(ts, encoder: str, output, config: TrainConfig) -> int:
+    """Fit the expert-profile head on `encoder`'s embeddings of the training side; save it in `output`."""
+    from encoder.embedding import Embedder
+    from train.profile_head import train_profile_head
+
+    try:
+        head, path = train_profile_head(ts, Embedder(encoder).encode, output, holdout=config.holdout, seed=config.seed)
+    except (OSError, ValueError) as exc:
+        print(f"cohort train: error: {exc}")
+        return 2
+    print(f"saved the expert-profile head to {path} (ridge, alpha {head.alpha:g}; "
+          f"[{head.dim}] -> [{head.num_layers}, {head.num_experts}])")
     return 0

@@ -74,3 +74,21 @@ def test_a_base_model_that_cannot_be_found_is_a_clear_error(tmp_path, capsys, mo
     path = save_traces(tmp_path / "t.npz", synthetic_traces(30, seed=0))
     code, out = run(capsys, "--traces", path, "--base", tmp_path / "no-such-model", "--output", tmp_path / "m")
     assert code == 2 and "cohort train: error:" in out
+
+
+def test_a_run_saves_the_profile_head_beside_the_encoder_and_only_fits_a_head_on_request(tmp_path, capsys, tiny_model_dir):
+    from encoder.profile import load_profile_head
+
+    ts = synthetic_traces(60, seed=1)
+    path = save_traces(tmp_path / "t.npz", ts)
+    code, out = run(capsys, "--traces", path, "--base", tiny_model_dir, "--output", tmp_path / "m", "--max-pairs", "64",
+                    "--batch-size", "16", "--no-progress")
+    assert code == 0, out
+    assert "saved the expert-profile head" in out
+    head = load_profile_head(tmp_path / "m")
+    assert head.weight.shape == (32, ts.num_layers * ts.num_experts)
+    code, out = run(capsys, "--traces", path, "--base", tiny_model_dir, "--output", tmp_path / "h", "--profile-head", "only")
+    assert code == 0 and load_profile_head(tmp_path / "h") is not None and not (tmp_path / "h" / "training.json").exists()
+    code, out = run(capsys, "--traces", path, "--base", tiny_model_dir, "--output", tmp_path / "n", "--max-pairs", "64",
+                    "--batch-size", "16", "--no-progress", "--profile-head", "no")
+    assert code == 0 and load_profile_head(tmp_path / "n") is None

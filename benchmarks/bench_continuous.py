@@ -1,0 +1,154 @@
+"""Admission policies in the continuous-batching engine, on held-out requests only (issue 13, Measure).
+
+    python benchmarks/bench_continuous.py --finetuned FOLDER [--slots 8,16,32,64] [--seeds 5]
+
+Splits the traces by request with the project's one split (traces.split: 20% held out, seed 0);
+the fine-tuned encoder (`cohort train`, which trains on the training side of the same split)
+and both profile heads see training requests only. The held-out requests are then replayed
+through S slots with lognormal output lengths (mean 64, sigma 1), 5 seeds, for: random,
+arrival, the static plan order (fine-tuned encoder, B = S), every text policy (nearest
+embedding, profile head, profile head with lead) for the base and the fine-tuned encoder, and
+the reference that knows the traces. The profile heads: the one saved in FOLDER by `cohort
+train` when present, else fitted here on the training side; the base encoder's is always
+fitted here. Embeddings are cached in --cache (outside the repository).
+
+Prints one table per S, the targets of issue 13, and the cost of one admission over 1,000.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from threadpoolctl import threadpool_limits
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from encoder.admission import ResidentExperts  # noqa: E402
+from encoder.profile import load_profile_head  # noqa: E402
+from eval.cost import parse_cost_model  # noqa: E402
+from eval.engine import REFERENCE, evaluate_continuous, lengths_from_spec  # noqa: E402
+from eval.engine_cli import text_policies  # noqa: E402
+from eval.policies import fixed_order, by_profile  # noqa: E402
+from eval.replay import decode_profiles, decode_tokens  # noqa: E402
+from eval.report import format_engine_table  # noqa: E402
+from traces.importers import load_traces  # noqa: E402
+from traces.split import heldout_split  # noqa: E402
+from train.profile_head import fit_profile_head  # noqa: E402
+from train.targets import profiles  # noqa: E402
+
+DATA = ROOT.parent / "shared" / "data" / "deepseek-v2-lite-puffin"
+
+
+def main() -> None:
+    args = _parse()
+    ts = load_traces(args.traces)
+    train_idx, held_idx = heldout_split(ts)
+    prof = profiles(ts)  # [N, L, E] the heads' targets, training side only
+    fit_idx = train_idx[prof[train_idx].sum(axis=(1, 2)) > 0]
+    encoders = {"base": None, **({"ft": args.finetuned} if args.finetuned else {})}
+    text = {}
+    for tag, enc in encoders.items():
+        x = _embeddings(ts.texts, enc, Path(args.cache))  # [N, D]
+        head = load_profile_head(enc) if enc else None
+        head = head or fit_profile_head(x[fit_idx], prof[fit_idx], ts.top_k)
+        text[tag] = (x[held_idx], head)
+        print(f"encoder {tag}: {enc or 'packaged MiniLM'}; profile head alpha {head.alpha:g}")
+    held = ts.subset(held_idx)
+    tokens = decode_tokens(held)
+    cost = parse_cost_model(args.cost_model)
+    lengths = lengths_from_spec(args.lengths, held.request_ids)
+    print(f"held-out: {len(held)} of {len(ts)} requests; lengths {args.lengths} (mean 64); cost model {cost.name}; "
+          f"{args.seeds} seeds\n")
+    results = [_run(held, tokens, s, text, cost, lengths, args.seeds) for s in _ints(args.slots)]
+    _targets(results)
+    _admission_cost(text[list(text)[-1]][1], ts.num_layers, ts.num_experts)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+
+
+def _run(held, tokens, slots, text, cost, lengths, seeds) -> dict:
+    from encoder.planner import plan_batches
+
+    x_plan = text[list(text)[-1]][0]
+    policies = {"arrival": fixed_order(np.arange(len(held))), "plan": fixed_order(np.concatenate(plan_batches(x_plan, slots)))}
+    for tag, (x, head) in text.items():
+        policies.update(text_policies(f"-{tag}", x, head))
+    policies[REFERENCE] = by_profile(decode_profiles(tokens, held))
+    start = time.perf_counter()
+    result = evaluate_continuous(tokens, slots, policies, lengths, cost, held.num_layers, seeds=seeds)
+    print(format_engine_table(result) + f"\n({time.perf_counter() - start:.1f} s)\n")
+    return result
+
+
+def _targets(results: list[dict]) -> None:
+    """Issue 13's targets, per S: best text policy vs the reference and vs random's spread."""
+    for r in results:
+        rows = r["plans"]
+        ref = rows[REFERENCE]
+        texts = {k: v for k, v in rows.items() if k.startswith("text-")}
+        best = max(texts, key=lambda k: texts[k]["saving"])
+        worst = min(texts, key=lambda k: texts[k]["saving"])
+        print(f"S = {r['slots']:>2}: best text {best} {texts[best]['saving']:.2%} = {texts[best]['capture']:.0%} of the "
+              f"reference {ref['saving']:.2%} (>= 95%: {texts[best]['capture'] >= 0.95}; >= 110%: "
+              f"{texts[best]['capture'] >= 1.10}); worst text {worst} {texts[worst]['saving']:+.2%} "
+              f"(std {texts[worst]['saving_std']:.2%}; within the spread of random: "
+              f"{texts[worst]['saving'] >= -texts[worst]['saving_std']})")
+
+
+def _admission_cost(head, layers: int, experts: int, pool: int = 1000, resident: int = 32) -> None:
+    """Microseconds of one pick among `pool` waiting requests with `resident` residents."""
+    profiles_ = head.predict(np.random.default_rng(0).normal(size=(pool, head.dim)).astype(np.float32) * 0.05)
+    flat = np.ascontiguousarray(profiles_.reshape(pool, -1))
+    state = ResidentExperts(layers, experts)
+    for i in range(resident):
+        state.admit(flat[i])
+    allowed = np.ones(pool, bool)
+    with threadpool_limits(limits=1, user_api="blas"):
+        state.pick(flat, allowed)
+        start, reps = time.perf_counter(), 200
+        for _ in range(reps):
+            state.pick(flat, allowed)
+    print(f"\nadmission: one pick over a pool of {pool} ({layers} x {experts} profiles): "
+          f"{(time.perf_counter() - start) / reps * 1e6:.0f} us")
+
+
+def _embeddings(texts, encoder: str | None, cache: Path) -> np.ndarray:
+    """Embeddings [N, D] of `texts`, cached by encoder and texts."""
+    from encoder import embed_texts
+
+    key = hashlib.sha1((str(Path(encoder).resolve()) if encoder else "base").encode() + "\0".join(texts).encode())
+    path = cache / f"emb-{key.hexdigest()[:16]}.npy"
+    if path.exists():
+        return np.load(path)
+    x = embed_texts(list(texts), encoder=encoder)
+    cache.mkdir(parents=True, exist_ok=True)
+    np.save(path, x)
+    return x
+
+
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v.strip()]
+
+
+def _parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--traces", default=str(DATA))
+    p.add_argument("--finetuned", help="fine-tuned encoder folder from `cohort train` (default: base encoder only)")
+    p.add_argument("--slots", default="8,16,32,64")
+    p.add_argument("--seeds", type=int, default=5)
+    p.add_argument("--lengths", default="lognormal")
+    p.add_argument("--cost-model", default="deepseek-v2-lite")
+    p.add_argument("--cache", default="/tmp/cohort-bench-cache", help="embedding cache (outside the repository)")
+    p.add_argument("--json", help="also write the results to this file")
+    return p.parse_args()
+
+
+if __name__ == "__main__":
+    main()
