@@ -94,11 +94,14 @@ def _plot_engine(static: list[dict], continuous: list[dict], key: str, label: st
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
+    names = list(dict.fromkeys(n for rs in (continuous, static) for r in rs for n in r["plans"]))
+    colour = {n: f"C{i % 10}" for i, n in enumerate(names)}  # one colour per policy in both engines
     for results, size_key, style, tag in ((continuous, "slots", "-", ""), (static, "batch_size", "--", " (static)")):
         for name in (results[0]["plans"] if results else {}):
             rows = [(r[size_key], r["plans"][name][key]) for r in results if key in r["plans"].get(name, {})]
             if rows and not (key == "saving" and name == "random"):
-                ax.plot([s for s, _ in rows], [scale * v for _, v in rows], style, marker="o", label=name + tag)
+                ax.plot([s for s, _ in rows], [scale * v for _, v in rows], style, marker="o" if tag == "" else "s",
+                        color=colour[name], label=name + tag)
     sizes = sorted({r["slots"] for r in continuous} | {r["batch_size"] for r in static})
     ax.set_xscale("log", base=2)
     ax.set_xticks(sizes, [str(s) for s in sizes])
