@@ -13,7 +13,7 @@ context are left out). Three orders of the same file, against one backend, in on
 
 Two ways of sending, each reading the plugin's counters on the backend's /metrics before and after:
 
-1. `cohort batch run` (proxy.batch_runner.execute): one request per line, B = concurrency = the
+1. `cohort batch run` (proxy.batch_run.run_batch): one request per line, B = concurrency = the
    backend's max_num_seqs, a freed slot goes to the next planned request. Wall time, and distinct
    experts per MoE layer per pure decode step. On a small, busy CPU host the engine is often starved
    (the API server cannot feed a model this fast), so the number of requests that share a decode step
@@ -45,7 +45,8 @@ import time
 from pathlib import Path
 
 from proxy.backend import BackendClient
-from proxy.batch_runner import RunConfig, execute, plan_requests
+from proxy.batch_core import RunConfig, plan_requests
+from proxy.batch_run import run_batch
 from proxy.batchfile import read_batch_file
 from proxy.expert_loads import ExpertLoads, parse_expert_loads
 from proxy.journal import Journal, JournalPaths
@@ -99,15 +100,14 @@ def delta(after: dict, before: dict, layers: int) -> dict:
 
 
 async def run_runner(name: str, batch_file: Path, plan_fn, backend: BackendClient, args, workdir: Path) -> dict:
-    """`cohort batch run`'s code path: execute() with a fresh journal."""
+    """`cohort batch run`'s code path: run_batch() with a fresh journal."""
     parsed = read_batch_file(batch_file, default_policy="topk", max_line_bytes=10 << 20)
-    journal = Journal.open(JournalPaths.for_output(workdir / f"{name}.jsonl"),
-                           {"input_sha256": parsed.sha256, "input_bytes": parsed.size})
-    config = RunConfig(batch_size=args.batch_size, concurrency=args.batch_size, metrics_interval_s=0)
+    journal = Journal.open(JournalPaths.for_output(workdir / f"{name}.jsonl"), parsed.journal_meta)
+    config = RunConfig.from_settings(args.settings, metrics_interval_s=0)
     before = await counters(backend)
     start = time.perf_counter()
     try:
-        stats = await execute(parsed, journal, backend, plan_fn, config)
+        stats = await run_batch(parsed, journal, backend, plan_fn, config)
     finally:
         journal.close()
     wall = time.perf_counter() - start - plan_fn.seconds_last
@@ -118,10 +118,10 @@ async def run_runner(name: str, batch_file: Path, plan_fn, backend: BackendClien
 async def run_lockstep(name: str, batch_file: Path, plan_fn, backend: BackendClient, args) -> dict:
     """Each planned batch as one multi-prompt /v1/completions request, one batch at a time."""
     parsed = read_batch_file(batch_file, default_policy="topk", max_line_bytes=10 << 20)
-    plan = plan_requests(parsed.requests, plan_fn, args.batch_size)
+    batches = plan_requests(parsed.requests, plan_fn, args.batch_size)
     before = await counters(backend)
     start = time.perf_counter()
-    for batch in plan:
+    for batch in batches:
         body = {**batch[0].body, "prompt": [r.body["prompt"] for r in batch]}
         await backend.request("POST", "/v1/completions", json=body)
     wall = time.perf_counter() - start
@@ -169,11 +169,13 @@ def report(title: str, rows: list[dict]) -> None:
 
 
 async def bench(args, backend_url: str) -> None:
-    backend = BackendClient(backend_url, timeout_s=600)
+    # the process's one Settings: B = concurrency = --batch-size; the encoder of the planned order
+    args.settings = Settings(backend_url=backend_url, batch_size=args.batch_size, encoder=args.encoder or "")
+    backend = BackendClient.from_settings(args.settings)
     texts = [json.loads(line)["text"] for line in PROMPTS.read_text().splitlines()][: args.prompts]
     fitting = await fitting_prompts(backend, texts, args.max_tokens)
     t = time.perf_counter()
-    planned = timed_cache(make_plan_fn(Settings(encoder=args.encoder or "", backend_url=backend_url)))
+    planned = timed_cache(make_plan_fn(args.settings))
     orders = [("shuffled", timed_cache(shuffled_batches)), ("file", timed_cache(arrival_batches)), ("planned", planned)]
     print(f"{len(fitting)} of {len(texts)} prompts of mixed.jsonl (the rest do not fit the context), "
           f"{args.max_tokens} tokens each (ignore_eos), B = concurrency = {args.batch_size}, backend {backend_url}, "

@@ -28,14 +28,17 @@ class Authorizer:
                                code="invalid_api_key")
 
 
+def bearer(key: str) -> dict[str, str]:
+    """The Authorization header for `key`; none for an empty key."""
+    return {"authorization": f"Bearer {key}"} if key else {}
+
+
 def backend_headers(settings: Settings, client: Mapping[str, str] | None = None) -> dict[str, str]:
     """Headers for the backend: the configured backend key, else the client's own Authorization when the
-    proxy itself takes no keys; and the client's x-request-id. Batch requests pass no `client`."""
+    proxy itself takes no keys; and the client's x-request-id."""
     client = client or {}
-    headers = {}
-    if settings.backend_api_key:
-        headers["authorization"] = f"Bearer {settings.backend_api_key}"
-    elif not settings.api_keys and "authorization" in client:
+    headers = bearer(settings.backend_api_key)
+    if not settings.backend_api_key and not settings.api_keys and "authorization" in client:
         headers["authorization"] = client["authorization"]
     if "x-request-id" in client:
         headers["x-request-id"] = client["x-request-id"]

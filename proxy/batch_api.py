@@ -58,7 +58,7 @@ def add_batch_api(app: FastAPI, jobs: BatchJobs, authorize: Callable[[Mapping[st
     @router.delete("/files/{file_id}")
     async def delete_file(file_id: str, request: Request) -> JSONResponse:
         authorize(request.headers)
-        jobs.delete_file(file_id)
+        _delete_file(jobs, file_id)
         return JSONResponse({"id": file_id, "object": "file", "deleted": True})
 
     @router.get("/files/{file_id}")
@@ -108,6 +108,17 @@ def _page(data: list[dict], has_more: bool) -> JSONResponse:
     """An OpenAI cursor page."""
     return JSONResponse({"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
                          "last_id": data[-1]["id"] if data else None, "has_more": has_more})
+
+
+def _delete_file(jobs: BatchJobs, file_id: str) -> None:
+    """Delete an uploaded or result file, unless an unfinished batch still reads it."""
+    _file(jobs, file_id)
+    readers = jobs.store.active_batches_reading(file_id)
+    if readers:
+        raise InvalidRequest(f"file {file_id} is the input of unfinished batch {', '.join(readers)}; cancel it "
+                             f"(POST /v1/batches/{{id}}/cancel) or let it finish, then delete the file",
+                             param="file_id")
+    jobs.store.delete_file(file_id)
 
 
 def _file(jobs: BatchJobs, file_id: str) -> dict:

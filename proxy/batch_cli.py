@@ -73,24 +73,25 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _dry_run(args, settings: Settings, batch, plan_fn) -> int:
-    from proxy.batch_runner import plan_requests, write_plan
+    from proxy.batch_core import plan_requests
+    from proxy.batch_run import write_plan
 
-    plan = plan_requests(batch.requests, plan_fn, settings.batch_size)
+    batches = plan_requests(batch.requests, plan_fn, settings.batch_size)
     path = args.plan or args.output.with_name(args.output.name + ".plan.jsonl")
-    write_plan(path, plan)
+    write_plan(path, batches)
     skipped = f", {len(batch.errors)} invalid line(s) left out" if batch.errors else ""
-    print(f"dry run: planned {len(batch.requests)} requests into {len(plan)} batches of <= {settings.batch_size}"
+    print(f"dry run: planned {len(batch.requests)} requests into {len(batches)} batches of <= {settings.batch_size}"
           f"{skipped} -> {path}; nothing was sent", file=sys.stderr)
     return 0
 
 
 def _execute(args, settings: Settings, batch, plan_fn) -> int:
-    from proxy.batch_runner import RunAborted
+    from proxy.batch_run import RunAborted
     from proxy.journal import Journal, JournalError, JournalPaths
 
     paths = JournalPaths.for_output(args.output, args.errors)
     try:
-        journal = Journal.open(paths, {"input_sha256": batch.sha256, "input_bytes": batch.size})
+        journal = Journal.open(paths, batch.journal_meta)
     except (JournalError, OSError) as exc:
         return _fail(str(exc))
     try:
@@ -108,18 +109,15 @@ def _execute(args, settings: Settings, batch, plan_fn) -> int:
 
 async def _run(settings: Settings, batch, journal, plan_fn, *, progress: bool, skip_invalid: bool):
     from proxy.backend import BackendClient
-    from proxy.batch_runner import RunConfig, execute
+    from proxy.batch_core import RunConfig
+    from proxy.batch_run import run_batch
 
-    config = RunConfig(batch_size=settings.batch_size, concurrency=settings.batch_in_flight,
-                       max_retries=settings.batch_max_retries)
-    backend = BackendClient(settings.backend_url, timeout_s=settings.request_timeout_s,
-                            connect_timeout_s=settings.connect_timeout_s)
-    headers = {"authorization": f"Bearer {settings.backend_api_key}"} if settings.backend_api_key else {}
+    backend = BackendClient.from_settings(settings)
     finished = sum(1 for r in batch.requests if r.line in journal.done)
     with _ProgressBar(len(batch.requests), finished, enabled=progress) as bar:
         try:
-            return await execute(batch, journal, backend, plan_fn, config, skip_invalid=skip_invalid,
-                                 headers=headers, on_progress=bar.update)
+            return await run_batch(batch, journal, backend, plan_fn, RunConfig.from_settings(settings),
+                                   skip_invalid=skip_invalid, on_progress=bar.update)
         finally:
             await backend.close()
 

@@ -44,11 +44,12 @@ CREATE TABLE IF NOT EXISTS batches (
     total INTEGER NOT NULL DEFAULT 0, completed INTEGER NOT NULL DEFAULT 0, failed INTEGER NOT NULL DEFAULT 0,
     errors TEXT,          -- JSON list of {code, line, message, param}: why validation failed
     metadata TEXT,        -- JSON object
-    usage TEXT,           -- JSON BatchUsage, set when the batch is finalized
+    usage TEXT,           -- JSON BatchUsage, summed as requests finish; shown once the batch is final
     input_sha256 TEXT, input_bytes INTEGER  -- the validated input, pinned for the journal
 );
 """
 ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
+FINAL = ("completed", "failed", "expired", "cancelled")
 TIMESTAMPS = ("in_progress_at", "finalizing_at", "completed_at", "failed_at", "cancelling_at", "cancelled_at",
               "expired_at")
 
@@ -190,7 +191,7 @@ def to_batch(row: dict) -> dict:
         "created_at": row["created_at"], "expires_at": row["expires_at"],
         **{stamp: row[stamp] for stamp in TIMESTAMPS},
         "request_counts": {"total": row["total"], "completed": row["completed"], "failed": row["failed"]},
-        "metadata": row["metadata"], "usage": row["usage"],
+        "metadata": row["metadata"], "usage": row["usage"] if row["status"] in FINAL else None,
     }
 
 

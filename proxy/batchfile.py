@@ -59,6 +59,11 @@ class BatchFile:
     size: int = 0
     lines: int = 0
 
+    @property
+    def journal_meta(self) -> dict:
+        """What a journal of this file pins (proxy/journal.py): a journal only resumes the file it started with."""
+        return {"input_sha256": self.sha256, "input_bytes": self.size}
+
 
 def read_batch_file(path: str | Path, *, default_policy: str, max_line_bytes: int,
                     urls: Mapping[str, Route] = URLS) -> BatchFile:

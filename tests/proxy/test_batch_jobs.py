@@ -1,24 +1,34 @@
-"""Batch API jobs against a slow local backend: the completion window (expiry mid-run and after a
-restart). Runs with real vLLM are in test_batch_api.py."""
+"""Batch API jobs against a local backend, with an injected clock: the completion window (expiry mid-run
+and after a restart), a restart mid-run (exactly once, usage summed over both runs), and the table of
+status changes. Runs with real vLLM and the official client are in test_batch_api.py."""
 
 import asyncio
 import json
-import time
+
+import pytest
 
 from proxy.backend import BackendClient
+from proxy.batch_job import InvalidTransition, Job
 from proxy.batch_jobs import BatchJobs
+from proxy.batch_store import BatchStore
 from proxy.batchfile import read_batch_file
 from proxy.planning import arrival_batches
 from proxy.settings import Settings
-from tests.proxy.servers import answer, local_backend
+from tests.proxy.servers import answer, body_of, local_backend
 
 OK = {"id": "cmpl", "object": "text_completion", "choices": [{"index": 0, "text": "ok"}],
       "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}
+START = 1_800_000_000.0
 
 
-async def slow(request):
-    await asyncio.sleep(0.25)
-    return answer(OK)
+class Clock:
+    """Epoch seconds that move only when a test moves them."""
+
+    def __init__(self) -> None:
+        self.now = START
+
+    def __call__(self) -> float:
+        return self.now
 
 
 def add_batch(jobs: BatchJobs, n: int, **record) -> str:
@@ -29,50 +39,134 @@ def add_batch(jobs: BatchJobs, n: int, **record) -> str:
     jobs.store.add_file("file-in", "in.jsonl", "batch", path, path.stat().st_size)
     parsed = read_batch_file(path, default_policy="topk", max_line_bytes=10_000)
     jobs.store.add_batch({"id": "batch_1", "endpoint": "/v1/completions", "input_file_id": "file-in",
-                          "completion_window": "24h", "created_at": int(time.time()), "total": n,
+                          "completion_window": "24h", "created_at": int(START), "total": n,
                           "input_sha256": parsed.sha256, "input_bytes": parsed.size, **record})
     return "batch_1"
 
 
-def run_until_closed(tmp_path, n: int, **record) -> tuple[dict, list[dict], list[dict]]:
-    """Resume the batch with a proxy's jobs; (final record, output lines, error lines)."""
+def make_jobs(tmp_path, url: str, clock: Clock) -> tuple[BatchJobs, BackendClient]:
+    settings = Settings(backend_url=url, encoder="none", data_dir=str(tmp_path), batch_size=1)  # one at a time
+    backend = BackendClient(url)
+    return BatchJobs(settings, backend, arrival_batches, clock=clock), backend
+
+
+def outcome(jobs: BatchJobs, batch_id: str) -> tuple[dict, list[dict], list[dict]]:
+    row = jobs.get(batch_id)
+    files = [jobs.store.get_file(row[f]) if row[f] else None for f in ("output_file_id", "error_file_id")]
+    return row, *[[json.loads(x) for x in open(f["path"])] if f else [] for f in files]
+
+
+def run_until_closed(tmp_path, n: int, handler, clock: Clock, **record) -> tuple[dict, list[dict], list[dict]]:
+    """Resume the batch with a proxy's jobs and wait for its job to end; (record, output lines, error lines)."""
     async def main():
-        async with local_backend(slow) as url:
-            settings = Settings(backend_url=url, encoder="none", data_dir=str(tmp_path), batch_size=1)
-            backend = BackendClient(url)
-            jobs = BatchJobs(settings, backend, arrival_batches)
+        async with local_backend(handler) as url:
+            jobs, backend = make_jobs(tmp_path, url, clock)
             batch_id = add_batch(jobs, n, **record)
             try:
                 await jobs.resume()
-                deadline = time.monotonic() + 20
-                while (row := jobs.get(batch_id))["status"] not in ("completed", "expired", "failed", "cancelled"):
-                    assert time.monotonic() < deadline, row["status"]
-                    await asyncio.sleep(0.05)
-                files = [jobs.store.get_file(row[f]) if row[f] else None for f in ("output_file_id", "error_file_id")]
+                await jobs.join(batch_id)
+                return outcome(jobs, batch_id)
             finally:
                 await jobs.close()
                 await backend.close()
-        return row, *[[json.loads(x) for x in open(f["path"])] if f else [] for f in files]
 
     return asyncio.run(main())
 
 
 def test_batch_expires_mid_run_keeping_what_finished(tmp_path):
-    row, out, err = run_until_closed(tmp_path, 12, status="validating", expires_at=int(time.time()) + 2)
+    clock, sent = Clock(), []
+
+    async def backend(request):
+        sent.append((await body_of(request))["prompt"])
+        if len(sent) == 3:
+            clock.now += 120  # the window closes while the third request is at the backend
+        return answer(OK)
+
+    row, out, err = run_until_closed(tmp_path, 12, backend, clock, status="validating", expires_at=int(START) + 60)
     assert row["status"] == "expired" and row["expired_at"] is not None
-    assert 1 <= len(out) < 12 and len(out) + len(err) == 12  # 0.25 s per request, one at a time: 3 s of work, 1-2 s left
-    assert {r["custom_id"] for r in out} | {r["custom_id"] for r in err} == {f"r{i}" for i in range(12)}
+    assert sent == ["p0", "p1", "p2"]  # nothing is sent once the window has closed
+    assert [r["custom_id"] for r in out] == ["r0", "r1", "r2"]  # what finished is kept
+    assert sorted(r["custom_id"] for r in err) == sorted(f"r{i}" for i in range(3, 12))
     assert all(r["error"]["code"] == "batch_expired" and r["response"] is None for r in err)
-    assert (row["completed"], row["failed"]) == (len(out), len(err))
+    assert (row["completed"], row["failed"]) == (3, 9) and row["usage"]["output_tokens"] == 6
 
 
 def test_batch_found_past_its_window_after_a_restart_expires_at_once(tmp_path):
-    row, out, err = run_until_closed(tmp_path, 3, status="in_progress", expires_at=int(time.time()) - 60)
-    assert row["status"] == "expired" and out == [] and row["output_file_id"] is None
+    sent = []
+
+    async def backend(request):
+        sent.append(request.path)
+        return answer(OK)
+
+    row, out, err = run_until_closed(tmp_path, 3, backend, Clock(), status="in_progress", expires_at=int(START) - 60)
+    assert row["status"] == "expired" and out == [] and row["output_file_id"] is None and sent == []
     assert [r["custom_id"] for r in err] == ["r0", "r1", "r2"]
     assert err[0]["error"]["message"] == "This request could not be executed before the completion window expired."
 
 
-def test_batch_inside_its_window_completes(tmp_path):
-    row, out, err = run_until_closed(tmp_path, 3, status="validating", expires_at=int(time.time()) + 3600)
+def test_batch_inside_its_window_completes_with_its_usage(tmp_path):
+    async def backend(request):
+        return answer(OK)
+
+    row, out, err = run_until_closed(tmp_path, 3, backend, Clock(), status="validating", expires_at=int(START) + 3600)
     assert row["status"] == "completed" and row["expired_at"] is None and len(out) == 3 and err == []
+    assert (row["usage"]["input_tokens"], row["usage"]["output_tokens"], row["usage"]["total_tokens"]) == (9, 6, 15)
+
+
+def test_shutdown_mid_run_then_resume_finishes_each_request_once_and_sums_usage(tmp_path):
+    clock, reached, sent = Clock(), asyncio.Event(), []
+
+    async def hangs_at_the_fifth(request):
+        sent.append((await body_of(request))["prompt"])
+        if len(sent) == 5:
+            reached.set()
+            await asyncio.Event().wait()  # never answers: the proxy shuts down meanwhile
+        return answer(OK)
+
+    async def first_run():
+        async with local_backend(hangs_at_the_fifth) as url:
+            jobs, backend = make_jobs(tmp_path, url, clock)
+            batch_id = add_batch(jobs, 8, status="in_progress", expires_at=int(START) + 3600)
+            await jobs.resume()
+            await reached.wait()
+            await jobs.close()  # what a proxy does at shutdown
+            await backend.close()
+            return BatchStore(tmp_path).get_batch(batch_id)
+
+    stopped = asyncio.run(first_run())
+    assert stopped["status"] == "in_progress" and stopped["completed"] == 4
+    sent.clear()
+    row, out, err = run_until_closed_again(tmp_path, clock, sent)
+    assert row["status"] == "completed" and (row["completed"], row["failed"]) == (8, 0) and err == []
+    assert sent == [f"p{i}" for i in range(4, 8)]  # the four finished before were not sent again
+    assert sorted(r["custom_id"] for r in out) == [f"r{i}" for i in range(8)]
+    assert row["usage"]["output_tokens"] == 16  # both runs' usage
+
+
+def run_until_closed_again(tmp_path, clock: Clock, sent: list) -> tuple[dict, list[dict], list[dict]]:
+    async def backend(request):
+        sent.append((await body_of(request))["prompt"])
+        return answer(OK)
+
+    async def main():
+        async with local_backend(backend) as url:
+            jobs, client = make_jobs(tmp_path, url, clock)
+            try:
+                await jobs.resume()
+                await jobs.join("batch_1")
+                return outcome(jobs, "batch_1")
+            finally:
+                await jobs.close()
+                await client.close()
+
+    return asyncio.run(main())
+
+
+def test_status_changes_follow_the_table():
+    job = Job("batch_x", "validating", "/v1/completions", "file-x")
+    assert job.move("in_progress") == "validating" and job.move("cancelling") == "in_progress"
+    with pytest.raises(InvalidTransition, match="cancelling -> completed"):
+        job.move("completed")
+    assert job.move("cancelled") == "cancelling"
+    with pytest.raises(InvalidTransition):
+        job.move("in_progress")  # a final status is final

@@ -1,6 +1,6 @@
-"""The runner against failures a real vLLM cannot produce on demand (429, 503, hangs, a dead backend):
-the backend is a throwaway local server (tests/proxy/servers.py). Successful runs against real vLLM are in
-test_batch_e2e.py."""
+"""run_batch (the driver) against failures a real vLLM cannot produce on demand (429, 503, hangs, a dead
+backend): the backend is a throwaway local server (tests/proxy/servers.py). The decisions alone, without
+sockets, are in test_batch_core.py; runs against real vLLM in test_batch_cli.py and test_batch_api.py."""
 
 import asyncio
 import json
@@ -11,7 +11,8 @@ import pytest
 from proxy.backend import BackendClient
 from proxy.batcher import Batcher
 from encoder.plans import read_plan_file
-from proxy.batch_runner import RunAborted, RunConfig, execute, plan_requests, write_plan
+from proxy.batch_core import RunConfig, plan_requests
+from proxy.batch_run import RunAborted, run_batch, write_plan
 from proxy.batchfile import read_batch_file
 from proxy.journal import Journal, JournalPaths
 from proxy.metrics import ProxyMetrics
@@ -31,15 +32,15 @@ def batch_file(tmp_path, ids):
 
 
 def run(tmp_path, parsed, handler, config=CONFIG, plan_fn=arrival_batches):
-    """Execute `parsed` against a local server answering with `handler`; (stats, journal paths)."""
+    """Run `parsed` against a local server answering with `handler`; (stats, journal paths)."""
     paths = JournalPaths.for_output(tmp_path / "out.jsonl")
 
     async def main():
         async with local_backend(handler) as url:
             backend = BackendClient(url, timeout_s=0.3)
-            journal = Journal.open(paths, {"input_sha256": parsed.sha256, "input_bytes": parsed.size})
+            journal = Journal.open(paths, parsed.journal_meta)
             try:
-                return await execute(parsed, journal, backend, plan_fn, config)
+                return await run_batch(parsed, journal, backend, plan_fn, config)
             finally:
                 journal.close()
                 await backend.close()
@@ -173,18 +174,17 @@ def test_gate_gives_batch_work_only_the_slots_online_traffic_leaves(tmp_path):
         paths = JournalPaths.for_output(tmp_path / "out.jsonl")
         async with local_backend(backend) as url:
             client = BackendClient(url)
-            journal = Journal.open(paths, {"input_sha256": parsed.sha256, "input_bytes": parsed.size})
+            journal = Journal.open(paths, parsed.journal_meta)
             try:
-                stats = await execute(parsed, journal, client, arrival_batches, CONFIG, gate=gate)
+                stats = await run_batch(parsed, journal, client, arrival_batches, CONFIG, gate=gate)
                 cancel = asyncio.Event()  # now a run that cannot get a slot at all, cancelled while waiting
                 await gate.admit("online 3", "topk")
                 asyncio.get_running_loop().call_later(0.05, cancel.set)
                 (tmp_path / "second").mkdir()
                 parsed2 = batch_file(tmp_path / "second", ["s0", "s1"])
-                journal2 = Journal.open(JournalPaths.for_output(tmp_path / "out2.jsonl"),
-                                        {"input_sha256": parsed2.sha256, "input_bytes": parsed2.size})
-                stats2 = await asyncio.wait_for(execute(parsed2, journal2, client, arrival_batches, CONFIG,
-                                                        cancel=cancel, gate=gate), 5)
+                journal2 = Journal.open(JournalPaths.for_output(tmp_path / "out2.jsonl"), parsed2.journal_meta)
+                stats2 = await asyncio.wait_for(run_batch(parsed2, journal2, client, arrival_batches, CONFIG,
+                                                          stop=cancel, gate=gate), 5)
                 journal2.close()
             finally:
                 journal.close()

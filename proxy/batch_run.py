@@ -1,0 +1,226 @@
+"""Run a validated Batch file against the backend: `run_batch`, the one entry of `cohort batch run`, the
+Batch API's jobs and benchmarks/bench_batch.py.
+
+1. lines the journal already has are finished: they are neither planned nor sent again;
+2. invalid lines (when skipped) go to the error file first, once;
+3. the remaining requests are planned up front, per routing policy, with the process's plan function
+   (encoder + planner, or arrival order), and sent in plan order with at most `concurrency` at the
+   backend: a slot that frees goes to the next planned request at once, so the backend stays full
+   and the requests running together come from one or two planned batches (set concurrency = the
+   backend's max_num_seqs = batch_size). With `gate` (the proxy's online dispatcher,
+   proxy/batcher.py) each request also takes a background slot, so batch work only uses backend
+   capacity that interactive requests leave free;
+4. retries, backoff and what fails a request: proxy/batch_core.py decides; an unreachable backend
+   (after the retries) stops the run with RunAborted, and a rerun resumes;
+5. finished requests are committed to the journal (proxy/journal.py) in groups by one writer.
+
+The decisions are BatchCore's; here is only the I/O, in one asyncio.TaskGroup: a dispatcher that asks
+the core for the next request whenever a slot frees, one task per request out (send; on Retry, sleep
+and send again), and one journal writer fed by a queue. The run ends when every request is committed,
+when `stop` is set or the core says the deadline passed (requests out are abandoned, so the backend
+aborts them; what finished is committed), or on RunAborted (after committing what finished).
+
+Prompts are user data: nothing here logs request text or bodies, only custom_ids and counts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from encoder.plans import write_plan_file
+from proxy.auth import bearer
+from proxy.backend import BackendClient
+from proxy.batch_core import (Abort, Answered, BatchCore, Outcome, RequestBatches, Retry, RunConfig, RunStats, Send,
+                              Stop, TimedOut, Unreachable, invalid_records, plan_requests)
+from proxy.batcher import Batcher, PlanFn
+from proxy.batchfile import BatchFile
+from proxy.errors import BackendStatusError, BackendTimeout, BackendUnreachable
+from proxy.expert_loads import ExpertLoads, fetch_expert_loads
+from proxy.journal import Journal, JournalError, Record
+
+log = logging.getLogger(__name__)
+
+ProgressFn = Callable[[RunStats], None]
+
+
+class RunAborted(RuntimeError):
+    """The run stopped before every request finished (backend unreachable, journal write failed)."""
+
+
+class Stopped(Exception):
+    """Raised in a task group to end it: `stop` was set, or the deadline passed (asyncio's documented way
+    to terminate a TaskGroup); what finished is kept."""
+
+
+class _Unreachable(Exception):
+    """The backend stayed unreachable through a request's retries."""
+
+
+async def run_batch(batch: BatchFile, journal: Journal, backend: BackendClient, plan_fn: PlanFn, config: RunConfig, *,
+                    skip_invalid: bool = True, on_progress: ProgressFn | None = None,
+                    stop: asyncio.Event | None = None, gate: Batcher | None = None,
+                    deadline: float | None = None, clock: Callable[[], float] = time.time) -> RunStats:
+    """Finish every line of `batch` that `journal` has not: invalid ones into the error file (`skip_invalid`),
+    the rest planned and sent. Returns when all are committed, `stop` is set, or `clock()` reaches
+    `deadline`; raises RunAborted when the backend stays unreachable or the journal cannot be written."""
+    if skip_invalid:
+        journal.commit(invalid_records(batch, journal.done))
+    pending = [r for r in batch.requests if r.line not in journal.done]
+    stats = RunStats(total=len(batch.requests), finished_before=len(batch.requests) - len(pending))
+    if not pending:
+        return stats
+    batches = await asyncio.to_thread(plan_requests, pending, plan_fn, config.batch_size)
+    log.info("planned %d requests into %d batches of <= %d", len(pending), len(batches), config.batch_size)
+    core = BatchCore(batches, config, stats, deadline=deadline)
+    driver = _Driver(core, journal, backend, gate, on_progress or (lambda stats: None), clock)
+    return await driver.run(stop or asyncio.Event())
+
+
+def write_plan(path: str | Path, batches: RequestBatches) -> None:
+    """The plan in the one plan-file format (encoder.plans), in dispatch order; `id` is the custom_id, so
+    `cohort eval --plan` reads it. Extra fields: custom_id, line, policy."""
+    requests = [r for batch in batches for r in batch]
+    starts = np.cumsum([0] + [len(batch) for batch in batches])
+    write_plan_file(path, [np.arange(a, b) for a, b in zip(starts[:-1], starts[1:])], [r.custom_id for r in requests],
+                    [{"custom_id": r.custom_id, "line": r.line, "policy": r.policy} for r in requests])
+
+
+class _Driver:
+    def __init__(self, core: BatchCore, journal: Journal, backend: BackendClient, gate: Batcher | None,
+                 on_progress: ProgressFn, clock: Callable[[], float]) -> None:
+        self.core, self.journal, self.backend, self.gate = core, journal, backend, gate
+        self.on_progress, self.clock = on_progress, clock
+        self.headers = bearer(core.config.api_key)
+        self.records: asyncio.Queue[Record | None] = asyncio.Queue()  # None: no more
+        self.slot_freed = asyncio.Condition()
+
+    async def run(self, stop: asyncio.Event) -> RunStats:
+        loads0 = await fetch_expert_loads(self.backend) if self.core.config.metrics_interval_s > 0 else None
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tg.create_task(self._write())
+                unreachable = await self._send_all(stop, loads0)
+                self.records.put_nowait(None)
+        except* (JournalError, OSError) as group:  # disk full, ...: the journal rolled its files back
+            raise RunAborted(f"cannot write the results: {_first(group)}") from _first(group)
+        if loads0 is not None:
+            await self._read_loads(loads0)
+        if unreachable is not None:
+            log.error("stopping the batch run: %s", unreachable)
+            raise RunAborted(unreachable)
+        return self.core.stats
+
+    async def _send_all(self, stop: asyncio.Event, loads0: ExpertLoads | None) -> str | None:
+        """Send until the core says stop; None, or why the backend is unreachable."""
+        unreachable = None
+        try:
+            async with asyncio.TaskGroup() as tg:
+                helpers = [tg.create_task(raise_when_set(stop))]
+                if loads0 is not None:
+                    helpers.append(tg.create_task(self._watch_loads(loads0)))
+                async with asyncio.TaskGroup() as senders:
+                    await self._dispatch(senders)
+                for task in helpers:
+                    task.cancel()
+        except* Stopped:
+            pass
+        except* _Unreachable as group:
+            unreachable = str(_first(group))
+        return unreachable
+
+    async def _dispatch(self, senders: asyncio.TaskGroup) -> None:
+        while True:
+            async with self.slot_freed:
+                step = await self.slot_freed.wait_for(lambda: self.core.schedule(self.clock()))
+            if step is Stop.DONE:
+                return
+            if step is Stop.EXPIRED:
+                log.warning("the batch's deadline passed; stopping it")
+                raise Stopped()
+            senders.create_task(self._finish(step))
+
+    async def _finish(self, send: Send) -> None:
+        """Send one request until the core finishes it; its record goes to the writer."""
+        if self.gate is not None:
+            await self.gate.admit_background()
+        try:
+            decision = self.core.on_outcome(send, await self._attempt(send))
+            while isinstance(decision, Retry):
+                log.warning("custom_id %r: %s; retry %d/%d in %.1f s", send.request.custom_id, decision.reason,
+                            self.core.attempts[send.request.line], self.core.config.max_retries, decision.delay_s)
+                await asyncio.sleep(decision.delay_s)
+                decision = self.core.on_outcome(send, await self._attempt(send))
+        finally:
+            if self.gate is not None:
+                self.gate.release()
+        if isinstance(decision, Abort):
+            raise _Unreachable(decision.message)
+        self.records.put_nowait(decision.record)
+        async with self.slot_freed:
+            self.slot_freed.notify()
+
+    async def _attempt(self, send: Send) -> Outcome:
+        """One POST; the backend's answer or failure as the core's Outcome (errors translated here)."""
+        headers = {**self.headers, "x-request-id": send.request_id}
+        try:
+            answer = await self.backend.request("POST", send.request.url, json=send.request.body, headers=headers)
+            return Answered(answer.status_code, _decode(answer.content))
+        except BackendStatusError as exc:
+            return Answered(exc.status_code, _decode(exc.content))
+        except BackendTimeout as exc:
+            return TimedOut(exc.message)
+        except BackendUnreachable as exc:
+            return Unreachable(exc.message)
+
+    async def _write(self) -> None:
+        """The one journal writer: what finished while a commit was on disk goes together in the next one."""
+        while True:
+            records = [await self.records.get()]
+            while not self.records.empty():
+                records.append(self.records.get_nowait())
+            last = None in records
+            records = [r for r in records if r is not None]
+            if records:
+                await asyncio.to_thread(self.journal.commit, records)
+                self.core.committed(records)
+                self.on_progress(self.core.stats)
+            if last:
+                return
+
+    async def _watch_loads(self, start: ExpertLoads) -> None:
+        while True:
+            await asyncio.sleep(self.core.config.metrics_interval_s)
+            await self._read_loads(start)
+
+    async def _read_loads(self, start: ExpertLoads) -> None:
+        now = await fetch_expert_loads(self.backend)
+        if now is not None:
+            self.core.stats.expert_loads = now - start
+            self.on_progress(self.core.stats)
+
+
+async def raise_when_set(event: asyncio.Event) -> None:
+    """A task that ends its TaskGroup with Stopped once `event` is set (cancel it when the group's work is done)."""
+    await event.wait()
+    raise Stopped()
+
+
+def _first(error: BaseException) -> BaseException:
+    """The first leaf of a (nested) exception group: task groups inside task groups nest them."""
+    while isinstance(error, BaseExceptionGroup):
+        error = error.exceptions[0]
+    return error
+
+
+def _decode(content: bytes):
+    try:
+        return json.loads(content)
+    except ValueError:
+        return content.decode("utf-8", errors="replace")
