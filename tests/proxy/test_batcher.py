@@ -71,41 +71,43 @@ def test_in_flight_cap_holds_requests_until_release():
     async def main():
         b = make(plan_fn=arrival_batches, flush_size=5, max_in_flight=2)
         tasks = await admit_all(b, "abcde")
-        await asyncio.sleep(0.01)
-        first = [t.done() for t in tasks]
+        await asyncio.gather(*tasks[:2])  # planned (in the planning thread), then the first two admitted
+        first = (sample(b, "cohort_in_flight"), sample(b, "cohort_waiting"), [t.done() for t in tasks[2:]])
         b.release()
-        await asyncio.sleep(0.01)
-        second = [t.done() for t in tasks]
+        await tasks[2]
+        second = (sample(b, "cohort_in_flight"), sample(b, "cohort_waiting"), [t.done() for t in tasks[3:]])
         for _ in range(4):
             b.release()
         await asyncio.gather(*tasks)
         return first, second
 
     first, second = asyncio.run(main())
-    assert first == [True, True, False, False, False]
-    assert second == [True, True, True, False, False]
+    assert first == (2, 3, [False, False, False])  # the cap holds c, d, e back
+    assert second == (2, 2, [False, False])  # one release lets exactly one more in
 
 
 def test_overdue_request_beats_the_plan():
     now = [0.0]
 
-    async def main():
-        b = make(plan_fn=arrival_batches, flush_size=1, max_in_flight=1, max_queue_s=5.0, clock=lambda: now[0])
-        first = await b.admit("a", "topk")  # takes the only slot
-        t_b = asyncio.create_task(b.admit("b", "topk"))
-        await asyncio.sleep(0.01)
-        now[0] = 1.0
-        t_c = asyncio.create_task(b.admit("c", "topk"))
-        await asyncio.sleep(0.01)
-        # reorder the ready queue so that the plan would serve c first; b is then overdue
-        b._ready.rotate(1)
-        now[0] = 10.0
-        b.release()
-        await asyncio.sleep(0.01)
-        return first, t_b.done(), t_c.done()
+    async def main(release_at):
+        b = make(flush_size=3, batch_size=1, max_in_flight=2, max_queue_s=5.0, clock=lambda: now[0])
+        await b.admit_background()  # holds one of the two slots
+        tasks = {}
+        for t, text in enumerate("bcd"):  # b arrives at 0 s, c at 1 s, d at 2 s: one window, planned reversed
+            now[0] = float(t)
+            tasks[text] = asyncio.create_task(b.admit(text, "topk"))
+            await asyncio.sleep(0)  # let it enter the window
+        first = await tasks["d"]  # the plan's head takes the free slot once the planning thread is done
+        now[0] = release_at
+        b.release()  # d finishes: c is next in the plan, unless b is past max_queue_s
+        done, _ = await asyncio.wait({tasks["b"], tasks["c"]}, timeout=5, return_when=asyncio.FIRST_COMPLETED)
+        (winner,) = done
+        return first, next(k for k, v in tasks.items() if v is winner), winner.result()
 
-    first, b_done, c_done = asyncio.run(main())
-    assert b_done and not c_done
+    first, winner, admission = asyncio.run(main(release_at=5.5))  # b has waited 5.5 s > 5, c 4.5 s
+    assert first.batch_id == "b0" and winner == "b" and (admission.batch_id, admission.queue_s) == ("b2", 5.5)
+    first, winner, admission = asyncio.run(main(release_at=4.0))  # nobody is overdue: the plan's order
+    assert winner == "c" and (admission.batch_id, admission.queue_s) == ("b1", 3.0)
 
 
 def test_cancelled_requests_free_their_place():

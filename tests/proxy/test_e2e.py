@@ -7,6 +7,7 @@ import time
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from devtools.server import free_port
 from proxy.settings import Settings
@@ -100,7 +101,18 @@ def test_client_disconnect_aborts_the_backend_request(proxy, vllm_server):
     assert 0 < generated < 1000  # stopped early: vLLM aborted it when the proxy closed the stream
 
 
-def test_proxy_metrics_and_health(proxy):
+def _proxy_metric(proxy, sample, **labels):
+    """The sum of the proxy's `sample` values with these labels (0 when it has none yet)."""
+    families = text_string_to_metric_families(httpx.get(proxy.url + "/metrics").text)
+    return sum(s.value for f in families for s in f.samples
+               if s.name == sample and all(s.labels.get(k) == v for k, v in labels.items()))
+
+
+def test_proxy_metrics_and_health(proxy, client):
     assert httpx.get(proxy.url + "/health").json()["status"] == "ok"
-    text = httpx.get(proxy.url + "/metrics").text
-    assert "cohort_requests_total" in text and "cohort_window_flushes_total" in text
+    answered = _proxy_metric(proxy, "cohort_requests_total", route="chat", status="200")
+    flushes = _proxy_metric(proxy, "cohort_window_flushes_total")
+    client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2)
+    assert _proxy_metric(proxy, "cohort_requests_total", route="chat", status="200") == answered + 1
+    assert _proxy_metric(proxy, "cohort_window_flushes_total", reason="deadline") >= 1
+    assert _proxy_metric(proxy, "cohort_window_flushes_total") == flushes + 1  # a lone request: one window
