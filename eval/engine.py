@@ -10,6 +10,7 @@ order of that seed, run through eval.replay with them. Per policy:
     moe_us_per_token   modelled MoE time (eval.cost) per generated token
     step_us_per_token  the whole step: MoE plus the non-MoE part, per generated token
     tokens_per_s       1e6 / step_us_per_token (one engine, decode only)
+    max_queue_steps    the longest any request waited for a slot (all arrive at step 0)
 
 Output lengths: "fixed" (every request `mean` tokens), "lognormal[:SIGMA]" (mean `mean`,
 sigma 1 by default, at least 1 token), or a file of per-request lengths (one integer per line
@@ -115,7 +116,8 @@ def _row(runs: list[list[Replay]], randoms: list[list[Replay]], cost: CostModel,
     moe = per_seed(lambda r: cost.moe_us(r.steps, r.resident, r.loads, num_layers) / r.tokens, runs)
     steps = per_seed(lambda r: r.steps.sum() / r.tokens, runs)
     return {"loads_per_token": float(lpt.mean()), "saving": float(saving.mean()), "saving_std": float(saving.std()),
-            "moe_us_per_token": float(moe.mean()), "steps_per_token": float(steps.mean())}
+            "moe_us_per_token": float(moe.mean()), "steps_per_token": float(steps.mean()),
+            "max_queue_steps": int(max(r.start.max() for group in runs for r in group))}
 
 
 def _non_moe_us(random_row: dict, cost: CostModel) -> float:

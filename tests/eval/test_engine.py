@@ -38,6 +38,17 @@ def test_rows_are_paired_by_seed_and_the_reference_captures_all_of_itself():
     json.dumps(out)
 
 
+def test_a_zero_fairness_bound_turns_every_policy_into_arrival_order():
+    ts, tok, prof = _setup(60)
+    lengths = lengths_from_spec("lognormal", ts.request_ids, mean=4)
+    policies = {"arrival": fixed_order(np.arange(len(ts))), "reference": by_profile(prof)}
+    free = evaluate_continuous(tok, 2, policies, lengths, COST, ts.num_layers, seeds=2)["plans"]
+    bound = evaluate_continuous(tok, 2, policies, lengths, COST, ts.num_layers, seeds=2, max_wait=0)["plans"]
+    assert free["reference"]["loads_per_token"] != free["arrival"]["loads_per_token"]
+    assert bound["reference"]["loads_per_token"] == bound["arrival"]["loads_per_token"] == free["arrival"]["loads_per_token"]
+    assert bound["reference"]["max_queue_steps"] == free["arrival"]["max_queue_steps"]
+
+
 def test_step_time_is_moe_time_plus_the_non_moe_share_of_a_random_step():
     ts, tok, prof = _setup(60)
     lengths = lengths_from_spec("fixed", ts.request_ids, mean=5)
