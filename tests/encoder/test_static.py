@@ -1,0 +1,64 @@
+"""The static encoder: distilled once from the packaged MiniLM, cached, and fast paths of Embedder."""
+
+import numpy as np
+import pytest
+
+pytest.importorskip("model2vec")
+
+from encoder.embedding import Embedder, resolve_model  # noqa: E402
+from encoder.static import static_model_dir  # noqa: E402
+
+TEXTS = ["How do I sort a list of dictionaries by a key in Python?", "Python: sort list of dicts by value",
+         "What is the best pizza in Naples?", "Explain why primes never end. " * 40, "hi"]
+
+
+@pytest.fixture(scope="module")
+def static_dir(tmp_path_factory, minilm_dir):
+    return static_model_dir(minilm_dir, dims=64, root=tmp_path_factory.mktemp("cache"))
+
+
+def test_distilled_once_and_reused(static_dir, minilm_dir):
+    stamp = (static_dir / "modules.json").stat().st_mtime_ns
+    assert static_model_dir(minilm_dir, dims=64, root=static_dir.parent) == static_dir
+    assert (static_dir / "modules.json").stat().st_mtime_ns == stamp  # not distilled again
+
+
+def test_the_name_static_is_the_cached_distillation_of_the_packaged_model(tmp_path, monkeypatch):
+    made = []
+    monkeypatch.setenv("COHORT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr("encoder.static.distill", lambda source, out, dims: made.append((source, dims)) or out)
+    path = resolve_model("static")
+    assert path.startswith(str(tmp_path)) and made == [(resolve_model(None), 256)]
+
+
+def test_static_embeddings_track_meaning_and_equal_plain_encode(static_dir):
+    e = Embedder(static_dir)
+    x = e.encode(TEXTS)  # [N, 64]
+    assert e.static and x.shape == (len(TEXTS), 64) and x.dtype == np.float32
+    np.testing.assert_allclose(np.linalg.norm(x, axis=1), 1.0, atol=1e-5)
+    assert x[0] @ x[1] > x[0] @ x[2]  # paraphrases closer than unrelated
+    plain = e.model.encode(TEXTS, normalize_embeddings=True, convert_to_numpy=True)
+    np.testing.assert_allclose(x, plain, atol=1e-6)
+
+
+def test_short_inputs_truncate_only_long_texts(static_dir):
+    full, short = Embedder(static_dir).encode(TEXTS), Embedder(static_dir, max_seq_len=8).encode(TEXTS)
+    np.testing.assert_allclose(short[4], full[4], atol=1e-6)  # "hi" is shorter than 8 tokens
+    assert not np.allclose(short[3], full[3], atol=1e-3)
+    with pytest.raises(ValueError, match="max_seq_len"):
+        Embedder(static_dir, max_seq_len=0)
+
+
+def test_cache_answers_repeats_without_the_model_and_stays_bounded(static_dir, monkeypatch):
+    e = Embedder(static_dir, cache_size=3)
+    first = e.encode(TEXTS[:3])
+    np.testing.assert_array_equal(first, Embedder(static_dir).encode(TEXTS[:3]))
+    monkeypatch.setattr(e, "_encode", lambda texts, progress: pytest.fail(f"model called for {texts}"))
+    np.testing.assert_array_equal(e.encode([TEXTS[2], TEXTS[0]]), first[[2, 0]])  # hits only
+    monkeypatch.undo()
+    e.encode(TEXTS[3:])  # two new texts evict the two least recently used (TEXTS[1], then TEXTS[2])
+    assert len(e._cache) == 3
+    calls = []
+    monkeypatch.setattr(e, "_encode", lambda texts, progress: calls.append(list(texts)) or np.zeros((len(texts), 64), np.float32))
+    e.encode([TEXTS[0], TEXTS[1]])
+    assert calls == [[TEXTS[1]]]
