@@ -52,13 +52,17 @@ def _pow2(n: int) -> int:
 
 def route_fused(router_logits: torch.Tensor, top_k: int, tables: RoutingTables, *,
                 scoring: str = "softmax", renormalize: bool = True,
-                router: tuple[torch.Tensor, torch.Tensor] | None = None,
-                scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """[T, E] logits -> ([T, top_k] float32, [T, top_k] int64), each token by its slot's policy.
+                router: tuple[torch.Tensor, torch.Tensor] | None = None, scale: float = 1.0,
+                out_dtypes: tuple[torch.dtype, torch.dtype] = (torch.float32, torch.int64),
+                record: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, E] logits -> ([T, top_k] weights, [T, top_k] ids), each token by its slot's policy.
 
     router: the router's own (weights [T, k], ids [T, k]); KEEP-slot tokens then return them
-    unchanged (as float32 / int64); without it they get plain top-k. scale multiplies the
-    weights of re-routed tokens (a model's routed_scaling_factor).
+    unchanged; without it they get plain top-k. scale multiplies the weights of re-routed tokens
+    (a model's routed_scaling_factor). out_dtypes: of the returned (weights, ids). record:
+    contiguous (before [T, k] int32, after [T, k] int32, weights [T, k] float32) that also receive
+    the router's ids (with `router`), the chosen ids and weights, in the same kernel.
     """
     k = _kernels()
     num_tokens, num_experts = router_logits.shape
@@ -68,11 +72,10 @@ def route_fused(router_logits: torch.Tensor, top_k: int, tables: RoutingTables, 
     device = router_logits.device
     logits = router_logits if router_logits.stride(1) == 1 else router_logits.contiguous()
     part = torch.empty(num_blocks, num_slots, k.NUM_STATS, e_pad, dtype=torch.float32, device=device)
-    sets = torch.empty(num_slots, e_pad, dtype=torch.int8, device=device)
     reqset = torch.empty(tables.req_start.shape[0] if tables.has_requests else 1, e_pad,
                          dtype=torch.int8, device=device)
-    out_w = torch.empty(num_tokens, top_k, dtype=torch.float32, device=device)
-    out_ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=device)
+    out_w = torch.empty(num_tokens, top_k, dtype=out_dtypes[0], device=device)
+    out_ids = torch.empty(num_tokens, top_k, dtype=out_dtypes[1], device=device)
     if num_tokens == 0:
         return out_w, out_ids
     sigmoid = scoring == "sigmoid"
@@ -85,14 +88,13 @@ def route_fused(router_logits: torch.Tensor, top_k: int, tables: RoutingTables, 
     k._stats_kernel[(num_blocks,)](
         logits, logits.stride(0), num_tokens, num_experts, tables.params, tables.pid, tables.rid, reqset,
         part, num_slots, W=tables.rank_width, HAS_REQ=tables.has_requests, num_warps=warps, **common)
-    k._sets_kernel[(num_slots,)](
-        part, num_blocks, num_slots, num_experts, tables.params, tables.static, tables.groups, sets,
-        E_PAD=e_pad, NCOL=NCOL, num_warps=4 if e_pad <= 64 else 8)
     router_w, router_ids = router if router is not None else (out_w, out_ids)
     k._route_kernel[(num_blocks,)](
-        logits, logits.stride(0), num_tokens, num_experts, tables.params, tables.pid, tables.rid, reqset, sets,
-        router_w, router_ids, out_w, out_ids, float(scale), W=tables.rank_width, HAS_REQ=tables.has_requests,
-        HAS_ROUTER=router is not None, RENORM=renormalize, num_warps=warps, **common)
+        logits, logits.stride(0), num_tokens, num_experts, tables.params, tables.pid, tables.rid, reqset, part,
+        num_blocks, num_slots, tables.static, tables.groups, router_w, router_ids, out_w, out_ids, float(scale),
+        *(record if record is not None else (out_ids, out_ids, out_w)),
+        W=tables.rank_width, NB_PAD=_pow2(num_blocks), HAS_REQ=tables.has_requests,
+        HAS_ROUTER=router is not None, RENORM=renormalize, RECORD=record is not None, num_warps=warps, **common)
     return out_w, out_ids
 
 

@@ -99,8 +99,25 @@ def oea_baseline(values: torch.Tensor, top_k: int, k0: torch.Tensor, p: torch.Te
 
 
 def route_tables(router_logits: torch.Tensor, top_k: int, tables: RoutingTables, *,
-                 scoring: str = "softmax", renormalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """[T, E] logits -> ([T, top_k] float32 weights, [T, top_k] int64 ids), per-token policies."""
+                 scoring: str = "softmax", renormalize: bool = True,
+                 router: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, E] logits -> ([T, top_k] float32 weights, [T, top_k] int64 ids), per-token policies.
+
+    router: the router's (weights, ids) [T, k], kept for KEEP-slot tokens (else plain top-k);
+    scale multiplies the weights of the other tokens.
+    """
+    weights, ids = _route(router_logits, top_k, tables, scoring, renormalize)
+    if router is None and scale == 1.0:
+        return weights, ids
+    keep = tables.params[tables.pid.long(), KIND, None] == KEEP                     # [T, 1]
+    if router is None:
+        return torch.where(keep, weights, weights * scale), ids
+    return (torch.where(keep, router[0].float(), weights * scale),
+            torch.where(keep, router[1].long(), ids))
+
+
+def _route(router_logits, top_k, tables, scoring, renormalize):
     scores = gate_scores(router_logits, scoring)                 # [T, E]
     ranks, values = token_ranks(scores)
     prm = tables.params[tables.pid.long()]                       # [T, NCOL]

@@ -1,13 +1,14 @@
 """Triton kernels for table-driven expert selection (imported only where Triton is installed).
 
 Same decisions as `backend.selection.table_torch.route_tables` (the reference these are tested
-against; the papers are cited in the per-policy modules), as three or four launches per MoE
-layer, none with a host synchronisation:
+against; the papers are cited in the per-policy modules), as two launches per MoE
+layer (three with XShare-spec), none with a host synchronisation:
 
     _request_kernel  grid (R,)   XShare-spec's per-request sets (Alg. 3), only if a slot needs it
     _stats_kernel    grid (NB,)  per block of BT tokens: scores, ranks, per-slot partial stats
-    _sets_kernel     grid (P,)   per policy slot: reduce the partials, pick the batch set S
-    _route_kernel    grid (NB,)  per token: allowed experts by its slot's kind, top-k inside
+    _route_kernel    grid (NB,)  per block: each present slot's batch set S from all blocks'
+                                 partials (recomputed per block: cheaper than a launch), then per
+                                 token the allowed experts by its slot's kind and the top-k inside
 
 Stats rows (NSTAT, per slot and block): agg = summed scores, warm = union of top-k0, votes =
 top-k counts, wsum = summed top-k weights, prot = Lynx-Acc protected, loaded = union of OEA
@@ -18,34 +19,10 @@ expert, -2 an already-ranked one and -3 padding. Ties go to the lower expert ind
 import triton
 import triton.language as tl
 
-from backend.selection import table as tb
-
-NUM_STATS = 7  # stats rows per slot and block (the launcher sizes its scratch with it)
-NSTAT = tl.constexpr(NUM_STATS)
-AGG, WARM, VOTES, WSUM = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2), tl.constexpr(3)
-PROT, LOADED, POOL = tl.constexpr(4), tl.constexpr(5), tl.constexpr(6)
-_BUDGET = tl.constexpr(tb.BUDGET)
-_CONF = tl.constexpr(tb.CONF)
-_DROP = tl.constexpr(tb.DROP)
-_K0 = tl.constexpr(tb.K0)
-_KEEP = tl.constexpr(tb.KEEP)
-_KIND = tl.constexpr(tb.KIND)
-_LYNX = tl.constexpr(tb.LYNX)
-_M = tl.constexpr(tb.M)
-_MAXP = tl.constexpr(tb.MAXP)
-_MG = tl.constexpr(tb.MG)
-_MOE_SPEC = tl.constexpr(tb.MOE_SPEC)
-_MR = tl.constexpr(tb.MR)
-_OEA_KIND = tl.constexpr(tb.OEA_KIND)
-_P = tl.constexpr(tb.P)
-_RANK = tl.constexpr(tb.RANK)
-_RANK_STATIC = tl.constexpr(tb.RANK_STATIC)
-_RANK_TOPK = tl.constexpr(tb.RANK_TOPK)
-_SUBST = tl.constexpr(tb.SUBST)
-_TAU = tl.constexpr(tb.TAU)
-_XSHARE = tl.constexpr(tb.XSHARE)
-_XSHARE_EP = tl.constexpr(tb.XSHARE_EP)
-_XSHARE_SPEC = tl.constexpr(tb.XSHARE_SPEC)
+from backend.selection.triton_sets import (  # noqa: F401  (constexpr globals the kernels read)
+    _CONF, _K0, _KEEP, _KIND, _MAXP, _MOE_SPEC, _MR, _OEA_KIND, _P, _SUBST, _XSHARE_SPEC, AGG, LOADED,
+    NSTAT, NUM_STATS, POOL, PROT, VOTES, WARM, WSUM, _pair_rank, _slot_set,
+)
 
 
 @triton.jit
@@ -92,25 +69,6 @@ def _baseline(vals, k0, p, K: tl.constexpr, KP: tl.constexpr):
         before += tl.sum(tl.where(kcols[None, :] == j, vals, 0.0), axis=1)
     floor = tl.maximum(k0, 1.0)
     return tl.where(p < 0, floor, tl.maximum(count, floor))
-
-
-@triton.jit
-def _pair_rank(key, key2, cand, grp, cols):
-    """[E_PAD] rank of each expert among candidates of its group by ascending (key, key2, index)."""
-    a, b = key[None, :], key[:, None]
-    a2, b2 = key2[None, :], key2[:, None]
-    before = (a < b) | ((a == b) & ((a2 < b2) | ((a2 == b2) & (cols[None, :] < cols[:, None]))))
-    before = before & cand[None, :] & (grp[None, :] == grp[:, None])
-    return tl.sum(before.to(tl.int32), axis=1)
-
-
-@triton.jit
-def _nonempty(sel, agg, cols, ok, E_PAD: tl.constexpr):
-    best_val = tl.max(tl.where(ok, agg, -1.0), axis=0)
-    best = tl.min(tl.where(ok & (agg == best_val), cols, E_PAD), axis=0)
-    empty = (tl.zeros_like(cols) + tl.sum(sel.to(tl.int32), axis=0)) == 0
-    return sel | (empty & (cols == best))
-
 
 @triton.jit
 def _request_kernel(logits_ptr, stride, E, params_ptr, pid_ptr, req_start_ptr, req_end_ptr, reqset_ptr,
@@ -183,83 +141,13 @@ def _stats_kernel(logits_ptr, stride, T, E, params_ptr, pid_ptr, rid_ptr, reqset
         tl.store(out + LOADED * E_PAD, tl.max(tl.where(mine, loaded, 0.0), axis=0))
         tl.store(out + POOL * E_PAD, tl.max(tl.where(mine, pool, 0.0), axis=0))
 
-
 @triton.jit
-def _load_stat(part_ptr, NB, NP, p, which, cols, E_PAD: tl.constexpr, ACC_MAX: tl.constexpr):
-    acc = tl.zeros((E_PAD,), tl.float32)
-    for nb in range(NB):
-        v = tl.load(part_ptr + ((nb * NP + p) * NSTAT + which) * E_PAD + cols)
-        if ACC_MAX:
-            acc = tl.maximum(acc, v)
-        else:
-            acc += v
-    return acc
-
-
-@triton.jit
-def _fill(warm, cand, score, budget, cols, ok):
-    """XShare's fill: warm plus the best-scoring fresh candidates until `budget` experts."""
-    fresh = cand & ~warm & ok
-    room = budget - tl.sum(warm.to(tl.float32), axis=0)
-    rk = _pair_rank(-score, tl.zeros_like(score), fresh, tl.zeros_like(cols), cols)
-    return warm | (fresh & (rk.to(tl.float32) < room))
-
-
-@triton.jit
-def _sets_kernel(part_ptr, NB, NP, E, params_ptr, static_ptr, groups_ptr, sets_ptr,
-                 E_PAD: tl.constexpr, NCOL: tl.constexpr):
-    p = tl.program_id(0)
-    cols = tl.arange(0, E_PAD)
-    ok = cols < E
-    prm = params_ptr + p * NCOL
-    kind = tl.load(prm + _KIND).to(tl.int32)
-    agg = _load_stat(part_ptr, NB, NP, p, AGG, cols, E_PAD, False)
-    warm = (_load_stat(part_ptr, NB, NP, p, WARM, cols, E_PAD, True) > 0) & ok
-    votes = _load_stat(part_ptr, NB, NP, p, VOTES, cols, E_PAD, False)
-    zero = tl.zeros_like(agg)
-    chosen = ok
-    if kind == _XSHARE:
-        chosen = _nonempty(_fill(warm, agg >= tl.load(prm + _TAU), agg, tl.load(prm + _M), cols, ok),
-                           agg, cols, ok, E_PAD)
-    elif kind == _XSHARE_SPEC:
-        pool = _load_stat(part_ptr, NB, NP, p, POOL, cols, E_PAD, True) > 0
-        chosen = _nonempty(_fill(warm, pool, agg, tl.load(prm + _M), cols, ok), agg, cols, ok, E_PAD)
-    elif kind == _XSHARE_EP:
-        grp = tl.load(groups_ptr + cols, mask=ok, other=-1)
-        same = grp[None, :] == grp[:, None]
-        room = tl.load(prm + _MG) - tl.sum((same & warm[None, :]).to(tl.float32), axis=1)
-        rk = _pair_rank(-agg, zero, ok & ~warm, grp, cols)
-        chosen = _nonempty(warm | (ok & ~warm & (rk.to(tl.float32) < room)), agg, cols, ok, E_PAD)
-    elif kind == _OEA_KIND:
-        chosen = (_load_stat(part_ptr, NB, NP, p, LOADED, cols, E_PAD, True) > 0) & ok
-    elif kind == _LYNX:
-        active = (votes > 0) & ok
-        prot = _load_stat(part_ptr, NB, NP, p, PROT, cols, E_PAD, False)
-        droppable = active & ((prot == 0) | ((zero + tl.load(prm + _CONF)) < 0))
-        n_active = tl.sum(active.to(tl.float32), axis=0)
-        n_drop = tl.minimum(tl.load(prm + _DROP), tl.sum(droppable.to(tl.float32), axis=0))
-        n_drop = tl.maximum(tl.minimum(n_drop, n_active - 1), 0.0)
-        rk = _pair_rank(votes, agg, droppable, tl.zeros_like(cols), cols)
-        chosen = active & ~(droppable & (rk.to(tl.float32) < n_drop))
-    elif kind == _MOE_SPEC:
-        used = (votes > 0) & ok
-        code = tl.load(prm + _RANK)
-        key = agg
-        if code == _RANK_TOPK:
-            key = _load_stat(part_ptr, NB, NP, p, WSUM, cols, E_PAD, False)
-        elif code == _RANK_STATIC:
-            key = tl.load(static_ptr + p * E + cols, mask=ok, other=0.0)
-        rk = _pair_rank(-key, zero, used, tl.zeros_like(cols), cols)
-        chosen = used & (rk.to(tl.float32) < tl.load(prm + _BUDGET))
-    tl.store(sets_ptr + p * E_PAD + cols, chosen.to(tl.int8))
-
-
-@triton.jit
-def _route_kernel(logits_ptr, stride, T, E, params_ptr, pid_ptr, rid_ptr, reqset_ptr, sets_ptr,
-                  router_w_ptr, router_ids_ptr, out_w_ptr, out_ids_ptr, scale,
-                  K: tl.constexpr, W: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr,
+def _route_kernel(logits_ptr, stride, T, E, params_ptr, pid_ptr, rid_ptr, reqset_ptr, part_ptr, NB, NP,
+                  static_ptr, groups_ptr, router_w_ptr, router_ids_ptr, out_w_ptr, out_ids_ptr, scale,
+                  before_ptr, after_ptr, rec_w_ptr,
+                  K: tl.constexpr, W: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr, NB_PAD: tl.constexpr,
                   E_PAD: tl.constexpr, NCOL: tl.constexpr, SIGMOID: tl.constexpr, HAS_REQ: tl.constexpr,
-                  HAS_ROUTER: tl.constexpr, RENORM: tl.constexpr):
+                  HAS_ROUTER: tl.constexpr, RENORM: tl.constexpr, RECORD: tl.constexpr):
     nb = tl.program_id(0)
     rows = nb * BT + tl.arange(0, BT)
     row_ok = rows < T
@@ -267,13 +155,20 @@ def _route_kernel(logits_ptr, stride, T, E, params_ptr, pid_ptr, rid_ptr, reqset
     kcols = tl.arange(0, KP)
     s = _scores(logits_ptr, stride, rows, row_ok, cols, E, SIGMOID)
     rank, vals = _ranks(s, cols, W, K, KP, E_PAD)
-    slot = tl.maximum(tl.load(pid_ptr + rows, mask=row_ok, other=0), 0)
+    slot = tl.load(pid_ptr + rows, mask=row_ok, other=-1)
+    sets = tl.zeros((BT, E_PAD), tl.int32)
+    for p in range(NP):   # each slot present in this block: its batch set, from every block's stats
+        mine = slot == p
+        if tl.max(mine.to(tl.int32), axis=0) > 0:
+            chosen = _slot_set(part_ptr, NB, NP, p, E, params_ptr, static_ptr, groups_ptr, cols, NB_PAD, E_PAD, NCOL)
+            sets = tl.where(mine[:, None], chosen.to(tl.int32)[None, :], sets)
+    slot = tl.maximum(slot, 0)
     prm = params_ptr + slot * NCOL
     kind = tl.load(prm + _KIND, mask=row_ok, other=0.0).to(tl.int32)[:, None]
     subst = tl.load(prm + _SUBST, mask=row_ok, other=0.0)[:, None]
     valid = s >= 0
     rankf = rank.to(tl.float32)
-    sets = (tl.load(sets_ptr + slot[:, None] * E_PAD + cols[None, :], mask=row_ok[:, None], other=0) != 0) & valid
+    sets = (sets != 0) & valid
     allowed = sets
     if HAS_REQ:
         req = tl.load(rid_ptr + rows, mask=row_ok, other=0)
@@ -310,7 +205,13 @@ def _route_kernel(logits_ptr, stride, T, E, params_ptr, pid_ptr, rid_ptr, reqset
     offs = rows[:, None] * K + kcols[None, :]
     if HAS_ROUTER:
         keep = kind == _KEEP
+        router_ids = tl.load(router_ids_ptr + offs, mask=kmask, other=0).to(tl.int32)
         ws = tl.where(keep, tl.load(router_w_ptr + offs, mask=kmask, other=0.0).to(tl.float32), ws)
-        ids = tl.where(keep, tl.load(router_ids_ptr + offs, mask=kmask, other=0).to(tl.int32), ids)
-    tl.store(out_w_ptr + offs, ws, mask=kmask)
-    tl.store(out_ids_ptr + offs, ids.to(tl.int64), mask=kmask)
+        ids = tl.where(keep, router_ids, ids)
+        if RECORD:   # what the router chose, for the expert-load metrics
+            tl.store(before_ptr + offs, router_ids, mask=kmask)
+    if RECORD:
+        tl.store(after_ptr + offs, ids, mask=kmask)
+        tl.store(rec_w_ptr + offs, ws, mask=kmask)
+    tl.store(out_w_ptr + offs, ws.to(out_w_ptr.dtype.element_ty), mask=kmask)
+    tl.store(out_ids_ptr + offs, ids.to(out_ids_ptr.dtype.element_ty), mask=kmask)
