@@ -7,9 +7,16 @@ The vLLM wiring (`backend.vllm_patches`) calls, per forward pass:
     hook.route(layer, logits, w, ids) -> w, ids   # from every MoE layer's router, in order
     hook.end_step()                            # publish metrics, store recorded rows
 
-and `hook.finish_request(...)` when a request leaves the engine. Routing goes through
-`backend.selection.select_experts_mixed`; rows whose effective policy is top-k keep exactly the
-router's output, so `topk` requests are unaffected by the policies of their batch mates.
+and `hook.finish_request(...)` when a request leaves the engine. Two routing modes, with
+the same decisions: rows whose effective policy is top-k keep exactly the router's output, so
+`topk` requests are unaffected by the policies of their batch mates.
+
+- tables (default on CUDA, `HookConfig.graph_tables`): `begin_step` publishes the step into
+  persistent device tables (`backend.selection.step_tables`) and `route` only launches the
+  selection kernels over them (Triton on CUDA, the torch twin elsewhere), with no Python decision
+  per step and no host synchronisation, so vLLM may capture it in CUDA graphs;
+- eager (default on CPU): `route` calls `backend.selection.select_experts_mixed` on the
+  sub-batch of re-routed rows, skipping steps where every row is top-k.
 """
 
 from __future__ import annotations
@@ -30,6 +37,8 @@ from backend.metrics import ExpertLoadMetrics
 from backend.policy import Policy, PolicyError, TopK
 from backend.recorder import TraceRecorder
 from backend.selection import select_experts_mixed
+from backend.selection.moe_spec import static_ranking
+from backend.selection.step_tables import StepTables, capture_error
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +63,10 @@ class HookConfig:
     record_all: bool = False
     trace_dir: Path = Path("cohort-traces")
     model: str = ""
+    graph_tables: bool | None = None  # route from persistent device tables; None: on CUDA only
+    max_tokens: int = 8192  # rows per forward the tables hold (vLLM's max_num_batched_tokens)
+    rank_width: int | None = None  # experts ranked per token in table mode (default 2 top_k; OEA max_p)
+    graph_spec: bool = False  # table mode runs XShare-spec's per-request kernel in every step
 
 
 @dataclass(frozen=True)
@@ -84,6 +97,8 @@ class RoutingHook:
         self._routed: list[tuple[Kept, Kept | None]] = []  # per layer: ids [n, k] before, after
         self._captured: list[tuple[Kept, Kept]] = []  # per layer: ids [n, k], weights [n, k]
         self._warned: set[str] = set()
+        self.tables: StepTables | None = None
+        self._published: Step | None = None  # the step the tables hold (a steady Step is reused)
         self.plugin_ns = 0  # time spent in the plugin since the last end_step (the wiring adds to it)
 
     # ---- requests ------------------------------------------------------------------------------
@@ -130,6 +145,8 @@ class RoutingHook:
 
     def begin_step(self, step: Step | None) -> None:
         """Publish the batch of the coming forward (None: route nothing, e.g. the batch is unknown)."""
+        if self.tables is not None and (step is None or step is not self._published):
+            self._publish(step)
         self._step = step
         if step is None or step.all_topk:
             self._plan = None
@@ -151,6 +168,8 @@ class RoutingHook:
         tensors for later layers; in eager mode the references stay valid).
         """
         step, info = self._step, self.layers.get(layer)
+        if info is not None and self._wants_tables(router_logits):
+            return self._route_tables(layer, info, router_logits, weights, ids)
         if step is None or info is None or step.num_tokens == 0:
             return weights, ids
         new_w, new_ids = weights, ids
@@ -189,6 +208,61 @@ class RoutingHook:
         new_w[plan.rows], new_ids[plan.rows] = sub_w.to(weights.dtype), sub_ids.to(ids.dtype)
         return new_w, new_ids
 
+    # ---- table mode ----------------------------------------------------------------------------
+
+    def _wants_tables(self, router_logits: torch.Tensor) -> bool:
+        if self.tables is not None:
+            return True
+        wanted = self.config.graph_tables
+        if not (router_logits.is_cuda if wanted is None else wanted):
+            return False
+        self.use_tables(router_logits.device)
+        return True
+
+    def use_tables(self, device: torch.device) -> StepTables:
+        """Switch to table mode on `device` (once, before any graph capture) and publish the step."""
+        if self.tables is None:
+            info = next(iter(self.layers.values()))
+            self.tables = StepTables(
+                max_tokens=self.config.max_tokens, num_layers=max(self.layers) + 1, num_experts=info.num_experts,
+                top_k=info.top_k, device=torch.device(device), rank_width=self.config.rank_width,
+                requests=self.config.graph_spec,
+                static_counts=lambda policy, layer: static_ranking(policy.calib, layer, info.num_experts))
+            self._publish(self._step)
+        return self.tables
+
+    def capture_error(self, policy: Policy) -> str | None:
+        """Why table mode cannot serve `policy` (None: it can, or the hook is in eager mode)."""
+        if self.tables is None:
+            return None
+        return capture_error(policy, self.tables.rank_width, self.tables.requests)
+
+    def _publish(self, step: Step | None) -> None:
+        self._published = step
+        spans = [] if step is None else [(s.start, s.end, s.effective_policy) for s in step.spans if s.rerouted]
+        for policy in self.tables.write(spans, 0 if step is None else step.num_tokens):
+            self._warn_once(f"slots:{policy}", "more distinct policies in one step than the routing tables "
+                            "hold; requests with %s run top-k in such steps", policy)
+
+    def _route_tables(self, layer: int, info: LayerInfo, router_logits: torch.Tensor, weights: torch.Tensor,
+                      ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if not info.supports_policies:
+            self._warn_once(f"layer{layer}", "MoE layer %d: its router (bias-corrected, grouped or custom) "
+                            "cannot be re-routed by policies; using top-k", layer)
+            self.tables.keep(layer, ids)
+            return weights, ids
+        return self.tables.route(layer, router_logits, weights, ids, top_k=info.top_k, scoring=info.scoring,
+                                 renormalize=info.renormalize, scale=info.scale)
+
+    def _collect_tables(self, step: Step) -> None:
+        """Table mode: what every layer decided, read back once per step (outside any graph)."""
+        before, after, weights = self.tables.decided(step.num_tokens)    # [L, n, k] each
+        layers = sorted(self.layers)
+        if self.metrics is not None:
+            self._routed = [(before[i], after[i]) for i in layers]
+        if step.record and self.observe:
+            self._captured = [(after[i], weights[i]) for i in layers]
+
     def end_step(self, forward_ns: int = 0) -> None:
         """Publish the step's counts to the metrics and its recorded rows to the recorder.
 
@@ -201,6 +275,8 @@ class RoutingHook:
             self.plugin_ns = 0
         if step is None or step.num_tokens == 0:
             return
+        if self.tables is not None:
+            self._collect_tables(step)
         if self.metrics is not None and self._routed:
             before, after = self._count_distinct(step)
             self.metrics.observe_forward(

@@ -21,7 +21,9 @@ import numpy as np
 import torch
 
 from backend.policy import OEA, MoESpec, Policy, TopK, XShareSpec
+from backend.selection import fused
 from backend.selection.table import NCOL, RoutingTables, encode
+from backend.selection.table_torch import route_tables
 
 SpanPolicy = tuple[int, int, Policy]  # rows [start, end) and their effective policy
 
@@ -113,3 +115,33 @@ class StepTables:
                              req_start=d["req_start"][:num_tokens], req_end=d["req_end"][:num_tokens],
                              static=d["static"][layer], groups=self.groups, rank_width=self.rank_width,
                              has_requests=self.requests)
+
+    def route(self, layer: int, router_logits: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, *,
+              top_k: int, scoring: str, renormalize: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's routing by the published step: tensor work only (capturable, compilable).
+
+        router_logits [T, E]; weights, ids [T, k]: the router's choice, kept for slot-0 rows.
+        Returns new (weights, ids) in the input dtypes; also fills before/after/weights[layer, :T].
+        """
+        num_tokens = router_logits.shape[0]
+        tables = self.view(num_tokens, layer)
+        record = (self.before[layer, :num_tokens], self.after[layer, :num_tokens], self.weights[layer, :num_tokens])
+        if router_logits.is_cuda and fused.available(router_logits):
+            return fused.route_fused(router_logits, top_k, tables, scoring=scoring, renormalize=renormalize,
+                                     router=(weights, ids), scale=scale, out_dtypes=(weights.dtype, ids.dtype),
+                                     record=record)
+        new_w, new_ids = route_tables(router_logits, top_k, tables, scoring=scoring, renormalize=renormalize,
+                                      router=(weights, ids), scale=scale)
+        record[0].copy_(ids)
+        record[1].copy_(new_ids)
+        record[2].copy_(new_w)
+        return new_w.to(weights.dtype), new_ids.to(ids.dtype)
+
+    def keep(self, layer: int, ids: torch.Tensor) -> None:
+        """Record a layer that keeps its router's choice (its router cannot be re-routed)."""
+        self.before[layer, : ids.shape[0]].copy_(ids)
+        self.after[layer, : ids.shape[0]].copy_(ids)
+
+    def decided(self, num_tokens: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Host copies of every layer's (router ids, chosen ids, weights) for the step's rows [L, n, k]."""
+        return tuple(t[:, :num_tokens].cpu().numpy() for t in (self.before, self.after, self.weights))
