@@ -1,112 +1,157 @@
-"""Encoder throughput and planner time.
+"""Encoder candidates side by side: prompts per CPU-second and planning quality, in one run.
 
-1. Prompts per second of `encoder.embedding.Embedder.encode` against plain
-   `SentenceTransformer.encode(batch_size=32)` on the same prompt texts, same model object, in one
-   run: runs alternate (plain, ours, plain, ours, ...) and the best of each is reported, so load from
-   other processes hits both alike. Checks that the outputs are equal.
-2. Planner time (`encoder.planner.plan_batches`) for the 1,499 real embeddings and for 20,000
-   synthetic ones (the real embeddings resampled with noise).
+    python benchmarks/bench_encoder.py [--candidate NAME=SPEC ...] [--slots 16,32] [--seeds 5]
 
-    python benchmarks/bench_encoder.py [--prompts ../shared/data/deepseek-v2-lite-puffin/prompts.jsonl] [--threads 1]
+A candidate SPEC is an `--encoder` value (folder, hub name, `static`, or empty for the packaged
+MiniLM) with optional `@N` for inputs cut to their first N tokens, e.g. `minilm-32=@32`,
+`static-ft=/tmp/static-ft`. Defaults: minilm, minilm-32, static.
 
-On a host shared with other jobs, wall time swings by 2x between identical runs; the CPU time of a
-single-threaded run (--threads 1) is the stable measure of the work each path does.
+1. Speed, on the held-out prompts (distinct texts, cache off): prompts per CPU-second of each
+   candidate's `Embedder.encode` with torch on 1 thread and on 2, beside plain
+   `SentenceTransformer.encode(batch_size=32)` of all-MiniLM-L6-v2 (the baseline of the target:
+   >= 20x); and the time of a cache hit (`Embedder(cache_size=...)`, one prompt seen before).
+2. Quality, on held-out requests only (traces.split): each candidate's profile head (the one its
+   folder holds from `cohort train`, else a ridge head fitted here on the training side) drives
+   admission in the continuous replay (S slots, lognormal lengths, seeds), against random; the
+   saving of `text-profile` beside the reference that knows the traces; and the static B = 16
+   plan's capture of the oracle as a side figure. Target: the default encoder within 5%
+   (relative) of the fine-tuned MiniLM's continuous saving.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-DEFAULT_PROMPTS = Path(__file__).resolve().parents[1] / "../shared/data/deepseek-v2-lite-puffin/prompts.jsonl"
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+DATA = ROOT.parent / "shared" / "data" / "deepseek-v2-lite-puffin"
+DEFAULT_CANDIDATES = ("minilm=", "minilm-32=@32", "static=static")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS)
-    parser.add_argument("--encoder", default=None, help="model folder or hub name (default: packaged MiniLM)")
-    parser.add_argument("--repeats", type=int, default=2, help="timed runs of each path (best is reported)")
-    parser.add_argument("--batch-size", type=int, default=16, help="B for the planner timing")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads for both paths (default: torch's)")
-    args = parser.parse_args()
+    args = _parse()
+    from traces.importers import load_traces
+    from traces.split import heldout_split
 
+    ts = load_traces(args.traces)
+    train_idx, held_idx = heldout_split(ts)
+    candidates = dict(_candidate(c) for c in (args.candidate or DEFAULT_CANDIDATES))
+    held_texts = list(dict.fromkeys(ts.texts[held_idx].tolist()))  # distinct, in order
+    print(f"{len(ts)} requests, {len(held_idx)} held out ({len(held_texts)} distinct prompts)\n")
+    speed(candidates, held_texts, args.repeats)
+    if not args.no_quality:
+        quality(candidates, ts, train_idx, held_idx, args)
+
+
+def speed(candidates: dict, texts: list[str], repeats: int) -> None:
     import torch
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
 
     from encoder.embedding import Embedder
 
-    texts = [json.loads(line)["text"] for line in open(args.prompts, encoding="utf-8") if line.strip()]
-    ours = Embedder(args.encoder)
-    plain = ours.model  # the very same SentenceTransformer
-    print(f"{len(texts)} prompts ({len(set(texts))} distinct), model {ours.source}, "
-          f"max_seq_len {plain.max_seq_length}, torch threads {torch.get_num_threads()}")
-    _padding_report(ours, texts)
-
-    runs = {
-        "plain SentenceTransformer.encode(batch_size=32)":
-            lambda: plain.encode(texts, batch_size=32, normalize_embeddings=True, convert_to_numpy=True),
-        f"Embedder.encode (dedup, token-sorted, {ours.batch_tokens}-token batches)": lambda: ours.encode(texts),
-    }
-    plain.encode(texts[:64], batch_size=32)  # warm-up: oneDNN primitives, allocator
-    ours.encode(texts[:64])
-    wall = {name: np.inf for name in runs}
-    cpu = {name: np.inf for name in runs}
-    outputs = {}
-    for r in range(args.repeats):
-        for name, fn in runs.items():
-            start, start_cpu = time.perf_counter(), time.process_time()
-            outputs[name] = fn()
-            seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - start_cpu
-            wall[name], cpu[name] = min(wall[name], seconds), min(cpu[name], cpu_seconds)
-            print(f"  run {r + 1}: {name}: {seconds:.1f}s wall, {cpu_seconds:.1f}s CPU (load {os.getloadavg()[0]:.1f})")
-    (plain_name, ours_name) = runs
-    a, b = outputs[plain_name], outputs[ours_name]
-    print(f"\nembedding, best of {args.repeats} (CPU time: all threads of this process):")
-    for name in runs:
-        print(f"  {name:62s} {wall[name]:6.1f}s wall {len(texts) / wall[name]:6.1f} prompts/s | "
-              f"{cpu[name]:6.1f}s CPU {len(texts) / cpu[name]:6.1f} prompts/CPU-s")
-    print(f"  speed-up {wall[plain_name] / wall[ours_name]:.2f}x wall, {cpu[plain_name] / cpu[ours_name]:.2f}x CPU; "
-          f"equal output: max |diff| {np.abs(a - b).max():.2e}, min cosine {(a * b).sum(axis=1).min():.7f}, "
-          f"allclose(atol=1e-5) {np.allclose(a, b, atol=1e-5)}")
-    _planner_timing(b, args.batch_size)
+    print(f"{'candidate':<14} {'1 thread':>14} {'2 threads':>14}   (prompts per CPU-second; best of {repeats})")
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        base = Embedder(None)
+        plain = _rate(lambda: base.model.encode(texts, batch_size=32, normalize_embeddings=True), len(texts), repeats)
+        print(f"  {'plain encode':<12} {threads} thread(s): {plain:10.1f} prompts/CPU-s (all-MiniLM-L6-v2)")
+        for name, (source, cut) in candidates.items():
+            e = Embedder(source, max_seq_len=cut)
+            e.encode(texts[:32])  # warm-up
+            rate = _rate(lambda: e.encode(texts), len(texts), repeats)
+            print(f"  {name:<12} {threads} thread(s): {rate:10.1f} prompts/CPU-s = {rate / plain:6.1f}x plain encode")
+    _cache_hit(texts)
 
 
-def _padding_report(ours, texts: list[str]) -> None:
-    """Tokens each path pushes through the model (padding included): where the speed-up comes from."""
-    lengths = ours.token_lengths(texts)  # [N]
-    by_chars = np.argsort([-len(t) for t in texts], kind="stable")  # what encode() sorts by
-    plain_tokens = sum(lengths[by_chars[i : i + 32]].max() * len(by_chars[i : i + 32]) for i in range(0, len(texts), 32))
-    uniq = {t: n for t, n in zip(texts, lengths)}
-    ulen = np.array(list(uniq.values()))
-    our_batches = ours.token_batches(ulen)
-    our_tokens = sum(ulen[b].max() * len(b) for b in our_batches)
-    print(f"tokens through the model: real {lengths.sum()}, plain {plain_tokens} ({len(range(0, len(texts), 32))} batches), "
-          f"ours {our_tokens} ({len(our_batches)} batches, distinct texts only)")
+def _rate(fn, n: int, repeats: int) -> float:
+    best = np.inf
+    for _ in range(repeats):
+        start = time.process_time()
+        fn()
+        best = min(best, time.process_time() - start)
+    return n / best
 
 
-def _planner_timing(x: np.ndarray, batch_size: int) -> None:
+def _cache_hit(texts: list[str]) -> None:
+    from encoder.embedding import Embedder
+
+    e = Embedder("static", cache_size=len(texts))
+    e.encode(texts)
+    start = time.perf_counter()
+    for t in texts:
+        e.encode([t])
+    print(f"\ncache hit (one prompt seen before, static model): {(time.perf_counter() - start) / len(texts) * 1e6:.1f} us\n")
+
+
+def quality(candidates: dict, ts, train_idx, held_idx, args) -> None:
+    from encoder import embed_texts
+    from encoder.profile import load_profile_head
+    from eval.cost import parse_cost_model
+    from eval.engine import REFERENCE, evaluate_continuous, lengths_from_spec
+    from eval.engine_cli import text_policies
+    from eval.policies import by_profile
+    from eval.replay import decode_profiles, decode_tokens
+    from train.profile_head import fit_profile_head
+    from train.targets import profiles
+
+    prof = profiles(ts)  # [N, L, E]
+    fit_idx = train_idx[prof[train_idx].sum(axis=(1, 2)) > 0]
+    held = ts.subset(held_idx)
+    tokens = decode_tokens(held)
+    lengths, cost = lengths_from_spec("lognormal", held.request_ids), parse_cost_model("deepseek-v2-lite")
+    policies, statics = {REFERENCE: by_profile(decode_profiles(tokens, held))}, {}
+    for name, (source, cut) in candidates.items():
+        x = embed_texts(list(ts.texts), encoder=source or None, max_seq_len=cut)  # [N, D]
+        head = (load_profile_head(source) if source and Path(source).is_dir() else None) or \
+            fit_profile_head(x[fit_idx], prof[fit_idx], ts.top_k)
+        policies.update({k: v for k, v in text_policies(f"-{name}", x[held_idx], head).items() if "profile-" in k
+                         and "lead" not in k})
+        statics[name] = x[held_idx]
+    for slots in _ints(args.slots):
+        rows = evaluate_continuous(tokens, slots, policies, lengths, cost, held.num_layers, seeds=args.seeds)["plans"]
+        ref = rows[REFERENCE]["saving"]
+        print(f"S = {slots}: reference saving {ref:.2%}")
+        for name in candidates:
+            r = rows[f"text-profile-{name}"]
+            print(f"  {name:<12} continuous saving {r['saving']:6.2%} (std {r['saving_std']:.2%}), {r['capture']:.0%} of the reference")
+    _static_capture(held, statics)
+
+
+def _static_capture(held, statics: dict) -> None:
     from encoder.planner import plan_batches
+    from eval.metrics import evaluate
 
-    rng = np.random.default_rng(0)
-    big = x[rng.integers(0, len(x), 20_000)] + 0.02 * rng.normal(size=(20_000, x.shape[1])).astype(np.float32)
-    big /= np.linalg.norm(big, axis=1, keepdims=True)
-    print(f"\nplanner (B={batch_size}), best of 3:")
-    for name, data in ((f"{len(x)} real embeddings", x), ("20000 synthetic (real resampled + noise)", big)):
-        times = []
-        for _ in range(3):
-            start = time.perf_counter()
-            plan = plan_batches(data, batch_size)
-            times.append(time.perf_counter() - start)
-        print(f"  {name:42s} {min(times):.2f}s  ({len(plan)} batches; runs {', '.join(f'{t:.2f}' for t in times)}s)")
+    planners = {name: (lambda ts_, b, x=x: plan_batches(x, b)) for name, x in statics.items()}
+    rows = evaluate(held, 16, seeds=5, planners=planners)["plans"]
+    print("\nstatic plans, B = 16 (side figure): " + ", ".join(
+        f"{name} capture {rows[name]['capture']:.1%}" for name in statics) + f"; oracle saving {rows['oracle']['saving']:.1%}")
+
+
+def _candidate(text: str) -> tuple[str, tuple[str, int | None]]:
+    name, _, spec = text.partition("=")
+    source, _, cut = spec.partition("@")
+    return name, (source, int(cut) if cut else None)
+
+
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v.strip()]
+
+
+def _parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--traces", default=str(DATA))
+    p.add_argument("--candidate", action="append", help="NAME=SPEC (see the module docstring); repeatable")
+    p.add_argument("--slots", default="16,32")
+    p.add_argument("--seeds", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--no-quality", action="store_true", help="speed only")
+    return p.parse_args()
 
 
 if __name__ == "__main__":

