@@ -80,6 +80,7 @@ HISTOGRAMS = {
     "cohort_moe_distinct_experts_after": "Distinct experts per forward and MoE layer after the routing policy",
 }
 
+
 class _Totals:
     """This process's totals, in memory, as a prometheus_client custom collector."""
 
