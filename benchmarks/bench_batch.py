@@ -65,11 +65,11 @@ def shuffled_batches(texts, batch_size):
 
 async def fitting_prompts(backend: BackendClient, texts: list[str], max_tokens: int) -> list[str]:
     """The prompts whose tokens + max_tokens fit the served model's context (vLLM's /tokenize)."""
-    card = (await backend.request("GET", "/v1/models")).json()["data"][0]
+    card = json.loads((await backend.request("GET", "/v1/models")).content)["data"][0]
     limit = card.get("max_model_len") or 1 << 30
     counts = await asyncio.gather(*(backend.request("POST", "/tokenize", json={"model": card["id"], "prompt": t})
                                     for t in texts))
-    return [t for t, c in zip(texts, counts) if c.json()["count"] + max_tokens <= limit]
+    return [t for t, c in zip(texts, counts) if json.loads(c.content)["count"] + max_tokens <= limit]
 
 
 def write_batch_file(path: Path, texts: list[str], max_tokens: int) -> None:

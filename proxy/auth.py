@@ -1,8 +1,9 @@
 """Keys on both sides of the proxy: the client keys it accepts, and the Authorization it sends to vLLM.
 
 `Authorizer` checks a request's `Authorization: Bearer <key>` against the configured client keys
-(none configured: the proxy is open). `backend_headers` is the one place that builds the headers a
-backend request carries, for online requests (the client's headers given) and batch requests alike.
+(none configured: the proxy is open). `bearer` is the one place that builds an Authorization header
+for the backend: batch requests send it with RunConfig.api_key, online ones through `backend_headers`
+(the configured key, else the client's own).
 """
 
 from __future__ import annotations

@@ -189,7 +189,7 @@ def test_gate_gives_batch_work_only_the_slots_online_traffic_leaves(tmp_path):
             finally:
                 journal.close()
                 await client.close()
-        return stats, stats2, gate._in_flight
+        return stats, stats2, gate.metrics.registry.get_sample_value("cohort_in_flight")
 
     stats, stats2, held = asyncio.run(main())
     assert stats.succeeded == 8 and peak[0] == 1  # CONFIG allows 3, the gate had 1 free
