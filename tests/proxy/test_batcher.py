@@ -2,8 +2,6 @@
 
 import asyncio
 
-import pytest
-
 from proxy.batcher import Batcher
 from proxy.metrics import ProxyMetrics
 from proxy.planning import arrival_batches
