@@ -11,29 +11,37 @@ Imported only by `backend.vllm_plugin.register()`. Patched (vLLM 0.32; names unc
   and describe its router (`LayerInfo`).
 - `FusedMoERouter.select_experts`: every modular MoE kernel (all CPU ones) gets its top-k from
   here; the wrapper hands the router's result to `RoutingHook.route`. Under torch.compile the call
-  is the custom op `moe_cohort::plugin_route` (opaque to Dynamo, fake impl for shapes).
+  is the custom op `moe_cohort::plugin_route` (opaque to Dynamo, fake impl for shapes). On CUDA
+  the hook routes from persistent device tables (table mode), so vLLM may capture the op in its
+  CUDA graphs: the tables are written before each step, outside the graphs.
 - `GPUModelRunner._model_forward` (the V1 runner; `CPUModelRunner` inherits it): publish the
   step's request spans before the forward (`begin_step`), then metrics and recording (`end_step`).
 - `GPUModelRunner._update_states`: requests in `finished_req_ids` are finished in the hook
   (their trace is written) before vLLM forgets them.
 
 Not covered: monolithic GPU MoE kernels (they skip `select_experts`), the V2 GPU model runner,
-and models that route outside `FusedMoEFactory`.
+and models that route outside `FusedMoEFactory`. `PATCHED` lists every member patched (tested
+against the installed vLLM); the plugin's per-process state is one `PluginState`, `STATE`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import importlib
+import importlib.util
 import logging
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import torch
 
 from backend.engine_state import RECORD_KEY, ROUTING_KEY, build_step, request_options
 from backend.metrics import ExpertLoadMetrics, setup_serving_process, worker_directory
-from backend.policy import PolicyError, TopK
+from backend.policy import Policy, PolicyError, TopK
 from backend.routing_hook import HookConfig, LayerInfo, RoutingHook
+from backend.selection.step_tables import capture_error
 
 log = logging.getLogger(__name__)
 
@@ -41,27 +49,53 @@ log = logging.getLogger(__name__)
 # other processes preempt the worker, so plugin time / forward time stays a fair ratio.
 _clock = time.thread_time_ns
 
-_HOOK: RoutingHook | None = None
-_MODEL_LIMITS: dict[str, int] = {}  # top_k, num_experts of the served model (API server process)
-_installed = False
+# (module, class, member): everything `install` replaces, in the order it patches them.
+PATCHED = (
+    ("vllm.sampling_params", "SamplingParams", "_verify_args"),
+    ("vllm.engine.arg_utils", "EngineArgs", "create_engine_config"),
+    ("vllm.model_executor.layers.fused_moe.runner.moe_runner", "MoERunner", "__init__"),
+    ("vllm.model_executor.layers.fused_moe.router.fused_moe_router", "FusedMoERouter", "select_experts"),
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "_model_forward"),
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "_update_states"),
+)
+
+
+@dataclass
+class PluginState:
+    """Everything the plugin keeps per process (one instance, `STATE`)."""
+
+    hook: RoutingHook | None = None
+    model_limits: dict = field(default_factory=dict)  # top_k, num_experts, graphs (API server process)
+    last_step: list = field(default_factory=lambda: [None, None, None])  # req_ids, query_start_loc, Step
+    forwards: int = 0  # forwards run in this worker
+    failed_layers: set = field(default_factory=set)  # layers whose routing failure was logged
+    installed: bool = False
+
+
+STATE = PluginState()
+
+
+def patched_class(module: str, cls: str):
+    """The vLLM class a `PATCHED` row names."""
+    return getattr(importlib.import_module(module), cls)
 
 
 def install(config) -> None:
     """Install every patch once per process. `config` is a `backend.vllm_plugin.PluginConfig`."""
-    global _HOOK, _installed
-    if _installed:
+    if STATE.installed:
         return
     if config.metrics:
         setup_serving_process()
     metrics = ExpertLoadMetrics(worker_directory()) if config.metrics else None
-    _HOOK = RoutingHook(HookConfig(config.default_policy, config.record_all, config.trace_dir), metrics)
+    STATE.hook = RoutingHook(HookConfig(config.default_policy, config.record_all, config.trace_dir,
+                                        rank_width=config.rank_width, graph_spec=config.graph_spec), metrics)
     _define_custom_op()
     _patch_sampling_params(config)
     _patch_engine_args(config)
     _patch_moe_runner()
     _patch_router()
     _patch_model_runner()
-    _installed = True
+    STATE.installed = True
 
 
 # ---- API server: validate per-request options ------------------------------------------------
@@ -76,8 +110,7 @@ def validate_extra_args(params, config) -> None:
         return
     try:
         opts = request_options(extra, config.default_policy, config.record_all)
-        if _MODEL_LIMITS:
-            opts.policy.validate_for_model(_MODEL_LIMITS["top_k"], _MODEL_LIMITS["num_experts"])
+        check_policy(opts.policy, config)
     except (PolicyError, ValueError) as exc:
         key = ROUTING_KEY if isinstance(exc, PolicyError) else RECORD_KEY
         raise VLLMValidationError(f"invalid vllm_xargs.{key}: {exc}", parameter=f"vllm_xargs.{key}",
@@ -86,6 +119,18 @@ def validate_extra_args(params, config) -> None:
     if (opts.record or changes_prefill) and params.skip_reading_prefix_cache is None:
         # A recorded request needs every position computed; a prefill policy must run its prefill.
         params.skip_reading_prefix_cache = True
+
+
+def check_policy(policy: Policy, config) -> None:
+    """Raise PolicyError if the served model, or its CUDA graphs, cannot run `policy`."""
+    limits = STATE.model_limits
+    if "top_k" in limits:
+        policy.validate_for_model(limits["top_k"], limits["num_experts"])
+    if limits.get("graphs"):
+        width = min(limits.get("num_experts", 1 << 30), config.rank_width or 2 * limits.get("top_k", 1 << 30))
+        reason = capture_error(policy, width, config.graph_spec)
+        if reason:
+            raise PolicyError(f"{policy.name}: cannot run in the engine's CUDA graphs: {reason}")
 
 
 def _patch_sampling_params(config) -> None:
@@ -109,28 +154,33 @@ def _patch_engine_args(config) -> None:
     @functools.wraps(orig)
     def create_engine_config(self, *args, **kwargs):
         vllm_config = orig(self, *args, **kwargs)
-        check_engine_config(vllm_config)
-        _MODEL_LIMITS.update(model_limits(vllm_config.model_config.hf_text_config))
-        if _MODEL_LIMITS:  # a server-wide default that cannot run on this model stops the server
-            try:
-                config.default_policy.validate_for_model(_MODEL_LIMITS["top_k"], _MODEL_LIMITS["num_experts"])
-            except PolicyError as exc:
-                raise PolicyError(f"COHORT_MOE_ROUTING={config.default_policy}: {exc}") from None
+        STATE.model_limits.update(model_limits(vllm_config.model_config.hf_text_config),
+                                  graphs=check_engine_config(vllm_config))
+        try:  # a server-wide default that cannot run on this model stops the server
+            check_policy(config.default_policy, config)
+        except PolicyError as exc:
+            raise PolicyError(f"COHORT_MOE_ROUTING={config.default_policy}: {exc}") from None
         return vllm_config
 
     EngineArgs.create_engine_config = create_engine_config
 
 
-def check_engine_config(vllm_config) -> None:
-    """Refuse engine settings under which the plugin would silently do nothing."""
+def check_engine_config(vllm_config) -> bool:
+    """Refuse engine settings under which the plugin would silently do nothing; True if CUDA graphs are on.
+
+    With CUDA graphs the hook routes from device tables through the Triton kernels, so Triton must
+    be installed (it comes with vLLM's CUDA builds).
+    """
     how = "or set VLLM_PLUGINS to a list without 'moe_cohort' to run without the plugin"
     if getattr(vllm_config, "use_v2_model_runner", False):
         raise RuntimeError("moe-cohort plugin: vLLM chose its V2 model runner, which the plugin does not hook "
                            f"(it wraps the V1 GPUModelRunner); set VLLM_USE_V2_MODEL_RUNNER=0, {how}")
     mode = getattr(vllm_config.compilation_config, "cudagraph_mode", None)
-    if mode is not None and getattr(mode, "name", str(mode)) != "NONE":
-        raise RuntimeError("moe-cohort plugin: CUDA graphs would replay the routing captured at startup and skip "
-                           f"the per-request policies, metrics and recording; start vLLM with --enforce-eager, {how}")
+    graphs = mode is not None and getattr(mode, "name", str(mode)) != "NONE"
+    if graphs and importlib.util.find_spec("triton") is None:
+        raise RuntimeError("moe-cohort plugin: CUDA graphs need the Triton selection kernels, and Triton is not "
+                           f"installed; install triton, start vLLM with --enforce-eager, {how}")
+    return graphs
 
 
 def model_limits(hf_config) -> dict[str, int]:
@@ -164,10 +214,15 @@ def _patch_moe_runner() -> None:
     @functools.wraps(orig)
     def __init__(self, *args, **kwargs) -> None:
         orig(self, *args, **kwargs)
-        names = get_current_vllm_config().compilation_config.static_all_moe_layers
-        index = names.index(self.layer_name) if self.layer_name in names else len(_HOOK.layers)
+        vllm_config = get_current_vllm_config()
+        names = vllm_config.compilation_config.static_all_moe_layers
+        hook = STATE.hook
+        index = names.index(self.layer_name) if self.layer_name in names else len(hook.layers)
         self.router._cohort_layer = index
-        _HOOK.layers[index] = layer_info(self.router)
+        hook.layers[index] = layer_info(self.router)
+        rows = getattr(vllm_config.scheduler_config, "max_num_batched_tokens", None)
+        if isinstance(rows, int) and hook.tables is None:  # table mode holds one forward's rows
+            hook.config = dataclasses.replace(hook.config, max_tokens=max(rows, hook.config.max_tokens))
 
     MoERunner.__init__ = __init__
 
@@ -190,15 +245,21 @@ def _define_custom_op() -> None:
 
 def route_safely(layer: int, router_logits: torch.Tensor, weights: torch.Tensor,
                  ids: torch.Tensor, copy: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """`RoutingHook.route`, or the router's own choice if the hook fails (logged, never fatal)."""
+    """`RoutingHook.route`, or the router's own choice if the hook fails (never fatal; the traceback
+    is logged once per layer, later failures of that layer at debug level)."""
     t0 = _clock()
+    hook = STATE.hook
     try:
-        return _HOOK.route(layer, router_logits, weights, ids, copy=copy)
+        return hook.route(layer, router_logits, weights, ids, copy=copy)
     except Exception:
-        log.exception("moe-cohort routing failed in MoE layer %d; keeping the router's top-k", layer)
+        first = layer not in STATE.failed_layers
+        STATE.failed_layers.add(layer)
+        (log.exception if first else log.debug)(
+            "moe-cohort routing failed in MoE layer %d; keeping the router's top-k%s", layer,
+            "" if first else " (again)")
         return weights, ids
     finally:
-        _HOOK.plugin_ns += _clock() - t0
+        hook.plugin_ns += _clock() - t0
 
 
 def _patch_router() -> None:
@@ -207,12 +268,12 @@ def _patch_router() -> None:
     orig = FusedMoERouter.select_experts
 
     @functools.wraps(orig)
-    def select_experts(self, hidden_states, router_logits, topk_indices_dtype=None, *, input_ids=None):
-        weights, ids = orig(self, hidden_states, router_logits, topk_indices_dtype=topk_indices_dtype,
-                            input_ids=input_ids)  # [T, k] each
+    def select_experts(self, *args, **kwargs):
+        weights, ids = orig(self, *args, **kwargs)  # [T, k] each
         layer = getattr(self, "_cohort_layer", None)
         if layer is None:
             return weights, ids
+        router_logits = args[1] if len(args) > 1 else kwargs["router_logits"]  # (hidden_states, router_logits, ...)
         if torch.compiler.is_compiling():
             return torch.ops.moe_cohort.plugin_route(router_logits, weights, ids, layer)
         return route_safely(layer, router_logits, weights, ids)
@@ -226,9 +287,6 @@ def _extra_args(runner, req_id: str) -> Mapping | None:
     return getattr(params, "extra_args", None)
 
 
-_last_step: list = [None, None, None]  # req_ids, query_start_loc, Step of the previous forward
-
-
 def current_step(runner):
     """The Step of the batch the runner is about to run (`backend.engine_state.build_step`); a
     steady decode batch of the same requests reuses the previous Step (saves its rebuilding)."""
@@ -236,14 +294,14 @@ def current_step(runner):
     n = batch.num_reqs
     req_ids = batch.req_ids[:n]
     query_start_loc = runner.query_start_loc.np[: n + 1].tolist()
-    last_ids, last_qsl, last = _last_step
+    last_ids, last_qsl, last = STATE.last_step
     if last is not None and last.steady and last_qsl == query_start_loc and last_ids == req_ids:
         return last
-    known = _HOOK.known_options  # parsed once per request
-    options = [known.get(rid) or _HOOK.options_for(rid, _extra_args(runner, rid)) for rid in req_ids]
+    known = STATE.hook.known_options  # parsed once per request
+    options = [known.get(rid) or STATE.hook.options_for(rid, _extra_args(runner, rid)) for rid in req_ids]
     step = build_step(req_ids, query_start_loc, batch.num_computed_tokens_cpu[:n].tolist(),
                       batch.num_prompt_tokens[:n].tolist(), options)
-    _last_step[:] = [req_ids, query_start_loc, step]
+    STATE.last_step[:] = [req_ids, query_start_loc, step]
     return step
 
 
@@ -251,11 +309,12 @@ def _observer_setup(runner) -> None:
     """Once per worker: metrics and recording on the first tensor-parallel rank only (no double counts)."""
     from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
+    hook = STATE.hook
     if get_tensor_model_parallel_rank() != 0:
-        _HOOK.metrics = None
-        _HOOK.observe = False
-    _HOOK.model_name = str(runner.model_config.served_model_name or runner.model_config.model)
-    _HOOK.decode_text = _text_decoder(runner.model_config)
+        hook.metrics = None
+        hook.observe = False
+    hook.model_name = str(runner.model_config.served_model_name or runner.model_config.model)
+    hook.decode_text = _text_decoder(runner.model_config)
 
 
 def _text_decoder(model_config):
@@ -281,46 +340,45 @@ def _patch_model_runner() -> None:
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     orig_forward, orig_update = GPUModelRunner._model_forward, GPUModelRunner._update_states
-    steps = {"count": 0}
 
     @functools.wraps(orig_forward)
     def _model_forward(self, *args, **kwargs):
-        t0 = _clock()
-        if steps["count"] == 0:
+        t0, hook = _clock(), STATE.hook
+        if STATE.forwards == 0:
             _observer_setup(self)
-        steps["count"] += 1
+        STATE.forwards += 1
         try:
-            _HOOK.begin_step(current_step(self))
+            hook.begin_step(current_step(self))
         except Exception:
             log.exception("moe-cohort: cannot read the batch; this step runs with the router's top-k")
-            _HOOK.begin_step(None)
+            hook.begin_step(None)
         t1 = _clock()
         try:
             return orig_forward(self, *args, **kwargs)
         finally:
             t2 = _clock()
-            _HOOK.plugin_ns += t1 - t0  # end_step's own time is charged to the next step
+            hook.plugin_ns += t1 - t0  # end_step's own time is charged to the next step
             try:
-                _HOOK.end_step(forward_ns=t2 - t0)
+                hook.end_step(forward_ns=t2 - t0)
             except Exception:
-                log.exception("moe-cohort: metrics/recording failed for step %d", steps["count"])
-            _HOOK.plugin_ns += _clock() - t2
+                log.exception("moe-cohort: metrics/recording failed for step %d", STATE.forwards)
+            hook.plugin_ns += _clock() - t2
 
     @functools.wraps(orig_update)
     def _update_states(self, scheduler_output):
-        t0 = _clock()
+        t0, hook = _clock(), STATE.hook
         if scheduler_output.finished_req_ids:
-            _last_step[:] = [None, None, None]  # a finished id may come back as a new request
+            STATE.last_step[:] = [None, None, None]  # a finished id may come back as a new request
         for req_id in scheduler_output.finished_req_ids:
             state = self.requests.get(req_id)
             try:
-                _HOOK.finish_request(req_id, getattr(state, "prompt_token_ids", None),
+                hook.finish_request(req_id, getattr(state, "prompt_token_ids", None),
                                      list(getattr(state, "output_token_ids", []) or []))
             except Exception:
                 log.exception("moe-cohort: cannot write the trace of %s", req_id)
         if not scheduler_output.total_num_scheduled_tokens:
-            _HOOK.idle()  # e.g. the step that only reports finished requests
-        _HOOK.plugin_ns += _clock() - t0
+            hook.idle()  # e.g. the step that only reports finished requests
+        hook.plugin_ns += _clock() - t0
         return orig_update(self, scheduler_output)
 
     GPUModelRunner._model_forward = _model_forward

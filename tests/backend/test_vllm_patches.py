@@ -10,7 +10,7 @@ import torch
 from backend import vllm_patches
 from backend.engine_state import RequestOptions, build_step
 from backend.metrics import ExpertLoadMetrics
-from backend.policy import TopK, parse_policy
+from backend.policy import PolicyError, TopK, parse_policy
 from backend.routing_hook import HookConfig, LayerInfo, RoutingHook
 from backend.selection import select_topk
 
@@ -22,7 +22,7 @@ LYNX = parse_policy("lynx-lat;drop=6")
 def hook(monkeypatch):
     hook = RoutingHook(HookConfig(), ExpertLoadMetrics())
     hook.layers[0] = LayerInfo(top_k=4, num_experts=16)
-    monkeypatch.setattr(vllm_patches, "_HOOK", hook)
+    monkeypatch.setattr(vllm_patches, "STATE", vllm_patches.PluginState(hook=hook))
     vllm_patches._define_custom_op()
     return hook
 
@@ -67,8 +67,11 @@ def test_route_safely_keeps_the_router_choice_when_the_hook_fails(hook, monkeypa
 
     monkeypatch.setattr(hook, "route", broken)
     weights, ids = torch.rand(2, 4), torch.zeros(2, 4, dtype=torch.int32)
-    assert vllm_patches.route_safely(0, torch.randn(2, 16), weights, ids) == (weights, ids)
-    assert "routing failed in MoE layer 0" in caplog.text
+    for _ in range(3):
+        assert vllm_patches.route_safely(0, torch.randn(2, 16), weights, ids) == (weights, ids)
+    vllm_patches.route_safely(1, torch.randn(2, 16), weights, ids)
+    assert caplog.text.count("Traceback") == 2  # once per layer, not once per call
+    assert "routing failed in MoE layer 0" in caplog.text and "routing failed in MoE layer 1" in caplog.text
 
 
 def test_layer_info_describes_plain_and_special_routers():
@@ -97,7 +100,7 @@ def test_validation_raises_vllm_400_errors_and_skips_the_prefix_cache(monkeypatc
     from backend.vllm_plugin import PluginConfig
 
     config = PluginConfig.from_env({})
-    monkeypatch.setattr(vllm_patches, "_MODEL_LIMITS", {"top_k": 4, "num_experts": 16})
+    monkeypatch.setattr(vllm_patches, "STATE", vllm_patches.PluginState(model_limits={"top_k": 4, "num_experts": 16}))
 
     def params(extra):
         return SimpleNamespace(extra_args=extra, skip_reading_prefix_cache=None)
@@ -120,12 +123,39 @@ def _engine_config(v2=False, cudagraph="NONE"):
                            compilation_config=SimpleNamespace(cudagraph_mode=SimpleNamespace(name=cudagraph)))
 
 
-def test_engine_settings_that_would_bypass_the_plugin_are_refused():
-    vllm_patches.check_engine_config(_engine_config())  # V1 runner, no CUDA graphs: fine
+def test_engine_settings_that_would_bypass_the_plugin_are_refused(monkeypatch):
+    assert vllm_patches.check_engine_config(_engine_config()) is False  # V1 runner, no CUDA graphs
     with pytest.raises(RuntimeError, match="VLLM_USE_V2_MODEL_RUNNER=0"):
         vllm_patches.check_engine_config(_engine_config(v2=True))
-    with pytest.raises(RuntimeError, match="--enforce-eager"):
+    monkeypatch.setattr(vllm_patches.importlib.util, "find_spec", lambda name: object())
+    assert vllm_patches.check_engine_config(_engine_config(cudagraph="FULL_AND_PIECEWISE")) is True
+    monkeypatch.setattr(vllm_patches.importlib.util, "find_spec", lambda name: None)  # no Triton
+    with pytest.raises(RuntimeError, match="CUDA graphs need the Triton selection kernels"):
         vllm_patches.check_engine_config(_engine_config(cudagraph="FULL_AND_PIECEWISE"))
+
+
+def test_policies_the_captured_kernels_cannot_serve_are_refused_under_cuda_graphs(monkeypatch):
+    from backend.vllm_plugin import PluginConfig
+
+    limits = {"top_k": 4, "num_experts": 16, "graphs": True}
+    monkeypatch.setattr(vllm_patches, "STATE", vllm_patches.PluginState(model_limits=limits))
+    config = PluginConfig.from_env({})
+    vllm_patches.check_policy(parse_policy("oea;k0=1;max_p=8"), config)   # 2 x top_k: ranked
+    with pytest.raises(PolicyError, match="cannot run in the engine's CUDA graphs.*COHORT_GRAPH_RANK_WIDTH >= 9"):
+        vllm_patches.check_policy(parse_policy("oea;k0=1;max_p=9"), config)
+    with pytest.raises(PolicyError, match="COHORT_GRAPH_XSHARE_SPEC=1"):
+        vllm_patches.check_policy(parse_policy("xshare-spec;m=4"), config)
+    spec_config = PluginConfig.from_env({"COHORT_GRAPH_XSHARE_SPEC": "1", "COHORT_GRAPH_RANK_WIDTH": "9"})
+    vllm_patches.check_policy(parse_policy("xshare-spec;m=4"), spec_config)
+    vllm_patches.check_policy(parse_policy("oea;k0=1;max_p=9"), spec_config)
+    limits["graphs"] = False                                                 # eager engine: all fine
+    vllm_patches.check_policy(parse_policy("xshare-spec;m=4"), config)
+
+
+@pytest.mark.skipif(not has_vllm, reason="vLLM is not installed")
+@pytest.mark.parametrize("module, cls, member", vllm_patches.PATCHED)
+def test_every_patched_member_exists_in_the_installed_vllm(module, cls, member):
+    assert callable(getattr(vllm_patches.patched_class(module, cls), member))
 
 
 @pytest.mark.skipif(not has_vllm, reason="vLLM is not installed")
@@ -136,12 +166,11 @@ def test_register_is_idempotent_and_patches_once():
 
     code = """
 from backend.vllm_plugin import register
+from backend.vllm_patches import PATCHED, patched_class
 register(); register()
-from vllm.model_executor.layers.fused_moe.router.fused_moe_router import FusedMoERouter
-from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-from vllm.sampling_params import SamplingParams
-for fn in (FusedMoERouter.select_experts, GPUModelRunner._model_forward, SamplingParams._verify_args):
-    assert hasattr(fn, "__wrapped__") and not hasattr(fn.__wrapped__, "__wrapped__"), fn
+for module, cls, member in PATCHED:
+    fn = getattr(patched_class(module, cls), member)
+    assert hasattr(fn, "__wrapped__") and not hasattr(fn.__wrapped__, "__wrapped__"), (cls, member)
 print("ok")
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
