@@ -31,17 +31,17 @@ class Clock:
         return self.now
 
 
-def add_batch(jobs: BatchJobs, n: int, **record) -> str:
+def add_batch(jobs: BatchJobs, n: int, batch_id: str = "batch_1", **record) -> str:
     """An uploaded input file of `n` completions and a batch record over it (as a restart finds it)."""
     path = jobs.store.upload_path("file-in")
     path.write_text("".join(json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
                                         "body": {"model": "tiny", "prompt": f"p{i}"}}) + "\n" for i in range(n)))
     jobs.store.add_file("file-in", "in.jsonl", "batch", path, path.stat().st_size)
     parsed = read_batch_file(path, default_policy="topk", max_line_bytes=10_000)
-    jobs.store.add_batch({"id": "batch_1", "endpoint": "/v1/completions", "input_file_id": "file-in",
+    jobs.store.add_batch({"id": batch_id, "endpoint": "/v1/completions", "input_file_id": "file-in",
                           "completion_window": "24h", "created_at": int(START), "total": n,
                           "input_sha256": parsed.sha256, "input_bytes": parsed.size, **record})
-    return "batch_1"
+    return batch_id
 
 
 def make_jobs(tmp_path, url: str, clock: Clock) -> tuple[BatchJobs, BackendClient]:
@@ -160,6 +160,37 @@ def run_until_closed_again(tmp_path, clock: Clock, sent: list) -> tuple[dict, li
                 await client.close()
 
     return asyncio.run(main())
+
+
+def test_a_batch_cancelled_while_waiting_for_its_turn_is_cancelled_at_once(tmp_path):
+    clock, reached, release = Clock(), asyncio.Event(), asyncio.Event()
+
+    async def slow_first(request):
+        reached.set()
+        await release.wait()  # the first batch holds the turn until the test lets it go
+        return answer(OK)
+
+    async def main():
+        async with local_backend(slow_first) as url:
+            jobs, backend = make_jobs(tmp_path, url, clock)
+            first = add_batch(jobs, 2, "batch_1", status="in_progress", expires_at=int(START) + 3600)
+            second = add_batch(jobs, 2, "batch_2", status="in_progress", expires_at=int(START) + 3600)
+            try:
+                await jobs.resume()
+                await reached.wait()  # batch_1 runs (it has the turn); batch_2 waits for the turn
+                assert jobs.cancel(second)["status"] == "cancelling"
+                await asyncio.wait_for(jobs.join(second), 10)  # not after batch_1
+                waiting = outcome(jobs, second)[0], jobs.get(first)["status"]
+                release.set()
+                await jobs.join(first)
+                return waiting, jobs.get(first)["status"]
+            finally:
+                await jobs.close()
+                await backend.close()
+
+    (cancelled, first_then), first_at_end = asyncio.run(main())
+    assert cancelled["status"] == "cancelled" and cancelled["completed"] == 0 and first_then == "in_progress"
+    assert first_at_end == "completed"
 
 
 def test_status_changes_follow_the_table():
