@@ -6,8 +6,10 @@ In order:
    waiting request it goes, and no request that arrived after it is chosen before it;
 3. with nobody resident (who has a profile), the oldest: there is nothing to fit yet;
 4. else, among the requests that arrived before the first profile-less one (and whose profile
-   has the oldest one's size), the one expected to add the fewest experts per step to the
-   resident set (`encoder.admission.ResidentExperts.pick`); ties go to the earliest arrival.
+   has the oldest one's size), the one the resident set picks: with predicted profiles
+   (`encoder.admission.ResidentExperts`) the fewest expected new experts per step; with
+   embeddings only (`ResidentEmbedding`) the nearest to the resident set. Ties go to the
+   earliest arrival.
 
 Pure numpy; callers keep their waiting requests in arrival order.
 """
@@ -18,11 +20,21 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from encoder.admission import ResidentExperts, oldest_overdue
+from encoder.admission import ResidentEmbedding, ResidentExperts, oldest_overdue
+
+
+Resident = ResidentExperts | ResidentEmbedding
+
+
+def resident_size(resident: Resident | None) -> int | None:
+    """Length of the vectors `resident` holds ([L*E] profiles or [D] embeddings); None for None."""
+    if resident is None:
+        return None
+    return int(np.prod(resident.shape)) if isinstance(resident, ResidentExperts) else len(resident.total)
 
 
 def next_to_admit(waited: Sequence[float], profiles: Sequence[np.ndarray | None],
-                  resident: ResidentExperts | None, max_wait: float | None) -> int:
+                  resident: Resident | None, max_wait: float | None) -> int:
     """Index of the request to admit among `profiles` (flat [L*E] or None each), in arrival order.
 
     `waited[i]` is how long request i has waited (same unit as `max_wait`); `resident` holds the
@@ -37,7 +49,7 @@ def next_to_admit(waited: Sequence[float], profiles: Sequence[np.ndarray | None]
     if plain == 0 or resident is None or resident.count == 0:
         return 0
     size = profiles[0].shape[0]
-    if resident.shape[0] * resident.shape[1] != size:
-        raise ValueError(f"the resident set has {resident.shape} experts, the oldest profile {size}")
+    if resident_size(resident) != size:
+        raise ValueError(f"the resident set holds vectors of {resident_size(resident)}, the oldest request {size}")
     eligible = [i for i in range(plain) if profiles[i].shape[0] == size]
     return eligible[resident.pick(np.stack([profiles[i] for i in eligible]))]  # [n, L*E]

@@ -39,5 +39,5 @@ def test_needs_a_candidate_and_a_resident_set_of_the_right_size():
         next_to_admit([], [], None, 1.0)
     resident = ResidentExperts(1, 4)
     resident.admit(np.ones(4) * 0.5)
-    with pytest.raises(ValueError, match="resident set"):
+    with pytest.raises(ValueError, match="resident set holds vectors of 4"):
         next_to_admit([0.0], [np.ones(6)], resident, 1.0)
