@@ -27,8 +27,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--input", required=True, type=Path, help="JSONL of OpenAI Batch request lines or {id, text} lines")
     parser.add_argument("--output", required=True, type=Path, help="where to write the plan (JSONL of {id, batch, position})")
     parser.add_argument("--batch-size", required=True, type=int, help="most requests per batch (B)")
-    parser.add_argument("--encoder", default=None, help="sentence-transformers model: local folder or hub name "
-                        "(default: the packaged all-MiniLM-L6-v2, works offline)")
+    parser.add_argument("--encoder", default=None, help="sentence-transformers model: local folder, hub name, or "
+                        "`static` (distilled once, fast) (default: the packaged all-MiniLM-L6-v2, works offline)")
     parser.add_argument("--max-seq-len", type=int, default=None, help="truncate texts to this many tokens (default: the model's)")
     parser.add_argument("--seed", type=int, default=0, help="planner seed (default 0)")
     parser.add_argument("--skip-invalid", action="store_true", help="write bad lines to a rejects file instead of stopping")
@@ -42,6 +42,9 @@ def run(args: argparse.Namespace) -> int:
         return _fail(f"--batch-size must be >= 1, got {args.batch_size}")
     if args.rejects is not None and not args.skip_invalid:
         return _fail("--rejects only applies with --skip-invalid")
+    problem = _unwritable(args.output) or _unknown_encoder(args.encoder)
+    if problem:
+        return _fail(problem)
     try:
         items, rejects = _read(args.input, args.skip_invalid)
     except (OSError, InputError) as exc:
@@ -65,6 +68,24 @@ def run(args: argparse.Namespace) -> int:
     print(f"planned {len(items)} requests into {len(plan)} batches of <= {args.batch_size} -> {args.output} "
           f"(embedding {embedded - start:.1f}s, planning {planned - embedded:.2f}s)", file=sys.stderr)
     return 0
+
+
+def _unwritable(output: Path) -> str | None:
+    if output.is_dir():
+        return f"--output {output} is a folder; give a file path for the plan, e.g. {output / 'plan.jsonl'}"
+    if not output.parent.is_dir():
+        return f"--output {output}: the folder {output.parent} does not exist"
+    return None
+
+
+def _unknown_encoder(name: str | None) -> str | None:
+    from encoder.embedding import EncoderNotFound, resolve_model
+
+    try:
+        resolve_model(name) if name != "static" else None  # `static` is built on first use
+    except EncoderNotFound as exc:
+        return str(exc)
+    return None
 
 
 def _read(path: Path, skip_invalid: bool) -> tuple[list[PlanInput], list[InputError]]:

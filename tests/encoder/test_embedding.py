@@ -79,3 +79,28 @@ def test_loads_a_local_folder_with_the_hub_unreachable(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["source"] == str(folder) and got["shape"] == [2, 384]
+
+
+@pytest.mark.parametrize("name, message", [
+    ("/nope/model", "no such model folder"),
+    ("./relative-missing", "no such model folder"),
+    ("a/b/c", "no such model folder"),
+    ("someone/not-cached-model", "not in the local Hugging Face cache and HF_HUB_OFFLINE is set"),
+])
+def test_unknown_encoders_fail_at_once_saying_what_to_use(name, message):
+    from encoder.embedding import EncoderNotFound
+
+    with pytest.raises(EncoderNotFound, match=message) as info:
+        resolve_model(name)
+    assert "packaged all-MiniLM-L6-v2" in str(info.value)
+
+
+def test_an_unreachable_hub_fails_fast_when_online(monkeypatch):
+    import huggingface_hub.constants
+
+    from encoder import embedding
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(embedding, "HUB_HOST", ("127.0.0.1", 9))  # discard port: connection refused at once
+    with pytest.raises(embedding.EncoderNotFound, match="unreachable"):
+        resolve_model("someone/not-cached-model")
