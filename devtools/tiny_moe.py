@@ -76,8 +76,9 @@ class TinyMoeArgs:
             raise ValueError(f"top_k must lie in [1, num_experts={self.num_experts}], got {self.top_k}")
 
 
-def build_tokenizer(vocab_size: int = 512):
-    """A byte-level BPE tokenizer (transformers `PreTrainedTokenizerFast`) with a ChatML template."""
+def build_tokenizer(vocab_size: int = 512, texts=None):
+    """A byte-level BPE tokenizer (transformers `PreTrainedTokenizerFast`) with a ChatML template,
+    trained on `texts` (an iterable of strings; default: the small built-in corpus)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -88,7 +89,7 @@ def build_tokenizer(vocab_size: int = 512):
         vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS), show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
-    tok.train_from_iterator(_CORPUS.splitlines(), trainer=trainer)
+    tok.train_from_iterator(_CORPUS.splitlines() if texts is None else texts, trainer=trainer)
     hf = PreTrainedTokenizerFast(
         tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
         unk_token="<|endoftext|>", bos_token=None,
@@ -156,6 +157,14 @@ def make_tiny_moe(out_dir: str | Path, args: TinyMoeArgs = TinyMoeArgs()) -> Pat
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     summary = {**asdict(args), "vocab_size": len(tokenizer),
                "num_parameters": sum(p.numel() for p in model.parameters())}
+    write_model_dir(out, model, tokenizer, summary)
+    log.info("wrote tiny %s (%d params, vocab %d) to %s", args.arch, summary["num_parameters"], len(tokenizer), out)
+    return out
+
+
+def write_model_dir(out: Path, model, tokenizer, summary: dict) -> Path:
+    """Save `model`, `tokenizer` and `summary` (as cohort_tiny_moe.json) into `out`, `config.json` last."""
+    out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".tiny-moe-", dir=out.parent) as tmp:
         scratch = Path(tmp)
         model.save_pretrained(scratch)
@@ -163,5 +172,4 @@ def make_tiny_moe(out_dir: str | Path, args: TinyMoeArgs = TinyMoeArgs()) -> Pat
         (scratch / "cohort_tiny_moe.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
         for path in sorted(scratch.iterdir(), key=lambda p: p.name == "config.json"):
             os.replace(path, out / path.name)
-    log.info("wrote tiny %s (%d params, vocab %d) to %s", args.arch, summary["num_parameters"], len(tokenizer), out)
     return out
