@@ -3,8 +3,9 @@
 The head maps an encoder embedding x [D] to u [L, E], the predicted fraction of the request's
 decode tokens that pick expert e at MoE layer l (rows sum to about top_k), which is what
 encoder.admission.ResidentExperts needs to admit by expected new experts from text alone.
-It is a ridge regression (fitted by train.profile_head on the training side of traces.split),
-saved as `expert_profile_head.npz` in the encoder's folder, so `--encoder FOLDER` finds both.
+It is a ridge regression blended with the profiles of the nearest training requests (fitted by
+train.profile_head on the training side of traces.split), saved as `expert_profile_head.npz`
+in the encoder's folder, so `--encoder FOLDER` finds both.
 
 Compact form, for a request field that carries flat lists of scalars (vLLM's `vllm_xargs`):
 per layer the `top` most frequent experts, each as one int `expert * 256 + q` with
@@ -27,7 +28,12 @@ _LEVELS = 255
 
 @dataclass(frozen=True)
 class ProfileHead:
-    """u = clip(x @ weight + bias, 0, 1), reshaped to [L, E]."""
+    """u = clip((1 - mix) * (x @ weight + bias) + mix * neighbours' profiles, 0, 1), as [L, E].
+
+    The neighbour part (when `memory_x` is set) is the softmax(temperature * cosine)-weighted
+    mean of the profiles of the `neighbours` training requests nearest to x. Ridge alone
+    regresses every profile toward the mean; real neighbours keep how concentrated a profile
+    is, which is what the expected-new-experts rule ranks candidates by."""
 
     weight: np.ndarray  # [D, L*E] float32
     bias: np.ndarray  # [L*E] float32
@@ -35,6 +41,11 @@ class ProfileHead:
     num_experts: int
     top_k: int
     alpha: float = 0.0  # the ridge penalty it was fitted with (for the record)
+    memory_x: np.ndarray | None = None  # [M, D] float32 unit embeddings of the training requests
+    memory_y: np.ndarray | None = None  # [M, L*E] float16 their expert profiles
+    neighbours: int = 10
+    temperature: float = 20.0
+    mix: float = 0.0  # weight of the neighbour part (0: ridge only)
 
     @property
     def dim(self) -> int:
@@ -45,16 +56,32 @@ class ProfileHead:
         x = np.asarray(x, dtype=np.float32)
         if x.shape[-1] != self.dim:
             raise ValueError(f"embeddings have dimension {x.shape[-1]}, the head expects {self.dim}")
-        y = np.clip(x @ self.weight + self.bias, 0.0, 1.0)  # [..., L*E]
-        return y.reshape(x.shape[:-1] + (self.num_layers, self.num_experts))
+        flat = x.reshape(-1, self.dim)  # [N, D]
+        y = flat @ self.weight + self.bias  # [N, L*E]
+        if self.mix > 0 and self.memory_x is not None:
+            y = (1.0 - self.mix) * y + self.mix * self._neighbour_mean(flat)
+        return np.clip(y, 0.0, 1.0).reshape(x.shape[:-1] + (self.num_layers, self.num_experts))
+
+    def _neighbour_mean(self, x: np.ndarray) -> np.ndarray:  # [N, D] -> [N, L*E]
+        norms = np.linalg.norm(x, axis=1, keepdims=True)
+        sim = (x / np.where(norms > 0, norms, 1.0)) @ self.memory_x.T  # [N, M] cosine
+        k = min(self.neighbours, sim.shape[1])
+        idx = np.argpartition(-sim, k - 1, axis=1)[:, :k]  # [N, k] nearest training requests
+        w = np.exp(self.temperature * (np.take_along_axis(sim, idx, axis=1) - sim.max(axis=1, keepdims=True)))
+        w /= w.sum(axis=1, keepdims=True)  # [N, k]
+        return np.einsum("nk,nkf->nf", w, self.memory_y[idx].astype(np.float32))
 
     def save(self, folder: str | Path) -> Path:
         """Write the head to FOLDER/expert_profile_head.npz (no pickles) and return the path."""
         path = Path(folder) / HEAD_FILE
         path.parent.mkdir(parents=True, exist_ok=True)
-        meta = {"num_layers": self.num_layers, "num_experts": self.num_experts, "top_k": self.top_k, "alpha": self.alpha}
+        meta = {"num_layers": self.num_layers, "num_experts": self.num_experts, "top_k": self.top_k, "alpha": self.alpha,
+                "neighbours": self.neighbours, "temperature": self.temperature, "mix": self.mix}
+        arrays = {"weight": self.weight.astype(np.float32), "bias": self.bias.astype(np.float32), "meta": np.array(json.dumps(meta))}
+        if self.memory_x is not None:
+            arrays.update(memory_x=self.memory_x.astype(np.float32), memory_y=self.memory_y.astype(np.float16))
         with open(path, "wb") as f:
-            np.savez(f, weight=self.weight.astype(np.float32), bias=self.bias.astype(np.float32), meta=np.array(json.dumps(meta)))
+            np.savez(f, **arrays)
         return path
 
 
@@ -65,8 +92,11 @@ def load_profile_head(folder: str | Path) -> ProfileHead | None:
         return None
     with np.load(path, allow_pickle=False) as z:
         meta = json.loads(str(z["meta"]))
+        memory = {k: z[k] for k in ("memory_x", "memory_y") if k in z.files}
         return ProfileHead(weight=z["weight"], bias=z["bias"], num_layers=int(meta["num_layers"]),
-                           num_experts=int(meta["num_experts"]), top_k=int(meta["top_k"]), alpha=float(meta.get("alpha", 0.0)))
+                           num_experts=int(meta["num_experts"]), top_k=int(meta["top_k"]), alpha=float(meta.get("alpha", 0.0)),
+                           neighbours=int(meta.get("neighbours", 10)), temperature=float(meta.get("temperature", 20.0)),
+                           mix=float(meta.get("mix", 0.0)), **memory)
 
 
 def compact(profile: np.ndarray, top: int = COMPACT_TOP) -> list[int]:

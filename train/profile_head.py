@@ -6,7 +6,10 @@ expert). Features are the encoder's unit embeddings. Ridge with an unpenalised i
 closed form through one SVD of the centred features; the penalty is chosen from `alphas` by
 exact leave-one-out error (for ridge, the LOO residual is the residual over 1 - h_ii, with h
 the hat matrix), so no request is ever scored by a fit that saw it. Only the training side of
-the project's split (traces.split) is ever passed in.
+the project's split (traces.split) is ever passed in. The fitted requests are also kept as the
+head's neighbour memory (unit embeddings and float16 profiles): a ridge fit regresses every
+profile toward the mean, the neighbours' real profiles keep how concentrated a request's
+experts are, and the blend of both admits better than either (bench_continuous).
 """
 
 from __future__ import annotations
@@ -25,10 +28,14 @@ from train.targets import profiles
 log = logging.getLogger(__name__)
 
 DEFAULT_ALPHAS = (0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0)
+DEFAULT_MIX, DEFAULT_NEIGHBOURS, DEFAULT_TEMPERATURE = 0.5, 10, 20.0
 
 
-def fit_profile_head(x: np.ndarray, prof: np.ndarray, top_k: int, alphas: Sequence[float] = DEFAULT_ALPHAS) -> ProfileHead:
-    """Ridge from embeddings x [N, D] to profiles prof [N, L, E], penalty by leave-one-out error."""
+def fit_profile_head(x: np.ndarray, prof: np.ndarray, top_k: int, alphas: Sequence[float] = DEFAULT_ALPHAS, *,
+                     mix: float = DEFAULT_MIX, neighbours: int = DEFAULT_NEIGHBOURS,
+                     temperature: float = DEFAULT_TEMPERATURE) -> ProfileHead:
+    """Ridge from embeddings x [N, D] to profiles prof [N, L, E], penalty by leave-one-out error,
+    blended (weight `mix`) with the profiles of the `neighbours` nearest of these requests."""
     n, layers, experts = prof.shape
     x = np.asarray(x, dtype=np.float64)
     y = prof.reshape(n, -1).astype(np.float64)  # [N, L*E]
@@ -39,8 +46,12 @@ def fit_profile_head(x: np.ndarray, prof: np.ndarray, top_k: int, alphas: Sequen
     weight = vt.T @ ((s / (s**2 + alpha))[:, None] * uty)  # [D, L*E]
     bias = y_mean - x_mean @ weight  # [L*E]
     log.info("profile head: %d requests, dim %d -> %d x %d, alpha %g", n, x.shape[1], layers, experts, alpha)
+    unit = x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)  # [N, D]
     return ProfileHead(weight=weight.astype(np.float32), bias=bias.astype(np.float32), num_layers=layers,
-                       num_experts=experts, top_k=top_k, alpha=float(alpha))
+                       num_experts=experts, top_k=top_k, alpha=float(alpha),
+                       memory_x=unit.astype(np.float32) if mix > 0 else None,
+                       memory_y=y.astype(np.float16) if mix > 0 else None,
+                       neighbours=neighbours, temperature=temperature, mix=mix)
 
 
 def _loo_error(u: np.ndarray, s: np.ndarray, uty: np.ndarray, yc: np.ndarray, alpha: float) -> float:

@@ -53,3 +53,23 @@ def test_compact_keeps_each_layers_top_experts_quantised():
 def test_expand_rejects_experts_outside_the_model():
     with pytest.raises(ValueError, match="experts"):
         expand([9 * 256 + 10], 1, 8)
+
+
+def test_the_neighbour_part_is_the_softmax_weighted_mean_of_the_nearest_profiles(tmp_path):
+    rng = np.random.default_rng(4)
+    mem_x = rng.normal(size=(12, 4))
+    mem_x /= np.linalg.norm(mem_x, axis=1, keepdims=True)
+    mem_y = rng.random((12, 10)).astype(np.float16)
+    base = _head()
+    head = ProfileHead(**{**base.__dict__, "memory_x": mem_x.astype(np.float32), "memory_y": mem_y, "neighbours": 3,
+                          "temperature": 5.0, "mix": 0.4})
+    x = rng.normal(size=(2, 4)).astype(np.float32)
+    for i in range(2):
+        cos = mem_x @ (x[i] / np.linalg.norm(x[i]))
+        near = np.argsort(-cos)[:3]
+        w = np.exp(5.0 * cos[near])
+        knn = (w / w.sum()) @ mem_y[near].astype(np.float64)
+        want = np.clip(0.6 * (x[i] @ base.weight + base.bias) + 0.4 * knn, 0, 1).reshape(2, 5)
+        np.testing.assert_allclose(head.predict(x)[i], want, rtol=1e-4, atol=1e-5)
+    head.save(tmp_path)
+    np.testing.assert_allclose(load_profile_head(tmp_path).predict(x), head.predict(x), rtol=1e-6)
