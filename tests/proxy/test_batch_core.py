@@ -121,3 +121,13 @@ def test_run_config_comes_from_the_settings(key, value):
     settings = Settings(**{"backend_api_key" if key == "api_key" else key: value})
     assert getattr(RunConfig.from_settings(settings), key) == value
     assert RunConfig.from_settings(settings, metrics_interval_s=0).metrics_interval_s == 0
+
+
+def test_the_core_loads_no_event_loop_and_no_http_client():
+    import subprocess
+    import sys
+
+    code = ("import sys, proxy.batch_core; print(sorted({m.split('.')[0] for m in sys.modules} & "
+            "{'asyncio', 'aiohttp', 'httpx', 'fastapi', 'starlette', 'uvicorn'}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
