@@ -12,7 +12,8 @@ the reference that knows the traces. The profile heads: the one saved in FOLDER 
 train` when present, else fitted here on the training side; the base encoder's is always
 fitted here. Embeddings are cached in --cache (outside the repository).
 
-Prints one table per S, the targets of issue 13, and the cost of one admission over 1,000.
+Prints one table per S, the targets of issue 13, the S = 16 table again under a fairness bound
+(--max-wait steps), and the cost of one admission over a pool of 1,000.
 """
 
 from __future__ import annotations
@@ -68,12 +69,16 @@ def main() -> None:
           f"{args.seeds} seeds\n")
     results = [_run(held, tokens, s, text, cost, lengths, args.seeds) for s in _ints(args.slots)]
     _targets(results)
+    if args.max_wait:
+        print(f"\nS = 16 with the fairness bound: a request that has waited {args.max_wait} steps goes first, oldest "
+              f"first (all requests arrive at step 0, so from step {args.max_wait} on the rest is first come, first served)")
+        _run(held, tokens, 16, text, cost, lengths, args.seeds, max_wait=args.max_wait)
     _admission_cost(text[list(text)[-1]][1], ts.num_layers, ts.num_experts)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
 
 
-def _run(held, tokens, slots, text, cost, lengths, seeds) -> dict:
+def _run(held, tokens, slots, text, cost, lengths, seeds, max_wait=None) -> dict:
     from encoder.planner import plan_batches
 
     x_plan = text[list(text)[-1]][0]
@@ -82,8 +87,9 @@ def _run(held, tokens, slots, text, cost, lengths, seeds) -> dict:
         policies.update(text_policies(f"-{tag}", x, head))
     policies[REFERENCE] = by_profile(decode_profiles(tokens, held))
     start = time.perf_counter()
-    result = evaluate_continuous(tokens, slots, policies, lengths, cost, held.num_layers, seeds=seeds)
-    print(format_engine_table(result) + f"\n({time.perf_counter() - start:.1f} s)\n")
+    result = evaluate_continuous(tokens, slots, policies, lengths, cost, held.num_layers, seeds=seeds, max_wait=max_wait)
+    queue = ", ".join(f"{k} {v['max_queue_steps']}" for k, v in result["plans"].items())
+    print(format_engine_table(result) + f"\nlongest queue (steps): {queue}\n({time.perf_counter() - start:.1f} s)\n")
     return result
 
 
@@ -146,6 +152,7 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--lengths", default="lognormal")
     p.add_argument("--cost-model", default="deepseek-v2-lite")
     p.add_argument("--cache", default="/tmp/cohort-bench-cache", help="embedding cache (outside the repository)")
+    p.add_argument("--max-wait", type=int, default=400, help="fairness bound (steps) of the extra S = 16 run; 0: skip")
     p.add_argument("--json", help="also write the results to this file")
     return p.parse_args()
 
