@@ -40,7 +40,7 @@ PredictFn = Callable[[Sequence[str]], list]
 
 @dataclass(frozen=True, eq=False)
 class Admission:
-    batch_id: str  # the admission's sequence number (X-Cohort-Batch)
+    admission_id: str  # the admission's sequence number (X-Cohort-Admission)
     queue_s: float
     profile: list[int] | None = None  # compact, for vllm_xargs.moe_profile
     flat: np.ndarray | None = field(default=None, repr=False)  # [L*E] or [D], what the resident set holds

@@ -1,12 +1,12 @@
 """The OpenAI-compatible proxy: FastAPI routes in front of a vLLM backend.
 
-    POST /v1/chat/completions, POST /v1/completions   windowed, planned, dispatched with a policy
+    POST /v1/chat/completions, POST /v1/completions   admitted by predicted experts, sent with a policy
     GET  /v1/models                                    relayed from the backend
     GET  /health, GET /metrics                         proxy + backend health, Prometheus text
     /v1/files, /v1/batches                             the OpenAI Batch API (proxy/batch_api.py)
 
 `create_app(settings)` builds everything once: the settings, the backend client, the encoder
-and planner (plan function), the batcher and the metrics.
+and profile head (the predictor), the admission gate and the metrics.
 """
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ from proxy.auth import Authorizer, backend_headers
 from proxy.backend import BackendClient
 from proxy.batch_api import add_batch_api
 from proxy.batch_jobs import BatchJobs
-from proxy.batcher import Batcher, PlanFn
+from proxy.admission import AdmissionGate, Profiler
 from proxy.errors import BackendStatusError, ProxyError
 from proxy.metrics import ProxyMetrics
-from proxy.planning import make_plan_fn
-from proxy.protocol import ProxyRequest, Route, check_size, cohort_headers, parse_request
+from proxy.profiles import Predictor, make_predictor
+from proxy.protocol import ProxyRequest, Route, check_size, cohort_headers, parse_request, with_profile
 from proxy.settings import Settings, load_settings
 from proxy.streaming import StreamRelay, Upstream
 
@@ -40,18 +40,19 @@ PATHS: dict[Route, str] = {"chat": "/v1/chat/completions", "completion": "/v1/co
 class Proxy:
     """The request path, independent of routing: auth, parse, admit, forward, relay."""
 
-    def __init__(self, settings: Settings, plan_fn: PlanFn) -> None:
-        self.settings = settings
+    def __init__(self, settings: Settings, predictor: Predictor | None) -> None:
+        self.settings, self.predictor = settings, predictor
         self.metrics = ProxyMetrics()
         self.backend = BackendClient.from_settings(settings)
-        self.batcher = Batcher(plan_fn, self.metrics, batch_size=settings.batch_size, flush_size=settings.flush_size,
-                               max_wait_s=settings.max_wait_ms / 1000, max_queue_s=settings.max_queue_ms / 1000,
-                               max_in_flight=settings.max_in_flight)
+        profiler = Profiler(predictor.predict, self.metrics.profile_seconds) if predictor else None
+        self.gate = AdmissionGate(profiler, self.metrics, max_in_flight=settings.max_in_flight,
+                                  max_queue_s=settings.max_queue_ms / 1000,
+                                  **({"resident_factory": predictor.resident_factory} if predictor else {}))
         self.authorize = Authorizer(settings.api_keys)  # called with a request's headers
-        self.upstream = Upstream(self.batcher, self.backend, self.metrics, settings.keepalive_s)
+        self.upstream = Upstream(self.gate, self.backend, self.metrics, settings.keepalive_s)
 
     async def close(self) -> None:
-        self.batcher.close()
+        self.gate.close()
         await self.backend.close()
 
     async def completion(self, request: Request, route: Route) -> Response:
@@ -67,12 +68,12 @@ class Proxy:
         return await self._forward(preq, PATHS[route], backend_headers(self.settings, request.headers))
 
     async def _forward(self, preq: ProxyRequest, path: str, headers: dict[str, str]) -> Response:
-        admission = await self.batcher.admit(preq.text, preq.policy)
+        admission = await self.gate.admit(preq.text, preq.policy)
         try:
             with self.metrics.backend_seconds.labels(preq.route).time():
-                answer = await self.backend.request("POST", path, json=preq.body, headers=headers)
+                answer = await self.backend.request("POST", path, json=with_profile(preq.body, admission), headers=headers)
         finally:
-            self.batcher.release()
+            self.gate.release(admission)
         self.metrics.requests.labels(preq.route, str(answer.status_code)).inc()
         return Response(answer.content, status_code=answer.status_code, headers=cohort_headers(admission),
                         media_type=answer.content_type)
@@ -84,7 +85,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     if not settings.backend_url:
         raise ValueError("settings.backend_url is empty; pass --backend URL (or run `cohort serve` without it "
                          "to start the embedded vLLM backend)")
-    proxy = Proxy(settings, make_plan_fn(settings))
+    proxy = Proxy(settings, make_predictor(settings))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -102,7 +103,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app = FastAPI(title="moe-cohort proxy", lifespan=lifespan)
     app.state.proxy = proxy
     _add_error_handlers(app, proxy)
-    batch_jobs = BatchJobs(settings, proxy.backend, proxy.batcher.plan_fn, gate=proxy.batcher)
+    batch_jobs = BatchJobs(settings, proxy.backend, proxy.predictor, gate=proxy.gate)
     add_batch_api(app, batch_jobs, proxy.authorize, settings.max_file_bytes)
 
     @app.post("/v1/chat/completions")

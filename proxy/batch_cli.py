@@ -1,10 +1,11 @@
-"""`cohort batch run`: an OpenAI Batch file through a vLLM backend, planned up front, resumable.
+"""`cohort batch run`: an OpenAI Batch file through a vLLM backend, in admission order, resumable.
 
     cohort batch run --input requests.jsonl --output results.jsonl --backend http://127.0.0.1:8000
 
 The whole file is validated first (nothing is sent if a line is bad, unless --skip-invalid), then
-planned (encoder + planner; --encoder none keeps file order), then sent with --concurrency requests
-at the backend. Results and failures are appended as they finish, with a journal next to the output
+every request's expert profile (or embedding) is predicted once, then requests are sent with
+--concurrency (the backend's max_num_seqs) at the backend, each freed slot going to the waiting
+request that best fits those out now (--encoder none keeps file order). Results and failures are appended as they finish, with a journal next to the output
 (`results.jsonl.journal`): after a crash or kill, the same command finishes the rest.
 """
 
@@ -20,15 +21,13 @@ from proxy.settings import Settings, SettingsError, add_setting_flags, flag_over
 # flag -> Settings field (defaults live in Settings and COHORT_* variables)
 _FLAGS = {
     "--backend": ("backend_url", str, "vLLM server, e.g. http://127.0.0.1:8000"),
-    "--batch-size": ("batch_size", int, "requests per planned batch (B); match the backend's max_num_seqs"),
     "--policy": ("default_policy", str, "routing policy for lines without vllm_xargs.moe_routing, e.g. xshare;m=32"),
     "--encoder": ("encoder", str, "encoder name or path; 'none' keeps the file order"),
-    "--concurrency": ("batch_concurrency", int, "requests at the backend at once (default: --batch-size)"),
+    "--concurrency": ("batch_concurrency", int, "requests at the backend at once: its max_num_seqs (default 256)"),
     "--max-retries": ("batch_max_retries", int, "retries per request for 429, 5xx and timeouts"),
     "--request-timeout-s": ("request_timeout_s", float, "backend timeout per request"),
     "--backend-api-key": ("backend_api_key", str, "API key to send to the backend"),
     "--max-line-bytes": ("max_body_bytes", int, "longest input line accepted"),
-    "--seed": ("seed", int, "planner seed"),
 }
 MAX_LISTED_ERRORS = 20
 
@@ -41,7 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run_parser.add_argument("--errors", type=Path, help="error JSONL (default: OUTPUT's stem + .errors.jsonl)")
     add_setting_flags(run_parser, _FLAGS)
     run_parser.add_argument("--skip-invalid", action="store_true", help="write bad lines to the error file and go on")
-    run_parser.add_argument("--dry-run", action="store_true", help="validate and plan only; write the plan, send nothing")
+    run_parser.add_argument("--dry-run", action="store_true", help="validate and predict only; write the sending order, send nothing")
     run_parser.add_argument("--plan", type=Path, help="where --dry-run writes the plan (default: OUTPUT + .plan.jsonl)")
     run_parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -64,28 +63,31 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if not batch.requests and not batch.errors:
         return _fail(f"{args.input} has no requests")
-    from proxy.planning import make_plan_fn
+    from proxy.profiles import make_predictor
 
-    plan_fn = make_plan_fn(settings)
+    predictor = make_predictor(settings)
     if args.dry_run:
-        return _dry_run(args, settings, batch, plan_fn)
-    return _execute(args, settings, batch, plan_fn)
+        return _dry_run(args, settings, batch, predictor)
+    return _execute(args, settings, batch, predictor)
 
 
-def _dry_run(args, settings: Settings, batch, plan_fn) -> int:
-    from proxy.batch_core import plan_requests
+def _dry_run(args, settings: Settings, batch, predictor) -> int:
+    from proxy.batch_order import make_order, simulated_order
     from proxy.batch_run import write_plan
 
-    batches = plan_requests(batch.requests, plan_fn, settings.batch_size)
+    concurrency = settings.batch_in_flight
+    order = simulated_order(batch.requests, make_order(batch.requests, predictor), concurrency)
     path = args.plan or args.output.with_name(args.output.name + ".plan.jsonl")
-    write_plan(path, batches)
+    write_plan(path, order, concurrency)
     skipped = f", {len(batch.errors)} invalid line(s) left out" if batch.errors else ""
-    print(f"dry run: planned {len(batch.requests)} requests into {len(batches)} batches of <= {settings.batch_size}"
-          f"{skipped} -> {path}; nothing was sent", file=sys.stderr)
+    batches = -(-len(order) // concurrency)
+    print(f"dry run: planned {len(batch.requests)} requests into {batches} batches of <= {concurrency} "
+          f"(the order admission sends them in, {concurrency} at a time, if they finish in order){skipped} -> {path}; "
+          f"nothing was sent", file=sys.stderr)
     return 0
 
 
-def _execute(args, settings: Settings, batch, plan_fn) -> int:
+def _execute(args, settings: Settings, batch, predictor) -> int:
     from proxy.batch_run import RunAborted
     from proxy.journal import Journal, JournalError, JournalPaths
 
@@ -95,7 +97,7 @@ def _execute(args, settings: Settings, batch, plan_fn) -> int:
     except (JournalError, OSError) as exc:
         return _fail(str(exc))
     try:
-        stats = asyncio.run(_run(settings, batch, journal, plan_fn, progress=not args.no_progress,
+        stats = asyncio.run(_run(settings, batch, journal, predictor, progress=not args.no_progress,
                                  skip_invalid=args.skip_invalid))
     except RunAborted as exc:
         return _fail(f"{exc}\nresults so far are in {paths.output}; run the same command again to finish the rest", 1)
@@ -107,7 +109,7 @@ def _execute(args, settings: Settings, batch, plan_fn) -> int:
     return 0
 
 
-async def _run(settings: Settings, batch, journal, plan_fn, *, progress: bool, skip_invalid: bool):
+async def _run(settings: Settings, batch, journal, predictor, *, progress: bool, skip_invalid: bool):
     from proxy.backend import BackendClient
     from proxy.batch_core import RunConfig
     from proxy.batch_run import run_batch
@@ -116,7 +118,7 @@ async def _run(settings: Settings, batch, journal, plan_fn, *, progress: bool, s
     finished = sum(1 for r in batch.requests if r.line in journal.done)
     with _ProgressBar(len(batch.requests), finished, enabled=progress) as bar:
         try:
-            return await run_batch(batch, journal, backend, plan_fn, RunConfig.from_settings(settings),
+            return await run_batch(batch, journal, backend, predictor, RunConfig.from_settings(settings),
                                    skip_invalid=skip_invalid, on_progress=bar.update)
         finally:
             await backend.close()

@@ -1,7 +1,8 @@
 """The decisions of a batch run, without I/O: what to send next, what to make of an answer, when to stop.
 
-Shaped like nano-vllm's scheduler. `BatchCore` holds the planned requests in dispatch order and
-answers the driver (proxy/batch_run.py), which does the sending, the sleeping and the writing:
+Shaped like nano-vllm's scheduler. `BatchCore` holds the waiting requests in file order, asks its
+`Order` (proxy/batch_order.py: file order, or admission by predicted experts) which one goes next,
+and answers the driver (proxy/batch_run.py), which does the sending, the sleeping and the writing:
 
     schedule(now)          Send(request, request_id) while fewer than `concurrency` requests are out;
                            None when all slots are taken; Stop.DONE when every request was handed
@@ -24,26 +25,21 @@ from __future__ import annotations
 import enum
 import random
 import time
-from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import Callable, Sequence
 
+from proxy.batch_order import FileOrder, Order
 from proxy.batchfile import BatchFile, BatchRequest, failure_line, new_id, result_line
 from proxy.expert_loads import ExpertLoads
 from proxy.journal import Record
 from proxy.settings import Settings
 
-if TYPE_CHECKING:  # a type only: the core imports nothing of asyncio
-    from proxy.batcher import PlanFn
-
-RequestBatches = list[list[BatchRequest]]  # planned batches of requests, in dispatch order
 EXPIRED_MESSAGE = "This request could not be executed before the completion window expired."
 
 
 @dataclass(frozen=True)
 class RunConfig:
-    batch_size: int = 16
-    concurrency: int = 16  # requests at the backend at once
+    concurrency: int = 16  # requests at the backend at once (its max_num_seqs)
     max_retries: int = 5
     backoff_s: float = 0.5  # first retry delay; doubles per attempt, up to max_backoff_s
     max_backoff_s: float = 30.0
@@ -53,7 +49,7 @@ class RunConfig:
     @classmethod
     def from_settings(cls, settings: Settings, **overrides) -> "RunConfig":
         """The run's configuration from the process's one Settings object (`overrides` win)."""
-        return cls(**{"batch_size": settings.batch_size, "concurrency": settings.batch_in_flight,
+        return cls(**{"concurrency": settings.batch_in_flight,
                       "max_retries": settings.batch_max_retries, "api_key": settings.backend_api_key, **overrides})
 
 
@@ -132,13 +128,13 @@ class Stop(enum.Enum):
 
 
 class BatchCore:
-    """The waiting requests (plan order), the ones out at the backend, and the run's statistics."""
+    """The waiting requests (file order), the ones out at the backend, and the run's statistics."""
 
-    def __init__(self, batches: RequestBatches, config: RunConfig, stats: RunStats, *,
-                 deadline: float | None = None, rng: random.Random | None = None) -> None:
+    def __init__(self, requests: Sequence[BatchRequest], config: RunConfig, stats: RunStats, *,
+                 order: Order | None = None, deadline: float | None = None, rng: random.Random | None = None) -> None:
         self.config, self.stats, self.deadline = config, stats, deadline
-        self.rng = rng or random.Random()
-        self.waiting = deque(r for batch in batches for r in batch)
+        self.order, self.rng = order or FileOrder(), rng or random.Random()
+        self.waiting = list(requests)
         self.attempts: dict[int, int] = {}  # input line -> failed attempts so far, for requests out now
 
     def schedule(self, now: float) -> Send | Stop | None:
@@ -149,7 +145,8 @@ class BatchCore:
             return Stop.DONE
         if len(self.attempts) >= self.config.concurrency:
             return None
-        request = self.waiting.popleft()
+        request = self.waiting.pop(self.order.pick(self.waiting))
+        self.order.sent(request)
         self.attempts[request.line] = 0
         return Send(request, new_id("req_"))
 
@@ -158,13 +155,13 @@ class BatchCore:
         request, last = send.request, self.attempts[send.request.line] == self.config.max_retries
         if isinstance(outcome, Answered) and (outcome.status < 400 or last or not retryable(outcome.status)):
             kind = "output" if outcome.status < 400 else "errors"
-            return self._finish(Record(request.line, kind, result_line(request, send.request_id, outcome.status,
-                                                                       outcome.body)))
+            line = result_line(request, send.request_id, outcome.status, outcome.body)
+            return self._finish(request, Record(request.line, kind, line))
         if isinstance(outcome, TimedOut) and last:
-            return self._finish(Record(request.line, "errors",
-                                       failure_line(request.custom_id, "backend_timeout", outcome.message)))
+            line = failure_line(request.custom_id, "backend_timeout", outcome.message)
+            return self._finish(request, Record(request.line, "errors", line))
         if isinstance(outcome, Unreachable) and last:
-            del self.attempts[request.line]
+            self._finish(request, None)
             return Abort(outcome.message)
         return self._retry(request.line, outcome)
 
@@ -181,8 +178,10 @@ class BatchCore:
                 self.stats.prompt_tokens += int(usage.get("prompt_tokens") or 0)
                 self.stats.completion_tokens += int(usage.get("completion_tokens") or 0)
 
-    def _finish(self, record: Record) -> Finish:
-        del self.attempts[record.line]
+    def _finish(self, request: BatchRequest, record: Record | None) -> Finish:
+        """Free the request's slot (record None: it goes unfinished, the run aborts)."""
+        del self.attempts[request.line]
+        self.order.finished(request)
         return Finish(record)
 
     def _retry(self, line: int, outcome: Outcome) -> Retry:
@@ -196,20 +195,6 @@ class BatchCore:
 
 def retryable(status: int) -> bool:
     return status in (408, 429) or status >= 500
-
-
-def plan_requests(requests: Sequence[BatchRequest], plan_fn: PlanFn, batch_size: int) -> RequestBatches:
-    """Batches of requests in dispatch order: each routing policy planned on its own, policies in order of
-    appearance. Raises RuntimeError when the plan function loses or repeats a request."""
-    by_policy: dict[str, list[BatchRequest]] = {}
-    for r in requests:
-        by_policy.setdefault(r.policy, []).append(r)
-    batches = [[group[int(i)] for i in batch] for group in by_policy.values()
-               for batch in plan_fn([r.text for r in group], batch_size)]
-    planned = sorted(r.line for batch in batches for r in batch)
-    if planned != sorted(r.line for r in requests):
-        raise RuntimeError(f"the planner returned {len(planned)} requests for {len(requests)} (lost or repeated ones)")
-    return batches
 
 
 def invalid_records(batch: BatchFile, done: dict[int, str]) -> list[Record]:

@@ -44,9 +44,9 @@ RETRY_S = (5.0, 300.0)  # first and longest pause while the backend is unreachab
 
 
 class BatchJobs:
-    def __init__(self, settings: Settings, backend, plan_fn, gate=None, *, clock: Callable[[], float] = time.time) -> None:
-        self.settings, self.backend, self.plan_fn = settings, backend, plan_fn  # backend: BackendClient
-        self.gate = gate  # proxy.batcher.Batcher
+    def __init__(self, settings: Settings, backend, predictor, gate=None, *, clock: Callable[[], float] = time.time) -> None:
+        self.settings, self.backend, self.predictor = settings, backend, predictor  # BackendClient, proxy.profiles.Predictor
+        self.gate = gate  # proxy.admission.AdmissionGate
         self.clock = clock  # epoch seconds: completion windows
         self.config = RunConfig.from_settings(settings, metrics_interval_s=0)
         self._store: BatchStore | None = None
@@ -222,7 +222,7 @@ class BatchJobs:
                               usage=job.usage)
 
         try:
-            await run_batch(parsed, journal, self.backend, self.plan_fn, self.config, skip_invalid=False,
+            await run_batch(parsed, journal, self.backend, self.predictor, self.config, skip_invalid=False,
                             on_progress=progress, stop=job.stop, gate=self.gate, deadline=job.expires_at,
                             clock=self.clock)
         except RunAborted as exc:

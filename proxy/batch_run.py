@@ -3,13 +3,13 @@ Batch API's jobs and benchmarks/bench_batch.py.
 
 1. lines the journal already has are finished: they are neither planned nor sent again;
 2. invalid lines (when skipped) go to the error file first, once;
-3. the remaining requests are planned up front, per routing policy, with the process's plan function
-   (encoder + planner, or arrival order), and sent in plan order with at most `concurrency` at the
-   backend: a slot that frees goes to the next planned request at once, so the backend stays full
-   and the requests running together come from one or two planned batches (set concurrency = the
-   backend's max_num_seqs = batch_size). With `gate` (the proxy's online dispatcher,
-   proxy/batcher.py) each request also takes a background slot, so batch work only uses backend
-   capacity that interactive requests leave free;
+3. the remaining requests are sent with at most `concurrency` (the backend's max_num_seqs) at the
+   backend; a slot that frees goes at once to the waiting request that best fits the requests out
+   now (proxy/batch_order.py: admission by the predictor's expert profiles, predicted once for the
+   whole file, or file order without a predictor), so the backend stays full and its resident set
+   stays alike. With `gate` (the proxy's online admission, proxy/admission.py) each request also
+   takes a background slot, so batch work only uses backend capacity that interactive requests
+   leave free;
 4. retries, backoff and what fails a request: proxy/batch_core.py decides; an unreachable backend
    (after the retries) stops the run with RunAborted, and a rerun resumes;
 5. finished requests are committed to the journal (proxy/journal.py) in groups by one writer.
@@ -30,20 +30,22 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 
-from encoder.plans import write_plan_file
+from encoder.plans import chunk, write_plan_file
 from proxy.auth import bearer
 from proxy.backend import BackendClient
-from proxy.batch_core import (Abort, Answered, BatchCore, Outcome, RequestBatches, Retry, RunConfig, RunStats, Send,
-                              Stop, TimedOut, Unreachable, invalid_records, plan_requests)
-from proxy.batcher import Batcher, PlanFn
-from proxy.batchfile import BatchFile
+from proxy.admission import AdmissionGate
+from proxy.batch_core import (Abort, Answered, BatchCore, Outcome, Retry, RunConfig, RunStats, Send, Stop, TimedOut,
+                              Unreachable, invalid_records)
+from proxy.batch_order import make_order
+from proxy.batchfile import BatchFile, BatchRequest
 from proxy.errors import BackendStatusError, BackendTimeout, BackendUnreachable
 from proxy.expert_loads import ExpertLoads, fetch_expert_loads
 from proxy.journal import Journal, JournalError, Record
+from proxy.profiles import Predictor
 
 log = logging.getLogger(__name__)
 
@@ -63,12 +65,12 @@ class _Unreachable(Exception):
     """The backend stayed unreachable through a request's retries."""
 
 
-async def run_batch(batch: BatchFile, journal: Journal, backend: BackendClient, plan_fn: PlanFn, config: RunConfig, *,
-                    skip_invalid: bool = True, on_progress: ProgressFn | None = None,
-                    stop: asyncio.Event | None = None, gate: Batcher | None = None,
+async def run_batch(batch: BatchFile, journal: Journal, backend: BackendClient, predictor: Predictor | None,
+                    config: RunConfig, *, skip_invalid: bool = True, on_progress: ProgressFn | None = None,
+                    stop: asyncio.Event | None = None, gate: AdmissionGate | None = None,
                     deadline: float | None = None, clock: Callable[[], float] = time.time) -> RunStats:
     """Finish every line of `batch` that `journal` has not: invalid ones into the error file (`skip_invalid`),
-    the rest planned and sent. Returns when all are committed, `stop` is set, or `clock()` reaches
+    the rest sent in admission order (`predictor`: proxy/profiles.py; None: file order). Returns when all are committed, `stop` is set, or `clock()` reaches
     `deadline`; raises RunAborted when the backend stays unreachable or the journal cannot be written."""
     if skip_invalid:
         journal.commit(invalid_records(batch, journal.done))
@@ -76,24 +78,24 @@ async def run_batch(batch: BatchFile, journal: Journal, backend: BackendClient, 
     stats = RunStats(total=len(batch.requests), finished_before=len(batch.requests) - len(pending))
     if not pending:
         return stats
-    batches = await asyncio.to_thread(plan_requests, pending, plan_fn, config.batch_size)
-    log.info("planned %d requests into %d batches of <= %d", len(pending), len(batches), config.batch_size)
-    core = BatchCore(batches, config, stats, deadline=deadline)
+    order = await asyncio.to_thread(make_order, pending, predictor)
+    log.info("%d requests to send, %d at a time, in %s", len(pending), config.concurrency,
+             "file order" if predictor is None else f"admission by {predictor.kind}")
+    core = BatchCore(pending, config, stats, order=order, deadline=deadline)
     driver = _Driver(core, journal, backend, gate, on_progress or (lambda stats: None), clock)
     return await driver.run(stop or asyncio.Event())
 
 
-def write_plan(path: str | Path, batches: RequestBatches) -> None:
-    """The plan in the one plan-file format (encoder.plans), in dispatch order; `id` is the custom_id, so
-    `cohort eval --plan` reads it. Extra fields: custom_id, line, policy."""
-    requests = [r for batch in batches for r in batch]
-    starts = np.cumsum([0] + [len(batch) for batch in batches])
-    write_plan_file(path, [np.arange(a, b) for a, b in zip(starts[:-1], starts[1:])], [r.custom_id for r in requests],
+def write_plan(path: str | Path, requests: Sequence[BatchRequest], concurrency: int) -> None:
+    """`requests` in sending order as a plan file (encoder.plans; batch k = the k-th `concurrency` sent);
+    `id` is the custom_id, so `cohort eval --plan` reads it. Extra fields: custom_id, line, policy."""
+    plan = chunk(np.arange(len(requests)), concurrency)
+    write_plan_file(path, plan, [r.custom_id for r in requests],
                     [{"custom_id": r.custom_id, "line": r.line, "policy": r.policy} for r in requests])
 
 
 class _Driver:
-    def __init__(self, core: BatchCore, journal: Journal, backend: BackendClient, gate: Batcher | None,
+    def __init__(self, core: BatchCore, journal: Journal, backend: BackendClient, gate: AdmissionGate | None,
                  on_progress: ProgressFn, clock: Callable[[], float]) -> None:
         self.core, self.journal, self.backend, self.gate = core, journal, backend, gate
         self.on_progress, self.clock = on_progress, clock

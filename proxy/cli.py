@@ -12,13 +12,11 @@ _FLAGS = {
     "--backend": ("backend_url", str, "vLLM server to front, e.g. http://127.0.0.1:8000 (default: start a tiny one)"),
     "--host": ("host", str, "address to listen on"),
     "--port": ("port", int, "port to listen on"),
-    "--batch-size": ("batch_size", int, "requests per planned batch (B)"),
-    "--window-size": ("window_size", int, "flush the window when this many requests wait (default: B)"),
-    "--max-wait-ms": ("max_wait_ms", float, "flush when the oldest request has waited this long"),
-    "--max-queue-ms": ("max_queue_ms", float, "fairness bound: dispatch a request ahead of the plan past this"),
-    "--max-in-flight": ("max_in_flight", int, "requests at the backend at once (default: its max_num_seqs)"),
+    "--max-queue-ms": ("max_queue_ms", float, "fairness bound: a request waiting this long is admitted first"),
+    "--max-in-flight": ("max_in_flight", int, "requests at the backend at once: set it to its max_num_seqs"),
     "--default-policy": ("default_policy", str, "routing policy when a request has no X-MoE-Routing header"),
-    "--encoder": ("encoder", str, "encoder name or path; 'none' disables planning (arrival order)"),
+    "--encoder": ("encoder", str, "encoder name or path (a folder from `cohort train` brings its profile head); "
+                                  "'static' is fast; 'none': first come, first served"),
     "--backend-api-key": ("backend_api_key", str, "API key to send to the backend"),
     "--request-timeout-s": ("request_timeout_s", float, "backend timeout per request"),
     "--max-body-bytes": ("max_body_bytes", int, "largest request body accepted"),
@@ -76,6 +74,6 @@ def _serve(settings: Settings) -> None:
 
     app = create_app(settings)
     print(f"moe-cohort proxy on http://{settings.host}:{settings.port}/v1 -> {settings.backend_url} "
-          f"(B={settings.batch_size}, window {settings.max_wait_ms:g} ms, policy {settings.default_policy}); "
+          f"({settings.max_in_flight} in flight, policy {settings.default_policy}); "
           f"point an OpenAI client at base_url=http://{settings.host}:{settings.port}/v1. Ctrl-C stops.")
     uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning")

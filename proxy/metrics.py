@@ -15,12 +15,10 @@ class ProxyMetrics:
         self.queue_seconds = Histogram("cohort_queue_seconds", "Time from arrival to dispatch", buckets=LATENCY_BUCKETS, registry=r)
         self.backend_seconds = Histogram("cohort_backend_seconds", "Backend time to response headers", ["route"],
                                          buckets=LATENCY_BUCKETS, registry=r)
-        self.flushes = Counter("cohort_window_flushes", "Window flushes, by reason (size or deadline)", ["reason"], registry=r)
-        self.batch_size = Histogram("cohort_batch_size", "Requests per planned batch", buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
-                                    registry=r)
-        self.plan_seconds = Histogram("cohort_plan_seconds", "Embedding + planning time per flush", buckets=LATENCY_BUCKETS, registry=r)
+        self.profile_seconds = Histogram("cohort_profile_seconds", "Embedding + profile prediction time per group of arrivals",
+                                         buckets=LATENCY_BUCKETS, registry=r)
         self.in_flight = Gauge("cohort_in_flight", "Requests at the backend now", registry=r)
-        self.waiting = Gauge("cohort_waiting", "Requests in the window or waiting for a backend slot", registry=r)
+        self.waiting = Gauge("cohort_waiting", "Requests being profiled or waiting for a backend slot", registry=r)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -38,8 +38,16 @@ class ProxyRequest:
 
 
 def cohort_headers(admission) -> dict[str, str]:
-    """The X-Cohort-* response headers: which planned batch a request went with, how long it queued."""
-    return {"x-cohort-batch": admission.batch_id, "x-cohort-queue-ms": f"{admission.queue_s * 1000:.1f}"}
+    """The X-Cohort-* response headers: the admission's sequence number, how long the request queued."""
+    return {"x-cohort-admission": admission.admission_id, "x-cohort-queue-ms": f"{admission.queue_s * 1000:.1f}"}
+
+
+def with_profile(body: dict, admission) -> dict:
+    """The body to forward: with the admission's predicted profile in `vllm_xargs.moe_profile` (for an
+    engine that reorders its own queue, backend/scheduler.py), or unchanged without one."""
+    if admission.profile is None:
+        return body
+    return {**body, "vllm_xargs": {**(body.get("vllm_xargs") or {}), "moe_profile": admission.profile}}
 
 
 def check_size(content_length: str | None, max_bytes: int) -> None:

@@ -1,7 +1,7 @@
 """The proxy's one settings object, built once from CLI flags and `COHORT_*` environment variables.
 
 Precedence: explicit values (CLI flags) > environment (`COHORT_<FIELD>` upper-cased, e.g.
-`COHORT_MAX_WAIT_MS=20`, `COHORT_API_KEYS=k1,k2`) > the defaults below.
+`COHORT_MAX_QUEUE_MS=5000`, `COHORT_API_KEYS=k1,k2`) > the defaults below.
 """
 
 from __future__ import annotations
@@ -24,15 +24,12 @@ class Settings:
     backend_url: str = ""  # vLLM server to front, e.g. http://127.0.0.1:8000 (empty: start the embedded one)
     host: str = "127.0.0.1"
     port: int = 8080
-    batch_size: int = 16  # B: requests per planned batch
-    window_size: int = 0  # flush when this many requests of one policy wait (0: = batch_size)
-    max_wait_ms: float = 50.0  # flush when the oldest waiting request has waited this long
-    max_queue_ms: float = 30_000.0  # fairness bound: past this a request is dispatched ahead of the plan
-    max_in_flight: int = 256  # requests at the backend at once (vLLM's default max_num_seqs)
+    max_queue_ms: float = 30_000.0  # fairness bound: a request that has waited this long is admitted first
+    max_in_flight: int = 256  # requests at the backend at once: its max_num_seqs (vLLM's default 256)
     default_policy: str = "topk"  # routing policy when a request has no X-MoE-Routing header
-    encoder: str = ""  # encoder name or path ("" = the offline default, "none" = no embedding, arrival order)
+    encoder: str = ""  # encoder name or path ("" = the offline default, "none" = no prediction, first come first served)
     encoder_max_seq_len: int = 128
-    seed: int = 0
+    encoder_cache: int = 10_000  # embeddings kept by text hash (repeated prompts are not embedded again); 0: off
     api_keys: tuple[str, ...] = ()  # proxy keys clients must send as `Authorization: Bearer`; empty = open
     backend_api_key: str = ""  # key sent to the backend; empty = forward the client's (when the proxy has no keys)
     request_timeout_s: float = 600.0
@@ -43,27 +40,23 @@ class Settings:
     # Offline batches (`cohort batch run` and the Batch API, see proxy/batch_run.py)
     data_dir: str = ""  # Batch API files + SQLite records ("" = $XDG_DATA_HOME/moe-cohort, else ~/.local/share/moe-cohort)
     max_file_bytes: int = 200 * 1024 * 1024  # largest uploaded batch file (OpenAI's limit)
-    # Batch API requests at the backend at once (0: = batch_size, one planned batch); they also take
-    # only slots of max_in_flight that online requests leave free
+    # batch requests at the backend at once (0: = max_in_flight, the backend's capacity); Batch API
+    # jobs also take only slots of max_in_flight that online requests leave free
     batch_concurrency: int = 0
     batch_max_retries: int = 5  # retries per batch request for 429, 5xx and timeouts (exponential backoff)
 
     def __post_init__(self) -> None:
-        for name in ("port", "batch_size", "max_in_flight", "max_body_bytes", "encoder_max_seq_len", "max_file_bytes"):
+        for name in ("port", "max_in_flight", "max_body_bytes", "encoder_max_seq_len", "max_file_bytes"):
             if getattr(self, name) < 1:
                 raise SettingsError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("window_size", "max_wait_ms", "max_queue_ms", "keepalive_s", "request_timeout_s",
+        for name in ("max_queue_ms", "keepalive_s", "request_timeout_s", "encoder_cache",
                      "batch_concurrency", "batch_max_retries"):
             if getattr(self, name) < 0:
                 raise SettingsError(f"{name} must be >= 0, got {getattr(self, name)}")
 
     @property
-    def flush_size(self) -> int:
-        return self.window_size or self.batch_size
-
-    @property
     def batch_in_flight(self) -> int:
-        return self.batch_concurrency or self.batch_size
+        return self.batch_concurrency or self.max_in_flight
 
     @property
     def data_path(self) -> Path:

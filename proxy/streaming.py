@@ -5,7 +5,7 @@ A streaming request waits for its turn up to `keepalive_s` before answering. Adm
 code; otherwise it answers 200 at once and sends SSE comments (`: queued`) until admitted, and a
 later error arrives as an SSE `data: {"error": ...}` event, as vLLM itself reports errors mid-stream.
 Whatever happens (finish, error, client disconnect) `close()` runs once: it closes the backend
-connection, which makes vLLM abort the request, and frees the batcher slot.
+connection, which makes vLLM abort the request, and frees the admission slot.
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ from typing import AsyncIterator
 from starlette.responses import StreamingResponse
 
 from proxy.backend import BackendClient
-from proxy.batcher import Batcher
+from proxy.admission import AdmissionGate
 from proxy.errors import ProxyError
 from proxy.metrics import ProxyMetrics
-from proxy.protocol import ProxyRequest, cohort_headers
+from proxy.protocol import ProxyRequest, cohort_headers, with_profile
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ class _ClosingStreamingResponse(StreamingResponse):
 class Upstream:
     """What a relay uses: the dispatcher (`gate`), the backend, the metrics, the keep-alive interval."""
 
-    gate: Batcher
+    gate: AdmissionGate
     backend: BackendClient
     metrics: ProxyMetrics
     keepalive_s: float
@@ -73,7 +73,8 @@ class StreamRelay:
         return _ClosingStreamingResponse(self._relay(), self.close, headers=cohort_headers(self._admit.result()))
 
     async def _open(self) -> None:
-        stream = self.up.backend.stream(self.path, json=self.preq.body, headers=self.headers)
+        body = with_profile(self.preq.body, self._admit.result())
+        stream = self.up.backend.stream(self.path, json=body, headers=self.headers)
         self._response = await stream.__aenter__()  # raises on a backend error status
         self._stream = stream
         self.up.metrics.requests.labels(self.preq.route, str(self._response.status)).inc()
@@ -103,13 +104,13 @@ class StreamRelay:
             return
         self._closed = True
         if not self._admit.done():
-            self._admit.cancel()  # the batcher forgets the queued request
+            self._admit.cancel()  # the gate forgets the queued request
             return
         if self._stream is not None:
             with contextlib.suppress(Exception):
                 await self._stream.__aexit__(None, None, None)
         if not self._admit.cancelled() and self._admit.exception() is None:
-            self.up.gate.release()
+            self.up.gate.release(self._admit.result())
 
 
 def _sse_error(exc: ProxyError) -> bytes:

@@ -27,7 +27,7 @@ def jsonl(lines):
 
 
 def settings(vllm_server, data_dir, **kw):
-    base = dict(backend_url=vllm_server.url, port=free_port(), encoder="none", batch_size=4, max_wait_ms=0,
+    base = dict(backend_url=vllm_server.url, port=free_port(), encoder="none", batch_concurrency=4,
                 data_dir=str(data_dir))
     return Settings(**{**base, **kw})
 

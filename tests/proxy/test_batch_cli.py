@@ -123,7 +123,7 @@ def test_dry_run_plans_with_the_encoder_and_sends_nothing(tmp_path, capsys):
     src = write(tmp_path / "in.jsonl", lines)  # interleaved: arrival order mixes the topics in every batch
     plan_path = tmp_path / "plan.jsonl"
     code = main(["batch", "run", "--input", str(src), "--output", str(tmp_path / "out.jsonl"), "--dry-run",
-                 "--plan", str(plan_path), "--batch-size", "8", "--no-progress"])
+                 "--plan", str(plan_path), "--concurrency", "8", "--no-progress"])
     assert code == 0 and "planned 16 requests into 2 batches" in capsys.readouterr().err
     plan = results(plan_path)
     assert sorted(p["custom_id"] for p in plan) == sorted(json.loads(x)["custom_id"] for x in lines)

@@ -11,7 +11,7 @@ from proxy.batch_core import (Abort, Answered, BatchCore, Finish, Retry, RunConf
 from proxy.batchfile import read_batch_file
 
 OK = {"object": "text_completion", "usage": {"prompt_tokens": 3, "completion_tokens": 2}}
-CONFIG = RunConfig(batch_size=2, concurrency=2, max_retries=2, backoff_s=1.0, max_backoff_s=1.5)
+CONFIG = RunConfig(concurrency=2, max_retries=2, backoff_s=1.0, max_backoff_s=1.5)
 
 
 def requests(tmp_path, n, extra=""):
@@ -21,15 +21,31 @@ def requests(tmp_path, n, extra=""):
     return read_batch_file(path, default_policy="topk", max_line_bytes=10_000)
 
 
+class ListedOrder:
+    """A stand-in for admission: sends the waiting request listed first; records what it is told."""
+
+    def __init__(self, ids):
+        self.rank, self.told = {cid: i for i, cid in enumerate(ids)}, []
+
+    def pick(self, waiting):
+        return min(range(len(waiting)), key=lambda i: self.rank[waiting[i].custom_id])
+
+    def sent(self, request):
+        self.told.append(("sent", request.custom_id))
+
+    def finished(self, request):
+        self.told.append(("finished", request.custom_id))
+
+
 def core(tmp_path, n=4, config=CONFIG, deadline=None, order=None):
     parsed = requests(tmp_path, n)
-    batches = [[parsed.requests[i] for i in batch] for batch in (order or [[i] for i in range(n)])]
-    return BatchCore(batches, config, RunStats(total=n, finished_before=0, clock=lambda: 0.0), deadline=deadline,
-                     rng=random.Random(0))
+    return BatchCore(parsed.requests, config, RunStats(total=n, finished_before=0, clock=lambda: 0.0), deadline=deadline,
+                     rng=random.Random(0), order=order)
 
 
-def test_hands_out_requests_in_plan_order_up_to_the_concurrency(tmp_path):
-    c = core(tmp_path, order=[[3, 1], [0, 2]])
+def test_hands_out_requests_in_the_orders_choice_up_to_the_concurrency(tmp_path):
+    order = ListedOrder(["r3", "r1", "r0", "r2"])
+    c = core(tmp_path, order=order)
     first, second = c.schedule(0.0), c.schedule(0.0)
     assert [first.request.custom_id, second.request.custom_id] == ["r3", "r1"]
     assert c.schedule(0.0) is None  # both slots taken
@@ -38,6 +54,12 @@ def test_hands_out_requests_in_plan_order_up_to_the_concurrency(tmp_path):
     assert third.request.custom_id == "r0" and c.schedule(0.0) is None
     c.on_outcome(second, Answered(200, OK))
     assert c.schedule(0.0).request.custom_id == "r2" and c.schedule(0.0) is Stop.DONE
+    assert order.told[:4] == [("sent", "r3"), ("sent", "r1"), ("finished", "r3"), ("sent", "r0")]  # resident sets follow
+
+
+def test_without_an_order_the_file_order_goes(tmp_path):
+    c = core(tmp_path)
+    assert [c.schedule(0.0).request.custom_id for _ in range(2)] == ["r0", "r1"]
 
 
 def test_nothing_is_sent_once_the_deadline_passed(tmp_path):
@@ -114,11 +136,12 @@ def test_invalid_and_expired_lines_become_error_records_once(tmp_path):
     assert {r.data["error"]["code"] for r in expired} == {"batch_expired"}
 
 
-@pytest.mark.parametrize("key, value", [("batch_size", 7), ("api_key", "k")])
-def test_run_config_comes_from_the_settings(key, value):
+@pytest.mark.parametrize("key, field, value", [("concurrency", "batch_concurrency", 7), ("api_key", "backend_api_key", "k"),
+                                              ("concurrency", "max_in_flight", 9)])
+def test_run_config_comes_from_the_settings(key, field, value):
     from proxy.settings import Settings
 
-    settings = Settings(**{"backend_api_key" if key == "api_key" else key: value})
+    settings = Settings(**{field: value})
     assert getattr(RunConfig.from_settings(settings), key) == value
     assert RunConfig.from_settings(settings, metrics_interval_s=0).metrics_interval_s == 0
 

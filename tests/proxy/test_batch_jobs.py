@@ -12,7 +12,6 @@ from proxy.batch_job import InvalidTransition, Job
 from proxy.batch_jobs import BatchJobs
 from proxy.batch_store import BatchStore
 from proxy.batchfile import read_batch_file
-from proxy.planning import arrival_batches
 from proxy.settings import Settings
 from tests.proxy.servers import answer, body_of, local_backend
 
@@ -45,9 +44,9 @@ def add_batch(jobs: BatchJobs, n: int, batch_id: str = "batch_1", **record) -> s
 
 
 def make_jobs(tmp_path, url: str, clock: Clock) -> tuple[BatchJobs, BackendClient]:
-    settings = Settings(backend_url=url, encoder="none", data_dir=str(tmp_path), batch_size=1)  # one at a time
+    settings = Settings(backend_url=url, encoder="none", data_dir=str(tmp_path), batch_concurrency=1)  # one at a time
     backend = BackendClient(url)
-    return BatchJobs(settings, backend, arrival_batches, clock=clock), backend
+    return BatchJobs(settings, backend, None, clock=clock), backend
 
 
 def outcome(jobs: BatchJobs, batch_id: str) -> tuple[dict, list[dict], list[dict]]:

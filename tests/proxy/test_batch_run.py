@@ -3,25 +3,28 @@ backend): the backend is a throwaway local server (tests/proxy/servers.py). The 
 sockets, are in test_batch_core.py; runs against real vLLM in test_batch_cli.py and test_batch_api.py."""
 
 import asyncio
+import contextlib
 import json
 from collections import Counter
 
+import numpy as np
 import pytest
 
-from proxy.backend import BackendClient
-from proxy.batcher import Batcher
+from encoder.admission import ResidentExperts
 from encoder.plans import read_plan_file
-from proxy.batch_core import RunConfig, plan_requests
+from proxy.admission import AdmissionGate
+from proxy.backend import BackendClient
+from proxy.batch_core import RunConfig
 from proxy.batch_run import RunAborted, run_batch, write_plan
 from proxy.batchfile import read_batch_file
 from proxy.journal import Journal, JournalPaths
 from proxy.metrics import ProxyMetrics
-from proxy.planning import arrival_batches
+from proxy.profiles import Predictor
 from tests.proxy.servers import answer, body_of, drop, local_backend
 
 OK = {"id": "cmpl", "object": "text_completion", "choices": [{"index": 0, "text": "ok"}],
       "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}
-CONFIG = RunConfig(batch_size=4, concurrency=3, max_retries=3, backoff_s=0.001, max_backoff_s=0.01, metrics_interval_s=0)
+CONFIG = RunConfig(concurrency=3, max_retries=3, backoff_s=0.001, max_backoff_s=0.01, metrics_interval_s=0)
 
 
 def batch_file(tmp_path, ids):
@@ -31,7 +34,7 @@ def batch_file(tmp_path, ids):
     return read_batch_file(path, default_policy="topk", max_line_bytes=10_000)
 
 
-def run(tmp_path, parsed, handler, config=CONFIG, plan_fn=arrival_batches):
+def run(tmp_path, parsed, handler, config=CONFIG, predictor=None):
     """Run `parsed` against a local server answering with `handler`; (stats, journal paths)."""
     paths = JournalPaths.for_output(tmp_path / "out.jsonl")
 
@@ -40,7 +43,7 @@ def run(tmp_path, parsed, handler, config=CONFIG, plan_fn=arrival_batches):
             backend = BackendClient(url, timeout_s=0.3)
             journal = Journal.open(paths, parsed.journal_meta)
             try:
-                return await run_batch(parsed, journal, backend, plan_fn, config)
+                return await run_batch(parsed, journal, backend, predictor, config)
             finally:
                 journal.close()
                 await backend.close()
@@ -114,46 +117,45 @@ def test_unreachable_backend_stops_the_run_and_a_rerun_finishes_it(tmp_path):
     assert stats.finished_before == len(first) and stats.succeeded == 12 - len(first)
 
 
-def test_dispatch_follows_the_plan_with_bounded_concurrency(tmp_path):
-    parsed = batch_file(tmp_path, [f"r{i}" for i in range(10)])
+def kinds_predictor():
+    """Profiles by the prompt's first letter: "a..." requests use experts 0-1, "b..." experts 2-3 ([L*E] = [4])."""
+    def predict(texts):
+        return [(np.array([1.0, 1.0, 0, 0]) if t.startswith("a") else np.array([0, 0, 1.0, 1.0]), [0] * 8) for t in texts]
+    return Predictor(predict, lambda size: ResidentExperts(1, size), "profile")
+
+
+def test_freed_slots_go_to_requests_like_those_out_with_bounded_concurrency(tmp_path):
+    parsed = batch_file(tmp_path, ["a0", "b0", "a1", "b1", "a2", "b2"])
     order, in_flight, peak = [], [0], [0]
+    a2_sent = asyncio.Event()
 
     async def backend(request):
-        order.append((await body_of(request))["prompt"])
+        prompt = (await body_of(request))["prompt"]
+        order.append(prompt)
+        a2_sent.set() if prompt == "a2" else None
         in_flight[0] += 1
         peak[0] = max(peak[0], in_flight[0])
-        await asyncio.sleep(0.01)
+        if prompt == "a1":  # a1 stays out until a2 was sent: a0's slot must go to a2, which fits a1
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(a2_sent.wait(), 0.25)
         in_flight[0] -= 1
         return answer(OK)
 
-    def reverse_plan(texts, batch_size):  # a planner that reverses the file
-        idx = list(range(len(texts)))[::-1]
-        return [idx[i:i + batch_size] for i in range(0, len(idx), batch_size)]
-
-    run(tmp_path, parsed, backend, RunConfig(batch_size=4, concurrency=2, metrics_interval_s=0), reverse_plan)
-    assert order == [f"r{i}" for i in range(9, -1, -1)] and peak[0] == 2
-
-
-def test_plan_is_per_policy_and_covers_every_request(tmp_path):
-    path = tmp_path / "in.jsonl"
-    rows = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
-             "body": {"prompt": f"p{i}", **({"vllm_xargs": {"moe_routing": "oea;k0=1"}} if i % 3 == 0 else {})}}
-            for i in range(10)]
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    parsed = read_batch_file(path, default_policy="topk", max_line_bytes=10_000)
-    plan = plan_requests(parsed.requests, arrival_batches, 3)
-    assert all(len({r.policy for r in batch}) == 1 for batch in plan)
-    assert sorted(r.custom_id for batch in plan for r in batch) == sorted(r["custom_id"] for r in rows)
-    with pytest.raises(RuntimeError, match="lost or repeated"):
-        plan_requests(parsed.requests, lambda texts, b: [[0, 0]], 3)
+    run(tmp_path, parsed, backend, RunConfig(concurrency=2, metrics_interval_s=0), kinds_predictor())
+    assert order[:3] == ["a0", "a1", "a2"] and sorted(order) == sorted(r.custom_id for r in parsed.requests)
+    assert peak[0] == 2  # file order would send a0 b0 a1 b1 a2 b2
+    (tmp_path / "file-order").mkdir()
+    plain = batch_file(tmp_path / "file-order", ["a0", "b0", "a1"])
+    run(tmp_path / "file-order", plain, backend, RunConfig(concurrency=2, metrics_interval_s=0))
+    assert order[6:] == ["a0", "b0", "a1"]  # no predictor: the file's order
 
 
 def test_a_dry_run_plan_is_what_cohort_eval_reads(tmp_path):
     parsed = batch_file(tmp_path, [f"r{i}" for i in range(7)])
-    plan = plan_requests(parsed.requests, lambda texts, b: [[6, 0], [3, 1, 2], [5, 4]], 3)
-    write_plan(tmp_path / "plan.jsonl", plan)
+    sent = [parsed.requests[i] for i in (6, 0, 3, 1, 2, 5, 4)]
+    write_plan(tmp_path / "plan.jsonl", sent, 3)
     read = read_plan_file(tmp_path / "plan.jsonl", [f"r{i}" for i in range(7)])  # what `cohort eval --plan` calls
-    assert [b.tolist() for b in read] == [[6, 0], [3, 1, 2], [5, 4]]
+    assert [b.tolist() for b in read] == [[6, 0, 3], [1, 2, 5], [4]]
 
 
 def test_gate_gives_batch_work_only_the_slots_online_traffic_leaves(tmp_path):
@@ -168,7 +170,7 @@ def test_gate_gives_batch_work_only_the_slots_online_traffic_leaves(tmp_path):
         return answer(OK)
 
     async def main():
-        gate = Batcher(arrival_batches, ProxyMetrics(), flush_size=1, max_in_flight=3)
+        gate = AdmissionGate(None, ProxyMetrics(), max_in_flight=3)
         await gate.admit("online 1", "topk")  # two interactive requests hold two of the three slots
         await gate.admit("online 2", "topk")
         paths = JournalPaths.for_output(tmp_path / "out.jsonl")
@@ -176,14 +178,14 @@ def test_gate_gives_batch_work_only_the_slots_online_traffic_leaves(tmp_path):
             client = BackendClient(url)
             journal = Journal.open(paths, parsed.journal_meta)
             try:
-                stats = await run_batch(parsed, journal, client, arrival_batches, CONFIG, gate=gate)
+                stats = await run_batch(parsed, journal, client, None, CONFIG, gate=gate)
                 cancel = asyncio.Event()  # now a run that cannot get a slot at all, cancelled while waiting
                 await gate.admit("online 3", "topk")
                 asyncio.get_running_loop().call_later(0.05, cancel.set)
                 (tmp_path / "second").mkdir()
                 parsed2 = batch_file(tmp_path / "second", ["s0", "s1"])
                 journal2 = Journal.open(JournalPaths.for_output(tmp_path / "out2.jsonl"), parsed2.journal_meta)
-                stats2 = await asyncio.wait_for(run_batch(parsed2, journal2, client, arrival_batches, CONFIG,
+                stats2 = await asyncio.wait_for(run_batch(parsed2, journal2, client, None, CONFIG,
                                                           stop=cancel, gate=gate), 5)
                 journal2.close()
             finally:

@@ -5,6 +5,7 @@ import re
 import time
 
 import httpx
+import numpy as np
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -18,8 +19,7 @@ MESSAGES = [{"role": "user", "content": "Write a poem about the sea"}]
 
 @pytest.fixture(scope="module")
 def proxy(vllm_server):
-    settings = Settings(backend_url=vllm_server.url, port=free_port(), batch_size=4, max_wait_ms=300,
-                        max_in_flight=16, encoder="none", keepalive_s=5)
+    settings = Settings(backend_url=vllm_server.url, port=free_port(), max_in_flight=16, encoder="none", keepalive_s=5)
     with ProxyThread(settings) as p:
         yield p
 
@@ -33,7 +33,7 @@ def test_chat_and_completion_through_the_proxy(client, vllm_server):
     raw = client.chat.completions.with_raw_response.create(model="tiny", messages=MESSAGES, max_tokens=8, temperature=0)
     chat = raw.parse()
     assert chat.choices[0].message.content and chat.usage.completion_tokens <= 8
-    assert raw.headers["x-cohort-batch"].startswith("b") and float(raw.headers["x-cohort-queue-ms"]) >= 0
+    assert raw.headers["x-cohort-admission"].startswith("a") and float(raw.headers["x-cohort-queue-ms"]) >= 0
     direct = openai.OpenAI(base_url=vllm_server.url + "/v1", api_key="unused")
     same = direct.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=8, temperature=0)
     assert same.choices[0].message.content == chat.choices[0].message.content  # response comes back unchanged
@@ -55,7 +55,7 @@ def test_streaming_matches_the_non_streaming_answer(client):
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole
 
 
-def test_concurrent_requests_land_in_one_batch(proxy):
+def test_concurrent_requests_each_get_their_own_admission(proxy):
     async def main():
         oa = openai.AsyncOpenAI(base_url=proxy.url + "/v1", api_key="unused", max_retries=0)
         calls = [oa.chat.completions.with_raw_response.create(model="tiny", max_tokens=4,
@@ -64,7 +64,16 @@ def test_concurrent_requests_land_in_one_batch(proxy):
         return await asyncio.gather(*calls)
 
     answers = asyncio.run(main())
-    assert len({a.headers["x-cohort-batch"] for a in answers}) == 1
+    assert len({a.headers["x-cohort-admission"] for a in answers}) == 4 and all(a.parse().choices for a in answers)
+
+
+def test_the_backend_accepts_a_forwarded_expert_profile(vllm_server):
+    from encoder.profile import compact
+
+    profile = compact(np.eye(4, 16))  # [L=4, E=16] what the proxy forwards for the engine-side scheduler
+    answer = httpx.post(vllm_server.url + "/v1/completions", timeout=60,
+                        json={"model": "tiny", "prompt": "1 2 3", "max_tokens": 2, "vllm_xargs": {"moe_profile": profile}})
+    assert answer.status_code == 200, answer.text
 
 
 def test_models_are_relayed_from_the_backend(client):
@@ -111,8 +120,8 @@ def _proxy_metric(proxy, sample, **labels):
 def test_proxy_metrics_and_health(proxy, client):
     assert httpx.get(proxy.url + "/health").json()["status"] == "ok"
     answered = _proxy_metric(proxy, "cohort_requests_total", route="chat", status="200")
-    flushes = _proxy_metric(proxy, "cohort_window_flushes_total")
+    admitted = _proxy_metric(proxy, "cohort_queue_seconds_count")
     client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2)
     assert _proxy_metric(proxy, "cohort_requests_total", route="chat", status="200") == answered + 1
-    assert _proxy_metric(proxy, "cohort_window_flushes_total", reason="deadline") >= 1
-    assert _proxy_metric(proxy, "cohort_window_flushes_total") == flushes + 1  # a lone request: one window
+    assert _proxy_metric(proxy, "cohort_queue_seconds_count") == admitted + 1  # admitted once
+    assert _proxy_metric(proxy, "cohort_in_flight") == 0 and _proxy_metric(proxy, "cohort_waiting") == 0

@@ -28,7 +28,7 @@ async def ok(request):
 async def proxy_client(handler, **settings):
     """An httpx client of the in-process proxy, in front of a local server answering with `handler`."""
     async with local_backend(handler) as url:
-        base = {"backend_url": url, "encoder": "none", "max_wait_ms": 0, **settings}
+        base = {"backend_url": url, "encoder": "none", **settings}
         app = create_app(Settings(**base))
         try:
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy") as c:
@@ -67,7 +67,7 @@ def test_backend_timeout_is_504_in_openai_shape():
 
 def test_unreachable_backend_is_502_with_the_address():
     async def main():
-        app = create_app(Settings(backend_url="http://127.0.0.1:9", encoder="none", max_wait_ms=0))
+        app = create_app(Settings(backend_url="http://127.0.0.1:9", encoder="none"))
         try:
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy") as c:
                 return await c.post("/v1/chat/completions", json=CHAT), await c.get("/health")
@@ -147,7 +147,7 @@ def test_policy_reaches_the_backend_as_vllm_xargs():
         return answer(OK_BODY)
 
     resp = run(post(backend, {**CHAT, "custom": 1}, headers={"X-MoE-Routing": "lynx-lat;drop=2"}))
-    assert resp.status_code == 200 and resp.headers["x-cohort-batch"].startswith("b")
+    assert resp.status_code == 200 and resp.headers["x-cohort-admission"].startswith("a")
     assert bodies[0]["vllm_xargs"]["moe_routing"].startswith("lynx-lat") and bodies[0]["custom"] == 1
 
 
@@ -213,7 +213,7 @@ def test_stream_chunks_are_relayed_as_they_arrive():
 
     async def main():
         async with local_backend(backend) as url:
-            settings = Settings(backend_url=url, port=free_port(), encoder="none", max_wait_ms=0)
+            settings = Settings(backend_url=url, port=free_port(), encoder="none")
             with ProxyThread(settings) as proxy:  # a real server: httpx.ASGITransport buffers whole bodies
                 async with httpx.AsyncClient(base_url=proxy.url, timeout=10) as c:
                     async with c.stream("POST", "/v1/chat/completions", json={**CHAT, "stream": True}) as resp:

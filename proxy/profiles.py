@@ -1,0 +1,64 @@
+"""What the proxy predicts of a request on arrival, for admission: its expert profile (or its embedding).
+
+`make_predictor(settings)` loads the encoder once per process (at start-up, not on the first
+request) and, when the encoder's folder holds a profile head (`cohort train` writes
+`expert_profile_head.npz` beside a fine-tuned encoder), predicts each request's per-layer expert
+frequencies [L, E]: admission then minimises expected new experts (`ResidentExperts`), and the
+compact profile is forwarded as `vllm_xargs.moe_profile` for an engine-side scheduler. Without a
+head, admission falls back to the nearest embedding (`ResidentEmbedding`). `--encoder none`:
+no prediction, first come, first served.
+
+Pure of asyncio and HTTP: the online gate (proxy/admission.py) runs `predict` in a worker
+thread; a batch run (proxy/batch_order.py) calls it once over the whole file.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from encoder.admission import ResidentEmbedding, ResidentExperts
+from proxy.settings import Settings
+
+log = logging.getLogger(__name__)
+
+# texts -> per text (vector, compact profile or None): a flat predicted profile [L*E] with a profile
+# head, else a unit embedding [D]; None for a text that got no prediction
+PredictFn = Callable[[Sequence[str]], list]
+
+
+@dataclass(frozen=True)
+class Predictor:
+    predict: PredictFn
+    resident_factory: Callable[[int], object]  # vector size -> the resident set that scores such vectors
+    kind: str  # "profile" or "embedding"
+
+
+def make_predictor(settings: Settings) -> Predictor | None:
+    """The encoder (+ profile head) of the settings; None with `--encoder none`."""
+    if settings.encoder.lower() == "none":
+        return None
+    from encoder.embedding import Embedder
+    from encoder.profile import load_profile_head
+
+    embedder = Embedder(settings.encoder or None, max_seq_len=settings.encoder_max_seq_len,
+                        cache_size=settings.encoder_cache)
+    head = load_profile_head(embedder.source)
+    log.info("encoder loaded: %s (%s)", embedder.source,
+             "with a profile head: admission by expected new experts" if head else "no profile head: nearest embedding")
+    lock = threading.Lock()  # online admission and Batch API jobs predict from different threads; tokenizers are not re-entrant
+
+    def predict(texts: Sequence[str]) -> list:
+        with lock:
+            x = embedder.encode(list(texts))  # [N, D] float32, L2-normalised
+        if head is None:
+            return [(row, None) for row in x]
+        from encoder.profile import compact
+
+        return [(p.ravel(), compact(p)) for p in head.predict(x)]  # [L*E], L * top ints
+
+    if head is None:
+        return Predictor(predict, ResidentEmbedding, "embedding")
+    return Predictor(predict, lambda size: ResidentExperts(1, size), "profile")
