@@ -81,20 +81,24 @@ def route_fused(router_logits: torch.Tensor, top_k: int, tables: RoutingTables, 
     sigmoid = scoring == "sigmoid"
     warps = 4 if block * e_pad <= 2048 else 8
     common = dict(K=top_k, KP=kp, BT=block, E_PAD=e_pad, NCOL=NCOL, SIGMOID=sigmoid)
-    if tables.has_requests:
-        k._request_kernel[(tables.req_start.shape[0],)](
-            logits, logits.stride(0), num_experts, tables.params, tables.pid, tables.req_start,
-            tables.req_end, reqset, num_warps=warps, **common)
-    k._stats_kernel[(num_blocks,)](
-        logits, logits.stride(0), num_tokens, num_experts, tables.params, tables.pid, tables.rid, reqset,
-        part, num_slots, W=tables.rank_width, HAS_REQ=tables.has_requests, num_warps=warps, **common)
+    num_requests = tables.req_start.shape[0] if tables.has_requests else 0
+    k._stats_kernel[(num_blocks + num_requests,)](
+        logits, logits.stride(0), num_tokens, num_experts, tables.params, tables.pid, tables.req_start,
+        tables.req_end, reqset, part, num_blocks, num_slots, W=tables.rank_width, num_warps=warps, **common)
+    sets = torch.empty(num_slots, e_pad, dtype=torch.int8, device=device)
+    r_pad = _pow2(max(num_requests, 1))
+    k._sets_kernel[(num_slots,)](
+        part, num_blocks, num_slots, num_experts, tables.params, tables.static, tables.groups, tables.pid,
+        tables.req_start, tables.req_end, reqset, num_requests, sets, NB_PAD=_pow2(num_blocks), R_PAD=r_pad,
+        E_PAD=e_pad, NCOL=NCOL, num_warps=4 if e_pad <= 64 else 8)
     router_w, router_ids = router if router is not None else (out_w, out_ids)
     k._route_kernel[(num_blocks,)](
-        logits, logits.stride(0), num_tokens, num_experts, tables.params, tables.pid, tables.rid, reqset, part,
-        num_blocks, num_slots, tables.static, tables.groups, router_w, router_ids, out_w, out_ids, float(scale),
+        logits, logits.stride(0), num_tokens, num_experts, tables.params, tables.pid, tables.rid, reqset, sets,
+        router_w, router_ids, out_w, out_ids, float(scale),
         *(record if record is not None else (out_ids, out_ids, out_w)),
-        W=tables.rank_width, NB_PAD=_pow2(num_blocks), HAS_REQ=tables.has_requests,
-        HAS_ROUTER=router is not None, RENORM=renormalize, RECORD=record is not None, num_warps=warps, **common)
+        W=tables.rank_width, HAS_REQ=tables.has_requests,
+        HAS_ROUTER=router is not None, RENORM=renormalize, RECORD=record is not None,
+        RANKED=tables.needs_ranks, num_warps=warps, **common)
     return out_w, out_ids
 
 

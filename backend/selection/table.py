@@ -89,6 +89,7 @@ class RoutingTables:
     groups: torch.Tensor     # [E] int32
     rank_width: int          # experts ranked per token (>= top_k; OEA max_p)
     has_requests: bool       # some slot is xshare-spec: run the per-request stage
+    needs_ranks: bool = True  # some slot is OEA or MoE-Spec: routing reads each token's ranks
 
 
 def request_layout(num_tokens: int,
@@ -135,4 +136,5 @@ def build_tables(num_tokens: int, num_experts: int, top_k: int, policies: Sequen
         req_start=dev(torch.tensor(starts, dtype=torch.int32)),
         req_end=dev(torch.tensor(ends, dtype=torch.int32)), static=dev(static_rows), groups=dev(groups),
         rank_width=rank_width(policies, top_k, num_experts),
-        has_requests=any(isinstance(p, XShareSpec) for p in policies))
+        has_requests=any(isinstance(p, XShareSpec) for p in policies),
+        needs_ranks=any(isinstance(p, (OEA, MoESpec)) for p in policies))

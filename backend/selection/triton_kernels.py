@@ -1,19 +1,22 @@
 """Triton kernels for table-driven expert selection (imported only where Triton is installed).
 
 Same decisions as `backend.selection.table_torch.route_tables` (the reference these are tested
-against; the papers are cited in the per-policy modules), as two launches per MoE
-layer (three with XShare-spec), none with a host synchronisation:
+against; the papers are cited in the per-policy modules), as three launches per MoE
+layer, none with a host synchronisation (a version that recomputed S in every route program,
+saving a launch, measured slower on an H100):
 
-    _request_kernel  grid (R,)   XShare-spec's per-request sets (Alg. 3), only if a slot needs it
-    _stats_kernel    grid (NB,)  per block of BT tokens: scores, ranks, per-slot partial stats
-    _route_kernel    grid (NB,)  per block: each present slot's batch set S from all blocks'
-                                 partials (recomputed per block: cheaper than a launch), then per
-                                 token the allowed experts by its slot's kind and the top-k inside
+    _stats_kernel    grid (NB [+ R])  per block of BT tokens: scores, ranks, per-slot partial
+                                      stats; with XShare-spec also one program per request:
+                                      its request set (Alg. 3)
+    _sets_kernel     grid (P,)        per policy slot: its batch set S from every block's stats
+    _route_kernel    grid (NB,)       per token: the allowed experts by its slot's kind and S,
+                                      and its top-k inside them
 
 Stats rows (NSTAT, per slot and block): agg = summed scores, warm = union of top-k0, votes =
 top-k counts, wsum = summed top-k weights, prot = Lynx-Acc protected, loaded = union of OEA
-baselines, pool = union of XShare-spec request sets. Scores are >= 0, so -1 marks a disallowed
-expert, -2 an already-ranked one and -3 padding. Ties go to the lower expert index everywhere.
+baselines; XShare-spec's pool (the union of its request sets) is read from the request sets.
+Scores are >= 0, so -1 marks a disallowed expert, -2 an already-ranked one and -3 padding. Ties
+go to the lower expert index everywhere.
 """
 
 import triton
@@ -21,7 +24,7 @@ import triton.language as tl
 
 from backend.selection.triton_sets import (  # noqa: F401  (constexpr globals the kernels read)
     _CONF, _K0, _KEEP, _KIND, _MAXP, _MOE_SPEC, _MR, _OEA_KIND, _P, _SUBST, _XSHARE_SPEC, AGG, LOADED,
-    NSTAT, NUM_STATS, POOL, PROT, VOTES, WARM, WSUM, _pair_rank, _slot_set,
+    NSTAT, NUM_STATS, PROT, VOTES, WARM, WSUM, _pair_rank, _slot_set,
 )
 
 
@@ -70,11 +73,12 @@ def _baseline(vals, k0, p, K: tl.constexpr, KP: tl.constexpr):
     floor = tl.maximum(k0, 1.0)
     return tl.where(p < 0, floor, tl.maximum(count, floor))
 
+
 @triton.jit
-def _request_kernel(logits_ptr, stride, E, params_ptr, pid_ptr, req_start_ptr, req_end_ptr, reqset_ptr,
-                    K: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr, E_PAD: tl.constexpr,
-                    NCOL: tl.constexpr, SIGMOID: tl.constexpr):
-    r = tl.program_id(0)
+def _request_set(r, logits_ptr, stride, E, params_ptr, pid_ptr, req_start_ptr, req_end_ptr, reqset_ptr,
+                 K: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr, E_PAD: tl.constexpr,
+                 NCOL: tl.constexpr, SIGMOID: tl.constexpr):
+    """XShare Alg. 3 for request r: the warm-up of its tokens, filled by its summed score to mr."""
     cols = tl.arange(0, E_PAD)
     ok = cols < E
     start = tl.load(req_start_ptr + r)
@@ -99,10 +103,23 @@ def _request_kernel(logits_ptr, stride, E, params_ptr, pid_ptr, req_start_ptr, r
 
 
 @triton.jit
-def _stats_kernel(logits_ptr, stride, T, E, params_ptr, pid_ptr, rid_ptr, reqset_ptr, part_ptr, NP,
-                  K: tl.constexpr, W: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr, E_PAD: tl.constexpr,
-                  NCOL: tl.constexpr, SIGMOID: tl.constexpr, HAS_REQ: tl.constexpr):
-    nb = tl.program_id(0)
+def _stats_kernel(logits_ptr, stride, T, E, params_ptr, pid_ptr, req_start_ptr, req_end_ptr, reqset_ptr,
+                  part_ptr, NB, NP, K: tl.constexpr, W: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr,
+                  E_PAD: tl.constexpr, NCOL: tl.constexpr, SIGMOID: tl.constexpr):
+    """Programs 0..NB-1: one block's partial stats; programs NB.. (XShare-spec only): one request's set."""
+    program = tl.program_id(0)
+    if program < NB:
+        _stats_block(program, logits_ptr, stride, T, E, params_ptr, pid_ptr, part_ptr, NP,
+                     K, W, KP, BT, E_PAD, NCOL, SIGMOID)
+    else:
+        _request_set(program - NB, logits_ptr, stride, E, params_ptr, pid_ptr, req_start_ptr, req_end_ptr,
+                     reqset_ptr, K, KP, BT, E_PAD, NCOL, SIGMOID)
+
+
+@triton.jit
+def _stats_block(nb, logits_ptr, stride, T, E, params_ptr, pid_ptr, part_ptr, NP,
+                 K: tl.constexpr, W: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr, E_PAD: tl.constexpr,
+                 NCOL: tl.constexpr, SIGMOID: tl.constexpr):
     rows = nb * BT + tl.arange(0, BT)
     row_ok = rows < T
     cols = tl.arange(0, E_PAD)
@@ -125,11 +142,6 @@ def _stats_kernel(logits_ptr, stride, T, E, params_ptr, pid_ptr, rid_ptr, reqset
     wsum = tl.where(in_top, s, 0.0)
     prot = (valid & (rank == 0) & confident[:, None]).to(tl.float32)
     loaded = (valid & (rankf < base[:, None])).to(tl.float32)
-    pool = tl.zeros_like(agg)
-    if HAS_REQ:
-        req = tl.load(rid_ptr + rows, mask=row_ok, other=0)
-        held = tl.load(reqset_ptr + req[:, None] * E_PAD + cols[None, :], mask=row_ok[:, None], other=0)
-        pool = (valid & (held != 0)).to(tl.float32)
     for p in range(NP):
         mine = (slot == p)[:, None]
         out = part_ptr + (nb * NP + p) * NSTAT * E_PAD + cols
@@ -139,30 +151,39 @@ def _stats_kernel(logits_ptr, stride, T, E, params_ptr, pid_ptr, rid_ptr, reqset
         tl.store(out + WSUM * E_PAD, tl.sum(tl.where(mine, wsum, 0.0), axis=0))
         tl.store(out + PROT * E_PAD, tl.sum(tl.where(mine, prot, 0.0), axis=0))
         tl.store(out + LOADED * E_PAD, tl.max(tl.where(mine, loaded, 0.0), axis=0))
-        tl.store(out + POOL * E_PAD, tl.max(tl.where(mine, pool, 0.0), axis=0))
 
 @triton.jit
-def _route_kernel(logits_ptr, stride, T, E, params_ptr, pid_ptr, rid_ptr, reqset_ptr, part_ptr, NB, NP,
-                  static_ptr, groups_ptr, router_w_ptr, router_ids_ptr, out_w_ptr, out_ids_ptr, scale,
+def _sets_kernel(part_ptr, NB, NP, E, params_ptr, static_ptr, groups_ptr, pid_ptr, req_start_ptr, req_end_ptr,
+                 reqset_ptr, R, sets_ptr, NB_PAD: tl.constexpr, R_PAD: tl.constexpr, E_PAD: tl.constexpr,
+                 NCOL: tl.constexpr):
+    """Program p: slot p's batch set S from every block's partial stats."""
+    p = tl.program_id(0)
+    cols = tl.arange(0, E_PAD)
+    chosen = _slot_set(part_ptr, NB, NP, p, E, params_ptr, static_ptr, groups_ptr, cols,
+                       pid_ptr, req_start_ptr, req_end_ptr, reqset_ptr, R, NB_PAD, R_PAD, E_PAD, NCOL)
+    tl.store(sets_ptr + p * E_PAD + cols, chosen.to(tl.int8))
+
+
+@triton.jit
+def _route_kernel(logits_ptr, stride, T, E, params_ptr, pid_ptr, rid_ptr, reqset_ptr, sets_ptr,
+                  router_w_ptr, router_ids_ptr, out_w_ptr, out_ids_ptr, scale,
                   before_ptr, after_ptr, rec_w_ptr,
-                  K: tl.constexpr, W: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr, NB_PAD: tl.constexpr,
+                  K: tl.constexpr, W: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr,
                   E_PAD: tl.constexpr, NCOL: tl.constexpr, SIGMOID: tl.constexpr, HAS_REQ: tl.constexpr,
-                  HAS_ROUTER: tl.constexpr, RENORM: tl.constexpr, RECORD: tl.constexpr):
+                  HAS_ROUTER: tl.constexpr, RENORM: tl.constexpr, RECORD: tl.constexpr, RANKED: tl.constexpr):
     nb = tl.program_id(0)
     rows = nb * BT + tl.arange(0, BT)
     row_ok = rows < T
     cols = tl.arange(0, E_PAD)
     kcols = tl.arange(0, KP)
     s = _scores(logits_ptr, stride, rows, row_ok, cols, E, SIGMOID)
-    rank, vals = _ranks(s, cols, W, K, KP, E_PAD)
+    if RANKED:   # only OEA and MoE-Spec read ranks here
+        rank, vals = _ranks(s, cols, W, K, KP, E_PAD)
+    else:
+        rank, vals = tl.full(s.shape, W, tl.int32), tl.zeros((BT, KP), tl.float32)
     slot = tl.load(pid_ptr + rows, mask=row_ok, other=-1)
-    sets = tl.zeros((BT, E_PAD), tl.int32)
-    for p in range(NP):   # each slot present in this block: its batch set, from every block's stats
-        mine = slot == p
-        if tl.max(mine.to(tl.int32), axis=0) > 0:
-            chosen = _slot_set(part_ptr, NB, NP, p, E, params_ptr, static_ptr, groups_ptr, cols, NB_PAD, E_PAD, NCOL)
-            sets = tl.where(mine[:, None], chosen.to(tl.int32)[None, :], sets)
     slot = tl.maximum(slot, 0)
+    sets = tl.load(sets_ptr + slot[:, None] * E_PAD + cols[None, :], mask=row_ok[:, None], other=0)
     prm = params_ptr + slot * NCOL
     kind = tl.load(prm + _KIND, mask=row_ok, other=0.0).to(tl.int32)[:, None]
     subst = tl.load(prm + _SUBST, mask=row_ok, other=0.0)[:, None]

@@ -9,10 +9,10 @@ import triton.language as tl
 
 from backend.selection import table as tb
 
-NUM_STATS = 7  # stats rows per slot and block (the launcher sizes its scratch with it)
+NUM_STATS = 6  # stats rows per slot and block (the launcher sizes its scratch with it)
 NSTAT = tl.constexpr(NUM_STATS)
 AGG, WARM, VOTES, WSUM = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2), tl.constexpr(3)
-PROT, LOADED, POOL = tl.constexpr(4), tl.constexpr(5), tl.constexpr(6)
+PROT, LOADED = tl.constexpr(4), tl.constexpr(5)
 _BUDGET = tl.constexpr(tb.BUDGET)
 _CONF = tl.constexpr(tb.CONF)
 _DROP = tl.constexpr(tb.DROP)
@@ -79,7 +79,8 @@ def _fill(warm, cand, score, budget, cols, ok):
 
 @triton.jit
 def _slot_set(part_ptr, NB, NP, p, E, params_ptr, static_ptr, groups_ptr, cols,
-              NB_PAD: tl.constexpr, E_PAD: tl.constexpr, NCOL: tl.constexpr):
+              pid_ptr, req_start_ptr, req_end_ptr, reqset_ptr, R,
+              NB_PAD: tl.constexpr, R_PAD: tl.constexpr, E_PAD: tl.constexpr, NCOL: tl.constexpr):
     """[E_PAD] bool: slot p's batch set S by its kind (OEA: the experts its baselines load)."""
     ok = cols < E
     prm = params_ptr + p * NCOL
@@ -93,7 +94,12 @@ def _slot_set(part_ptr, NB, NP, p, E, params_ptr, static_ptr, groups_ptr, cols,
         chosen = _nonempty(_fill(warm, agg >= tl.load(prm + _TAU), agg, tl.load(prm + _M), cols, ok),
                            agg, cols, ok, E_PAD)
     elif kind == _XSHARE_SPEC:
-        pool = _load_stat(part_ptr, NB, NP, p, POOL, cols, NB_PAD, E_PAD, True) > 0
+        reqs = tl.arange(0, R_PAD)   # pool: the union of the request sets of this slot's requests
+        starts = tl.load(req_start_ptr + reqs, mask=reqs < R, other=0)
+        ends = tl.load(req_end_ptr + reqs, mask=reqs < R, other=0)
+        mine = tl.load(pid_ptr + starts, mask=(reqs < R) & (ends > starts), other=-1) == p
+        held = tl.load(reqset_ptr + reqs[:, None] * E_PAD + cols[None, :], mask=mine[:, None], other=0)
+        pool = (tl.max(held.to(tl.int32), axis=0) > 0) & ok
         chosen = _nonempty(_fill(warm, pool, agg, tl.load(prm + _M), cols, ok), agg, cols, ok, E_PAD)
     elif kind == _XSHARE_EP:
         grp = tl.load(groups_ptr + cols, mask=ok, other=-1)

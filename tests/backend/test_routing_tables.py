@@ -28,8 +28,8 @@ def _hook(tables: bool, **config) -> RoutingHook:
     return hook
 
 
-def _router(num_rows, seed):
-    logits = (torch.randn(num_rows, E, generator=torch.Generator().manual_seed(seed)) * 3).to(DEVICE)
+def _router(num_rows, seed, device=DEVICE):
+    logits = (torch.randn(num_rows, E, generator=torch.Generator().manual_seed(seed)) * 3).to(device)
     weights, ids = select_topk(logits, K)
     return logits, weights, ids.to(torch.int32)
 
@@ -78,11 +78,12 @@ def test_table_mode_metrics_match_eager_mode():
 
 
 def test_compiled_routing_follows_new_steps_without_recompiling():
+    """The CPU path (the torch twin); on CUDA vLLM calls the hook inside its opaque custom op."""
     hook, eager = _hook(True), _hook(False)
-    hook.use_tables(DEVICE)
+    hook.use_tables(torch.device("cpu"))
     counter = CompileCounterWithBackend("aot_eager")
     route = torch.compile(lambda logits, w, i: hook.route(0, logits, w, i), fullgraph=True, backend=counter)
-    logits, weights, ids = _router(8, seed=2)
+    logits, weights, ids = _router(8, seed=2, device="cpu")
     results = []
     for step in STEPS:
         hook.begin_step(step)     # writes the tables: new numbers in the same tensors
