@@ -83,13 +83,12 @@ class Span(NamedTuple):
     @property
     def rerouted(self) -> bool:
         """Whether a policy changes these rows: not top-k, and not a decode-only policy in prefill."""
-        policy = self.options.policy
-        return not isinstance(policy, TopK) and not (policy.decode_only and self.position < self.num_prompt_tokens)
+        return not isinstance(self.effective_policy, TopK)
 
     @property
     def effective_policy(self) -> Policy:
-        """The policy applied to these rows: decode-only policies leave prefill rows at top-k."""
-        return self.options.policy if self.rerouted else TopK()
+        """The policy applied to these rows (`Policy.effective`: decode-only ones leave prefill at top-k)."""
+        return self.options.policy.effective(self.phase == PREFILL)
 
 
 @dataclass(frozen=True)

@@ -140,6 +140,11 @@ class Policy:
         """True when the policy leaves prefill batches unchanged (plain top-k there)."""
         return self._decode_only
 
+    def effective(self, is_prefill: bool) -> "Policy":
+        """The policy that routes a batch in this phase: `TopK()` for a decode-only policy in
+        prefill, else itself. The one place where `decode_only` is resolved."""
+        return TopK() if is_prefill and self._decode_only else self
+
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             value, spec = getattr(self, f.name), f.metadata["spec"]

@@ -199,6 +199,7 @@ class RoutingHook:
             self._plan_of = (self._step, plan)
         sub_w, sub_ids = select_experts_mixed(
             router_logits if whole else router_logits[plan.rows], info.top_k, plan.policies, plan.spans,
+            # the spans' policies are already effective (Policy.effective resolved decode-only per span)
             is_prefill=False, scoring=info.scoring, renormalize=info.renormalize, layer=layer)  # [m, k] each
         if info.scale != 1.0:
             sub_w = sub_w * info.scale

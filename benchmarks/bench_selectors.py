@@ -35,6 +35,7 @@ from torch.distributions import Dirichlet
 
 from backend.policy import parse_policy
 from backend.selection import SELECTORS, select_experts
+from backend.selection.base import context_for
 from benchmarks.bench_selectors_cuda import bench_cuda
 
 TOP_K, SPEC_LEN, GPUS = 8, 4, 8
@@ -81,7 +82,8 @@ def bench_config(num_tokens: int, num_experts: int, calib: str, args) -> list[tu
     context = dict(request_spans=spans, expert_groups=[e * GPUS // num_experts for e in range(num_experts)])
     texts = ["topk"] + policies(num_tokens, num_experts, calib)
     parsed = [parse_policy(text) for text in texts]
-    fns = [functools.partial(SELECTORS[p.name], batches[0], TOP_K, p, **context) for p in parsed]
+    fns = [functools.partial(SELECTORS[p.name], batches[0], TOP_K, p, **context_for(p.name, **context))
+           for p in parsed]
     seconds = time_calls(fns, args.calls, args.rounds)
     distinct = [sum(select_experts(b, TOP_K, p, **context)[1].unique().numel() for b in batches)
                 / len(batches) for p in parsed]

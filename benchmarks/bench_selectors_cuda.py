@@ -18,6 +18,7 @@ import torch
 
 from backend.policy import parse_policy
 from backend.selection import SELECTORS, select_experts, select_topk
+from backend.selection.base import context_for
 
 CALLS_PER_GRAPH, REPLAYS, ROUNDS = 10, 20, 5
 
@@ -83,7 +84,8 @@ def bench_config(num_tokens, num_experts, calib, make_logits, policies, top_k, s
     for text in texts:
         policy = parse_policy(text)
         fused = functools.partial(select_experts, logits, top_k, policy, **context)
-        reference = functools.partial(SELECTORS[policy.name], logits, top_k, policy, **context)
+        reference = functools.partial(SELECTORS[policy.name], logits, top_k, policy,
+                                      **context_for(policy.name, **context))
         fused_ok, ref_ok = sync_free(fused), sync_free(reference)
         graphs = [capture(fused) if fused_ok else None, capture(reference) if ref_ok else None]
         _, fused_us, ref_us = graph_us([base, *graphs])

@@ -14,11 +14,14 @@ A selector is a function
 - renormalize=True: the kept weights of a token sum to 1. renormalize=False: kept weights are the
   raw scores, as the model would produce them for those experts.
 
-Selectors are registered by policy name in `SELECTORS` (see `register`).
+Selectors are registered by policy name in `SELECTORS` (see `register`). A selector declares
+only the batch context it reads (`request_spans`, `expert_groups`, `layer`), so a misspelt
+keyword raises TypeError; `context_for(name, ...)` picks a selector's context from all of it.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 
 import torch
@@ -28,14 +31,25 @@ from backend.policy import Policy
 Selector = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 SELECTORS: dict[str, Selector] = {}
 SCORINGS = ("softmax", "sigmoid")
+CONTEXT = ("request_spans", "expert_groups", "layer")  # batch context a selector may read
+_CONTEXT_OF: dict[str, tuple[str, ...]] = {}
 
 
 def register(name: str) -> Callable[[Selector], Selector]:
     """Decorator: add a selector to `SELECTORS` under a policy name."""
     def add(fn: Selector) -> Selector:
         SELECTORS[name] = fn
+        _CONTEXT_OF[name] = tuple(k for k in inspect.signature(fn).parameters if k in CONTEXT)
         return fn
     return add
+
+
+def context_for(name: str, **context: object) -> dict[str, object]:
+    """The part of the batch context (request_spans, expert_groups, layer) selector `name` reads."""
+    unknown = set(context) - set(CONTEXT)
+    if unknown:
+        raise TypeError(f"unknown batch context {sorted(unknown)}; known: {CONTEXT}")
+    return {key: value for key, value in context.items() if key in _CONTEXT_OF[name]}
 
 
 def gate_scores(router_logits: torch.Tensor, scoring: str) -> torch.Tensor:
@@ -121,7 +135,7 @@ def check_spans(num_tokens: int, request_spans: Sequence[tuple[int, int]] | None
 @register("topk")
 def select_topk(router_logits: torch.Tensor, top_k: int, policy: Policy | None = None,
                 *, scoring: str = "softmax", renormalize: bool = True,
-                **_: object) -> tuple[torch.Tensor, torch.Tensor]:
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """The unchanged router, as vLLM's FusedTopK: scores -> top-k -> optional renormalize."""
     weights, ids = gate_scores(router_logits, scoring).topk(top_k, dim=-1)   # [T, k]
     if renormalize:

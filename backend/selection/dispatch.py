@@ -10,7 +10,7 @@ import torch
 
 from backend.policy import Policy, TopK, parse_policy
 from backend.selection import fused
-from backend.selection.base import SCORINGS, SELECTORS, check_spans
+from backend.selection.base import SCORINGS, SELECTORS, check_spans, context_for
 
 Span = tuple[int, int]
 
@@ -48,15 +48,13 @@ def select_experts(router_logits: torch.Tensor, top_k: int, policy: Policy | str
     check_call(router_logits, top_k, scoring)
     check_spans(router_logits.shape[0], request_spans)
     policy.validate_for_model(top_k, router_logits.shape[1])
-    if is_prefill and policy.decode_only:
-        policy = TopK()
+    policy = policy.effective(is_prefill)
     if not isinstance(policy, TopK) and fused.available(router_logits) and router_logits.is_cuda:
         return fused.select_fused(router_logits, top_k, policy, request_spans=request_spans,
                                   expert_groups=expert_groups, scoring=scoring, renormalize=renormalize,
                                   layer=layer)
-    return SELECTORS[policy.name](
-        router_logits, top_k, policy, request_spans=request_spans, expert_groups=expert_groups,
-        scoring=scoring, renormalize=renormalize, layer=layer)
+    context = context_for(policy.name, request_spans=request_spans, expert_groups=expert_groups, layer=layer)
+    return SELECTORS[policy.name](router_logits, top_k, policy, scoring=scoring, renormalize=renormalize, **context)
 
 
 def _groups(policies: Sequence[Policy], spans: Sequence[Span],

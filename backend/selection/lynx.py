@@ -58,7 +58,7 @@ def _select(router_logits: torch.Tensor, top_k: int, drop: int, conf: float | No
 @register("lynx-lat")
 def select_lynx_lat(router_logits: torch.Tensor, top_k: int, policy: LynxLat, *,
                     scoring: str = "softmax", renormalize: bool = True,
-                    **_: object) -> tuple[torch.Tensor, torch.Tensor]:
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Lynx-Lat: drop the `drop` least-voted experts; remap their tokens inside the kept set."""
     return _select(router_logits, top_k, policy.drop, None, scoring, renormalize)
 
@@ -66,6 +66,6 @@ def select_lynx_lat(router_logits: torch.Tensor, top_k: int, policy: LynxLat, *,
 @register("lynx-acc")
 def select_lynx_acc(router_logits: torch.Tensor, top_k: int, policy: LynxAcc, *,
                     scoring: str = "softmax", renormalize: bool = True,
-                    **_: object) -> tuple[torch.Tensor, torch.Tensor]:
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Lynx-Acc: as Lynx-Lat, but confident tokens' primary experts are never dropped."""
     return _select(router_logits, top_k, policy.drop, policy.conf, scoring, renormalize)

@@ -97,7 +97,7 @@ def moe_spec_route(scores: torch.Tensor, top_k: int, budget: int, substitute: bo
 @register("moe-spec")
 def select_moe_spec(router_logits: torch.Tensor, top_k: int, policy: MoESpec, *,
                     scoring: str = "softmax", renormalize: bool = True, layer: int | None = None,
-                    **_: object) -> tuple[torch.Tensor, torch.Tensor]:
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """MoE-Spec: budget B per layer; promise: the batch uses <= B distinct experts."""
     scores = gate_scores(router_logits, scoring)                # [T, E]
     static = None

@@ -50,7 +50,7 @@ def oea_kept(weights: torch.Tensor, ids: torch.Tensor, num_experts: int, top_k: 
 @register("oea")
 def select_oea(router_logits: torch.Tensor, top_k: int, policy: OEA, *,
                scoring: str = "softmax", renormalize: bool = True,
-               **_: object) -> tuple[torch.Tensor, torch.Tensor]:
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """OEA routing: baseline + piggybacking, at most top_k experts per token, best first.
 
     Promise: the batch loads exactly the union of the baselines; a token keeps its baseline.

@@ -46,7 +46,7 @@ def xshare_set(scores: torch.Tensor, k0: int, m: int | None, tau: float | None) 
 @register("xshare")
 def select_xshare(router_logits: torch.Tensor, top_k: int, policy: XShare, *,
                   scoring: str = "softmax", renormalize: bool = True,
-                  **_: object) -> tuple[torch.Tensor, torch.Tensor]:
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """XShare Alg. 2 / Alg. 1: each token's top-k inside the batch's selected set S.
 
     Promise: |S| <= max(m, |warm-up union|); every token keeps its top-k0 experts.
@@ -98,7 +98,7 @@ def xshare_spec_allowed(scores: torch.Tensor, rid: torch.Tensor, num_requests: i
 def select_xshare_spec(router_logits: torch.Tensor, top_k: int, policy: XShareSpec, *,
                        request_spans: Sequence[tuple[int, int]] | None = None,
                        scoring: str = "softmax", renormalize: bool = True,
-                       **_: object) -> tuple[torch.Tensor, torch.Tensor]:
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """XShare Alg. 3-4 (speculative decoding): per-request budget mr, then batch budget m.
 
     request_spans: the requests' token ranges (a request's draft tokens are contiguous); None
@@ -132,7 +132,7 @@ def xshare_ep_set(scores: torch.Tensor, groups: torch.Tensor, k0: int, mg: int) 
 def select_xshare_ep(router_logits: torch.Tensor, top_k: int, policy: XShareEP, *,
                      expert_groups: Sequence[int] | torch.Tensor | None = None,
                      scoring: str = "softmax", renormalize: bool = True,
-                     **_: object) -> tuple[torch.Tensor, torch.Tensor]:
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """XShare Alg. 5-6 (expert parallelism): at most mg experts per GPU beyond the warm-up.
 
     expert_groups: [E] GPU index of every expert; None means one GPU (then this equals xshare

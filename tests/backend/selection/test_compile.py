@@ -15,6 +15,7 @@ import torch
 
 from backend.policy import parse_policy
 from backend.selection import SELECTORS, select_experts, select_experts_mixed
+from backend.selection.base import context_for
 from backend.selection.moe_spec import moe_spec_route
 
 POLICIES = [
@@ -50,7 +51,7 @@ def test_selector_compiles_fullgraph(text, scoring):
     selector = SELECTORS[policy.name]
 
     def route(logits):
-        return selector(logits, 4, policy, scoring=scoring, renormalize=True, **CONTEXT)
+        return selector(logits, 4, policy, scoring=scoring, renormalize=True, **context_for(policy.name, **CONTEXT))
 
     _assert_compiles(route, _logits())
 

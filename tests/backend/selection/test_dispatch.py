@@ -87,3 +87,25 @@ def test_mixed_prefill_and_errors():
         select_experts_mixed(logits, 4, ["topk"], [(0, 3), (3, 6)])
     with pytest.raises(PolicyError, match="unknown policy"):
         select_experts_mixed(logits, 4, ["nope"], [(0, 6)])
+
+
+def test_selectors_reject_misspelt_keywords():
+    from backend.selection import SELECTORS
+    from backend.selection.base import context_for
+
+    logits, policy = _logits(), parse_policy("xshare;m=6")
+    with pytest.raises(TypeError):
+        SELECTORS["xshare"](logits, 4, policy, scorign="sigmoid")
+    with pytest.raises(TypeError):
+        SELECTORS["xshare"](logits, 4, policy, request_spans=[(0, 20)])   # xshare reads no spans
+    assert context_for("xshare-spec", request_spans=[(0, 2)], expert_groups=None, layer=3) == {
+        "request_spans": [(0, 2)]}
+    assert context_for("moe-spec", layer=3) == {"layer": 3}
+    with pytest.raises(TypeError, match="unknown batch context"):
+        context_for("xshare", request_span=[(0, 2)])
+
+
+def test_decode_only_is_resolved_by_policy_effective():
+    oea, xshare = parse_policy("oea;k0=1"), parse_policy("xshare;m=4")
+    assert oea.effective(is_prefill=True) == parse_policy("topk") and oea.effective(is_prefill=False) is oea
+    assert xshare.effective(is_prefill=True) is xshare
