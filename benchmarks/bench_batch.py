@@ -1,6 +1,6 @@
-"""Benchmark: an offline Batch file through the tiny MoE on vLLM CPU, in arrival order versus planned.
+"""Benchmark: an offline Batch file through the tiny MoE on vLLM CPU, in arrival order versus admission.
 
-    python benchmarks/bench_batch.py [--backend URL] [--prompts 1643] [--batch-size 16] [--max-tokens 16]
+    python benchmarks/bench_batch.py [--backend URL] [--model-dir DIR] [--prompts 1643] [--batch-size 16] [--max-tokens 16]
 
 ../shared/data/prompts/mixed.jsonl becomes an OpenAI Batch file of /v1/completions lines (`max_tokens`
 short, `ignore_eos`, so every order does the same decode work; prompts that do not fit the model's
@@ -9,22 +9,23 @@ context are left out). Three orders of the same file, against one backend, in on
     shuffled   the file shuffled (seed 0): a random arrival order
     file       the file's own order; mixed.jsonl is sorted by source (GSM8K, HumanEval, MT-Bench,
                Vicuna), so this is already a category-ordered baseline
-    planned    embedded with the default encoder and planned by encoder.planner (`cohort batch run`'s plan)
+    admission  the file's order, each freed slot going to the request that best fits those out
+               (`cohort batch run`'s default: the --encoder's profile head, else nearest embedding)
 
 Two ways of sending, each reading the plugin's counters on the backend's /metrics before and after:
 
 1. `cohort batch run` (proxy.batch_run.run_batch): one request per line, B = concurrency = the
-   backend's max_num_seqs, a freed slot goes to the next planned request. Wall time, and distinct
+   backend's max_num_seqs, a freed slot goes to the order's next request. Wall time, and distinct
    experts per MoE layer per pure decode step. On a small, busy CPU host the engine is often starved
    (the API server cannot feed a model this fast), so the number of requests that share a decode step
    varies from run to run; it is printed as "tok/step" and must be read next to the expert counts.
-2. lockstep: each planned batch is one /v1/completions request with B prompts, the next sent when it
-   finishes, so every decode step holds exactly the batch (Doubleword's setting). Distinct experts
-   per decode step then compare the plans alone.
+2. lockstep: the order cut into groups of B (admission: the order its dry run writes), each group one
+   /v1/completions request with B prompts, the next sent when it finishes, so every decode step holds
+   exactly the group (Doubleword's setting). Distinct experts per decode step then compare the orders alone.
 
 3. positive control (lockstep): B distinct prompts, each repeated B times, shuffled. Identical prompts
    decode identical tokens (temperature 0), so their routing does track the text; a plan that puts the
-   copies together must show far fewer experts per decode step. This checks that the planner, the
+   copies together must show far fewer experts per decode step. This checks that admission, the
    dispatch and the counters can show a saving when the model's routing depends on the prompt.
 
 Without --backend a tiny-MoE vLLM CPU server is started (and stopped) here, with prefix caching off
@@ -36,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import functools
 import json
 import os
 import random
@@ -44,23 +44,36 @@ import tempfile
 import time
 from pathlib import Path
 
+from encoder.plans import chunk
 from proxy.backend import BackendClient
-from proxy.batch_core import RunConfig, plan_requests
+from proxy.batch_core import RunConfig
+from proxy.batch_order import make_order, simulated_order
 from proxy.batch_run import run_batch
 from proxy.batchfile import read_batch_file
 from proxy.expert_loads import ExpertLoads, parse_expert_loads
 from proxy.journal import Journal, JournalPaths
-from proxy.planning import arrival_batches, make_plan_fn
+from proxy.profiles import Predictor, make_predictor
 from proxy.settings import Settings
 
 PROMPTS = Path(__file__).resolve().parents[1] / "../shared/data/prompts/mixed.jsonl"
 TOKENS_KEY = "cohort_moe_routed_tokens"
 
 
-def shuffled_batches(texts, batch_size):
-    order = list(range(len(texts)))
-    random.Random(0).shuffle(order)
-    return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+def shuffled(texts: list[str]) -> list[str]:
+    out = list(texts)
+    random.Random(0).shuffle(out)
+    return out
+
+
+def cached(predictor: Predictor) -> Predictor:
+    """The predictor with its answers kept per text, so no measured run pays for the encoder again."""
+    memo: dict[str, object] = {}
+
+    def predict(texts):
+        missing = [t for t in dict.fromkeys(texts) if t not in memo]
+        memo.update(zip(missing, predictor.predict(missing)) if missing else ())
+        return [memo[t] for t in texts]
+    return Predictor(predict, predictor.resident_factory, predictor.kind)
 
 
 async def fitting_prompts(backend: BackendClient, texts: list[str], max_tokens: int) -> list[str]:
@@ -99,26 +112,27 @@ def delta(after: dict, before: dict, layers: int) -> dict:
     return {"decode": d, "tok_per_step": (after["tokens"] - before["tokens"]) / max(steps, 1)}
 
 
-async def run_runner(name: str, batch_file: Path, plan_fn, backend: BackendClient, args, workdir: Path) -> dict:
+async def run_runner(name: str, batch_file: Path, predictor, backend: BackendClient, args, workdir: Path) -> dict:
     """`cohort batch run`'s code path: run_batch() with a fresh journal."""
     parsed = read_batch_file(batch_file, default_policy="topk", max_line_bytes=10 << 20)
-    journal = Journal.open(JournalPaths.for_output(workdir / f"{name}.jsonl"), parsed.journal_meta)
+    journal = Journal.open(JournalPaths.for_output(workdir / f"{name}.out.jsonl"), parsed.journal_meta)
     config = RunConfig.from_settings(args.settings, metrics_interval_s=0)
     before = await counters(backend)
     start = time.perf_counter()
     try:
-        stats = await run_batch(parsed, journal, backend, plan_fn, config)
+        stats = await run_batch(parsed, journal, backend, predictor, config)
     finally:
         journal.close()
-    wall = time.perf_counter() - start - plan_fn.seconds_last
+    wall = time.perf_counter() - start
     return {"name": name, "wall": wall, "ok": stats.succeeded, "failed": stats.failed,
             **delta(await counters(backend), before, args.layers)}
 
 
-async def run_lockstep(name: str, batch_file: Path, plan_fn, backend: BackendClient, args) -> dict:
-    """Each planned batch as one multi-prompt /v1/completions request, one batch at a time."""
+async def run_lockstep(name: str, batch_file: Path, predictor, backend: BackendClient, args) -> dict:
+    """The order in groups of B, each one multi-prompt /v1/completions request, one group at a time."""
     parsed = read_batch_file(batch_file, default_policy="topk", max_line_bytes=10 << 20)
-    batches = plan_requests(parsed.requests, plan_fn, args.batch_size)
+    sent = simulated_order(parsed.requests, make_order(parsed.requests, predictor), args.batch_size)
+    batches = [[sent[i] for i in group] for group in chunk(range(len(sent)), args.batch_size)]
     before = await counters(backend)
     start = time.perf_counter()
     for batch in batches:
@@ -134,22 +148,6 @@ async def warm_up(backend: BackendClient, texts: list[str], max_tokens: int) -> 
     await backend.request("POST", "/v1/completions", json={"model": "tiny", "prompt": texts, "max_tokens": max_tokens})
 
 
-def timed_cache(plan_fn):
-    """The plan function, memoised per input (one embedding per order), with the time of its last call."""
-    @functools.lru_cache(maxsize=4)
-    def cached(texts: tuple, batch_size: int):
-        return plan_fn(list(texts), batch_size)
-
-    def timed(texts, batch_size):
-        t = time.perf_counter()
-        try:
-            return cached(tuple(texts), batch_size)
-        finally:
-            timed.seconds_last = time.perf_counter() - t
-    timed.seconds_last = 0.0
-    return timed
-
-
 def report(title: str, rows: list[dict]) -> None:
     print(f"\n{title}")
     print(f"{'order':>9} {'wall s':>7} {'ok':>5} {'fail':>4} {'tok/step':>8} {'experts/layer/decode step':>25} "
@@ -162,38 +160,42 @@ def report(title: str, rows: list[dict]) -> None:
     for base in rows[:-1]:
         p, b = planned["decode"], base["decode"]
         if p.per_forward and b.per_forward:
-            print(f"planned vs {base['name']}: {1 - p.per_forward / b.per_forward:.1%} fewer distinct experts per "
+            print(f"{planned['name']} vs {base['name']}: {1 - p.per_forward / b.per_forward:.1%} fewer distinct experts per "
                   f"decode step ({p.per_forward:.2f} vs {b.per_forward:.2f}, at {planned['tok_per_step']:.1f} vs "
                   f"{base['tok_per_step']:.1f} tok/step), {1 - p.after / b.after:.1%} fewer decode expert loads "
                   f"({p.after:,.0f} vs {b.after:,.0f}); wall {planned['wall']:.1f} s vs {base['wall']:.1f} s")
 
 
 async def bench(args, backend_url: str) -> None:
-    # the process's one Settings: B = concurrency = --batch-size; the encoder of the planned order
-    args.settings = Settings(backend_url=backend_url, batch_size=args.batch_size, encoder=args.encoder or "")
+    # the process's one Settings: concurrency = --batch-size = the backend's max_num_seqs; the admission encoder
+    args.settings = Settings(backend_url=backend_url, batch_concurrency=args.batch_size, encoder=args.encoder or "")
     backend = BackendClient.from_settings(args.settings)
     texts = [json.loads(line)["text"] for line in PROMPTS.read_text().splitlines()][: args.prompts]
     fitting = await fitting_prompts(backend, texts, args.max_tokens)
     t = time.perf_counter()
-    planned = timed_cache(make_plan_fn(args.settings))
-    orders = [("shuffled", timed_cache(shuffled_batches)), ("file", timed_cache(arrival_batches)), ("planned", planned)]
+    predictor = make_predictor(args.settings)
+    if predictor is None:
+        raise SystemExit("bench_batch: --encoder none leaves admission nothing to predict with; give an encoder")
+    predictor = cached(predictor)
     print(f"{len(fitting)} of {len(texts)} prompts of mixed.jsonl (the rest do not fit the context), "
           f"{args.max_tokens} tokens each (ignore_eos), B = concurrency = {args.batch_size}, backend {backend_url}, "
-          f"{os.cpu_count()} CPUs; encoder loaded in {time.perf_counter() - t:.1f} s")
+          f"{os.cpu_count()} CPUs; encoder loaded in {time.perf_counter() - t:.1f} s, admission by {predictor.kind}")
     with tempfile.TemporaryDirectory(prefix="bench-batch-") as tmp:
-        batch_file = Path(tmp) / "requests.jsonl"
+        batch_file, shuffled_file = Path(tmp) / "requests.jsonl", Path(tmp) / "shuffled.jsonl"
         write_batch_file(batch_file, fitting, args.max_tokens)
+        write_batch_file(shuffled_file, shuffled(fitting), args.max_tokens)
         await warm_up(backend, fitting[: args.batch_size], args.max_tokens)
-        parsed = read_batch_file(batch_file, default_policy="topk", max_line_bytes=10 << 20)
         t = time.perf_counter()
-        planned([r.text for r in parsed.requests], args.batch_size)
-        print(f"embedding + planning {len(parsed.requests)} prompts: {time.perf_counter() - t:.1f} s (once; not in the walls)")
-        runner = [await run_runner(name, batch_file, fn, backend, args, Path(tmp)) for name, fn in orders]
-        lockstep = [await run_lockstep(name, batch_file, fn, backend, args) for name, fn in orders]
+        predictor.predict(fitting)
+        print(f"predicting {len(fitting)} prompts: {time.perf_counter() - t:.1f} s (once; not in the walls)")
+        orders = [("shuffled", shuffled_file, None), ("file", batch_file, None), ("admission", batch_file, predictor)]
+        runner = [await run_runner(name, f, p, backend, args, Path(tmp)) for name, f, p in orders]
+        lockstep = [await run_lockstep(name, f, p, backend, args) for name, f, p in orders]
         control_file = Path(tmp) / "control.jsonl"
         copies = [fitting[i * len(fitting) // args.batch_size] for i in range(args.batch_size)] * args.batch_size
-        write_batch_file(control_file, [copies[i] for i in shuffled_batches(copies, len(copies))[0]], args.max_tokens)
-        control = [await run_lockstep(name, control_file, fn, backend, args) for name, fn in orders[1:]]
+        write_batch_file(control_file, shuffled(copies), args.max_tokens)
+        control = [await run_lockstep(name, control_file, p, backend, args) for name, p in
+                   (("shuffled", None), ("admission", predictor))]
     await backend.close()
     report("1. `cohort batch run` (one request per line, sliding window of B)", runner)
     report("2. lockstep (one multi-prompt request per planned batch: every decode step holds one whole batch)", lockstep)
@@ -207,14 +209,17 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--layers", type=int, default=4, help="MoE layers of the served model (the tiny MoE: 4)")
-    parser.add_argument("--encoder", default=None, help="encoder for the planned order (default: the packaged MiniLM)")
+    parser.add_argument("--encoder", default=None, help="encoder for admission (a `cohort train` folder brings its "
+                        "profile head; default: the packaged MiniLM, nearest embedding)")
+    parser.add_argument("--model-dir", default=None, help="the MoE to serve when no --backend (default: the random tiny MoE)")
     args = parser.parse_args()
     server = None
     if not args.backend:
         from devtools.server import start
         from proxy.embedded import ensure_tiny_model
 
-        server = start(ensure_tiny_model(), max_num_seqs=args.batch_size, extra_args=["--no-enable-prefix-caching"])
+        server = start(ensure_tiny_model(args.model_dir), max_num_seqs=args.batch_size,
+                       extra_args=["--no-enable-prefix-caching"])
     try:
         asyncio.run(bench(args, args.backend or server.url))
     finally:

@@ -21,6 +21,8 @@ from proxy.errors import BackendStatusError, BackendTimeout, BackendUnreachable
 
 log = logging.getLogger(__name__)
 
+IDLE_S = 3.0  # how long an idle keep-alive connection to the backend is kept (below vLLM's 5 s)
+
 
 @dataclass(frozen=True)
 class BackendAnswer:
@@ -103,7 +105,9 @@ class BackendClient:
             if self._session is not None and not self._session.closed:
                 log.debug("event loop changed; opening a new backend session")
                 self._session.detach()
-            connector = aiohttp.TCPConnector(limit=self.max_connections, ttl_dns_cache=300)
+            # idle connections are dropped before vLLM's uvicorn closes them (its keep-alive is 5 s): a request
+            # written to a connection the server is closing fails with "Server disconnected"
+            connector = aiohttp.TCPConnector(limit=self.max_connections, ttl_dns_cache=300, keepalive_timeout=IDLE_S)
             self._session = aiohttp.ClientSession(connector=connector, timeout=self.timeout)
             self._loop = loop
         return self._session
