@@ -1,8 +1,8 @@
-"""Benchmark: what the proxy adds, and what planning buys, against one vLLM backend in one run.
+"""Benchmark: what the proxy adds, and what admission buys, against one vLLM backend in one run.
 
     python benchmarks/bench_proxy.py [--backend URL] [--requests-per-client 40] [--no-pin]
 
-Part 1, overhead (window at 0, no encoder): clients send tiny completions (max_tokens=1)
+Part 1, overhead (no encoder): clients send tiny completions (max_tokens=1)
 directly to vLLM and through the proxy, alternating, at 1, 16 and 64 concurrent clients;
 prints latency p50/p99 and throughput of each, and the added p50/p99; then the same for
 streams (max_tokens=8) timed to their first chunk, at up to 16 clients.
@@ -11,8 +11,10 @@ load generator on the other half, as a proxy would run beside (not on) an infere
 cores. Without that split, on a 2-core machine vLLM's API server and engine core, the proxy and
 the clients all compete for two cores, and the "added" latency measures that contention rather
 than the proxy (--no-pin shows it).
-Part 2, planning (window on): the same prompts (../shared/data/prompts/mixed.jsonl) through the
-proxy in arrival order (encoder none) and planned (default encoder), 64 concurrent clients;
+Part 2, admission at saturation: the same prompts (../shared/data/prompts/mixed.jsonl) through the
+proxy first come first served (encoder none) and by admission (--encoder, default the packaged
+MiniLM), 64 concurrent clients and --slots requests in flight (the backend's max_num_seqs), so
+requests wait and admission has a pool to choose from;
 prints the mean distinct experts per layer per decode forward from the plugin's counters, with
 the tokens per forward beside it (fewer tokens per forward touch fewer experts by themselves).
 Without --backend, a tiny-MoE vLLM CPU server is started (and stopped) here. The proxy runs as
@@ -106,7 +108,7 @@ def start_proxy(backend: str, *flags: str) -> tuple[subprocess.Popen, str]:
 
 
 def overhead(backend: str, concurrency: list[int], per_client: int, rounds: int) -> None:
-    proc, proxy = start_proxy(backend, "--max-wait-ms", "0", "--encoder", "none", "--max-in-flight", "256")
+    proc, proxy = start_proxy(backend, "--encoder", "none", "--max-in-flight", "256")
     try:
         print("whole answers (max_tokens=1):")
         compare(backend, proxy, concurrency, per_client, rounds, stream=False)
@@ -165,12 +167,10 @@ async def send_prompts(url: str, prompts: list[str], clients: int, max_tokens: i
     return time.perf_counter() - t
 
 
-def planning(backend: str, prompts: list[str], batch_size: int, max_tokens: int, moe_layers: int) -> None:
-    common = ["--batch-size", str(batch_size), "--window-size", str(4 * batch_size), "--max-wait-ms", "200",
-              "--max-in-flight", str(batch_size)]
-    print(f"{len(prompts)} prompts, 64 clients, B={batch_size}, window {4 * batch_size} requests / 200 ms, "
-          f"{max_tokens} tokens each")
-    for name, extra in (("arrival", ["--encoder", "none"]), ("planned", [])):
+def admission(backend: str, prompts: list[str], slots: int, max_tokens: int, moe_layers: int, encoder: str) -> None:
+    common = ["--max-in-flight", str(slots)]
+    print(f"{len(prompts)} prompts, 64 clients, {slots} in flight, {max_tokens} tokens each")
+    for name, extra in (("fcfs", ["--encoder", "none"]), ("admission", ["--encoder", encoder] if encoder else [])):
         proc, proxy = start_proxy(backend, *common, *extra)
         try:
             loads0, fwd0, tok0 = decode_distinct(backend)
@@ -193,6 +193,11 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=512, help="prompts of mixed.jsonl for part 2")
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--moe-layers", type=int, default=4, help="MoE layers of the backend's model (tiny MoE: 4)")
+    parser.add_argument("--slots", type=int, default=16, help="part 2: requests in flight (the backend's max_num_seqs)")
+    parser.add_argument("--encoder", default="", help="part 2: the admission encoder (a `cohort train` folder brings "
+                        "its profile head; default: the packaged MiniLM, nearest embedding)")
+    parser.add_argument("--model-dir", default=None, help="the MoE to serve when no --backend (default: the random tiny MoE)")
+    parser.add_argument("--skip-overhead", action="store_true", help="part 2 only")
     parser.add_argument("--no-pin", dest="pin", action="store_false",
                         help="run backend, proxy and clients on all CPUs (default: split the CPUs)")
     args = parser.parse_args()
@@ -202,16 +207,17 @@ def main() -> None:
         from proxy.embedded import start_embedded_backend
 
         os.sched_setaffinity(0, backend_cpus)  # vLLM's processes inherit it
-        server = start_embedded_backend(max_num_seqs=64)
+        server = start_embedded_backend(args.model_dir, max_num_seqs=64)
         args.backend = server.url
     os.sched_setaffinity(0, client_cpus)  # the clients, and the proxy processes started from here
     try:
         where = f"backend on CPUs {sorted(backend_cpus)}, " if server else ""
         print(f"backend {args.backend}; proxy = `cohort serve` in its own process; {os.cpu_count()} CPUs: "
               f"{where}proxy and clients on CPUs {sorted(client_cpus)}")
-        overhead(args.backend, [int(c) for c in args.concurrency.split(",")], args.requests_per_client, args.rounds)
+        if not args.skip_overhead:
+            overhead(args.backend, [int(c) for c in args.concurrency.split(",")], args.requests_per_client, args.rounds)
         prompts = [json.loads(line)["text"] for line in PROMPTS.read_text().splitlines()][: args.prompts]
-        planning(args.backend, prompts, 16, args.max_tokens, args.moe_layers)
+        admission(args.backend, prompts, args.slots, args.max_tokens, args.moe_layers, args.encoder)
     finally:
         if server is not None:
             server.stop()
