@@ -17,6 +17,10 @@ the same decisions: rows whose effective policy is top-k keep exactly the router
   per step and no host synchronisation, so vLLM may capture it in CUDA graphs;
 - eager (default on CPU): `route` calls `backend.selection.select_experts_mixed` on the
   sub-batch of re-routed rows, skipping steps where every row is top-k.
+
+Over 250 lines because the per-step bookkeeping of metrics and recording (what `route` keeps
+and `end_step` publishes) is one state machine with the routing; table mode is in
+`backend.routing_tables`.
 """
 
 from __future__ import annotations
@@ -37,8 +41,8 @@ from backend.metrics import ExpertLoadMetrics
 from backend.policy import Policy, PolicyError, TopK
 from backend.recorder import TraceRecorder
 from backend.selection import select_experts_mixed
-from backend.selection.moe_spec import static_ranking
-from backend.selection.step_tables import StepTables, capture_error
+from backend.routing_tables import TableMode
+from backend.selection.step_tables import StepTables
 
 log = logging.getLogger(__name__)
 
@@ -78,8 +82,8 @@ class _Plan:
     policies: list[Policy]
 
 
-class RoutingHook:
-    """Per-process state of the plugin inside the engine."""
+class RoutingHook(TableMode):
+    """Per-process state of the plugin inside the engine (table mode: `backend.routing_tables`)."""
 
     def __init__(self, config: HookConfig, metrics: ExpertLoadMetrics | None = None,
                  decode_text: Callable[[list[int]], str] | None = None) -> None:
@@ -208,61 +212,6 @@ class RoutingHook:
         new_w, new_ids = weights.clone(), ids.clone()
         new_w[plan.rows], new_ids[plan.rows] = sub_w.to(weights.dtype), sub_ids.to(ids.dtype)
         return new_w, new_ids
-
-    # ---- table mode ----------------------------------------------------------------------------
-
-    def _wants_tables(self, router_logits: torch.Tensor) -> bool:
-        if self.tables is not None:
-            return True
-        wanted = self.config.graph_tables
-        if not (router_logits.is_cuda if wanted is None else wanted):
-            return False
-        self.use_tables(router_logits.device)
-        return True
-
-    def use_tables(self, device: torch.device) -> StepTables:
-        """Switch to table mode on `device` (once, before any graph capture) and publish the step."""
-        if self.tables is None:
-            info = next(iter(self.layers.values()))
-            self.tables = StepTables(
-                max_tokens=self.config.max_tokens, num_layers=max(self.layers) + 1, num_experts=info.num_experts,
-                top_k=info.top_k, device=torch.device(device), rank_width=self.config.rank_width,
-                requests=self.config.graph_spec,
-                static_counts=lambda policy, layer: static_ranking(policy.calib, layer, info.num_experts))
-            self._publish(self._step)
-        return self.tables
-
-    def capture_error(self, policy: Policy) -> str | None:
-        """Why table mode cannot serve `policy` (None: it can, or the hook is in eager mode)."""
-        if self.tables is None:
-            return None
-        return capture_error(policy, self.tables.rank_width, self.tables.requests)
-
-    def _publish(self, step: Step | None) -> None:
-        self._published = step
-        spans = [] if step is None else [(s.start, s.end, s.effective_policy) for s in step.spans if s.rerouted]
-        for policy in self.tables.write(spans, 0 if step is None else step.num_tokens):
-            self._warn_once(f"slots:{policy}", "more distinct policies in one step than the routing tables "
-                            "hold; requests with %s run top-k in such steps", policy)
-
-    def _route_tables(self, layer: int, info: LayerInfo, router_logits: torch.Tensor, weights: torch.Tensor,
-                      ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if not info.supports_policies:
-            self._warn_once(f"layer{layer}", "MoE layer %d: its router (bias-corrected, grouped or custom) "
-                            "cannot be re-routed by policies; using top-k", layer)
-            self.tables.keep(layer, ids)
-            return weights, ids
-        return self.tables.route(layer, router_logits, weights, ids, top_k=info.top_k, scoring=info.scoring,
-                                 renormalize=info.renormalize, scale=info.scale)
-
-    def _collect_tables(self, step: Step) -> None:
-        """Table mode: what every layer decided, read back once per step (outside any graph)."""
-        before, after, weights = self.tables.decided(step.num_tokens)    # [L, n, k] each
-        layers = sorted(self.layers)
-        if self.metrics is not None:
-            self._routed = [(before[i], after[i]) for i in layers]
-        if step.record and self.observe:
-            self._captured = [(after[i], weights[i]) for i in layers]
 
     def end_step(self, forward_ns: int = 0) -> None:
         """Publish the step's counts to the metrics and its recorded rows to the recorder.
