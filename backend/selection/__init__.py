@@ -7,9 +7,14 @@
 `policy` is a `backend.policy.Policy` or its string form. `SELECTORS` maps every policy name to
 its selector (same contract, typed policy). `select_experts_mixed` routes a batch whose requests
 carry different policies. Every selector traces under `torch.compile(fullgraph=True)`; request
-spans and policies are Python values there (guarded, so a new span layout recompiles), which is
-why an engine should call the selectors eagerly from inside its own custom op. Pure torch; no
-vLLM import.
+spans and policies are Python values there (guarded, so a new span layout recompiles).
+
+On CUDA (with Triton installed) `select_experts` runs the fused Triton kernels
+(`fused`, `triton_kernels`): a few launches per call, no host synchronisation, CUDA-graph safe.
+They read policies from a parameter table (`table`); `table_torch` is their torch twin (the CPU
+path of table-driven routing), and `step_tables` keeps such tables persistent for an engine, so
+per-request policies need no re-capture or re-compile. The torch selectors stay the CPU path and
+the reference. No vLLM import; Triton is imported only when a kernel first runs.
 """
 
 from backend.selection import lynx, moe_spec, oea, xshare  # noqa: F401  (register selectors)
