@@ -118,7 +118,7 @@ def _train_into(out: Path, args: TrainArgs, corpus: Corpus) -> Path:
 
     torch.set_num_threads(args.threads)
     texts = training_texts(corpus.train)
-    tokenizer = build_tokenizer(args.model.vocab_size, texts)
+    tokenizer = build_tokenizer(args.model.vocab_size, [t for kind in sorted(texts) for t in texts[kind]])
     model = init_model(args, tokenizer)
     streams = {k: torch.tensor(ids, dtype=torch.long) for k, ids in token_streams(texts, tokenizer).items()}
     stats = train_loop(model, streams, args)
