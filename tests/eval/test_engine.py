@@ -87,3 +87,18 @@ def test_lengths_fixed_lognormal_and_files(tmp_path):
     (tmp_path / "bad.txt").write_text("3\n")
     with pytest.raises(ValueError, match="lengths for 3"):
         read_lengths(tmp_path / "bad.txt", ids)
+
+
+def test_the_cli_builds_every_policy_the_inputs_allow_and_text_profiles_come_from_the_head():
+    from eval.engine_cli import continuous_policies
+    from train.profile_head import fit_profile_head
+    from train.targets import profiles
+
+    ts, tok, prof = _setup(80)
+    x = np.random.default_rng(0).normal(size=(len(ts), 6)).astype(np.float32)
+    head = fit_profile_head(x, profiles(ts), ts.top_k)
+    names = list(continuous_policies(ts, tok, 4, x=x, head=head))
+    assert names == ["arrival", "plan", "text-nearest", "text-profile", "text-profile-lead", "reference"]
+    assert list(continuous_policies(ts, tok, 4)) == ["arrival", "reference"]
+    policy = continuous_policies(ts, tok, 4, x=x, head=head)["text-profile"](0)
+    np.testing.assert_allclose(policy.flat, head.predict(x).reshape(len(ts), -1))
