@@ -5,7 +5,7 @@ the front of its waiting queue and popping it once it fits. `ExpertAwareQueue` i
 whole request-queue contract of vLLM's `RequestQueue` (add, pop, peek, prepend, remove, bool,
 len, iter), but its front is chosen, not fixed: among the waiting requests that carry a
 predicted expert profile, the one expected to add the fewest experts per step to the running
-set, by the rule of `encoder.waiting.next_to_admit` (which the proxy's pool uses too: fairness
+set, by the rule of `encoder.waiting.WaitingPool` (which the proxy's pool uses too: fairness
 bound first, FCFS for requests without a profile). The rest of vLLM's semantics are kept:
 
 - requests put back at the front (preempted ones, ones skipped in a scheduling pass) stay in
@@ -31,7 +31,7 @@ import numpy as np
 
 from encoder.admission import ResidentExperts
 from encoder.profile import COMPACT_TOP, expand
-from encoder.waiting import next_to_admit
+from encoder.waiting import WaitingPool, resident_size
 
 log = logging.getLogger(__name__)
 
@@ -75,12 +75,16 @@ class ExpertAwareQueue:
         self._running, self.num_experts, self.max_wait_s, self._clock = running, num_experts, max_wait_s, clock
         self._front: deque = deque()  # put back by the scheduler; served first, in order
         self._pool: dict[str, Any] = {}  # request_id -> request, in arrival order
+        self._waiting = WaitingPool()  # the same requests' profiles, for the choice
+        self._res: ResidentExperts | None = None  # the running requests' profiles ...
+        self._res_profiles: dict[str, np.ndarray] = {}  # ... of these request ids
         self._profiles: dict[str, np.ndarray | None] = {}  # request_id -> [L*E] or None
         self._choice: tuple[tuple, float, Any] | None = None  # (running ids, valid until, request) of the last peek
 
     # --- the RequestQueue contract -------------------------------------------------------
     def add_request(self, request) -> None:
         self._pool[request.request_id] = request
+        self._waiting.add(request.request_id, self._profile(request), request.arrival_time)
         self._remember(request)
 
     def pop_request(self):
@@ -133,20 +137,23 @@ class ExpertAwareQueue:
 
     # --- the choice ----------------------------------------------------------------------
     def _choose(self):
-        pool = list(self._pool.values())  # arrival order
-        now = self._clock()
-        profiles = [self._profiles[r.request_id] for r in pool]
-        resident = None if profiles[0] is None else self._resident(profiles[0].shape[0])
-        return pool[next_to_admit([now - r.arrival_time for r in pool], profiles, resident, self.max_wait_s)]
+        resident = self._resident(self._waiting.size) if self._waiting.size else None
+        return self._pool[self._waiting.pick(resident, self._clock(), self.max_wait_s)]
 
     def _resident(self, size: int) -> ResidentExperts:
-        """The running requests' predicted experts (those with a profile of the same size)."""
-        resident = ResidentExperts(1, size)
-        for request in self._running():
-            profile = self._profile(request)
+        """The running requests' predicted experts (those with a profile of `size`), kept up to date by
+        admitting the newly running and releasing the gone since the last choice."""
+        running = {r.request_id: r for r in self._running()}
+        if self._res is None or resident_size(self._res) != size:
+            self._res, self._res_profiles = ResidentExperts(1, size), {}
+        for rid in set(self._res_profiles) - running.keys():
+            self._res.release(self._res_profiles.pop(rid))
+        for rid in running.keys() - self._res_profiles.keys():
+            profile = self._profile(running[rid])
             if profile is not None and profile.shape[0] == size:
-                resident.admit(profile)
-        return resident
+                self._res.admit(profile)
+                self._res_profiles[rid] = profile
+        return self._res
 
     def _profile(self, request) -> np.ndarray | None:
         """Cached decoded profile (the cache forgets requests that are neither queued nor running)."""
@@ -162,7 +169,7 @@ class ExpertAwareQueue:
 
     def _next_deadline(self) -> float:
         """When the oldest queued request becomes overdue (a cached choice is stale from then on)."""
-        return min(r.arrival_time for r in self._pool.values()) + self.max_wait_s
+        return float(self._waiting.arrived[self._waiting.active].min()) + self.max_wait_s
 
     def _state_key(self) -> tuple:
         """What a choice depends on besides the pool, which every mutation already resets."""
@@ -173,7 +180,8 @@ class ExpertAwareQueue:
         self._choice = None
 
     def _discard(self, request) -> None:
-        self._pool.pop(request.request_id, None)
+        if self._pool.pop(request.request_id, None) is not None:
+            self._waiting.remove(request.request_id)
         if request in self._front:
             self._front.remove(request)
         self._choice = None

@@ -5,25 +5,30 @@ In order:
 2. a request without a predicted profile keeps first-come-first-served: when it is the oldest
    waiting request it goes, and no request that arrived after it is chosen before it;
 3. with nobody resident (who has a profile), the oldest: there is nothing to fit yet;
-4. else, among the requests that arrived before the first profile-less one (and whose profile
-   has the oldest one's size), the one the resident set picks: with predicted profiles
-   (`encoder.admission.ResidentExperts`) the fewest expected new experts per step; with
-   embeddings only (`ResidentEmbedding`) the nearest to the resident set. Ties go to the
-   earliest arrival.
+4. else, among the requests that arrived before the first profile-less one, the one the resident
+   set picks: with predicted profiles (`encoder.admission.ResidentExperts`) the fewest expected
+   new experts per step; with embeddings only (`ResidentEmbedding`) the nearest to the resident
+   set. Ties go to the earliest arrival.
 
-Pure numpy; callers keep their waiting requests in arrival order.
+`WaitingPool` keeps the waiting requests' vectors as rows of one growable matrix [capacity, size],
+so a choice is one matrix-vector product over the pool and a few masked reductions: no Python
+loop over the waiting requests, whatever their number. The product runs on one BLAS thread: in a
+busy server (vLLM's engine process, the proxy beside it) OpenBLAS's threads spin against the
+engine's, and one 1,024 x 1,664 product took 21 ms on two threads against 0.7 ms on one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable
+from functools import cache
 
 import numpy as np
+from threadpoolctl import ThreadpoolController
 
-from encoder.admission import ResidentEmbedding, ResidentExperts, oldest_overdue
-
+from encoder.admission import ResidentEmbedding, ResidentExperts
 
 Resident = ResidentExperts | ResidentEmbedding
+_LAST = np.iinfo(np.int64).max
 
 
 def resident_size(resident: Resident | None) -> int | None:
@@ -33,23 +38,103 @@ def resident_size(resident: Resident | None) -> int | None:
     return int(np.prod(resident.shape)) if isinstance(resident, ResidentExperts) else len(resident.total)
 
 
-def next_to_admit(waited: Sequence[float], profiles: Sequence[np.ndarray | None],
-                  resident: Resident | None, max_wait: float | None) -> int:
-    """Index of the request to admit among `profiles` (flat [L*E] or None each), in arrival order.
+@cache
+def _blas() -> ThreadpoolController:
+    return ThreadpoolController()  # inspects the loaded BLAS libraries once
 
-    `waited[i]` is how long request i has waited (same unit as `max_wait`); `resident` holds the
-    resident requests' profiles, of the oldest waiting request's size (None: nobody resident has one).
+
+class WaitingPool:
+    """Waiting requests by key, each with its vector ([L*E] profile, [D] embedding, or None) and arrival time.
+
+    The first vector added fixes the pool's vector size; a vector of another size counts as none.
     """
-    if not len(profiles):
-        raise ValueError("no waiting request to admit")
-    overdue = oldest_overdue(np.asarray(waited, dtype=np.float64), max_wait)
-    if overdue is not None:
-        return overdue
-    plain = next((i for i, p in enumerate(profiles) if p is None), len(profiles))
-    if plain == 0 or resident is None or resident.count == 0:
-        return 0
-    size = profiles[0].shape[0]
-    if resident_size(resident) != size:
-        raise ValueError(f"the resident set holds vectors of {resident_size(resident)}, the oldest request {size}")
-    eligible = [i for i in range(plain) if profiles[i].shape[0] == size]
-    return eligible[resident.pick(np.stack([profiles[i] for i in eligible]))]  # [n, L*E]
+
+    def __init__(self, capacity: int = 64) -> None:
+        self.size: int | None = None
+        self.matrix = np.zeros((0, 0), np.float32)  # [capacity, size] once the size is known
+        self.keys: list[Hashable | None] = [None] * capacity
+        self.rows: dict[Hashable, int] = {}
+        self.active = np.zeros(capacity, bool)  # [capacity]
+        self.profiled = np.zeros(capacity, bool)  # [capacity]
+        self.arrived = np.zeros(capacity, np.float64)  # [capacity]
+        self.seq = np.zeros(capacity, np.int64)  # [capacity] arrival order
+        self._count = 0
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self.rows
+
+    def add(self, key: Hashable, vector: np.ndarray | None, arrived: float) -> None:
+        if key in self.rows:
+            raise ValueError(f"{key!r} is waiting already")
+        row = self._free_row()
+        self.keys[row], self.rows[key] = key, row
+        self.active[row], self.arrived[row], self.seq[row] = True, arrived, self._count
+        self._count += 1
+        self.profiled[row] = self._store(row, vector)
+
+    def remove(self, key: Hashable) -> None:
+        row = self.rows.pop(key)
+        self.keys[row], self.active[row], self.profiled[row] = None, False, False
+
+    def pick(self, resident: Resident | None, now: float, max_wait: float | None) -> Hashable:
+        """The key of the request to admit now, by the rule of the module docstring."""
+        if not self.rows:
+            raise ValueError("no waiting request to admit")
+        overdue = self._overdue(now, max_wait)
+        if overdue is not None:
+            return self.keys[overdue]
+        seq = np.where(self.active, self.seq, _LAST)  # [capacity]
+        oldest = int(np.argmin(seq))
+        if not self.profiled[oldest] or resident is None or resident.count == 0:
+            return self.keys[oldest]
+        if resident_size(resident) != self.size:
+            raise ValueError(f"the resident set holds vectors of {resident_size(resident)}, the pool {self.size}")
+        first_plain = seq[self.active & ~self.profiled].min(initial=_LAST)
+        eligible = self.profiled & (seq < first_plain)  # [capacity]
+        return self.keys[self._best(resident, eligible, seq)]
+
+    def _best(self, resident: Resident, eligible: np.ndarray, seq: np.ndarray) -> int:
+        rows = int(np.flatnonzero(eligible)[-1]) + 1  # rows past the last eligible one need no score
+        scores = np.full(len(eligible), np.inf)  # [capacity], lower is better
+        with _blas().limit(limits=1, user_api="blas"):
+            scores[:rows] = resident.scores(self.matrix[:rows])  # ResidentEmbedding: higher is better
+        if isinstance(resident, ResidentEmbedding):
+            scores[:rows] = -scores[:rows]
+        scores = np.where(eligible, scores, np.inf)
+        best = scores.min()
+        ties = eligible & (scores <= best + 1e-9 * max(1.0, abs(best)))
+        return int(np.argmin(np.where(ties, seq, _LAST)))
+
+    def _overdue(self, now: float, max_wait: float | None) -> int | None:
+        if max_wait is None:
+            return None
+        waited = np.where(self.active, now - self.arrived, -np.inf)  # [capacity]
+        longest = int(np.argmax(waited))
+        return longest if waited[longest] >= max_wait else None
+
+    def _store(self, row: int, vector: np.ndarray | None) -> bool:
+        if vector is None:
+            return False
+        vector = np.asarray(vector, np.float32).ravel()
+        if self.size is None:
+            self.size = vector.shape[0]
+            self.matrix = np.zeros((len(self.keys), self.size), np.float32)
+        if vector.shape[0] != self.size:
+            return False
+        self.matrix[row] = vector
+        return True
+
+    def _free_row(self) -> int:
+        free = np.flatnonzero(~self.active)
+        if len(free):
+            return int(free[0])
+        old = len(self.keys)  # full: double every per-row array
+        self.keys += [None] * old
+        self.active, self.profiled = (np.concatenate([a, np.zeros(old, bool)]) for a in (self.active, self.profiled))
+        self.arrived, self.seq = np.concatenate([self.arrived, np.zeros(old)]), np.concatenate([self.seq, np.zeros(old, np.int64)])
+        if self.size is not None:
+            self.matrix = np.concatenate([self.matrix, np.zeros((old, self.size), np.float32)])
+        return old

@@ -4,7 +4,7 @@ vLLM keeps up to max_num_seqs requests resident and replaces a finished one at o
 can only act while requests wait for a slot. So the proxy holds at most `max_in_flight` requests
 (the backend's max_num_seqs) at the backend, and when a slot frees it admits, from one waiting
 pool, the request expected to add the fewest experts per step to those in flight
-(`encoder.waiting.next_to_admit`: fairness bound `max_queue_s` first, FCFS for requests without a
+(`encoder.waiting.WaitingPool`: fairness bound `max_queue_s` first, FCFS for requests without a
 profile). When a slot is free nobody waits: there is nothing to reorder.
 
 Each request's expert profile is predicted once, on arrival, by a `Profiler` (encoder embedding
@@ -29,7 +29,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from encoder.admission import ResidentExperts
-from encoder.waiting import next_to_admit, resident_size
+from encoder.waiting import WaitingPool, resident_size
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ class AdmissionGate:
     max_in_flight: int = 256
     max_queue_s: float = 30.0
     clock: Callable[[], float] = time.monotonic
-    _pool: list = field(default_factory=list)  # waiting tickets, in arrival order
+    _pool: WaitingPool = field(default_factory=WaitingPool)  # waiting tickets (the keys) and their vectors
     _background: list = field(default_factory=list)  # futures of waiting background requests
     _resident: object = None
     _in_flight: int = 0
@@ -114,7 +114,7 @@ class AdmissionGate:
             self.metrics.waiting.dec()
             raise
         ticket = _Ticket(arrived, profile, asyncio.get_running_loop().create_future())
-        self._pool.append(ticket)
+        self._pool.add(ticket, None if profile is None else profile[0], arrived)
         self._pump()
         try:
             return await ticket.future
@@ -149,32 +149,34 @@ class AdmissionGate:
             self.profiler.close()
 
     def _pump(self) -> None:
-        while self._in_flight < self.max_in_flight and self._pool:
-            self._grant(self._pool.pop(self._next()))
+        while self._in_flight < self.max_in_flight and len(self._pool):
+            ticket = self._pool.pick(self._resident_for(self._pool.size), self.clock(), self.max_queue_s)
+            self._pool.remove(ticket)
+            if ticket.future.done():  # its waiter was cancelled and has not run its cleanup yet
+                self.metrics.waiting.dec()
+                continue
+            self._grant(ticket)
         while self._in_flight < self.max_in_flight and self._background:
             future = self._background.pop(0)
             if not future.done():  # else cancelled while waiting
                 self._take_slot()
                 future.set_result(None)
 
-    def _next(self) -> int:
-        now = self.clock()
-        flats = [None if t.profile is None else t.profile[0] for t in self._pool]
-        return next_to_admit([now - t.arrived for t in self._pool], flats, self._resident_for(flats[0]), self.max_queue_s)
-
-    def _resident_for(self, flat: np.ndarray | None):
-        if flat is None:
+    def _resident_for(self, size: int | None):
+        if size is None:
             return None
-        if self._resident is None or resident_size(self._resident) != flat.shape[0]:
-            self._resident = self.resident_factory(flat.shape[0])  # the first vector seen
+        if self._resident is None or resident_size(self._resident) != size:
+            self._resident = self.resident_factory(size)  # the first vector seen
         return self._resident
 
     def _grant(self, ticket: _Ticket) -> None:
         self._take_slot()
         queue_s = self.clock() - ticket.arrived
         flat, compact = ticket.profile if ticket.profile is not None else (None, None)
-        if flat is not None:
-            self._resident_for(flat).admit(flat)
+        if flat is not None and flat.shape[0] == self._pool.size:
+            self._resident_for(flat.shape[0]).admit(flat)
+        else:
+            flat = None  # not in the resident set, so release must not remove it
         self.metrics.waiting.dec()
         self.metrics.queue_seconds.observe(queue_s)
         ticket.future.set_result(Admission(f"a{next(self._ids)}", queue_s, compact, flat))

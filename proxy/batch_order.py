@@ -2,10 +2,10 @@
 
 A batch run keeps `concurrency` requests (the backend's max_num_seqs) at the backend; whenever one
 finishes, the next is chosen from everything still waiting. `ExpertOrder` chooses as the proxy's
-online admission does (`encoder.waiting.next_to_admit`): the waiting request expected to add the
+online admission does (`encoder.waiting.WaitingPool`): the waiting request expected to add the
 fewest experts per step to the requests out now (predicted profiles, or nearest embedding
-without a profile head), among the first `window` waiting ones in file order, so the choice stays
-cheap on files of any size. An order is pure (no I/O, no asyncio): `BatchCore` calls `pick`
+without a profile head), among the first `window` waiting ones in file order, so the choice
+stays cheap, and the pool's memory bounded, on files of any size. An order is pure (no I/O, no asyncio): `BatchCore` calls `pick`
 with its waiting requests and tells it what it `sent` and what `finished`.
 """
 
@@ -16,7 +16,7 @@ from typing import Callable, Protocol, Sequence
 
 import numpy as np
 
-from encoder.waiting import next_to_admit
+from encoder.waiting import WaitingPool
 from proxy.batchfile import BatchRequest
 from proxy.profiles import Predictor
 
@@ -50,12 +50,18 @@ class ExpertOrder:
         self.vectors, self.window = vectors, window
         size = next((v.shape[0] for v in vectors.values() if v is not None), None)
         self.resident = None if size is None else resident_factory(size)
+        self.pool = WaitingPool()  # the first `window` waiting requests, keyed by input line
 
     def pick(self, waiting: Sequence[BatchRequest]) -> int:
-        head = waiting[: self.window]
-        return next_to_admit([0.0] * len(head), [self.vectors.get(r.line) for r in head], self.resident, None)
+        for r in waiting[len(self.pool): self.window]:  # top the pool up from the file (waiting keeps file order)
+            if r.line not in self.pool:
+                self.pool.add(r.line, self.vectors.get(r.line), 0.0)
+        line = self.pool.pick(self.resident, 0.0, None)
+        return next(i for i, r in enumerate(waiting[: self.window]) if r.line == line)
 
     def sent(self, request: BatchRequest) -> None:
+        if request.line in self.pool:
+            self.pool.remove(request.line)
         if self.vectors.get(request.line) is not None:
             self.resident.admit(self.vectors[request.line])
 

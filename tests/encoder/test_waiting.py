@@ -1,10 +1,10 @@
-"""encoder.waiting.next_to_admit against a brute-force reading of its rules."""
+"""encoder.waiting.WaitingPool against a brute-force reading of its rules."""
 
 import numpy as np
 import pytest
 
-from encoder.admission import ResidentExperts
-from encoder.waiting import next_to_admit
+from encoder.admission import ResidentEmbedding, ResidentExperts
+from encoder.waiting import WaitingPool
 
 
 def brute_force(waited, profiles, residents, max_wait):
@@ -18,26 +18,48 @@ def brute_force(waited, profiles, residents, max_wait):
     def new_experts(u):
         idle = np.prod([1.0 - np.clip(r, 0, 0.999) for r in residents], axis=0)
         return float((u * idle).sum())
-    return min(range(first_plain), key=lambda i: (round(new_experts(profiles[i]), 9), i))
+    return min(range(first_plain), key=lambda i: (round(new_experts(profiles[i]), 6), i))
 
 
-def test_matches_brute_force_on_random_pools():
+def test_matches_brute_force_on_random_pools_with_arrivals_and_departures():
     rng = np.random.default_rng(0)
-    for _ in range(200):
-        n, size = int(rng.integers(1, 7)), 6
-        profiles = [None if rng.random() < 0.2 else rng.random(size) * (rng.random(size) < 0.5) for _ in range(n)]
-        residents = [rng.random(size) * (rng.random(size) < 0.5) for _ in range(int(rng.integers(0, 3)))]
-        waited = list(rng.integers(0, 12, size=n).astype(float))
+    for trial in range(200):
+        size, pool = 6, WaitingPool(capacity=2)  # small capacity: the pool grows on the way
+        keys = [f"k{i}" for i in range(int(rng.integers(2, 9)))]
+        for k in keys:
+            vector = None if rng.random() < 0.2 else (rng.random(size) * (rng.random(size) < 0.5)).astype(np.float32)
+            pool.add(k, vector, arrived=float(rng.integers(0, 12)))
+        gone = keys[int(rng.integers(0, len(keys)))]
+        pool.remove(gone)  # a departure leaves a hole that a later arrival may fill
+        keys.remove(gone)
+        residents = [(rng.random(size) * (rng.random(size) < 0.5)).astype(np.float32) for _ in range(int(rng.integers(0, 3)))]
         resident = ResidentExperts(1, size)
         for r in residents:
             resident.admit(r)
-        assert next_to_admit(waited, profiles, resident, 10.0) == brute_force(waited, profiles, residents, 10.0)
+        rows = [pool.rows[k] for k in keys]
+        profiles = [pool.matrix[r] if pool.profiled[r] else None for r in rows]
+        waited = [12.0 - pool.arrived[r] for r in rows]
+        assert pool.pick(resident, now=12.0, max_wait=10.0) == keys[brute_force(waited, profiles, residents, 10.0)], trial
 
 
-def test_needs_a_candidate_and_a_resident_set_of_the_right_size():
+def test_nearest_embedding_when_the_resident_set_holds_embeddings():
+    pool = WaitingPool()
+    a, b = np.array([1.0, 0.0]), np.array([0.0, 1.0])
+    pool.add("b", b, 0.0)
+    pool.add("a", a, 1.0)
+    resident = ResidentEmbedding(2)
+    resident.admit(a)
+    assert pool.pick(resident, now=1.0, max_wait=None) == "a"
+
+
+def test_errors_name_what_is_wrong():
+    pool = WaitingPool()
     with pytest.raises(ValueError, match="no waiting request"):
-        next_to_admit([], [], None, 1.0)
+        pool.pick(None, 0.0, 1.0)
+    pool.add("x", np.ones(6), 0.0)
+    with pytest.raises(ValueError, match="waiting already"):
+        pool.add("x", None, 0.0)
     resident = ResidentExperts(1, 4)
     resident.admit(np.ones(4) * 0.5)
-    with pytest.raises(ValueError, match="resident set holds vectors of 4"):
-        next_to_admit([0.0], [np.ones(6)], resident, 1.0)
+    with pytest.raises(ValueError, match="resident set holds vectors of 4, the pool 6"):
+        pool.pick(resident, 0.0, 1.0)

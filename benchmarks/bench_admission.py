@@ -1,0 +1,106 @@
+"""What admission costs per admitted request: the vLLM queue (engine side) and the proxy's gate.
+
+    python benchmarks/bench_admission.py [--pool 1000] [--resident 32] [--layers 26] [--experts 64]
+
+Profiles are random predicted profiles of DeepSeek-V2-Lite's shape (26 MoE layers x 64 experts,
+top-6), sent in encoder.profile's compact form. Prints, for a pool of --pool waiting requests and
+--resident running ones:
+
+- engine side: `backend.admission_queue.ExpertAwareQueue`, one peek + pop (what vLLM's scheduler
+  calls per admitted request), the running set read anew each time;
+- proxy side: `proxy.admission.AdmissionGate`, one release + the admission it triggers.
+Target (issue 13): < 1 ms per request for a pool of 1,000 on this machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+from threadpoolctl import threadpool_limits
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from backend.admission_queue import ExpertAwareQueue  # noqa: E402
+from encoder.admission import ResidentExperts  # noqa: E402
+from encoder.profile import compact, expand  # noqa: E402
+from proxy.admission import AdmissionGate, Profiler  # noqa: E402
+from proxy.metrics import ProxyMetrics  # noqa: E402
+
+
+def profiles(n: int, layers: int, experts: int, top_k: int, rng) -> list[np.ndarray]:
+    """n profiles [L, E]: each layer's frequencies concentrated on a few experts (rows sum to top_k)."""
+    out = []
+    for _ in range(n):
+        u = rng.dirichlet(np.full(experts, 0.1), size=layers) * top_k  # [L, E]
+        out.append(np.clip(u, 0, 1))
+    return out
+
+
+def engine_side(pool: int, resident: int, layers: int, experts: int, rng) -> float:
+    """Microseconds per peek + pop of ExpertAwareQueue."""
+    def request(i, u):
+        return SimpleNamespace(request_id=f"r{i}", arrival_time=time.time(),
+                               sampling_params=SimpleNamespace(extra_args={"moe_profile": compact(u)}))
+    running = [request(-i - 1, u) for i, u in enumerate(profiles(resident, layers, experts, 6, rng))]
+    queue = ExpertAwareQueue(lambda: running, experts)
+    for i, u in enumerate(profiles(pool + 200, layers, experts, 6, rng)):
+        queue.add_request(request(i, u))
+    start = time.perf_counter()
+    for _ in range(200):
+        queue.peek_request()
+        admitted = queue.pop_request()
+        running[0] = admitted  # a running request finished, the admitted one took its slot
+    return (time.perf_counter() - start) / 200 * 1e6
+
+
+def proxy_side(pool: int, resident: int, layers: int, experts: int, rng) -> float:
+    """Microseconds per release + the admission it triggers, in AdmissionGate."""
+    vectors = [u.ravel() for u in profiles(pool + resident + 200, layers, experts, 6, rng)]
+
+    async def main() -> float:
+        gate = AdmissionGate(Profiler(lambda texts: [(vectors[int(t)], None) for t in texts]), ProxyMetrics(),
+                             max_in_flight=resident, max_queue_s=1e9, resident_factory=lambda n: ResidentExperts(1, n))
+        held = [await gate.admit(str(i)) for i in range(resident)]
+        waiting = [asyncio.ensure_future(gate.admit(str(resident + i))) for i in range(pool + 200)]
+        while len(gate._pool) < pool + 200:
+            await asyncio.sleep(0.01)
+        seconds = 0.0
+        for i in range(200):
+            start = time.perf_counter()
+            gate.release(held.pop(0))  # frees a slot: the gate admits from the pool at once
+            seconds += time.perf_counter() - start
+            await asyncio.sleep(0)  # the admitted request's task takes its admission
+            held += [w.result() for w in waiting if w.done() and w.result() not in held]
+            waiting = [w for w in waiting if not w.done()]
+        for w in waiting:
+            w.cancel()
+        return seconds / 200 * 1e6
+    return asyncio.run(main())
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--pool", type=int, default=1000)
+    p.add_argument("--resident", type=int, default=32)
+    p.add_argument("--layers", type=int, default=26)
+    p.add_argument("--experts", type=int, default=64)
+    args = p.parse_args()
+    rng = np.random.default_rng(0)
+    assert np.allclose(expand(compact(np.eye(3, 8)), 3, 8), np.eye(3, 8))
+    with threadpool_limits(limits=1, user_api="blas"):
+        engine = engine_side(args.pool, args.resident, args.layers, args.experts, rng)
+        proxy = proxy_side(args.pool, args.resident, args.layers, args.experts, rng)
+    shape = f"{args.layers} x {args.experts} profiles, {args.pool} waiting, {args.resident} running, 1 BLAS thread"
+    print(f"admission cost per request ({shape}):")
+    print(f"  engine side, ExpertAwareQueue peek + pop: {engine:8.0f} us")
+    print(f"  proxy side, AdmissionGate release -> admit: {proxy:8.0f} us")
+
+
+if __name__ == "__main__":
+    main()
