@@ -66,10 +66,13 @@ class TableMode:
 
     def _collect_tables(self, step: Step) -> None:
         """Table mode: what every layer decided, read back once per step (outside any graph)."""
+        recording = step.record and self.observe
+        if self.metrics is None and not recording:
+            return
         before, after, weights = self.tables.decided(step.num_tokens)    # [L, n, k] each
         layers = sorted(self.layers)
         if self.metrics is not None:
             self._routed = [(before[i], after[i]) for i in layers]
-        if step.record and self.observe:
+        if recording:
             self._captured = [(after[i], weights[i]) for i in layers]
 

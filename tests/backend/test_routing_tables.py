@@ -134,3 +134,22 @@ def test_capture_errors_name_the_setting_that_fixes_them():
     assert "COHORT_GRAPH_RANK_WIDTH >= 12" in capture_error(parse_policy("oea;k0=1;max_p=12"), 8, False)
     assert capture_error(parse_policy("oea;k0=1;max_p=8"), 8, False) is None
     assert capture_error(TopK(), 8, False) is None
+
+
+def test_table_mode_records_what_the_engine_used(tmp_path):
+    from traces.importers import load_traces
+
+    hook = RoutingHook(HookConfig(graph_tables=True, max_tokens=32, trace_dir=tmp_path), None)
+    for layer in range(LAYERS):
+        hook.layers[layer] = LayerInfo(top_k=K, num_experts=E)
+    xshare, used = parse_policy("xshare;m=4;k0=1"), {}
+    for index, (qsl, pos) in enumerate([([0, 3], 0), ([0, 1], 3)]):    # prefill, then a decode step
+        hook.begin_step(build_step(["d"], qsl, [pos], [3], [RequestOptions(xshare, True)]))
+        for layer in range(LAYERS):
+            used[index, layer] = hook.route(layer, *_router(qsl[1], seed=100 * index + layer))
+        hook.end_step()
+    ts = load_traces(hook.finish_request("d", [7, 8, 9], [10, 11]))
+    want_ids = torch.cat([torch.stack([used[i, layer][1] for layer in range(LAYERS)], 1) for i in range(2)])
+    want_w = torch.cat([torch.stack([used[i, layer][0] for layer in range(LAYERS)], 1) for i in range(2)])
+    assert torch.equal(torch.from_numpy(ts.experts.astype("int64")), want_ids.long().cpu())
+    torch.testing.assert_close(torch.from_numpy(ts.weights), want_w.cpu())
