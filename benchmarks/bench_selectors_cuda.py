@@ -111,7 +111,7 @@ def print_rows(num_tokens, num_experts, base_us, rows, calib) -> float:
 
 
 def bench_cuda(args, make_logits, policies, top_k, spec_len, gpus) -> int:
-    configs = [(256, 128)] if args.quick else [(t, e) for t in (16, 64, 256) for e in (64, 128, 256)]
+    configs = [(256, 128)] if args.quick else [(t, e) for t in args.tokens for e in args.experts]
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, top_k={top_k}, float32 logits; "
           f"GPU us per call in a CUDA graph ({CALLS_PER_GRAPH} calls per graph, best of {ROUNDS} rounds "
           f"of {REPLAYS} replays); 'kernel' = Triton (select_experts on CUDA), 'torch' = SELECTORS")
