@@ -13,6 +13,7 @@ module is first used).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 import os
@@ -123,11 +124,20 @@ def select_fused(router_logits: torch.Tensor, top_k: int, policy: Policy, *,
                  expert_groups: Sequence[int] | torch.Tensor | None = None,
                  scoring: str = "softmax", renormalize: bool = True,
                  layer: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One policy for the whole batch, through the kernels (tables cached on the device)."""
-    if isinstance(expert_groups, torch.Tensor):
-        expert_groups = expert_groups.tolist()
+    """One policy for the whole batch, through the kernels (tables cached on the device).
+
+    expert_groups: a list (part of the cache key) or an [E] tensor (used as given, never read
+    back to the host).
+    """
+    groups_tensor = expert_groups if isinstance(expert_groups, torch.Tensor) else None
     tables = _cached_tables(
         policy, router_logits.shape[0], router_logits.shape[1], top_k,
         None if request_spans is None else tuple(map(tuple, request_spans)),
-        None if expert_groups is None else tuple(expert_groups), layer, router_logits.device)
+        None if expert_groups is None or groups_tensor is not None else tuple(expert_groups), layer,
+        router_logits.device)
+    if groups_tensor is not None:
+        if groups_tensor.shape != (router_logits.shape[1],):
+            raise ValueError(f"expert_groups must have one GPU index per expert ({router_logits.shape[1]}), "
+                             f"got shape {tuple(groups_tensor.shape)}")
+        tables = dataclasses.replace(tables, groups=groups_tensor.to(router_logits.device, torch.int32))
     return route_fused(router_logits, top_k, tables, scoring=scoring, renormalize=renormalize)

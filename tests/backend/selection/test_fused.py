@@ -133,3 +133,17 @@ def test_model_sized_batches_match_torch_twin(num_tokens, num_experts):
         got, want = _fused(logits.to(DEVICE), 8, tables), route_tables(logits.to(DEVICE), 8, tables)
         assert torch.equal(got[1], want[1]), text
         torch.testing.assert_close(got[0], want[0])
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="no triton")
+def test_select_fused_takes_groups_as_a_list_or_a_tensor():
+    from backend.selection.fused import select_fused
+
+    logits = torch.randn(10, 16, generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    policy, groups = parse_policy("xshare-ep;mg=1;k0=0"), [e // 4 for e in range(16)]
+    as_list = select_fused(logits, 4, policy, expert_groups=groups)
+    as_tensor = select_fused(logits, 4, policy, expert_groups=torch.tensor(groups, device=DEVICE))
+    assert all(torch.equal(a, b) for a, b in zip(as_list, as_tensor))
+    check(_fused, logits.cpu(), 4, policy, groups=groups)
+    with pytest.raises(ValueError, match="one GPU index per expert"):
+        select_fused(logits, 4, policy, expert_groups=torch.zeros(3, dtype=torch.int32, device=DEVICE))
