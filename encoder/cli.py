@@ -79,10 +79,10 @@ def _unwritable(output: Path) -> str | None:
 
 
 def _unknown_encoder(name: str | None) -> str | None:
-    from encoder.embedding import EncoderNotFound, resolve_model
+    from encoder.embedding import EncoderNotFound, check_available, resolve_model
 
     try:
-        resolve_model(name) if name != "static" else None  # `static` is built on first use
+        check_available(resolve_model(name)) if name != "static" else None  # `static` is built on first use
     except EncoderNotFound as exc:
         return str(exc)
     return None

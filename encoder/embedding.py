@@ -56,16 +56,19 @@ def resolve_model(name: str | os.PathLike | None) -> str:
         raise EncoderNotFound(f"encoder {str(name)!r}: no such model folder. Give a folder with a sentence-transformers "
                               f"model (e.g. from `cohort train`), a hub name like BAAI/bge-small-en-v1.5, `static`, "
                               f"or leave it out for the packaged all-MiniLM-L6-v2")
-    _check_hub(str(name))
     return str(name)  # a hub name; sentence-transformers downloads it (or finds it in the HF cache)
 
 
-def _check_hub(repo_id: str) -> None:
-    """Fail at once, not after minutes of retries, for a hub model that is neither cached nor reachable."""
+def check_available(source: str) -> None:
+    """Fail at once, not after minutes of retries, for a hub model (a resolved `source` that is not a
+    folder) that is neither in the local cache nor reachable."""
     import socket
 
     from huggingface_hub import constants, try_to_load_from_cache
 
+    if Path(source).is_dir():
+        return
+    repo_id = source
     if isinstance(try_to_load_from_cache(repo_id, "config.json"), str):
         return
     how = ("use a local model folder (--encoder PATH), `static`, or leave --encoder out for the packaged "
@@ -87,6 +90,7 @@ class Embedder:
         from sentence_transformers import SentenceTransformer  # heavy (torch): imported on first use
 
         self.source = resolve_model(model)
+        check_available(self.source)
         self.model = SentenceTransformer(self.source, device=device)
         self.static = type(self.model[0]).__name__ == "StaticEmbedding"
         if max_seq_len is not None:

@@ -88,10 +88,10 @@ def test_loads_a_local_folder_with_the_hub_unreachable(tmp_path):
     ("someone/not-cached-model", "not in the local Hugging Face cache and HF_HUB_OFFLINE is set"),
 ])
 def test_unknown_encoders_fail_at_once_saying_what_to_use(name, message):
-    from encoder.embedding import EncoderNotFound
+    from encoder.embedding import EncoderNotFound, check_available
 
     with pytest.raises(EncoderNotFound, match=message) as info:
-        resolve_model(name)
+        check_available(resolve_model(name))
     assert "packaged all-MiniLM-L6-v2" in str(info.value)
 
 
@@ -103,4 +103,4 @@ def test_an_unreachable_hub_fails_fast_when_online(monkeypatch):
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(embedding, "HUB_HOST", ("127.0.0.1", 9))  # discard port: connection refused at once
     with pytest.raises(embedding.EncoderNotFound, match="unreachable"):
-        resolve_model("someone/not-cached-model")
+        embedding.check_available(resolve_model("someone/not-cached-model"))
