@@ -52,6 +52,11 @@ def run(args: argparse.Namespace) -> int:
         return _fail(str(exc))
     if not settings.backend_url and not args.dry_run:
         return _fail("no backend: pass --backend URL (a vLLM server) or set COHORT_BACKEND_URL")
+    from proxy.profiles import encoder_problem
+
+    problem = encoder_problem(settings)
+    if problem:
+        return _fail(problem)
     from proxy.batchfile import read_batch_file
 
     try:

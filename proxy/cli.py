@@ -39,6 +39,12 @@ def run(args: argparse.Namespace) -> int:
     except SettingsError as exc:
         print(f"cohort serve: error: {exc}")
         return 2
+    from proxy.profiles import encoder_problem
+
+    problem = encoder_problem(settings)
+    if problem:
+        print(f"cohort serve: error: {problem}")
+        return 2
     server = None
     if not settings.backend_url:
         server, settings = _start_embedded(settings, args.model_dir, explicit_in_flight=args.max_in_flight is not None)

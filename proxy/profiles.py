@@ -36,6 +36,20 @@ class Predictor:
     kind: str  # "profile" or "embedding"
 
 
+def encoder_problem(settings: Settings) -> str | None:
+    """What is wrong with the settings' encoder (an absent folder, an unreachable hub model), checked before
+    any work; None when it will load. `static` is distilled on first use."""
+    if settings.encoder.lower() in ("none", "static"):
+        return None
+    from encoder.embedding import EncoderNotFound, check_available, resolve_model
+
+    try:
+        check_available(resolve_model(settings.encoder or None))
+    except EncoderNotFound as exc:
+        return f"--encoder (COHORT_ENCODER): {exc}"
+    return None
+
+
 def make_predictor(settings: Settings) -> Predictor | None:
     """The encoder (+ profile head) of the settings; None with `--encoder none`."""
     if settings.encoder.lower() == "none":

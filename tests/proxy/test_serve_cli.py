@@ -46,3 +46,14 @@ def _ok(url: str) -> bool:
         return httpx.get(url, timeout=2).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+@pytest.mark.parametrize("command", [["serve"], ["batch", "run", "--input", "in.jsonl", "--output", "out.jsonl",
+                                                 "--backend", "http://127.0.0.1:9"]])
+def test_an_unknown_encoder_is_one_line_before_any_work(tmp_path, command):
+    (tmp_path / "in.jsonl").write_text('{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"prompt": "hi"}}\n')
+    done = subprocess.run([sys.executable, "-m", "cohort.cli", *command, "--encoder", "/no/such/encoder"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    said = (done.stdout + done.stderr).strip()
+    assert done.returncode == 2 and "no such model folder" in said and "Traceback" not in said, said
+    assert "starting a local vLLM" not in said  # refused before the embedded backend starts
