@@ -16,7 +16,7 @@ vLLM lazily, checks the vLLM version, and then patches vLLM (see `backend.vllm_p
   vllm_xargs), each finished request's expert ids and weights (prompt and generated tokens, all
   MoE layers) are written as `$COHORT_TRACE_DIR/<engine request id>.npz` in the trace format,
   one engine step after the request finishes (`backend.recorder`; merge a directory of them with
-  `backend.recorder.load_recorded`). Recorded requests skip reading the prefix cache.
+  `traces.importers.load_traces(DIR)`). Recorded requests skip reading the prefix cache.
 
 Environment (read when the plugin registers, in every vLLM process):
 
