@@ -14,7 +14,9 @@ than the proxy (--no-pin shows it).
 Part 2, admission at saturation: the same prompts (../shared/data/prompts/mixed.jsonl) through the
 proxy first come first served (encoder none) and by admission (--encoder, default the packaged
 MiniLM), 64 concurrent clients and --slots requests in flight (the backend's max_num_seqs), so
-requests wait and admission has a pool to choose from;
+requests wait and admission has a pool to choose from; with --engine-side also through a second
+vLLM server with max_num_seqs = --slots and `--scheduler-cls backend.scheduler.ExpertAwareScheduler`,
+the proxy forwarding at once (admission inside the engine, from the profiles the proxy sends);
 prints the mean distinct experts per layer per decode forward from the plugin's counters, with
 the tokens per forward beside it (fewer tokens per forward touch fewer experts by themselves).
 Without --backend, a tiny-MoE vLLM CPU server is started (and stopped) here. The proxy runs as
@@ -167,11 +169,16 @@ async def send_prompts(url: str, prompts: list[str], clients: int, max_tokens: i
     return time.perf_counter() - t
 
 
-def admission(backend: str, prompts: list[str], slots: int, max_tokens: int, moe_layers: int, encoder: str) -> None:
-    common = ["--max-in-flight", str(slots)]
+def admission(backend: str, prompts: list[str], slots: int, max_tokens: int, moe_layers: int, encoder: str,
+              engine_backend: str | None = None) -> None:
+    enc = ["--encoder", encoder] if encoder else []
     print(f"{len(prompts)} prompts, 64 clients, {slots} in flight, {max_tokens} tokens each")
-    for name, extra in (("fcfs", ["--encoder", "none"]), ("admission", ["--encoder", encoder] if encoder else [])):
-        proc, proxy = start_proxy(backend, *common, *extra)
+    runs = [("fcfs", backend, ["--encoder", "none", "--max-in-flight", str(slots)]),
+            ("proxy", backend, [*enc, "--max-in-flight", str(slots)])]
+    if engine_backend:
+        runs.append(("engine", engine_backend, [*enc, "--max-in-flight", "256"]))
+    for name, backend, extra in runs:
+        proc, proxy = start_proxy(backend, *extra)
         try:
             loads0, fwd0, tok0 = decode_distinct(backend)
             wall = asyncio.run(send_prompts(proxy, prompts, 64, max_tokens))
@@ -198,17 +205,26 @@ def main() -> None:
                         "its profile head; default: the packaged MiniLM, nearest embedding)")
     parser.add_argument("--model-dir", default=None, help="the MoE to serve when no --backend (default: the random tiny MoE)")
     parser.add_argument("--skip-overhead", action="store_true", help="part 2 only")
+    parser.add_argument("--engine-side", action="store_true",
+                        help="part 2: also admission inside vLLM (a second server with our --scheduler-cls)")
     parser.add_argument("--no-pin", dest="pin", action="store_false",
                         help="run backend, proxy and clients on all CPUs (default: split the CPUs)")
     args = parser.parse_args()
     backend_cpus, client_cpus = split_cpus() if args.pin else (os.sched_getaffinity(0),) * 2
-    server = None
+    server = engine = None
     if not args.backend:
         from proxy.embedded import start_embedded_backend
 
         os.sched_setaffinity(0, backend_cpus)  # vLLM's processes inherit it
         server = start_embedded_backend(args.model_dir, max_num_seqs=64)
         args.backend = server.url
+    if args.engine_side:
+        from devtools.server import start
+        from proxy.embedded import ensure_tiny_model
+
+        os.sched_setaffinity(0, backend_cpus)
+        engine = start(ensure_tiny_model(args.model_dir), max_num_seqs=args.slots,
+                       extra_args=["--scheduler-cls", "backend.scheduler.ExpertAwareScheduler"])
     os.sched_setaffinity(0, client_cpus)  # the clients, and the proxy processes started from here
     try:
         where = f"backend on CPUs {sorted(backend_cpus)}, " if server else ""
@@ -217,10 +233,12 @@ def main() -> None:
         if not args.skip_overhead:
             overhead(args.backend, [int(c) for c in args.concurrency.split(",")], args.requests_per_client, args.rounds)
         prompts = [json.loads(line)["text"] for line in PROMPTS.read_text().splitlines()][: args.prompts]
-        admission(args.backend, prompts, args.slots, args.max_tokens, args.moe_layers, args.encoder)
+        admission(args.backend, prompts, args.slots, args.max_tokens, args.moe_layers, args.encoder,
+                  engine.url if engine else None)
     finally:
-        if server is not None:
-            server.stop()
+        for s in (server, engine):
+            if s is not None:
+                s.stop()
 
 
 if __name__ == "__main__":
