@@ -22,6 +22,9 @@ Imported only by `backend.vllm_plugin.register()`. Patched (vLLM 0.32; names unc
 Not covered: monolithic GPU MoE kernels (they skip `select_experts`), the V2 GPU model runner,
 and models that route outside `FusedMoEFactory`. `PATCHED` lists every member patched (tested
 against the installed vLLM); the plugin's per-process state is one `PluginState`, `STATE`.
+
+Over 250 lines on purpose: this is the one place that touches vLLM internals, so a reader checking
+a new vLLM release reads one file, and every patch is installed behind one version check.
 """
 
 from __future__ import annotations
