@@ -56,6 +56,14 @@ from proxy.profiles import Predictor, make_predictor
 from proxy.settings import Settings
 
 PROMPTS = Path(__file__).resolve().parents[1] / "../shared/data/prompts/mixed.jsonl"
+
+
+def mixed_prompts(heldout: bool) -> list[str]:
+    """The prompt texts of mixed.jsonl in file order; with `heldout`, only the project split's held-out side."""
+    from traces.split import split_requests
+
+    texts = [json.loads(line)["text"] for line in PROMPTS.read_text().splitlines() if line.strip()]
+    return [texts[i] for i in split_requests(len(texts), groups=texts)[1]] if heldout else texts
 TOKENS_KEY = "cohort_moe_routed_tokens"
 
 
@@ -170,7 +178,7 @@ async def bench(args, backend_url: str) -> None:
     # the process's one Settings: concurrency = --batch-size = the backend's max_num_seqs; the admission encoder
     args.settings = Settings(backend_url=backend_url, batch_concurrency=args.batch_size, encoder=args.encoder or "")
     backend = BackendClient.from_settings(args.settings)
-    texts = [json.loads(line)["text"] for line in PROMPTS.read_text().splitlines()][: args.prompts]
+    texts = mixed_prompts(args.heldout)[: args.prompts]
     fitting = await fitting_prompts(backend, texts, args.max_tokens)
     t = time.perf_counter()
     predictor = make_predictor(args.settings)
@@ -212,6 +220,8 @@ def main() -> None:
     parser.add_argument("--encoder", default=None, help="encoder for admission (a `cohort train` folder brings its "
                         "profile head; default: the packaged MiniLM, nearest embedding)")
     parser.add_argument("--model-dir", default=None, help="the MoE to serve when no --backend (default: the random tiny MoE)")
+    parser.add_argument("--heldout", action="store_true", help="only the held-out prompts of mixed.jsonl (traces.split): "
+                        "what no encoder, profile head or trained MoE saw")
     args = parser.parse_args()
     server = None
     if not args.backend:

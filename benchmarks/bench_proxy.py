@@ -44,6 +44,14 @@ from devtools.server import free_port
 PROMPTS = Path(__file__).resolve().parents[1] / "../shared/data/prompts/mixed.jsonl"
 
 
+def mixed_prompts(heldout: bool) -> list[str]:
+    """The prompt texts of mixed.jsonl in file order; with `heldout`, only the project split's held-out side."""
+    from traces.split import split_requests
+
+    texts = [json.loads(line)["text"] for line in PROMPTS.read_text().splitlines() if line.strip()]
+    return [texts[i] for i in split_requests(len(texts), groups=texts)[1]] if heldout else texts
+
+
 async def post(http: aiohttp.ClientSession, url: str, body: dict) -> float:
     """Send `body`, read the whole answer; seconds until the first chunk of it arrived."""
     t = time.perf_counter()
@@ -204,6 +212,8 @@ def main() -> None:
     parser.add_argument("--encoder", default="", help="part 2: the admission encoder (a `cohort train` folder brings "
                         "its profile head; default: the packaged MiniLM, nearest embedding)")
     parser.add_argument("--model-dir", default=None, help="the MoE to serve when no --backend (default: the random tiny MoE)")
+    parser.add_argument("--heldout", action="store_true", help="only the held-out prompts of mixed.jsonl (traces.split): "
+                        "what no encoder, profile head or trained MoE saw")
     parser.add_argument("--skip-overhead", action="store_true", help="part 2 only")
     parser.add_argument("--engine-side", action="store_true",
                         help="part 2: also admission inside vLLM (a second server with our --scheduler-cls)")
@@ -232,7 +242,7 @@ def main() -> None:
               f"{where}proxy and clients on CPUs {sorted(client_cpus)}")
         if not args.skip_overhead:
             overhead(args.backend, [int(c) for c in args.concurrency.split(",")], args.requests_per_client, args.rounds)
-        prompts = [json.loads(line)["text"] for line in PROMPTS.read_text().splitlines()][: args.prompts]
+        prompts = mixed_prompts(args.heldout)[: args.prompts]
         admission(args.backend, prompts, args.slots, args.max_tokens, args.moe_layers, args.encoder,
                   engine.url if engine else None)
     finally:
