@@ -45,7 +45,8 @@ def main() -> None:
     candidates = dict(_candidate(c) for c in (args.candidate or DEFAULT_CANDIDATES))
     held_texts = list(dict.fromkeys(ts.texts[held_idx].tolist()))  # distinct, in order
     print(f"{len(ts)} requests, {len(held_idx)} held out ({len(held_texts)} distinct prompts)\n")
-    speed(candidates, held_texts, args.repeats)
+    if not args.no_speed:
+        speed(candidates, held_texts, args.repeats)
     if not args.no_quality:
         quality(candidates, ts, train_idx, held_idx, args)
 
@@ -151,6 +152,7 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--seeds", type=int, default=5)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--no-quality", action="store_true", help="speed only")
+    p.add_argument("--no-speed", action="store_true", help="quality only")
     return p.parse_args()
 
 
