@@ -77,7 +77,10 @@ def _profile_head(ts, encoder: str, output, config: TrainConfig) -> int:
     from train.profile_head import train_profile_head
 
     try:
-        head, path = train_profile_head(ts, Embedder(encoder).encode, output, holdout=config.holdout, seed=config.seed)
+        embedder = Embedder(encoder)
+        head, path = train_profile_head(ts, embedder.encode, output, holdout=config.holdout, seed=config.seed)
+        if not (Path(output) / "modules.json").exists():  # `--profile-head only` into a new folder: the encoder goes
+            embedder.model.save(str(output))              # beside its head, so `--encoder OUTPUT` finds both
     except (OSError, ValueError) as exc:
         print(f"cohort train: error: {exc}")
         return 2

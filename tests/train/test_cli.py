@@ -89,6 +89,9 @@ def test_a_run_saves_the_profile_head_beside_the_encoder_and_only_fits_a_head_on
     assert head.weight.shape == (32, ts.num_layers * ts.num_experts)
     code, out = run(capsys, "--traces", path, "--base", tiny_model_dir, "--output", tmp_path / "h", "--profile-head", "only")
     assert code == 0 and load_profile_head(tmp_path / "h") is not None and not (tmp_path / "h" / "training.json").exists()
+    from encoder.embedding import Embedder
+
+    assert Embedder(tmp_path / "h").dim == 32  # the base encoder is saved beside its head: --encoder h finds both
     code, out = run(capsys, "--traces", path, "--base", tiny_model_dir, "--output", tmp_path / "n", "--max-pairs", "64",
                     "--batch-size", "16", "--no-progress", "--profile-head", "no")
     assert code == 0 and load_profile_head(tmp_path / "n") is None
