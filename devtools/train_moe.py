@@ -14,6 +14,10 @@ Deterministic under `TrainArgs.seed` on one machine (fixed thread count, seeded 
 result is cached in `cache_dir/<recipe hash>/` (hash of the arguments, the corpus texts and the
 library versions) and copied to `out_dir`; `cohort_tiny_moe.json` records the training figures
 (time, peak memory, losses, size on disk).
+
+Cost on a 2-core CPU host: "full" trains 819,200 tokens at about 5,900 tokens/s on idle cores
+(about 2.5 minutes with the corpus and tokenizer; 34 minutes when the cores were shared with a
+load of 8), peak RSS 1.3 GB, 13.6 MiB on disk; "ci" takes seconds to a few minutes.
 """
 
 from __future__ import annotations
