@@ -87,8 +87,12 @@ def test_loads_a_local_folder_with_the_hub_unreachable(tmp_path):
     ("a/b/c", "no such model folder"),
     ("someone/not-cached-model", "not in the local Hugging Face cache and HF_HUB_OFFLINE is set"),
 ])
-def test_unknown_encoders_fail_at_once_saying_what_to_use(name, message):
+def test_unknown_encoders_fail_at_once_saying_what_to_use(name, message, monkeypatch):
+    import huggingface_hub.constants
+
     from encoder.embedding import EncoderNotFound, check_available
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # read at import: set it for this test
 
     with pytest.raises(EncoderNotFound, match=message) as info:
         check_available(resolve_model(name))
