@@ -56,14 +56,14 @@ def speed(candidates: dict, texts: list[str], repeats: int) -> None:
 
     from encoder.embedding import Embedder
 
-    print(f"{'candidate':<14} {'1 thread':>14} {'2 threads':>14}   (prompts per CPU-second; best of {repeats})")
+    print(f"prompts per CPU-second (torch on 1, then 2 threads; best of {repeats}):")
     for threads in (1, 2):
         torch.set_num_threads(threads)
         base = Embedder(None)
         plain = _rate(lambda: base.model.encode(texts, batch_size=32, normalize_embeddings=True), len(texts), repeats)
         print(f"  {'plain encode':<12} {threads} thread(s): {plain:10.1f} prompts/CPU-s (all-MiniLM-L6-v2)")
         for name, (source, cut) in candidates.items():
-            e = Embedder(source, max_seq_len=cut)
+            e = Embedder(source or None, max_seq_len=cut)
             e.encode(texts[:32])  # warm-up
             rate = _rate(lambda: e.encode(texts), len(texts), repeats)
             print(f"  {name:<12} {threads} thread(s): {rate:10.1f} prompts/CPU-s = {rate / plain:6.1f}x plain encode")

