@@ -108,11 +108,19 @@ def _is_prompt(prompt) -> bool:
 
 
 def _policy(body: dict, headers: Mapping[str, str], default_policy: str) -> str:
-    text = headers.get(POLICY_HEADER) or (body.get("vllm_xargs") or {}).get("moe_routing") or default_policy
+    """The request's canonical policy: the header, else vllm_xargs.moe_routing, else the server's default;
+    an error names where the bad value came from."""
+    sent = (body.get("vllm_xargs") or {}).get("moe_routing")
+    text, source = ((headers[POLICY_HEADER], "X-MoE-Routing") if headers.get(POLICY_HEADER)
+                    else (sent, "vllm_xargs.moe_routing") if sent not in (None, "")
+                    else (default_policy, "the server's --default-policy"))
+    if not isinstance(text, str):
+        raise InvalidRequest(f"{source} must be a string such as \"xshare;m=24\", got {type(text).__name__} {text!r}",
+                             param=source, code="invalid_policy")
     try:
         return str(parse_policy(text))
     except PolicyError as exc:
-        raise InvalidRequest(f"invalid routing policy {text!r} (X-MoE-Routing): {exc}", param="X-MoE-Routing",
+        raise InvalidRequest(f"invalid routing policy {text!r} ({source}): {exc}", param=source,
                              code="invalid_policy") from exc
 
 

@@ -46,6 +46,13 @@ class Settings:
     batch_max_retries: int = 5  # retries per batch request for 429, 5xx and timeouts (exponential backoff)
 
     def __post_init__(self) -> None:
+        from backend.policy import PolicyError, parse_policy
+
+        try:
+            parse_policy(self.default_policy)
+        except PolicyError as exc:
+            raise SettingsError(f"default_policy (--default-policy, --policy or {ENV_PREFIX}DEFAULT_POLICY) "
+                                f"{self.default_policy!r}: {exc}") from None
         for name in ("port", "max_in_flight", "max_body_bytes", "encoder_max_seq_len", "max_file_bytes"):
             if getattr(self, name) < 1:
                 raise SettingsError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -177,3 +177,14 @@ def test_result_line_schema_and_backend_error_message():
     assert ok["response"] == {"status_code": 200, "request_id": "req_1", "body": {"id": "cmpl", "choices": []}}
     bad = result_line(req, "req_2", 400, {"error": {"message": "too long", "type": "BadRequestError", "code": 400}})
     assert bad["error"] == {"code": "400", "message": "too long"} and bad["response"]["status_code"] == 400
+
+
+def test_a_policy_of_the_wrong_type_is_an_error_of_its_line(tmp_path):
+    lines = [json.dumps({"custom_id": c, "method": "POST", "url": "/v1/completions",
+                         "body": {"prompt": "hi", "vllm_xargs": {"moe_routing": routing}}})
+             for c, routing in (("a", ["xshare"]), ("b", "oea;k0=1"), ("c", 7))]
+    parsed = read(write(tmp_path, lines))
+    assert [r.custom_id for r in parsed.requests] == ["b"]
+    assert [e.message for e in parsed.errors] == [
+        'line 1: vllm_xargs.moe_routing must be a string such as "xshare;m=24", got list [\'xshare\']',
+        'line 3: vllm_xargs.moe_routing must be a string such as "xshare;m=24", got int 7']

@@ -49,6 +49,18 @@ def test_bad_policy_names_what_is_allowed():
     assert info.value.body()["error"]["code"] == "invalid_policy"
 
 
+@pytest.mark.parametrize("body, headers, message", [
+    ({**CHAT, "vllm_xargs": {"moe_routing": ["xshare"]}}, {}, r"vllm_xargs.moe_routing must be a string .* got list"),
+    ({**CHAT, "vllm_xargs": {"moe_routing": 3}}, {}, r"vllm_xargs.moe_routing must be a string .* got int 3"),
+    ({**CHAT, "vllm_xargs": {"moe_routing": "bogus"}}, {}, r"'bogus' \(vllm_xargs.moe_routing\)"),
+    (CHAT, {"x-moe-routing": "bogus"}, r"'bogus' \(X-MoE-Routing\)"),
+])
+def test_a_bad_policy_names_where_it_came_from(body, headers, message):
+    with pytest.raises(InvalidRequest, match=message) as info:
+        parse(body, headers=headers)
+    assert info.value.status_code == 400 and info.value.body()["error"]["code"] == "invalid_policy"
+
+
 def test_completion_prompts_of_every_openai_shape():
     for prompt in ("text", ["a", "b"], [1, 2, 3], [[1, 2], [3]]):
         assert parse({"model": "m", "prompt": prompt}, "completion").body["prompt"] == prompt

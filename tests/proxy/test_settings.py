@@ -15,6 +15,7 @@ def test_environment_then_flags():
     ({"COHORT_MAX_IN_FLIGHT": "0"}, "max_in_flight must be >= 1"),
     ({"COHORT_LOG_PROMPTS": "maybe"}, "expected bool"),
     ({"COHORT_MAX_QUEUE_MS": "-1"}, "max_queue_ms must be >= 0"),
+    ({"COHORT_DEFAULT_POLICY": "bogus"}, r"--default-policy, --policy or COHORT_DEFAULT_POLICY\) 'bogus': .*allowed"),
 ])
 def test_bad_values_name_the_setting(env, message):
     with pytest.raises(SettingsError, match=message):
