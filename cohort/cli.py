@@ -3,6 +3,9 @@
 Each subcommand lives in its own package as a module with two functions,
 `add_arguments(parser)` and `run(args) -> int`. The module is imported only when its
 subcommand runs, so `cohort eval` never pays for torch or vLLM imports.
+
+Every parser here reports a bad argument in one line (what is wrong, and `--help` for the rest)
+with exit code 2, and shows each flag's default in `--help`.
 """
 
 from __future__ import annotations
@@ -11,6 +14,39 @@ import argparse
 import importlib
 import logging
 import sys
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Appends "(default X)" to a flag's help unless the help already says its default."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if ("default" in text or not action.option_strings or default in (None, False, argparse.SUPPRESS)
+                or isinstance(default, bool)):
+            return text
+        return f"{text} (default %(default)s)"
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with a one-line error (no usage block) and the defaults in --help."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("moe-cohort")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
 
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -25,7 +61,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="cohort", description="moe-cohort: expert-coherent batching for Mixture-of-Experts serving.")
+    parser = ArgumentParser(prog="cohort", description="moe-cohort: expert-coherent batching for Mixture-of-Experts serving.")
+    parser.add_argument("--version", action="version", version=f"moe-cohort {version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (_, help_text) in SUBCOMMANDS.items():
         sub.add_parser(name, help=help_text)
@@ -35,12 +72,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] not in SUBCOMMANDS:
-        build_parser().parse_args(argv)  # prints help or "invalid choice" and exits
+        build_parser().parse_args(argv)  # prints help, the version, or "invalid choice" and exits
         return 2
     name = argv[0]
     module_name, help_text = SUBCOMMANDS[name]
     module = importlib.import_module(module_name)
-    parser = argparse.ArgumentParser(prog=f"cohort {name}", description=help_text)
+    parser = ArgumentParser(prog=f"cohort {name}", description=help_text)
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more log output (-vv for debug)")
     module.add_arguments(parser)
     args = parser.parse_args(argv[1:])

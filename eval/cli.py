@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from encoder.plans import PlanError, read_plan_file
+from eval.args import encoder_problem, engine_problem, int_list, path_problem, positive_int
 from eval.engine_cli import add_engine_arguments, heldout_traces, run_engine
 from eval.metrics import evaluate
 from eval.report import format_table, write_report
@@ -17,11 +19,11 @@ from traces.loads import DEFAULT_DECODE_STEPS, expert_masks
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--traces", required=True,
                         help="trace file or directory (moe-cohort .npz, .jsonl, traces.npz+prompts.jsonl dir, or 'sample')")
-    parser.add_argument("--batch-size", type=_positive_int, default=None,
+    parser.add_argument("--batch-size", type=positive_int, default=None,
                         help="requests per batch (B); required for static batches, the plan's B under --engine continuous")
     parser.add_argument("--plan", help="plan file to evaluate: JSON lines {id, batch[, position]}")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    parser.add_argument("--decode-steps", type=_positive_int, default=DEFAULT_DECODE_STEPS,
+    parser.add_argument("--decode-steps", type=positive_int, default=DEFAULT_DECODE_STEPS,
                         help="decode steps of the prompt-token proxy for prefill-only traces (default %(default)s)")
     parser.add_argument("--decode", choices=("auto", "real", "proxy"), default="auto",
                         help="decode loads from generated tokens (real), the prompt proxy, or auto (default)")
@@ -30,18 +32,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--encoder", default=None,
                         help="encoder for the 'encoder' plan, from the traces' texts: local folder or hub name "
                              "(default: the packaged all-MiniLM-L6-v2); 'none' leaves the plan out")
-    parser.add_argument("--seeds", type=_positive_int, default=5, help="random plans to average (default %(default)s)")
+    parser.add_argument("--seeds", type=positive_int, default=5, help="random plans to average (default %(default)s)")
     parser.add_argument("--report", metavar="DIR", help="also write report.json, report.md and saving.png to DIR")
-    parser.add_argument("--sweep", default="8,16,32,64", help="batch sizes of the report's plot (default %(default)s)")
+    parser.add_argument("--sweep", type=int_list, default="8,16,32,64",
+                        help="batch sizes of the report's plot, comma-separated (default %(default)s)")
     add_engine_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
+    problem = _argument_problem(args)
+    if problem:
+        return fail(problem)
     if args.engine == "continuous":
         return run_engine(args)
-    if args.batch_size is None:
-        print("cohort eval: error: --batch-size is required for static batches")
-        return 2
     try:
         ts = heldout_traces(load_traces(args.traces), args.heldout)
         masks = expert_masks(ts, decode_steps=args.decode_steps, decode=args.decode, phase=args.decode_phase)
@@ -49,11 +52,10 @@ def run(args: argparse.Namespace) -> int:
         planners = _encoder_planner(ts, args.encoder)
         result = evaluate(ts, args.batch_size, masks=masks, seeds=args.seeds, plans=plans, planners=planners)
     except (TraceFormatError, PlanError, OSError) as exc:
-        print(f"cohort eval: error: {exc}")
-        return 2
+        return fail(str(exc))
     print(json.dumps(result, indent=2) if args.json else format_table(result))
     if args.report:
-        sizes = sorted({*_sizes(args.sweep), args.batch_size})
+        sizes = sorted({*args.sweep, args.batch_size})
         results = [result if b == args.batch_size else evaluate(ts, b, masks=masks, seeds=args.seeds, planners=planners)
                    for b in sizes]
         for path in write_report(results, args.report):
@@ -72,15 +74,14 @@ def _encoder_planner(ts, encoder: str | None) -> dict:
     return {"encoder": lambda _ts, batch_size: plan_batches(x, batch_size)}
 
 
-def _sizes(text: str) -> list[int]:
-    return [_positive_int(s) for s in text.split(",") if s.strip()]
+def _argument_problem(args: argparse.Namespace) -> str | None:
+    """The first bad argument, checked before traces are loaded or anything is embedded."""
+    if args.engine == "static" and args.batch_size is None:
+        return "--batch-size is required for static batches (or pass --engine continuous --slots S)"
+    return (path_problem(args) or (engine_problem(args) if args.engine == "continuous" else None)
+            or encoder_problem(args.encoder))
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
+def fail(message: str) -> int:
+    print(f"cohort eval: error: {message}", file=sys.stderr)
+    return 2

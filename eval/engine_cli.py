@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 from pathlib import Path
 
 import numpy as np
 
 from encoder.plans import Plan
+from eval.args import nonnegative_float, positive_int, share
 from eval.cost import DEFAULT_COST_MODEL, PRESETS, parse_cost_model
 from eval.engine import DEFAULT_MEAN_LENGTH, REFERENCE, evaluate_continuous, lengths_from_spec
 from eval.policies import PolicyFactory, by_embedding, by_profile, fixed_order
@@ -35,18 +37,18 @@ DEFAULT_LEAD = 0.5
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine", choices=("static", "continuous"), default="static",
                         help="static batches (default) or a continuous-batching engine replay with --slots")
-    parser.add_argument("--slots", type=int, default=16, help="continuous: resident requests S (default %(default)s)")
+    parser.add_argument("--slots", type=positive_int, default=16, help="continuous: resident requests S (default %(default)s)")
     parser.add_argument("--lengths", default="lognormal",
                         help="continuous: output lengths, fixed | lognormal[:SIGMA] | FILE (default %(default)s)")
-    parser.add_argument("--mean-length", type=int, default=DEFAULT_MEAN_LENGTH,
+    parser.add_argument("--mean-length", type=positive_int, default=DEFAULT_MEAN_LENGTH,
                         help="continuous: mean output length of fixed/lognormal (default %(default)s)")
     parser.add_argument("--cost-model", default=DEFAULT_COST_MODEL,
                         help=f"continuous: {', '.join(PRESETS)} or 'A8,A128,B' in us (default %(default)s)")
-    parser.add_argument("--non-moe-us", type=float, default=None,
+    parser.add_argument("--non-moe-us", type=nonnegative_float, default=None,
                         help="continuous: us per step outside the MoE blocks (default: from --moe-share)")
-    parser.add_argument("--moe-share", type=float, default=None,
+    parser.add_argument("--moe-share", type=share, default=None,
                         help="continuous: MoE share of a random-order step (default 0.73)")
-    parser.add_argument("--max-wait", type=float, default=None,
+    parser.add_argument("--max-wait", type=nonnegative_float, default=None,
                         help="continuous: fairness bound in steps; an overdue request goes first (default: none)")
     parser.add_argument("--heldout", action="store_true",
                         help="evaluate the held-out requests of the project's split only (traces.split)")
@@ -133,7 +135,7 @@ def run_engine(args: argparse.Namespace) -> int:
         text = text_side(ts, args.encoder)
         result = run_continuous(args, ts, plan, text)
     except (TraceFormatError, PlanError, OSError, ValueError) as exc:
-        print(f"cohort eval: error: {exc}")
+        print(f"cohort eval: error: {exc}", file=sys.stderr)
         return 2
     print(json.dumps(result, indent=2) if args.json else format_engine_table(result))
     if args.report:
@@ -149,7 +151,7 @@ def engine_report(args: argparse.Namespace, ts: TraceSet, text: tuple, result: d
     from eval.report import write_engine_report
     from traces.loads import expert_masks
 
-    sizes = sorted({*(int(s) for s in args.sweep.split(",") if s.strip()), args.slots})
+    sizes = sorted({*args.sweep, args.slots})  # --sweep: a list of ints (eval.args.int_list)
     masks = expert_masks(ts, decode_steps=args.mean_length, decode=args.decode)
     cost = parse_cost_model(args.cost_model, args.non_moe_us, args.moe_share)
     planners = {}

@@ -47,11 +47,11 @@ def test_report_writes_json_markdown_and_plot(trace_file, tmp_path, capsys):
 
 def test_errors_are_one_clear_line(tmp_path, trace_file, capsys):
     assert main(["eval", "--traces", str(tmp_path / "nope.npz"), "--batch-size", "4"]) == 2
-    assert "no such file or directory" in capsys.readouterr().out
+    assert "no such file or folder" in capsys.readouterr().err
     bad = tmp_path / "plan.jsonl"
     bad.write_text(json.dumps({"id": "r0", "batch": 0}) + "\n")
     assert main(["eval", "--traces", str(trace_file), "--batch-size", "4", "--plan", str(bad)]) == 2
-    assert "39 request(s) of the traces are in no batch" in capsys.readouterr().out
+    assert "39 request(s) of the traces are in no batch" in capsys.readouterr().err
 
 
 def test_batch_size_must_be_positive(trace_file, capsys):
@@ -97,6 +97,43 @@ def test_continuous_engine_json_keeps_the_plans_shape_and_the_report_draws_both_
 def test_continuous_engine_rejects_a_bad_cost_model_and_static_needs_a_batch_size(trace_file, capsys):
     assert main(["eval", "--traces", str(trace_file), "--engine", "continuous", "--encoder", "none",
                  "--cost-model", "warp-drive"]) == 2
-    assert "cost model" in capsys.readouterr().out
+    assert "cost model" in capsys.readouterr().err
     assert main(["eval", "--traces", str(trace_file), "--encoder", "none"]) == 2
-    assert "--batch-size" in capsys.readouterr().out
+    assert "--batch-size" in capsys.readouterr().err
+
+
+def _run(args, capsys) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of `cohort ARGS`, argparse's exits included."""
+    try:
+        code = main(args)
+    except SystemExit as exc:
+        code = exc.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize("extra, flag", [
+    (["--sweep", "8,abc", "--report", "{tmp}/r"], "--sweep"),
+    (["--report", "{tmp}/existing.txt"], "--report"),
+    (["--traces", "{tmp}/nope.npz"], "--traces"),
+    (["--plan", "{tmp}/nope.jsonl"], "--plan"),
+    (["--seeds", "0"], "--seeds"),
+    (["--decode-steps", "x"], "--decode-steps"),
+    (["--encoder", "{tmp}/no-such-encoder"], "--encoder"),
+    (["--engine", "continuous", "--slots", "0"], "--slots"),
+    (["--engine", "continuous", "--mean-length", "0"], "--mean-length"),
+    (["--engine", "continuous", "--lengths", "lognormal:wide"], "--lengths"),
+    (["--engine", "continuous", "--lengths", "{tmp}/nope.txt"], "--lengths"),
+    (["--engine", "continuous", "--cost-model", "warp-drive"], "--cost-model"),
+    (["--engine", "continuous", "--moe-share", "2"], "--moe-share"),
+    (["--engine", "continuous", "--non-moe-us", "-1"], "--non-moe-us"),
+    (["--engine", "continuous", "--max-wait", "-3"], "--max-wait"),
+    (["--engine", "continuous", "--sweep", "4,,x", "--report", "{tmp}/r"], "--sweep"),
+])
+def test_a_bad_argument_is_one_line_naming_the_flag_before_any_work(trace_file, tmp_path, capsys, extra, flag):
+    (tmp_path / "existing.txt").write_text("not a folder\n")
+    extra = [a.replace("{tmp}", str(tmp_path)) for a in extra]
+    code, out, err = _run(["eval", "--traces", str(trace_file), "--batch-size", "4", "--encoder", "none", *extra], capsys)
+    assert (code, out) == (2, "")  # nothing evaluated or printed before the check
+    assert len(err.strip().splitlines()) == 1 and flag in err and "Traceback" not in err, err
+    assert not (tmp_path / "r").exists()
