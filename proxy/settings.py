@@ -37,6 +37,7 @@ class Settings:
     max_body_bytes: int = 10 * 1024 * 1024
     keepalive_s: float = 10.0  # SSE comment interval while a streaming request is queued
     log_prompts: bool = False  # prompts are user data: never logged unless asked for
+    access_log: bool = True  # one `proxy.access` log line per request (method, path, status, ms, request id)
     # Offline batches (`cohort batch run` and the Batch API, see proxy/batch_run.py)
     data_dir: str = ""  # Batch API files + SQLite records ("" = $XDG_DATA_HOME/moe-cohort, else ~/.local/share/moe-cohort)
     max_file_bytes: int = 200 * 1024 * 1024  # largest uploaded batch file (OpenAI's limit)
