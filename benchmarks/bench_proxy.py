@@ -2,10 +2,14 @@
 
     python benchmarks/bench_proxy.py [--backend URL] [--requests-per-client 40] [--no-pin]
 
-Part 1, overhead (no encoder): clients send tiny completions (max_tokens=1)
-directly to vLLM and through the proxy, alternating, at 1, 16 and 64 concurrent clients;
-prints latency p50/p99 and throughput of each, and the added p50/p99; then the same for
-streams (max_tokens=8) timed to their first chunk, at up to 16 clients.
+Part 1, overhead: clients send tiny completions (max_tokens=1) directly to vLLM and through the
+proxy, alternating, at 1, 16 and 64 concurrent clients; prints latency p50/p99 and throughput of
+each, and the added p50/p99; then the same for streams (max_tokens=8) timed to their first chunk,
+at up to 16 clients. Once per encoder of --overhead-encoders (default: none, i.e. first come first
+served, and the default encoder ""): with an encoder every request carries a distinct prompt of
+mixed.jsonl (the same bodies go direct), so each is embedded and profiled on arrival, as in
+service. The proxy admits up to 256 at once, above the clients, so no request waits for a slot:
+the added latency is the proxy's own work (relay, embedding, admission).
 CPUs: the embedded backend runs on the first half of this process's CPUs, the proxy and the
 load generator on the other half, as a proxy would run beside (not on) an inference server's
 cores. Without that split, on a 2-core machine vLLM's API server and engine core, the proxy and
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import re
@@ -63,27 +68,32 @@ async def post(http: aiohttp.ClientSession, url: str, body: dict) -> float:
     return first
 
 
-async def client_loop(http: aiohttp.ClientSession, url: str, body: dict, n: int, latencies: list[float]) -> None:
-    """n requests one after another; a latency each: whole answer, or first chunk of a stream."""
+async def client_loop(http: aiohttp.ClientSession, url: str, bodies, n: int, latencies: list[float]) -> None:
+    """n requests one after another, each with the next of `bodies` (an iterator shared by the clients);
+    a latency each: whole answer, or first chunk of a stream."""
     for _ in range(n):
+        body = next(bodies)
         t = time.perf_counter()
         first = await post(http, url, body)
         latencies.append(first if body.get("stream") else time.perf_counter() - t)
 
 
-async def load(url: str, clients: int, per_client: int, stream: bool = False) -> tuple[np.ndarray, float]:
+async def load(url: str, clients: int, per_client: int, stream: bool = False,
+               prompts: list[str] | None = None) -> tuple[np.ndarray, float]:
     """Latencies [clients * per_client] in seconds and requests per second. A streamed request
-    (8 tokens) is timed to its first chunk (time to first token), a plain one (1 token) to its end."""
+    (8 tokens) is timed to its first chunk (time to first token), a plain one (1 token) to its end.
+    The prompt is "hi", or the next of `prompts` (cycled) for each request."""
     # the body vLLM gets either way: the proxy would add this policy field to a body without it
-    body = {"model": "tiny", "prompt": "hi", "max_tokens": 8 if stream else 1, "vllm_xargs": {"moe_routing": "topk"}}
+    body = {"model": "tiny", "max_tokens": 8 if stream else 1, "vllm_xargs": {"moe_routing": "topk"}}
     if stream:
         body.update(stream=True, ignore_eos=True)
+    bodies = ({**body, "prompt": p} for p in itertools.cycle(prompts or ["hi"]))
     latencies: list[float] = []
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=clients)) as http:
         warm: list[float] = []  # the connection pool, the server and the proxy at this concurrency
-        await asyncio.gather(*(client_loop(http, url, body, 3, warm) for _ in range(clients)))
+        await asyncio.gather(*(client_loop(http, url, bodies, 3, warm) for _ in range(clients)))
         t = time.perf_counter()
-        await asyncio.gather(*(client_loop(http, url, body, per_client, latencies) for _ in range(clients)))
+        await asyncio.gather(*(client_loop(http, url, bodies, per_client, latencies) for _ in range(clients)))
         wall = time.perf_counter() - t
     return np.array(latencies), len(latencies) / wall
 
@@ -117,26 +127,30 @@ def start_proxy(backend: str, *flags: str) -> tuple[subprocess.Popen, str]:
     raise RuntimeError(f"proxy did not start: {' '.join(cmd)}")
 
 
-def overhead(backend: str, concurrency: list[int], per_client: int, rounds: int) -> None:
-    proc, proxy = start_proxy(backend, "--encoder", "none", "--max-in-flight", "256")
+def overhead(backend: str, concurrency: list[int], per_client: int, rounds: int, encoder: str,
+             prompts: list[str]) -> None:
+    """Part 1 for one encoder ("none": no embedding, the prompt "hi"; else distinct `prompts`)."""
+    proc, proxy = start_proxy(backend, "--encoder", encoder, "--max-in-flight", "256")
+    texts = None if encoder == "none" else prompts
     try:
-        print("whole answers (max_tokens=1):")
-        compare(backend, proxy, concurrency, per_client, rounds, stream=False)
-        print("streams (max_tokens=8), time to the first chunk:")
-        compare(backend, proxy, [c for c in concurrency if c <= 16], per_client, rounds, stream=True)
+        print(f"encoder {encoder or 'default'!r}; whole answers (max_tokens=1):")
+        compare(backend, proxy, concurrency, per_client, rounds, stream=False, prompts=texts)
+        print(f"encoder {encoder or 'default'!r}; streams (max_tokens=8), time to the first chunk:")
+        compare(backend, proxy, [c for c in concurrency if c <= 16], per_client, rounds, stream=True, prompts=texts)
     finally:
         proc.terminate()
         proc.wait(30)
 
 
-def compare(backend: str, proxy: str, concurrency: list[int], per_client: int, rounds: int, *, stream: bool) -> None:
+def compare(backend: str, proxy: str, concurrency: list[int], per_client: int, rounds: int, *, stream: bool,
+            prompts: list[str] | None = None) -> None:
     """`rounds` direct and proxied runs, alternating, at each concurrency (the machine drifts: one
     of each in a row would compare two moments); a table of p50/p99/throughput and the difference."""
     print(f"{'clients':>7} {'path':>6} {'p50 ms':>8} {'p99 ms':>8} {'req/s':>8}")
     for c in concurrency:
         rows = {}
         for name, url in [("direct", backend), ("proxy", proxy)] * rounds:
-            lat, rps = asyncio.run(load(url + "/v1/completions", c, per_client, stream))
+            lat, rps = asyncio.run(load(url + "/v1/completions", c, per_client, stream, prompts))
             rows.setdefault(name, []).append((lat, rps))
         stats = {}
         for name, runs in rows.items():
@@ -209,6 +223,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--moe-layers", type=int, default=4, help="MoE layers of the backend's model (tiny MoE: 4)")
     parser.add_argument("--slots", type=int, default=16, help="part 2: requests in flight (the backend's max_num_seqs)")
+    parser.add_argument("--overhead-encoders", default="none,",
+                        help="part 1: the proxy's encoders, comma-separated ('' = the default; default %(default)r)")
     parser.add_argument("--encoder", default="", help="part 2: the admission encoder (a `cohort train` folder brings "
                         "its profile head; default: the packaged MiniLM, nearest embedding)")
     parser.add_argument("--model-dir", default=None, help="the MoE to serve when no --backend (default: the random tiny MoE)")
@@ -240,9 +256,12 @@ def main() -> None:
         where = f"backend on CPUs {sorted(backend_cpus)}, " if server else ""
         print(f"backend {args.backend}; proxy = `cohort serve` in its own process; {os.cpu_count()} CPUs: "
               f"{where}proxy and clients on CPUs {sorted(client_cpus)}")
+        prompts = mixed_prompts(args.heldout)
         if not args.skip_overhead:
-            overhead(args.backend, [int(c) for c in args.concurrency.split(",")], args.requests_per_client, args.rounds)
-        prompts = mixed_prompts(args.heldout)[: args.prompts]
+            for encoder in args.overhead_encoders.split(","):
+                overhead(args.backend, [int(c) for c in args.concurrency.split(",")], args.requests_per_client,
+                         args.rounds, encoder.strip(), prompts)
+        prompts = prompts[: args.prompts]
         admission(args.backend, prompts, args.slots, args.max_tokens, args.moe_layers, args.encoder,
                   engine.url if engine else None)
     finally:
