@@ -1,7 +1,9 @@
-"""The proxy's one settings object, built once from CLI flags and `COHORT_*` environment variables.
+"""The proxy's one settings object, built once from CLI flags, `COHORT_*` variables and a config file.
 
 Precedence: explicit values (CLI flags) > environment (`COHORT_<FIELD>` upper-cased, e.g.
-`COHORT_MAX_QUEUE_MS=5000`, `COHORT_API_KEYS=k1,k2`) > the defaults below.
+`COHORT_MAX_QUEUE_MS=5000`, `COHORT_API_KEYS=k1,k2`) > a config file (`--config FILE` or
+`COHORT_CONFIG`, YAML or TOML, keys = the field names below; proxy/config_file.py) > the defaults below.
+A bad value is a SettingsError that names the flag, the variable and the config key it may have come from.
 """
 
 from __future__ import annotations
@@ -16,7 +18,15 @@ ENV_PREFIX = "COHORT_"
 
 
 class SettingsError(ValueError):
-    """A setting has a value of the wrong type or range; the message names it."""
+    """A setting has a value of the wrong type or range; the message names it (`field`: the Settings field)."""
+
+    def __init__(self, message: str, *, field: str | None = None, detail: str = "") -> None:
+        super().__init__(message)
+        self.field, self.detail = field, detail
+
+
+def _bad(name: str, detail: str) -> SettingsError:
+    return SettingsError(f"{name} (env {ENV_PREFIX}{name.upper()}) {detail}", field=name, detail=detail)
 
 
 @dataclass(frozen=True)
@@ -38,6 +48,7 @@ class Settings:
     keepalive_s: float = 10.0  # SSE comment interval while a streaming request is queued
     log_prompts: bool = False  # prompts are user data: never logged unless asked for
     access_log: bool = True  # one `proxy.access` log line per request (method, path, status, ms, request id)
+    protect_metrics: bool = False  # /metrics needs a key, /health without one says only its status (needs api_keys)
     # Offline batches (`cohort batch run` and the Batch API, see proxy/batch_run.py)
     data_dir: str = ""  # Batch API files + SQLite records ("" = $XDG_DATA_HOME/moe-cohort, else ~/.local/share/moe-cohort)
     max_file_bytes: int = 200 * 1024 * 1024  # largest uploaded batch file (OpenAI's limit)
@@ -48,19 +59,27 @@ class Settings:
 
     def __post_init__(self) -> None:
         from backend.policy import PolicyError, parse_policy
+        from proxy.auth import key_owners
+
+        key_owners(self.api_keys)  # an empty key, or one key for two tenants: SettingsError naming --api-key
+        if self.protect_metrics and not self.api_keys:
+            raise SettingsError("protect_metrics (--protect-metrics, COHORT_PROTECT_METRICS) needs at least one "
+                                "--api-key (COHORT_API_KEYS): without keys there is nothing to protect them with")
 
         try:
             parse_policy(self.default_policy)
         except PolicyError as exc:
-            raise SettingsError(f"default_policy (--default-policy, --policy or {ENV_PREFIX}DEFAULT_POLICY) "
-                                f"{self.default_policy!r}: {exc}") from None
-        for name in ("port", "max_in_flight", "max_body_bytes", "encoder_max_seq_len", "max_file_bytes"):
+            raise _bad("default_policy", f"{self.default_policy!r}: {exc}") from None
+        if not 1 <= self.port <= 65535:
+            raise _bad("port", f"must be a TCP port in 1..65535, got {self.port}")
+        for name in ("max_in_flight", "max_body_bytes", "encoder_max_seq_len", "max_file_bytes"):
             if getattr(self, name) < 1:
-                raise SettingsError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_queue_ms", "keepalive_s", "request_timeout_s", "encoder_cache",
+                raise _bad(name, f"must be >= 1, got {getattr(self, name)}")
+        for name in ("max_queue_ms", "keepalive_s", "request_timeout_s", "connect_timeout_s", "encoder_cache",
                      "batch_concurrency", "batch_max_retries"):
-            if getattr(self, name) < 0:
-                raise SettingsError(f"{name} must be >= 0, got {getattr(self, name)}")
+            value = getattr(self, name)
+            if not 0 <= value < float("inf"):  # nan fails too
+                raise _bad(name, f"must be a finite number >= 0, got {value}")
 
     @property
     def batch_in_flight(self) -> int:
