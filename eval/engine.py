@@ -95,8 +95,8 @@ def evaluate_continuous(tokens: DecodeTokens, slots: int, policies: Mapping[str,
             runs["random"].append([run(shuffled(seed * random_draws + j)) for j in range(random_draws)])
             for name, factory in policies.items():
                 runs.setdefault(name, []).append([run(factory(seed))])
-    rows = {name: _row(rs, runs["random"], cost, num_layers) for name, rs in runs.items()}
-    non_moe = _non_moe_us(rows["random"], cost)
+    rows = {name: summary_row(rs, runs["random"], cost, num_layers) for name, rs in runs.items()}
+    non_moe = non_moe_us_per_step(rows["random"], cost)
     ref = rows.get(REFERENCE, {}).get("saving", 0.0)
     for row in rows.values():
         row["capture"] = row["saving"] / ref if ref > 0 else 0.0
@@ -108,7 +108,7 @@ def evaluate_continuous(tokens: DecodeTokens, slots: int, policies: Mapping[str,
             "cost_model": cost.name, "non_moe_us_per_step": non_moe, "plans": rows}
 
 
-def _row(runs: list[list[Replay]], randoms: list[list[Replay]], cost: CostModel, num_layers: int) -> dict:
+def summary_row(runs: list[list[Replay]], randoms: list[list[Replay]], cost: CostModel, num_layers: int) -> dict:
     """Means over each seed's replays, then over seeds; the saving is paired with the seed's random baseline."""
     per_seed = lambda f, rs: np.array([np.mean([f(r) for r in group]) for group in rs])  # noqa: E731  [seeds]
     lpt = per_seed(lambda r: r.loads_per_token, runs)
@@ -120,7 +120,7 @@ def _row(runs: list[list[Replay]], randoms: list[list[Replay]], cost: CostModel,
             "max_queue_steps": int(max(r.start.max() for group in runs for r in group))}
 
 
-def _non_moe_us(random_row: dict, cost: CostModel) -> float:
+def non_moe_us_per_step(random_row: dict, cost: CostModel) -> float:
     """Non-MoE us per step: explicit, or (1/share - 1) x the random order's MoE time per step."""
     if cost.non_moe_us is not None:
         return float(cost.non_moe_us)

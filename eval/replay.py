@@ -129,13 +129,13 @@ def replay(tokens: DecodeTokens, lengths: np.ndarray, slots: int, policy: Policy
         span = int((lengths[state.slot_req[rows]] - state.slot_t[rows]).min())
         if head < n and state.waiting.sum() == 0 and len(rows) < slots:
             span = min(span, max(int(arrivals[pending[head]]) - state.now, 1))
-        spans.append((span, len(rows), _span_loads(tokens, state.slot_req[rows], state.slot_t[rows], span)))
+        spans.append((span, len(rows), span_loads(tokens, state.slot_req[rows], state.slot_t[rows], span)))
         state.advance(rows, span, lengths, policy)
     k = np.array(spans, dtype=np.int64).reshape(-1, 3)
     return Replay(steps=k[:, 0], resident=k[:, 1], loads=k[:, 2], start=state.start, order=np.array(state.order, np.int64))
 
 
-def _span_loads(tokens: DecodeTokens, requests: np.ndarray, start: np.ndarray, steps: int) -> int:
+def span_loads(tokens: DecodeTokens, requests: np.ndarray, start: np.ndarray, steps: int) -> int:
     """Distinct experts per layer of the requests' tokens, summed over layers and the span's steps."""
     union = np.bitwise_or.reduce(tokens.masks[tokens.rows(requests, start, steps)], axis=0)  # [steps, L, W]
     return int(popcount_sum(union))

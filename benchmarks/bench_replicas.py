@@ -1,0 +1,128 @@
+"""Routing over R replicas of S slots each, on held-out requests only (issue 18, "Measure it with the engine replay").
+
+    python benchmarks/bench_replicas.py --finetuned /tmp/cohort-cache/ft-encoder [--replicas 2,4] [--slots 16,32]
+
+The held-out side of the project's one split (traces.split) is replayed through R replicas of S
+slots (eval.replicas), lognormal output lengths (mean 64, sigma 1), 5 seeds, all requests
+arriving at step 0 (saturation), for these routings (encoder.affinity):
+
+    random              least-loaded in a random arrival order (the yardstick of every saving)
+    round-robin         trace order, request i to replica i mod R, FCFS per replica
+    least-loaded        trace order, one shared FCFS queue, a free slot takes the oldest
+    affinity            one shared pool; a replica's free slot takes the request with the fewest
+                        expected new experts for THAT replica, by the profiles the fine-tuned
+                        encoder's profile head predicts from text (`cohort train` saved it beside
+                        the encoder; else fitted here on the training side)
+    affinity-regions    the same, relative to the other replicas (contrast --contrast): a region
+                        of profile space per replica that follows its residents
+    affinity-reference  affinity by the traces' own profiles (the yardstick of capture)
+
+and, for reference, one engine of R*S slots with the same admission (single-affinity) and the
+traces' (single-reference), each against its own random order. Loads per token are summed over
+the replicas' steps; idle-while-queued counts the steps in which a replica had a free slot while
+a request waited (0 by construction for least-loaded and affinity, which the replay asserts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.bench_continuous import _embeddings  # noqa: E402
+from encoder.profile import load_profile_head  # noqa: E402
+from eval.cost import parse_cost_model  # noqa: E402
+from eval.engine import lengths_from_spec  # noqa: E402
+from eval.replay import decode_profiles, decode_tokens  # noqa: E402
+from eval.replicas import Routing, evaluate_replicas, format_replica_table  # noqa: E402
+from traces.importers import load_traces  # noqa: E402
+from traces.split import heldout_split  # noqa: E402
+
+DATA = ROOT.parent / "shared" / "data" / "deepseek-v2-lite-puffin"
+
+
+def main() -> None:
+    args = _parse()
+    ts = load_traces(args.traces)
+    train_idx, held_idx = heldout_split(ts)
+    predicted = _predicted_profiles(ts, train_idx, held_idx, args.finetuned, Path(args.cache))  # [n, L*E]
+    held = ts.subset(held_idx)
+    tokens = decode_tokens(held)
+    own = decode_profiles(tokens, held).reshape(len(held), -1)  # [n, L*E]
+    cost = parse_cost_model(args.cost_model)
+    lengths = lengths_from_spec(args.lengths, held.request_ids)
+    print(f"held-out: {len(held)} of {len(ts)} requests; lengths {args.lengths} (mean 64); cost model {cost.name}; "
+          f"{args.seeds} seeds; all requests arrive at step 0\n")
+    routings = {"round-robin": Routing("round-robin"), "least-loaded": Routing("least-loaded"),
+                "affinity": Routing("affinity", predicted),
+                "affinity-regions": Routing("affinity", predicted, contrast=args.contrast),
+                "affinity-reference": Routing("affinity", own)}
+    single_routings = {k: routings[k] for k in ("affinity", "affinity-reference")}  # capture against its own reference
+    summary = []
+    for r in _ints(args.replicas):
+        for s in _ints(args.slots):
+            begin = time.perf_counter()
+            result = evaluate_replicas(tokens, r, s, routings, lengths, cost, held.num_layers, seeds=args.seeds)
+            single = evaluate_replicas(tokens, 1, r * s, single_routings, lengths, cost, held.num_layers, seeds=args.seeds)
+            for name, row in single["plans"].items():
+                if name != "random":
+                    result["plans"][f"single-{name.removeprefix('affinity-')} (1x{r * s})"] = row
+            print(format_replica_table(result) + f"\n({time.perf_counter() - begin:.1f} s)\n")
+            summary.append(result)
+    _targets(summary)
+
+
+def _targets(results: list[dict]) -> None:
+    """Issue 18's replay target per (R, S): affinity saves more than one engine of R*S, and no idle-while-queued."""
+    for r in results:
+        rows, total = r["plans"], r["replicas"] * r["slots"]
+        aff, single = rows["affinity"], rows[f"single-affinity (1x{total})"]
+        regions = rows["affinity-regions"]
+        print(f"R = {r['replicas']} x S = {r['slots']:>2}: affinity {aff['saving']:.2%} (std {aff['saving_std']:.2%}) "
+              f"vs one engine of {total} slots {single['saving']:.2%} -> more: {aff['saving'] > single['saving']}; "
+              f"regions {regions['saving']:.2%}; idle-while-queued steps: affinity {aff['violations']}, least-loaded "
+              f"{rows['least-loaded']['violations']}, round-robin {rows['round-robin']['violations']}")
+
+
+def _predicted_profiles(ts, train_idx, held_idx, finetuned: str | None, cache: Path) -> np.ndarray:  # [n, L*E]
+    """The profile head's predictions for the held-out requests (the head saw training requests only)."""
+    x = _embeddings(ts.texts, finetuned, cache)  # [N, D]
+    head = load_profile_head(finetuned) if finetuned else None
+    if head is None:
+        from train.profile_head import fit_profile_head
+        from train.targets import profiles
+
+        prof = profiles(ts)  # [N, L, E]
+        fit = train_idx[prof[train_idx].sum(axis=(1, 2)) > 0]
+        head = fit_profile_head(x[fit], prof[fit], ts.top_k)
+        print("profile head fitted here on the training side")
+    print(f"encoder: {finetuned or 'packaged MiniLM'}; profile head alpha {head.alpha:g}, mix {head.mix:g}")
+    return head.predict(x[held_idx]).reshape(len(held_idx), -1)
+
+
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v.strip()]
+
+
+def _parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--traces", default=str(DATA))
+    p.add_argument("--finetuned", help="fine-tuned encoder folder from `cohort train` (default: the base encoder)")
+    p.add_argument("--replicas", default="2,4")
+    p.add_argument("--slots", default="16,32")
+    p.add_argument("--seeds", type=int, default=5)
+    p.add_argument("--lengths", default="lognormal")
+    p.add_argument("--cost-model", default="deepseek-v2-lite")
+    p.add_argument("--contrast", type=float, default=0.5, help="affinity-regions: weight of the best fit elsewhere")
+    p.add_argument("--cache", default="/tmp/cohort-bench-cache", help="embedding cache (outside the repository)")
+    return p.parse_args()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,186 @@
+"""Which replica admits which waiting request: routing over R engine replicas (data parallel).
+
+Each replica r keeps up to `slots[r]` requests resident (vLLM's max_num_seqs) and a step of
+replica r loads the experts of ITS residents only, so what routing decides is which requests are
+resident together on one replica. `ReplicaRouter` is pure bookkeeping (no clock, no I/O): a
+caller adds waiting requests, asks `admit(now)` which request takes which free slot, and
+releases a request when it finishes. The engine replay (eval.replicas) and a proxy in front of
+several backends drive the same object. Routings:
+
+- "affinity": one shared waiting pool (encoder.waiting.WaitingPool). When replica r has a free
+  slot it admits, by the pool's one rule, the waiting request that best fits r's own resident set
+  (fairness bound first, FCFS for requests without a vector, then the fewest expected new experts
+  per step for r: encoder.admission.ResidentExperts). With `contrast` > 0 the fit is relative,
+  a region of profile space per replica that follows the residents: r prefers the request that
+  fits r better than it fits the best other replica, score_r(c) - contrast * min_r' score_r'(c).
+- "least-loaded": the same shared pool, first come first served (fairness bound first).
+- "round-robin": bound on arrival: the i-th request goes to the queue of replica i mod R (the
+  healthy ones); each replica serves its own queue first come first served.
+
+When several replicas have free slots, the one with the most free slots admits first (ties: the
+lowest index), one request at a time, so R empty replicas take R different seeds before any of
+them fills up. Load bound: with a shared pool a free slot takes a waiting request at once, so no
+replica idles while another has a queue (`idle_while_queued` says whether that holds now);
+round-robin can break it, when one replica's queue runs dry before another's.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Hashable, Sequence
+
+import numpy as np
+
+from encoder.admission import ResidentExperts
+from encoder.waiting import Resident, WaitingPool, resident_size
+
+ROUTINGS = ("round-robin", "least-loaded", "affinity")
+ResidentFactory = Callable[[int], Resident]  # vector size -> an empty resident set
+
+
+class ReplicaRouter:
+    """R replicas' free slots, resident sets and health, and the waiting requests; see the module docstring."""
+
+    def __init__(self, slots: Sequence[int], routing: str = "affinity", *, max_wait: float | None = None,
+                 resident_factory: ResidentFactory = lambda size: ResidentExperts(1, size), contrast: float = 0.0):
+        if routing not in ROUTINGS:
+            raise ValueError(f"routing must be one of {', '.join(ROUTINGS)}, got {routing!r}")
+        if len(slots) < 1 or min(slots) < 1:
+            raise ValueError(f"every replica needs >= 1 slot, got {list(slots)}")
+        self.routing, self.max_wait, self.contrast = routing, max_wait, float(contrast)
+        self.capacity = np.asarray(slots, np.int64)  # [R]
+        self.busy = np.zeros(len(slots), np.int64)  # [R] admitted, not yet released
+        self.healthy = np.ones(len(slots), bool)  # [R] a replica that is down admits nothing
+        self.pool = WaitingPool()  # shared: least-loaded and affinity
+        self.queues: list[deque] = [deque() for _ in slots]  # per replica: round-robin
+        self.placed: dict[Hashable, tuple[int, np.ndarray | None]] = {}  # admitted key -> (replica, vector held)
+        self._factory = resident_factory
+        self._residents: list[Resident | None] = [None] * len(slots)
+        self._vectors: dict[Hashable, np.ndarray | None] = {}  # waiting key -> vector (round-robin queues)
+        self._turn = 0
+
+    @property
+    def replicas(self) -> int:
+        return len(self.capacity)
+
+    def free(self) -> np.ndarray:  # [R] free slots of the healthy replicas (0 for those down)
+        return np.where(self.healthy, self.capacity - self.busy, 0)
+
+    def waiting(self) -> int:
+        return len(self.pool) + sum(len(q) for q in self.queues)
+
+    def add(self, key: Hashable, vector: np.ndarray | None, now: float) -> None:
+        """A request arrives: `vector` is its flat predicted profile [L*E] (or embedding), None for FCFS."""
+        if key in self.placed or key in self._vectors or key in self.pool:
+            raise ValueError(f"{key!r} is routed already")
+        if self.routing != "round-robin":
+            self.pool.add(key, vector, now)
+            return
+        up = np.flatnonzero(self.healthy)
+        if len(up) == 0:
+            raise ValueError("no healthy replica to queue the request on")
+        self.queues[int(up[self._turn % len(up)])].append(key)
+        self._vectors[key] = vector
+        self._turn += 1
+
+    def remove(self, key: Hashable) -> None:
+        """A waiting request leaves before admission (its client went away)."""
+        if key in self.pool:
+            self.pool.remove(key)
+            return
+        self._vectors.pop(key)  # KeyError for a key that is not waiting
+        next(q for q in self.queues if key in q).remove(key)
+
+    def admit(self, now: float) -> list[tuple[Hashable, int]]:
+        """Fill the free slots now: (key, replica) per admission, in admission order."""
+        out = []
+        while True:
+            free = np.where([self._has_candidate(r) for r in range(self.replicas)], self.free(), 0)  # [R]
+            if free.max(initial=0) <= 0:
+                return out
+            r = int(np.argmax(free))  # most free slots first, ties to the lowest index
+            key = self._choose(r, now)
+            self._place(key, r)
+            out.append((key, r))
+
+    def release(self, key: Hashable) -> int:
+        """An admitted request finished (or failed): its slot frees; returns its replica."""
+        r, vector = self.placed.pop(key)
+        self.busy[r] -= 1
+        if vector is not None:
+            self._residents[r].release(vector)
+        return r
+
+    def set_healthy(self, replica: int, healthy: bool) -> list[Hashable]:
+        """Take a replica out (or back in). Out: its round-robin queue moves to the other healthy replicas,
+        in order; the keys moved are returned. Its admitted requests stay placed until released."""
+        self.healthy[replica] = healthy
+        if healthy or not self.queues[replica] or not self.healthy.any():
+            return []  # with no healthy replica left the queue stays where it is
+        moved = list(self.queues[replica])
+        self.queues[replica].clear()
+        for key in moved:
+            vector = self._vectors.pop(key)
+            self.add(key, vector, now=0.0)
+        return moved
+
+    def idle_while_queued(self) -> bool:
+        """Whether a healthy replica has a free slot while some request waits (the load bound is broken)."""
+        return bool(self.free().max(initial=0) > 0 and self.waiting() > 0)
+
+    def resident(self, replica: int) -> Resident | None:
+        """Replica's resident set (affinity only; None before the first vector)."""
+        return self._residents[replica]
+
+    def _has_candidate(self, r: int) -> bool:
+        return bool(self.queues[r]) if self.routing == "round-robin" else len(self.pool) > 0
+
+    def _choose(self, r: int, now: float) -> Hashable:
+        if self.routing == "round-robin":
+            return self.queues[r].popleft()
+        resident = self._resident_for(r) if self.routing == "affinity" else None
+        if resident is not None and self.contrast > 0 and isinstance(resident, ResidentExperts):
+            resident = _Contrast(resident, self._others(r), self.contrast)
+        return self.pool.pick(resident, now, self.max_wait)
+
+    def _place(self, key: Hashable, r: int) -> None:
+        if self.routing == "round-robin":
+            vector = self._vectors.pop(key)
+        else:
+            row = self.pool.rows[key]
+            vector = self.pool.matrix[row].copy() if self.pool.profiled[row] else None
+            self.pool.remove(key)
+        held = None
+        if self.routing == "affinity" and vector is not None:
+            held = vector
+            self._resident_for(r).admit(held)
+        self.placed[key] = (r, held)
+        self.busy[r] += 1
+
+    def _resident_for(self, r: int) -> Resident | None:
+        size = self.pool.size
+        if size is None:
+            return None
+        if self._residents[r] is None or resident_size(self._residents[r]) != size:
+            self._residents[r] = self._factory(size)
+        return self._residents[r]
+
+    def _others(self, r: int) -> list[Resident]:
+        return [res for i, res in enumerate(self._residents)
+                if i != r and self.healthy[i] and res is not None and res.count > 0]
+
+
+class _Contrast(ResidentExperts):
+    """Replica r's resident set as WaitingPool sees it, scored relative to the others (module docstring)."""
+
+    def __init__(self, own: ResidentExperts, others: list[Resident], weight: float):  # a view: no state of its own
+        self.shape = own.shape  # counts every resident: an empty replica seeds itself away from the others
+        self.count = own.count + sum(o.count for o in others)
+        self.own, self.others, self.weight = own, others, weight
+
+    def scores(self, profiles: np.ndarray) -> np.ndarray:  # [n], lower is better
+        s = self.own.scores(profiles)
+        if not self.others:
+            return s
+        elsewhere = np.min([o.scores(profiles) for o in self.others], axis=0)  # [n] best fit on another replica
+        return s - self.weight * elsewhere

@@ -1,0 +1,141 @@
+"""encoder.affinity.ReplicaRouter: the three routings against hand-made cases and brute force, and the load bound."""
+
+import numpy as np
+import pytest
+
+from encoder.affinity import ROUTINGS, ReplicaRouter
+
+A, B = np.array([1.0, 1.0, 0, 0, 0, 0]), np.array([0, 0, 0, 0, 1.0, 1.0])  # two experts each, disjoint
+A2, B2 = np.array([1.0, 0, 1.0, 0, 0, 0]), np.array([0, 0, 0, 1.0, 0, 1.0])  # one new expert next to A / B
+
+
+def _expected_new(vector, residents):
+    """Brute force: expected new experts of `vector` next to `residents` (independent tokens, u clipped at 0.999)."""
+    idle = np.prod([1.0 - np.clip(r, 0, 0.999) for r in residents], axis=0) if residents else np.ones_like(vector)
+    return float((vector * idle).sum())
+
+
+def test_round_robin_binds_on_arrival_and_serves_each_queue_in_order():
+    router = ReplicaRouter([1, 1], "round-robin")
+    for i in range(5):
+        router.add(f"k{i}", None, now=0.0)
+    assert router.admit(0.0) == [("k0", 0), ("k1", 1)]
+    router.release("k1")
+    assert router.admit(1.0) == [("k3", 1)]  # replica 1's own queue, not the older k2 waiting on replica 0
+    router.release("k3")
+    assert router.admit(2.0) == []  # replica 1 idles while replica 0 has a queue: round-robin breaks the bound
+    assert router.idle_while_queued()
+
+
+def test_least_loaded_shares_one_fcfs_queue_and_fills_the_emptiest_replica_first():
+    router = ReplicaRouter([2, 3], "least-loaded")
+    for i in range(6):
+        router.add(i, None, now=0.0)
+    assert router.admit(0.0) == [(0, 1), (1, 0), (2, 1), (3, 0), (4, 1)]
+    router.release(3)
+    assert router.admit(1.0) == [(5, 0)]
+    assert not router.idle_while_queued()
+
+
+def test_affinity_gives_each_replica_the_request_that_fits_its_own_residents():
+    router = ReplicaRouter([2, 2], "affinity")
+    for key, vector in (("a", A), ("b", B), ("b2", B2), ("a2", A2)):
+        router.add(key, vector, now=0.0)
+    # empty replicas take the oldest as seeds; then each takes the one that fits its seed, not the oldest
+    assert router.admit(0.0) == [("a", 0), ("b", 1), ("a2", 0), ("b2", 1)]
+
+
+def test_affinity_matches_brute_force_on_random_pools():
+    rng = np.random.default_rng(0)
+    for trial in range(100):
+        slots = rng.integers(1, 4, size=int(rng.integers(1, 4))).tolist()
+        router = ReplicaRouter(slots, "affinity")
+        vectors = {k: (rng.random(8) * (rng.random(8) < 0.4)).astype(np.float32) for k in range(12)}
+        placed = {r: [] for r in range(len(slots))}
+        waiting = list(vectors)
+        for k in waiting:
+            router.add(k, vectors[k], now=0.0)
+        for rnd in range(4):
+            for key, rep in router.admit(float(rnd)):
+                assert rep == int(np.argmax([s - len(placed[r]) for r, s in enumerate(slots)])), trial
+                residents = [vectors[k] for k in placed[rep]]
+                if residents:  # the admitting replica's best fit among the waiting ones
+                    scores = [_expected_new(vectors[k], residents) for k in waiting]
+                    assert _expected_new(vectors[key], residents) <= min(scores) + 1e-5, trial
+                else:  # nothing to fit yet: the oldest
+                    assert key == waiting[0], trial
+                waiting.remove(key)
+                placed[rep].append(key)
+            for rep, keys in placed.items():  # one departure per replica that has residents
+                if keys:
+                    assert router.release(keys.pop(int(rng.integers(0, len(keys))))) == rep
+
+
+@pytest.mark.parametrize("routing", ["least-loaded", "affinity"])
+def test_a_shared_pool_never_leaves_a_replica_idle_while_requests_wait(routing):
+    rng = np.random.default_rng(1)
+    router = ReplicaRouter([2, 1, 3], routing, contrast=0.5 if routing == "affinity" else 0.0)
+    admitted, key = [], 0
+    for step in range(300):
+        for _ in range(int(rng.integers(0, 3))):
+            router.add(key, rng.random(6).astype(np.float32) if rng.random() < 0.8 else None, float(step))
+            key += 1
+        admitted += [k for k, _ in router.admit(float(step))]
+        assert not router.idle_while_queued(), step
+        assert (router.busy <= router.capacity).all()
+        for k in [k for k in admitted if rng.random() < 0.3]:
+            router.release(k)
+            admitted.remove(k)
+
+
+def test_contrast_seeds_an_empty_replica_away_from_the_others_and_prefers_its_own_region():
+    router = ReplicaRouter([2, 2], "affinity", contrast=1.0)
+    for key, vector in (("a", A), ("a2", A2), ("b", B), ("b2", B2)):
+        router.add(key, vector, now=0.0)
+    # replica 1's seed is the request farthest from replica 0's, not the oldest (a2, which plain affinity takes)
+    assert router.admit(0.0) == [("a", 0), ("b", 1), ("a2", 0), ("b2", 1)]
+    plain = ReplicaRouter([2, 2], "affinity")
+    for key, vector in (("a", A), ("a2", A2), ("b", B), ("b2", B2)):
+        plain.add(key, vector, now=0.0)
+    assert plain.admit(0.0)[:2] == [("a", 0), ("a2", 1)]
+
+
+@pytest.mark.parametrize("max_wait,first", [(5.0, "old"), (None, "fit")])
+def test_fairness_bound_goes_first_on_every_replica(max_wait, first):
+    router = ReplicaRouter([2, 1], "affinity", max_wait=max_wait)
+    for key, vector in (("a", A), ("c", A), ("b", B)):
+        router.add(key, vector, now=0.0)
+    assert router.admit(0.0) == [("a", 0), ("c", 0), ("b", 1)]
+    router.add("old", B, now=1.0)
+    router.add("fit", A, now=3.0)
+    router.release("c")
+    assert router.admit(6.0) == [(first, 0)]  # "old" waited 5 >= max_wait, though "fit" fits replica 0 better
+
+
+def test_a_replica_taken_out_gets_nothing_and_hands_its_queue_over():
+    router = ReplicaRouter([1, 1, 1], "round-robin")
+    for i in range(6):
+        router.add(i, None, now=0.0)
+    assert router.set_healthy(1, False) == [1, 4]
+    assert router.free().tolist() == [1, 0, 1]
+    assert sorted(k for q in router.queues for k in q) == list(range(6)) and not router.queues[1]
+    assert [rep for _, rep in router.admit(0.0)] == [0, 2]
+    shared = ReplicaRouter([1, 1], "affinity")
+    shared.add("x", A, 0.0)
+    shared.set_healthy(0, False)
+    assert shared.admit(0.0) == [("x", 1)]
+
+
+def test_remove_and_errors():
+    router = ReplicaRouter([1, 1], "round-robin")
+    router.add("x", None, 0.0)
+    router.add("y", None, 0.0)
+    router.remove("x")
+    assert router.waiting() == 1 and router.admit(0.0) == [("y", 1)]
+    with pytest.raises(ValueError, match="routed already"):
+        router.add("y", None, 0.0)
+    with pytest.raises(ValueError, match="routing must be one of"):
+        ReplicaRouter([1], "random")
+    with pytest.raises(ValueError, match=">= 1 slot"):
+        ReplicaRouter([2, 0])
+    assert set(ROUTINGS) == {"round-robin", "least-loaded", "affinity"}
