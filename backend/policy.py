@@ -85,6 +85,8 @@ class _Float:
         return above and value <= self.high
 
     def allowed(self) -> str:
+        if math.isinf(self.high):  # ok() takes finite numbers only: no "(0, inf]" that rejects inf
+            return f"a finite number {'>' if self.low_open else '>='} {self.low:g}"
         bracket = "(" if self.low_open else "["
         return f"a number in {bracket}{self.low:g}, {self.high:g}]"
 
@@ -316,10 +318,16 @@ def _parse_value(cls: type[Policy], key: str, text: str) -> Any:
             f"{cls.name}: key '{key}' must be {specs[key].allowed()}, got '{text}'", key=key) from None
 
 
-@functools.lru_cache(maxsize=1024)
 def parse_policy(text: str) -> Policy:
     """Parse `NAME[;key=value]*` into its policy; raise PolicyError saying what is wrong."""
-    if not isinstance(text, str) or not text.strip():
+    if not isinstance(text, str):  # checked before the cache: a list is not even hashable
+        raise PolicyError(f"a routing policy must be a string like 'xshare;m=8', got {type(text).__name__} {text!r}")
+    return _parse_policy(text)
+
+
+@functools.lru_cache(maxsize=1024)
+def _parse_policy(text: str) -> Policy:
+    if not text.strip():
         raise PolicyError(f"empty policy; allowed names: {', '.join(POLICY_NAMES)}")
     head, *pairs = text.split(";")
     name = head.strip().lower()

@@ -33,12 +33,14 @@ class PlanInput:
 
 def load_record(raw: str | bytes, line: int) -> dict:
     """One JSONL line (text, or bytes in UTF-8, BOM allowed) -> its JSON object; raises InputError naming the line."""
-    try:
-        record = json.loads(raw.decode("utf-8-sig") if isinstance(raw, bytes) else raw.lstrip("\ufeff"))
+    try:  # the line end stripped: a fault at the end of the line is at its last column, not "line 2 column 1"
+        text = (raw.decode("utf-8-sig") if isinstance(raw, bytes) else raw.lstrip("\ufeff")).rstrip()
+        record = json.loads(text)
     except UnicodeDecodeError as exc:
         raise InputError(line, f"not valid UTF-8 (byte {exc.start})") from exc
     except json.JSONDecodeError as exc:
-        raise InputError(line, f"invalid JSON ({exc.msg} at column {exc.colno})") from exc
+        end = " (the end of the line)" if exc.pos >= len(text) else ""
+        raise InputError(line, f"invalid JSON ({exc.msg} at column {exc.pos + 1}{end})") from exc
     if not isinstance(record, dict):
         raise InputError(line, f"expected a JSON object, got {type(record).__name__}")
     return record

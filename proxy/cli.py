@@ -1,9 +1,18 @@
-"""`cohort serve`: the OpenAI-compatible proxy in front of vLLM (or of an embedded tiny-MoE vLLM)."""
+"""`cohort serve`: the OpenAI-compatible proxy in front of vLLM (or of an embedded tiny-MoE vLLM).
+
+Settings come from flags > COHORT_* variables > a config file (--config / COHORT_CONFIG) > defaults
+(proxy/settings.py); every one is checked before anything starts, and a bad one is one line, exit 2.
+With --backend, the backend is asked for /health at start-up, retried with backoff for
+--backend-wait-s, then the proxy starts anyway (requests get 502 until the backend is up).
+"""
 
 from __future__ import annotations
 
 import argparse
 import os
+import socket
+import sys
+import time
 
 from proxy.settings import Settings, SettingsError, add_setting_flags, flag_overrides, load_settings
 
@@ -16,38 +25,53 @@ _FLAGS = {
     "--max-in-flight": ("max_in_flight", int, "requests at the backend at once: set it to its max_num_seqs"),
     "--default-policy": ("default_policy", str, "routing policy when a request has no X-MoE-Routing header"),
     "--encoder": ("encoder", str, "encoder name or path (a folder from `cohort train` brings its profile head); "
-                                  "'static' is fast; 'none': first come, first served"),
+                                  "'static' is fast; 'none': first come, first served (default: the packaged MiniLM)"),
     "--backend-api-key": ("backend_api_key", str, "API key to send to the backend"),
     "--request-timeout-s": ("request_timeout_s", float, "backend timeout per request"),
     "--max-body-bytes": ("max_body_bytes", int, "largest request body accepted"),
-    "--data-dir": ("data_dir", str, "Batch API storage: uploaded files, results, SQLite records"),
+    "--max-file-bytes": ("max_file_bytes", int, "largest file uploaded to /v1/files (Batch API input)"),
+    "--data-dir": ("data_dir", str, "Batch API storage: uploaded files, results, SQLite records "
+                                    "(default: $XDG_DATA_HOME/moe-cohort or ~/.local/share/moe-cohort)"),
 }
+BACKEND_WAIT_S = 30.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", metavar="FILE", help="settings file, YAML or TOML, keys = setting names "
+                        "(e.g. port: 9000); flags and COHORT_* variables win over it (env COHORT_CONFIG)")
     add_setting_flags(parser, _FLAGS)
-    parser.add_argument("--api-key", dest="api_keys", action="append", help="accept this proxy API key (repeatable)")
+    parser.add_argument("--api-key", dest="api_keys", action="append", help="accept this proxy API key (repeatable; "
+                        "env COHORT_API_KEYS=k1,k2; default: none, the proxy is open)")
     parser.add_argument("--log-prompts", action="store_true", default=None, help="log prompt texts (off: they are user data)")
-    parser.add_argument("--model-dir", help="tiny MoE folder for the embedded backend (built there if missing)")
+    parser.add_argument("--model-dir", help="tiny MoE folder for the embedded backend, built there if missing "
+                        "(default: ~/.cache/moe-cohort/tiny-qwen3-moe)")
+    parser.add_argument("--backend-port", type=_port, help="port of the embedded vLLM, used only without --backend "
+                        "(default: a free port)")
+    parser.add_argument("--backend-wait-s", type=_seconds, default=BACKEND_WAIT_S,
+                        help="with --backend: how long to retry its /health at start-up before starting anyway; "
+                             "0: do not check")
 
 
 def run(args: argparse.Namespace) -> int:
     overrides = flag_overrides(args, _FLAGS)
     overrides.update(api_keys=tuple(args.api_keys) if args.api_keys else None, log_prompts=args.log_prompts)
     try:
-        settings = load_settings(overrides)
+        settings = load_settings(overrides, config=args.config, flags=_FLAGS)
     except SettingsError as exc:
-        print(f"cohort serve: error: {exc}")
-        return 2
+        return _fail(str(exc))
     from proxy.profiles import encoder_problem
 
-    problem = encoder_problem(settings)
+    problem = encoder_problem(settings) or _port_problem(settings.host, settings.port, "--port (env COHORT_PORT)")
+    if not problem and args.backend_port and not settings.backend_url:
+        problem = _port_problem("127.0.0.1", args.backend_port, "--backend-port")
     if problem:
-        print(f"cohort serve: error: {problem}")
-        return 2
+        return _fail(problem)
     server = None
-    if not settings.backend_url:
-        server, settings = _start_embedded(settings, args.model_dir, explicit_in_flight=args.max_in_flight is not None)
+    if settings.backend_url:
+        wait_for_backend(settings.backend_url, args.backend_wait_s)
+    else:
+        server, settings = _start_embedded(settings, args.model_dir, args.backend_port,
+                                           explicit_in_flight=args.max_in_flight is not None)
     try:
         _serve(settings)
     finally:
@@ -57,7 +81,54 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _start_embedded(settings: Settings, model_dir: str | None, *, explicit_in_flight: bool):
+def wait_for_backend(url: str, wait_s: float) -> bool:
+    """Ask the backend's /health (then /v1/models) until it answers 200, with backoff, for at most
+    `wait_s` seconds; say what happens. True when it answered; never raises."""
+    if wait_s <= 0:
+        return False
+    import httpx
+
+    deadline, delay = time.monotonic() + wait_s, 0.5
+    while True:
+        problem = _backend_problem(httpx, url)
+        if problem is None:
+            print(f"backend {url} is up")
+            return True
+        left = deadline - time.monotonic()
+        if left <= 0:
+            print(f"warning: backend {url} still not answering after {wait_s:g} s ({problem}); starting anyway: "
+                  f"requests get 502 until it is up, and the proxy uses it as soon as it answers")
+            return False
+        delay = min(delay, left)
+        print(f"backend {url} not answering ({problem}); retrying in {delay:.1f} s "
+              f"(starting anyway after {wait_s:g} s, --backend-wait-s)")
+        time.sleep(delay)
+        delay = min(delay * 2, 8.0)
+
+
+def _backend_problem(httpx, url: str) -> str | None:
+    for path in ("/health", "/v1/models"):  # vLLM answers both; other OpenAI servers at least the second
+        try:
+            response = httpx.get(url.rstrip("/") + path, timeout=3.0)
+        except httpx.HTTPError as exc:
+            return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        if response.status_code == 200:
+            return None
+    return f"GET {path} answered {response.status_code}"
+
+
+def _port_problem(host: str, port: int, flag: str) -> str | None:
+    """A port that another process holds: one line now, not a bind error after vLLM has started."""
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            return f"{flag}: cannot listen on {host}:{port} ({exc.strerror}); is another server on it? pick another port"
+    return None
+
+
+def _start_embedded(settings: Settings, model_dir: str | None, port: int | None, *, explicit_in_flight: bool):
     from devtools.server import stay_off_worker_cpus
     from proxy.embedded import ensure_tiny_model, start_embedded_backend
 
@@ -65,7 +136,7 @@ def _start_embedded(settings: Settings, model_dir: str | None, *, explicit_in_fl
     path = ensure_tiny_model(model_dir)
     print(f"no --backend given: starting a local vLLM CPU server on the tiny MoE in {path} "
           f"(with the moe-cohort plugin; about 20 s)...")
-    server = start_embedded_backend(path, max_num_seqs=max_num_seqs)
+    server = start_embedded_backend(path, max_num_seqs=max_num_seqs, port=port)
     print(f"vLLM backend ready at {server.url} (model '{server.served_model_name}', log {server.log_path})")
     if stay_off_worker_cpus(server):  # its worker busy-polls its cores; the proxy would wait behind it
         print(f"proxy runs on CPUs {sorted(os.sched_getaffinity(0))}, beside vLLM's worker "
@@ -83,3 +154,24 @@ def _serve(settings: Settings) -> None:
           f"({settings.max_in_flight} in flight, policy {settings.default_policy}); "
           f"point an OpenAI client at base_url=http://{settings.host}:{settings.port}/v1. Ctrl-C stops.")
     uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning")
+
+
+def _port(text: str) -> int:
+    if not text.isdigit() or not 1 <= int(text) <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a TCP port in 1..65535, got {text!r}")
+    return int(text)
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds >= 0, got {text!r}")
+    return value
+
+
+def _fail(message: str) -> int:
+    print(f"cohort serve: error: {message}", file=sys.stderr)
+    return 2

@@ -64,7 +64,8 @@ class Settings:
         key_owners(self.api_keys)  # an empty key, or one key for two tenants: SettingsError naming --api-key
         if self.protect_metrics and not self.api_keys:
             raise SettingsError("protect_metrics (--protect-metrics, COHORT_PROTECT_METRICS) needs at least one "
-                                "--api-key (COHORT_API_KEYS): without keys there is nothing to protect them with")
+                                "--api-key (COHORT_API_KEYS): without keys there is nothing to protect them with",
+                                field="protect_metrics")
 
         try:
             parse_policy(self.default_policy)
@@ -100,9 +101,13 @@ FlagTable = dict[str, tuple[str, type, str]]
 
 
 def add_setting_flags(parser, flags: FlagTable) -> None:
-    """Add one argparse option per flag, defaulting to None so unset flags fall back to env/defaults."""
+    """Add one argparse option per flag, defaulting to None so unset flags fall back to env, config and
+    defaults; the help shows the Settings default and the variable."""
+    defaults = {f.name: f.default for f in fields(Settings)}
     for flag, (dest, kind, help_text) in flags.items():
-        parser.add_argument(flag, dest=dest, type=kind, help=f"{help_text} (env {ENV_PREFIX}{dest.upper()})")
+        shown = "" if "default" in help_text else f"default {defaults[dest]!r}; " if defaults[dest] != "" else ""
+        parser.add_argument(flag, dest=dest, type=kind,
+                            help=f"{help_text} ({shown}env {ENV_PREFIX}{dest.upper()})".replace("%", "%%"))
 
 
 def flag_overrides(args, flags: FlagTable) -> dict[str, object]:
@@ -110,19 +115,44 @@ def flag_overrides(args, flags: FlagTable) -> dict[str, object]:
     return {dest: getattr(args, dest) for dest, _, _ in flags.values()}
 
 
-def load_settings(overrides: Mapping[str, object] | None = None, environ: Mapping[str, str] | None = None) -> Settings:
-    """Defaults, then `COHORT_*` variables from `environ` (os.environ), then non-None `overrides`."""
+def load_settings(overrides: Mapping[str, object] | None = None, environ: Mapping[str, str] | None = None, *,
+                  config: str | Path | None = None, flags: FlagTable | None = None) -> Settings:
+    """Defaults, then the `config` file (else $COHORT_CONFIG, if set), then `COHORT_*` variables from
+    `environ` (os.environ), then non-None `overrides`. A SettingsError names the field's flag (from
+    `flags`), its variable, and its key in the config file."""
     environ = os.environ if environ is None else environ
+    config = config or environ.get(ENV_PREFIX + "CONFIG") or None
+    types = {f.name: f.type for f in fields(Settings)}
     values: dict[str, object] = {}
-    for f in fields(Settings):
-        raw = environ.get(ENV_PREFIX + f.name.upper())
+    if config:
+        from proxy.config_file import ConfigFileError, read_config
+
+        try:
+            values.update(read_config(config, types))
+        except ConfigFileError as exc:
+            raise SettingsError(str(exc)) from None
+    for name, type_name in types.items():
+        raw = environ.get(ENV_PREFIX + name.upper())
         if raw is not None:
-            values[f.name] = _convert(f.name, f.type, raw)
+            values[name] = _convert(name, type_name, raw)
     values.update({k: v for k, v in (overrides or {}).items() if v is not None})
-    unknown = set(values) - {f.name for f in fields(Settings)}
+    unknown = set(values) - set(types)
     if unknown:
         raise SettingsError(f"unknown settings {sorted(unknown)}")
-    return Settings(**values)
+    try:
+        return Settings(**values)
+    except SettingsError as exc:
+        if exc.field is None:
+            raise
+        raise SettingsError(f"{setting_names(exc.field, flags, config)} {exc.detail}", field=exc.field,
+                            detail=exc.detail) from None
+
+
+def setting_names(field: str, flags: FlagTable | None = None, config: str | Path | None = None) -> str:
+    """How a user sets `field`: "--port (env COHORT_PORT, 'port' in cohort.yaml)"."""
+    flag = next((f for f, (dest, _, _) in (flags or {}).items() if dest == field), field)
+    where = [f"env {ENV_PREFIX}{field.upper()}"] + ([f"{field!r} in {config}"] if config else [])
+    return f"{flag} ({', '.join(where)})"
 
 
 def _convert(name: str, type_name: str, raw: str) -> object:

@@ -82,8 +82,9 @@ def test_decode_only():
     ("xshare;;m=3", None, "xshare: '' is not of the form key=value"),
     ("xshare;m=", None, "'m=' is not of the form key=value"),
     ("xshare", "m", "xshare: needs key 'm' (expert budget) or 'tau'"),
-    ("xshare;tau=0", "tau", "key 'tau' must be a number in (0, inf], got 0.0"),
-    ("xshare;tau=nan", "tau", "key 'tau' must be a number in (0, inf], got nan"),
+    ("xshare;tau=0", "tau", "key 'tau' must be a finite number > 0, got 0.0"),
+    ("xshare;tau=nan", "tau", "key 'tau' must be a finite number > 0, got nan"),
+    ("xshare;tau=inf", "tau", "key 'tau' must be a finite number > 0, got inf"),
     ("xshare;k0=-1;m=2", "k0", "key 'k0' must be an integer >= 0, got -1"),
     ("xshare-spec;k0=1", "m", "xshare-spec: needs key 'm' (batch budget) or 'mr'"),
     ("xshare-ep", "mg", "xshare-ep: needs key 'mg'"),
@@ -102,6 +103,13 @@ def test_bad_strings_are_rejected_with_the_key_and_what_is_allowed(text, key, me
     assert message in str(caught.value)
     assert caught.value.key == key
     assert isinstance(caught.value, ValueError)
+
+
+@pytest.mark.parametrize("value", [3, 2.5, True, None, ["topk"]])
+def test_a_policy_that_is_not_a_string_is_called_what_it_is(value):
+    with pytest.raises(PolicyError) as caught:
+        parse_policy(value)
+    assert str(caught.value) == f"a routing policy must be a string like 'xshare;m=8', got {type(value).__name__} {value!r}"
 
 
 def test_direct_construction_is_validated_too():

@@ -83,6 +83,17 @@ def test_invalid_lines_stop_the_run_before_anything_is_sent(tmp_path, capsys):
     assert not out.exists() and not (tmp_path / "out.jsonl.journal").exists()
 
 
+@pytest.mark.parametrize("policy, said", [("bogus", "unknown policy 'bogus'"),
+                                          ("xshare;tau=inf", "must be a finite number > 0, got inf")])
+def test_a_bad_policy_flag_is_one_line_naming_it_before_the_file_is_read(tmp_path, capsys, policy, said):
+    src = write(tmp_path / "in.jsonl", [request_line(f"r{i}", "hi") for i in range(5)])
+    code = main(["batch", "run", "--input", str(src), "--output", str(tmp_path / "out.jsonl"),
+                 "--backend", "http://127.0.0.1:9", "--encoder", "none", "--policy", policy])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and said in err, err
+    assert err.startswith("cohort batch: error: --policy (env COHORT_DEFAULT_POLICY)") and "X-MoE-Routing" not in err
+
+
 def test_skip_invalid_writes_bad_lines_to_the_error_file_once(vllm_server, tmp_path, capsys):
     src = write(tmp_path / "in.jsonl", [request_line("a", "hi"), "{oops", request_line("a", "dup"),
                                         request_line("b", "there", url="/v1/completions"),

@@ -188,3 +188,13 @@ def test_a_policy_of_the_wrong_type_is_an_error_of_its_line(tmp_path):
     assert [e.message for e in parsed.errors] == [
         'line 1: vllm_xargs.moe_routing must be a string such as "xshare;m=24", got list [\'xshare\']',
         'line 3: vllm_xargs.moe_routing must be a string such as "xshare;m=24", got int 7']
+
+
+@pytest.mark.parametrize("text, where", [
+    (line("a")[:-1], f"at column {len(line('a'))} (the end of the line)"),  # the closing brace is missing
+    ('{"custom_id": oops}', "Expecting value at column 15"),
+    ('{"custom_id": "a",}  ', "at column 19"),
+])
+def test_invalid_json_names_the_column_where_it_went_wrong(tmp_path, text, where):
+    (error,) = read(write(tmp_path, [text])).errors
+    assert error.message.startswith("line 1: invalid JSON (") and where in error.message, error.message

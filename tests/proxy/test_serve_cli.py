@@ -57,3 +57,21 @@ def test_an_unknown_encoder_is_one_line_before_any_work(tmp_path, command):
     said = (done.stdout + done.stderr).strip()
     assert done.returncode == 2 and "no such model folder" in said and "Traceback" not in said, said
     assert "starting a local vLLM" not in said  # refused before the embedded backend starts
+
+
+@pytest.mark.parametrize("args, said", [
+    (["--max-file-bytes", "0"], "--max-file-bytes (env COHORT_MAX_FILE_BYTES) must be >= 1, got 0"),
+    (["--port", "70000"], "--port (env COHORT_PORT) must be a TCP port in 1..65535, got 70000"),
+    (["--default-policy", "xshare;tau=inf"], "--default-policy (env COHORT_DEFAULT_POLICY) 'xshare;tau=inf': "),
+    (["--max-in-flight", "many"], "argument --max-in-flight: invalid int value: 'many'"),
+])
+def test_a_bad_serve_flag_is_one_line_naming_the_flag_and_its_variable(args, said, capsys):
+    from cohort.cli import main
+
+    try:
+        code = main(["serve", "--backend", "http://127.0.0.1:9", *args])
+    except SystemExit as exc:
+        code = exc.code
+    captured = capsys.readouterr()
+    said_all = (captured.out + captured.err).strip()
+    assert code == 2 and len(said_all.splitlines()) == 1 and said in said_all, said_all

@@ -12,10 +12,10 @@ def test_environment_then_flags():
 
 @pytest.mark.parametrize("env, message", [
     ({"COHORT_PORT": "eighty"}, "COHORT_PORT='eighty': expected int"),
-    ({"COHORT_MAX_IN_FLIGHT": "0"}, "max_in_flight must be >= 1"),
+    ({"COHORT_MAX_IN_FLIGHT": "0"}, r"max_in_flight \(env COHORT_MAX_IN_FLIGHT\) must be >= 1, got 0"),
     ({"COHORT_LOG_PROMPTS": "maybe"}, "expected bool"),
-    ({"COHORT_MAX_QUEUE_MS": "-1"}, "max_queue_ms must be >= 0"),
-    ({"COHORT_DEFAULT_POLICY": "bogus"}, r"--default-policy, --policy or COHORT_DEFAULT_POLICY\) 'bogus': .*allowed"),
+    ({"COHORT_MAX_QUEUE_MS": "-1"}, r"max_queue_ms \(env COHORT_MAX_QUEUE_MS\) must be a finite number >= 0, got -1.0"),
+    ({"COHORT_DEFAULT_POLICY": "bogus"}, r"default_policy \(env COHORT_DEFAULT_POLICY\) 'bogus': .*allowed"),
 ])
 def test_bad_values_name_the_setting(env, message):
     with pytest.raises(SettingsError, match=message):
