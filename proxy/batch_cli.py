@@ -47,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        settings = load_settings(flag_overrides(args, _FLAGS))
+        settings = load_settings(flag_overrides(args, _FLAGS), flags=_FLAGS)
     except SettingsError as exc:
         return _fail(str(exc))
     if not settings.backend_url and not args.dry_run:
