@@ -40,7 +40,7 @@ from encoder.profile import load_profile_head  # noqa: E402
 from eval.cost import parse_cost_model  # noqa: E402
 from eval.engine import lengths_from_spec  # noqa: E402
 from eval.replay import decode_profiles, decode_tokens  # noqa: E402
-from eval.replicas import Routing, evaluate_replicas, format_replica_table  # noqa: E402
+from eval.replicas import Routing, evaluate_with_single, format_replica_table  # noqa: E402
 from traces.importers import load_traces  # noqa: E402
 from traces.split import heldout_split  # noqa: E402
 
@@ -63,16 +63,11 @@ def main() -> None:
                 "affinity": Routing("affinity", predicted),
                 "affinity-regions": Routing("affinity", predicted, contrast=args.contrast),
                 "affinity-reference": Routing("affinity", own)}
-    single_routings = {k: routings[k] for k in ("affinity", "affinity-reference")}  # capture against its own reference
     summary = []
     for r in _ints(args.replicas):
         for s in _ints(args.slots):
             begin = time.perf_counter()
-            result = evaluate_replicas(tokens, r, s, routings, lengths, cost, held.num_layers, seeds=args.seeds)
-            single = evaluate_replicas(tokens, 1, r * s, single_routings, lengths, cost, held.num_layers, seeds=args.seeds)
-            for name, row in single["plans"].items():
-                if name != "random":
-                    result["plans"][f"single-{name.removeprefix('affinity-')} (1x{r * s})"] = row
+            result = evaluate_with_single(tokens, r, s, routings, lengths, cost, held.num_layers, seeds=args.seeds)
             print(format_replica_table(result) + f"\n({time.perf_counter() - begin:.1f} s)\n")
             summary.append(result)
     _targets(summary)

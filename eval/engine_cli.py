@@ -9,6 +9,9 @@ Policies, in the order of the output (random is always first):
                      (`cohort train` writes it beside the fine-tuned encoder)
     text-profile-lead  the same, scored against a typical resident set (encoder.admission)
     reference        fewest expected new experts by the traces' own profiles (issue 13, 2c)
+
+With --replicas R: R replicas of S slots behind a router instead (eval.replicas; --routing picks
+round-robin, least-loaded, affinity or all), beside one engine of R*S slots for reference.
 """
 
 from __future__ import annotations
@@ -52,6 +55,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         help="continuous: fairness bound in steps; an overdue request goes first (default: none)")
     parser.add_argument("--heldout", action="store_true",
                         help="evaluate the held-out requests of the project's split only (traces.split)")
+    parser.add_argument("--replicas", type=positive_int, default=None,
+                        help="continuous: R replicas of --slots each behind a router (eval.replicas; default: one engine)")
+    parser.add_argument("--routing", choices=("round-robin", "least-loaded", "affinity", "all"), default="all",
+                        help="continuous with --replicas: which routings to replay beside random (default %(default)s)")
 
 
 def heldout_traces(ts: TraceSet, heldout: bool) -> TraceSet:
@@ -72,6 +79,20 @@ def run_continuous(args: argparse.Namespace, ts: TraceSet, plan: Plan | None, te
     policies = continuous_policies(ts, tokens, args.slots, x=x, head=head, plan=plan, batch_size=args.batch_size)
     return evaluate_continuous(tokens, args.slots, policies, lengths, cost, ts.num_layers, seeds=args.seeds,
                                max_wait=args.max_wait)
+
+
+def run_replicas(args: argparse.Namespace, ts: TraceSet, text: tuple) -> dict:
+    """R = args.replicas replicas of S = args.slots (eval.replicas) for --routing, with one engine of R*S for reference."""
+    from eval.replicas import evaluate_with_single, routings_for
+
+    tokens = decode_tokens(ts, args.decode)
+    x, head = text
+    flat = lambda p: p.reshape(len(ts), -1)  # noqa: E731  [N, L, E] -> [N, L*E]
+    routings = routings_for(args.routing, predicted=None if head is None else flat(head.predict(x)), embeddings=x,
+                            reference=flat(decode_profiles(tokens, ts)))
+    cost = parse_cost_model(args.cost_model, args.non_moe_us, args.moe_share)
+    return evaluate_with_single(tokens, args.replicas, args.slots, routings, _lengths(args, ts, tokens), cost,
+                                ts.num_layers, seeds=args.seeds, max_wait=args.max_wait)
 
 
 def continuous_policies(ts: TraceSet, tokens: DecodeTokens, slots: int, *, x: np.ndarray | None = None, head=None,
@@ -129,14 +150,22 @@ def run_engine(args: argparse.Namespace) -> int:
     from traces.format import TraceFormatError
     from traces.importers import load_traces
 
+    if args.replicas is not None and args.report:
+        print("cohort eval: error: --report draws one engine against S; leave it out with --replicas", file=sys.stderr)
+        return 2
     try:
         ts = heldout_traces(load_traces(args.traces), args.heldout)
         plan = read_plan_file(args.plan, ts.request_ids) if args.plan else None
         text = text_side(ts, args.encoder)
-        result = run_continuous(args, ts, plan, text)
+        result = run_continuous(args, ts, plan, text) if args.replicas is None else run_replicas(args, ts, text)
     except (TraceFormatError, PlanError, OSError, ValueError) as exc:
         print(f"cohort eval: error: {exc}", file=sys.stderr)
         return 2
+    if args.replicas is not None:
+        from eval.replicas import format_replica_table
+
+        print(json.dumps(result, indent=2) if args.json else format_replica_table(result))
+        return 0
     print(json.dumps(result, indent=2) if args.json else format_engine_table(result))
     if args.report:
         for path in engine_report(args, ts, text, result):

@@ -147,6 +147,36 @@ def evaluate_replicas(tokens: DecodeTokens, replicas: int, slots: int, routings:
             "decode_mode": tokens.mode, "cost_model": cost.name, "non_moe_us_per_step": non_moe, "plans": rows}
 
 
+def routings_for(names: str, *, predicted: np.ndarray | None = None, embeddings: np.ndarray | None = None,
+                 reference: np.ndarray | None = None) -> dict[str, Routing]:
+    """The rows of `names` ("round-robin", "least-loaded", "affinity" or "all"): affinity by the predicted
+    profiles [N, L*E] (else nearest embedding [N, D]), and affinity-reference by the traces' own [N, L*E]."""
+    wanted = ("round-robin", "least-loaded", "affinity") if names == "all" else (names,)
+    out = {name: Routing(name) for name in wanted if name != "affinity"}
+    if "affinity" in wanted:
+        if predicted is not None:
+            out["affinity"] = Routing("affinity", predicted)
+        elif embeddings is not None:
+            out["affinity-nearest"] = Routing("affinity", embeddings, embedding=True)
+        if reference is not None:
+            out["affinity-reference"] = Routing("affinity", reference)
+    return out
+
+
+def evaluate_with_single(tokens: DecodeTokens, replicas: int, slots: int, routings: Mapping[str, Routing],
+                         lengths: Lengths, cost: CostModel, num_layers: int, **options) -> dict:
+    """evaluate_replicas, plus for reference one engine of R*S slots admitting by the same affinity rows:
+    rows "single-<name> (1xRS)", each saving against that engine's own random order."""
+    result = evaluate_replicas(tokens, replicas, slots, routings, lengths, cost, num_layers, **options)
+    alike = {k: v for k, v in routings.items() if v.routing == "affinity" and not v.contrast}
+    if replicas > 1 and alike:
+        single = evaluate_replicas(tokens, 1, replicas * slots, alike, lengths, cost, num_layers, **options)
+        for name, row in single["plans"].items():
+            if name != "random":
+                result["plans"][f"single-{name.removeprefix('affinity-')} (1x{replicas * slots})"] = row
+    return result
+
+
 HEADER = (f"{'routing':<22} {'loads/tok':>9} {'saving':>7} {'std':>6} {'capture':>8} {'MoE us/tok':>10} "
           f"{'step us/tok':>11} {'makespan':>8} {'idle-while-queued':>17}")
 

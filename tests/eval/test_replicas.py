@@ -1,5 +1,7 @@
 """eval.replicas: R replicas behind a router, against a hand computation, a step-by-step brute force and eval.replay."""
 
+import json
+
 import numpy as np
 import pytest
 
@@ -169,3 +171,38 @@ def test_evaluate_replicas_rows():
     assert rows["least-loaded"]["violations"] == rows["affinity-reference"]["violations"] == 0
     assert all(r["step_us_per_token"] > r["moe_us_per_token"] > 0 for r in rows.values())
     assert "idle-while-queued" in format_replica_table(out)
+
+
+def test_cohort_eval_replicas_json_and_table(tmp_path, capsys):
+    from cohort.cli import main
+    from traces.format import save_traces
+    from traces.synthetic import synthetic_traces
+
+    path = save_traces(tmp_path / "s.npz", synthetic_traces(60, num_experts=16, num_layers=3, top_k=2, seed=1))
+    base = ["eval", "--traces", str(path), "--engine", "continuous", "--slots", "3", "--replicas", "2", "--encoder",
+            "none", "--mean-length", "6", "--seeds", "2"]
+    assert main([*base, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["replicas"], out["slots"], out["num_requests"]) == (2, 3, 60)
+    assert list(out["plans"]) == ["random", "round-robin", "least-loaded", "affinity-reference", "single-reference (1x6)"]
+    assert out["plans"]["affinity-reference"]["saving"] > 0 and out["plans"]["affinity-reference"]["violations"] == 0
+    assert main([*base, "--routing", "least-loaded"]) == 0
+    table = capsys.readouterr().out
+    assert "R = 2 replicas x S = 3 slots" in table and "least-loaded" in table and "round-robin" not in table
+
+
+@pytest.mark.parametrize("extra, flag", [(["--replicas", "0"], "--replicas"), (["--routing", "hash"], "--routing"),
+                                         (["--replicas", "2", "--report", "{tmp}/r"], "--report")])
+def test_cohort_eval_replicas_rejects_bad_arguments_in_one_line(tmp_path, capsys, extra, flag):
+    from cohort.cli import main
+    from traces.format import save_traces
+
+    path = save_traces(tmp_path / "t.npz", random_traces(10, seed=1))
+    args = ["eval", "--traces", str(path), "--engine", "continuous", "--encoder", "none",
+            *[a.replace("{tmp}", str(tmp_path)) for a in extra]]
+    try:
+        code = main(args)
+    except SystemExit as exc:
+        code = exc.code
+    out, err = capsys.readouterr()
+    assert (code, out) == (2, "") and len(err.strip().splitlines()) == 1 and flag in err, err
