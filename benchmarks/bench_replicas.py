@@ -114,7 +114,7 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--seeds", type=int, default=5)
     p.add_argument("--lengths", default="lognormal")
     p.add_argument("--cost-model", default="deepseek-v2-lite")
-    p.add_argument("--contrast", type=float, default=0.5, help="affinity-regions: weight of the best fit elsewhere")
+    p.add_argument("--contrast", type=float, default=0.25, help="affinity-regions: weight of the best fit elsewhere")
     p.add_argument("--cache", default="/tmp/cohort-bench-cache", help="embedding cache (outside the repository)")
     return p.parse_args()
 
