@@ -1,12 +1,13 @@
 """The OpenAI-compatible proxy: FastAPI routes in front of a vLLM backend.
 
     POST /v1/chat/completions, POST /v1/completions   admitted by predicted experts, sent with a policy
-    GET  /v1/models                                    relayed from the backend
+    GET  /v1/models, /v1/embeddings, /v1/responses...  relayed from the backend (proxy/relay.py)
     GET  /health, GET /metrics                         proxy + backend health, Prometheus text
     /v1/files, /v1/batches                             the OpenAI Batch API (proxy/batch_api.py)
 
 `create_app(settings)` builds everything once: the settings, the backend client, the encoder
-and profile head (the predictor), the admission gate and the metrics.
+and profile head (the predictor), the admission gate and the metrics. Every request gets a request id
+and an access log line (proxy/middleware.py); every error leaves in the OpenAI error shape.
 """
 
 from __future__ import annotations
@@ -27,14 +28,18 @@ from proxy.batch_jobs import BatchJobs
 from proxy.admission import AdmissionGate, Profiler
 from proxy.errors import BackendStatusError, ProxyError
 from proxy.metrics import ProxyMetrics
+from proxy.middleware import RequestContext, access_log
 from proxy.profiles import Predictor, make_predictor
-from proxy.protocol import ProxyRequest, Route, check_size, cohort_headers, parse_request, with_profile
+from proxy.protocol import ProxyRequest, Route, check_size, cohort_headers, parse_request, read_body, with_profile
+from proxy.relay import add_relay_routes
 from proxy.settings import Settings, load_settings
-from proxy.streaming import StreamRelay, Upstream
+from proxy.streaming import StreamRelay, Upstream, unless_client_leaves
 
 log = logging.getLogger(__name__)
 
-PATHS: dict[Route, str] = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
+PATHS: dict[Route, str] = {"chat": "/v1/chat/completions", "completion": "/v1/completions",
+                           "responses": "/v1/responses"}
+CLIENT_CLOSED = 499  # the client left before its answer (nginx's code); in the metrics and the access log
 
 
 class Proxy:
@@ -55,28 +60,41 @@ class Proxy:
         self.gate.close()
         await self.backend.close()
 
-    async def completion(self, request: Request, route: Route) -> Response:
+    async def body(self, request: Request) -> bytes:
+        """The authorized request's body, refused (413) as soon as it passes the size limit."""
         self.authorize(request.headers)
         check_size(request.headers.get("content-length"), self.settings.max_body_bytes)
-        preq = parse_request(await request.body(), route, request.headers,
+        return await read_body(request.stream(), self.settings.max_body_bytes)
+
+    async def completion(self, request: Request, route: Route) -> Response:
+        preq = parse_request(await self.body(request), route, request.headers,
                              default_policy=self.settings.default_policy, max_bytes=self.settings.max_body_bytes)
         if self.settings.log_prompts:
             log.info("%s request, policy %s: %r", route, preq.policy, preq.text)
-        if preq.stream:
-            relay = StreamRelay(self.upstream, preq, PATHS[route], backend_headers(self.settings, request.headers))
-            return await relay.start()
-        return await self._forward(preq, PATHS[route], backend_headers(self.settings, request.headers))
+        return await self.generate(request, preq)
 
-    async def _forward(self, preq: ProxyRequest, path: str, headers: dict[str, str]) -> Response:
+    async def generate(self, request: Request, preq: ProxyRequest) -> Response:
+        """Admit `preq`, send it to the backend, relay the answer (streamed or whole)."""
+        headers = backend_headers(self.settings, request.headers)
+        if preq.stream:
+            return await StreamRelay(self.upstream, preq, PATHS[preq.route], headers).start()
+        answered = await unless_client_leaves(self._forward(preq, PATHS[preq.route], headers), request.receive)
+        if answered is None:  # the client left: the backend request was cancelled, which made vLLM abort it
+            self.metrics.requests.labels(preq.route, str(CLIENT_CLOSED)).inc()
+            return Response(status_code=CLIENT_CLOSED)
+        admission, answer = answered
+        self.metrics.requests.labels(preq.route, str(answer.status_code)).inc()
+        return Response(answer.content, status_code=answer.status_code, headers=cohort_headers(admission),
+                        media_type=answer.content_type)
+
+    async def _forward(self, preq: ProxyRequest, path: str, headers: dict[str, str]):
         admission = await self.gate.admit(preq.text, preq.policy)
-        try:
+        try:  # released exactly once: answered, failed, or cancelled because the client left
             with self.metrics.backend_seconds.labels(preq.route).time():
                 answer = await self.backend.request("POST", path, json=with_profile(preq.body, admission), headers=headers)
         finally:
             self.gate.release(admission)
-        self.metrics.requests.labels(preq.route, str(answer.status_code)).inc()
-        return Response(answer.content, status_code=answer.status_code, headers=cohort_headers(admission),
-                        media_type=answer.content_type)
+        return admission, answer
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -102,6 +120,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     app = FastAPI(title="moe-cohort proxy", lifespan=lifespan)
     app.state.proxy = proxy
+    app.add_middleware(RequestContext)
+    access_log.setLevel(logging.INFO if settings.access_log else logging.WARNING)
     _add_error_handlers(app, proxy)
     batch_jobs = BatchJobs(settings, proxy.backend, proxy.predictor, gate=proxy.gate)
     add_batch_api(app, batch_jobs, proxy.authorize, settings.max_file_bytes)
@@ -114,23 +134,23 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def completions(request: Request) -> Response:
         return await proxy.completion(request, "completion")
 
-    @app.get("/v1/models")
-    async def models(request: Request) -> Response:
-        proxy.authorize(request.headers)
-        answer = await proxy.backend.request("GET", "/v1/models", headers=backend_headers(settings, request.headers))
-        return Response(answer.content, status_code=answer.status_code, media_type="application/json")
+    add_relay_routes(app, proxy)
 
     @app.get("/health")
-    async def health() -> Response:
+    async def health(request: Request) -> Response:
+        # --protect-metrics: open for load balancers, but the backend's address and errors only for a key
+        shown = not settings.protect_metrics or proxy.authorize.allows(request.headers)
         try:
             await proxy.backend.request("GET", "/health")
         except ProxyError as exc:
-            return JSONResponse({"status": "backend unavailable", "backend": settings.backend_url,
-                                 "detail": exc.message}, status_code=503)
-        return JSONResponse({"status": "ok", "backend": settings.backend_url})
+            return JSONResponse({"status": "backend unavailable", **({"backend": settings.backend_url,
+                                 "detail": exc.message} if shown else {})}, status_code=503)
+        return JSONResponse({"status": "ok", **({"backend": settings.backend_url} if shown else {})})
 
     @app.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics(request: Request) -> Response:
+        if settings.protect_metrics:
+            proxy.authorize(request.headers)
         return Response(proxy.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app
@@ -140,8 +160,9 @@ def _add_error_handlers(app: FastAPI, proxy: Proxy) -> None:
     @app.exception_handler(ProxyError)
     async def proxy_error(request: Request, exc: ProxyError) -> Response:
         proxy.metrics.requests.labels(_route_of(request), str(exc.status_code)).inc()
-        if isinstance(exc, BackendStatusError):
-            return Response(exc.content, status_code=exc.status_code, media_type=exc.content_type)
+        if isinstance(exc, BackendStatusError):  # the backend's own error, in the OpenAI shape
+            content, media_type = exc.openai_content(f"{request.method} {request.url.path}")
+            return Response(content, status_code=exc.status_code, media_type=media_type)
         log.warning("%s %s -> %d: %s", request.method, request.url.path, exc.status_code, exc.message)
         return JSONResponse(exc.body(), status_code=exc.status_code)
 
@@ -153,4 +174,7 @@ def _add_error_handlers(app: FastAPI, proxy: Proxy) -> None:
 
 
 def _route_of(request: Request) -> str:
-    return {path: route for route, path in PATHS.items()}.get(request.url.path, request.url.path)
+    """The metrics' route label: the route's name, else its template; never the raw path (file and batch
+    ids would reach /metrics, and every new path, even refused without a key, would be a new series)."""
+    template = getattr(request.scope.get("route"), "path", "unmatched")
+    return {path: route for route, path in PATHS.items()}.get(template, template)

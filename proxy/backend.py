@@ -62,11 +62,15 @@ class BackendClient:
 
     async def request(self, method: str, path: str, *, json: dict | None = None,
                       headers: dict[str, str] | None = None) -> BackendAnswer:
-        """Send and read the whole answer; raise BackendStatusError for 4xx/5xx."""
+        """Send and read the whole answer; raise BackendStatusError for 4xx/5xx. Cancelling it (the
+        client left) closes the connection, which makes vLLM abort the request."""
         with _translated(self.base_url):
-            async with self._send(method, path, json, headers) as response:
+            response = await self._open(method, path, json, headers)
+            try:
                 answer = BackendAnswer(response.status, await response.read(),
                                        response.headers.get("content-type", "application/json"))
+            finally:
+                response.release()  # back to the pool when read to the end, else the connection is closed
         if answer.status_code >= 400:
             raise BackendStatusError(answer.status_code, answer.content, answer.content_type)
         return answer
@@ -77,7 +81,7 @@ class BackendClient:
         """Open a streaming POST; the caller iterates `iter_raw(response)`. Leaving the block closes
         the connection, which makes vLLM abort the request (how a client disconnect propagates)."""
         with _translated(self.base_url):
-            response = await self._send("POST", path, json, headers)
+            response = await self._open("POST", path, json, headers)
         try:
             if response.status >= 400:
                 with _translated(self.base_url):
@@ -86,6 +90,19 @@ class BackendClient:
             yield response
         finally:
             response.release()  # back to the pool when read to the end, else the connection is closed
+
+    async def _open(self, method: str, path: str, body: dict | None, headers: dict[str, str] | None
+                    ) -> aiohttp.ClientResponse:
+        """Send and wait for the answer's status line, retrying once when the backend certainly did
+        not receive the request (`_not_received`); never once it may have started on it."""
+        try:
+            return await self._send(method, path, body, headers)
+        except aiohttp.ClientError as exc:
+            if not _not_received(exc):
+                raise
+            log.warning("%s %s%s: %s: %s; the backend did not receive the request, retrying once",
+                        method, self.base_url, path, type(exc).__name__, exc)
+        return await self._send(method, path, body, headers)
 
     async def iter_raw(self, response: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
         """The bytes of an open stream as they arrive; a broken connection becomes a BackendError."""
@@ -111,6 +128,18 @@ class BackendClient:
             self._session = aiohttp.ClientSession(connector=connector, timeout=self.timeout)
             self._loop = loop
         return self._session
+
+
+def _not_received(exc: aiohttp.ClientError) -> bool:
+    """Whether the backend certainly did not get the request: the connect failed (refused, unreachable),
+    or the connection (a pooled one the backend had closed meanwhile) was found closed before the request
+    was handed to it: aiohttp raises "Cannot write to closing transport", directly or as the cause of a
+    ClientOSError, and nothing was written. A connection that breaks after the request went out, before
+    or after the first byte of the answer, is not retried: the backend may be generating."""
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return True
+    return any(isinstance(e, aiohttp.ClientConnectionResetError) and "closing transport" in str(e)
+               for e in (exc, exc.__cause__))
 
 
 @contextlib.contextmanager

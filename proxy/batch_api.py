@@ -11,7 +11,9 @@
     POST /v1/batches/{batch_id}/cancel                                      -> Batch
 
 Endpoints: /v1/chat/completions and /v1/completions. Errors use the OpenAI error shape (the app's
-ProxyError handler). Storage and jobs: proxy/batch_store.py, proxy/batch_jobs.py.
+ProxyError handler). Every route acts for the caller's owner (`authorize` returns it, proxy/auth.py):
+files and batches of another key or tenant are answered exactly as ids that do not exist (404),
+and lists show only the caller's own. Storage and jobs: proxy/batch_store.py, proxy/batch_jobs.py.
 """
 
 from __future__ import annotations
@@ -32,68 +34,63 @@ from proxy.protocol import check_size
 COMPLETION_WINDOWS = ("24h",)
 
 
-def add_batch_api(app: FastAPI, jobs: BatchJobs, authorize: Callable[[Mapping[str, str]], None],
+def add_batch_api(app: FastAPI, jobs: BatchJobs, authorize: Callable[[Mapping[str, str]], str],
                   max_file_bytes: int) -> None:
     """Add the routes to `app`, serving `jobs` (resumed at start-up and closed at shutdown by the app);
-    `authorize(headers)` raises Unauthorized for a request without a valid key."""
+    `authorize(headers)` returns the caller's owner, or raises Unauthorized for a request without a valid key."""
     router = APIRouter(prefix="/v1")
 
     @router.post("/files")
     async def upload_file(request: Request) -> JSONResponse:
-        authorize(request.headers)
+        owner = authorize(request.headers)
         check_size(request.headers.get("content-length"), max_file_bytes + 64 * 1024)
-        return JSONResponse(to_file(await _store_upload(request, jobs, max_file_bytes)))
+        return JSONResponse(to_file(await _store_upload(request, jobs, max_file_bytes, owner)))
 
     @router.get("/files")
     async def list_files(request: Request) -> JSONResponse:
-        authorize(request.headers)
+        owner = authorize(request.headers)
         query = request.query_params
         order = query.get("order", "desc")
         if order not in ("asc", "desc"):
             raise InvalidRequest(f"order must be 'asc' or 'desc', got {order!r}", param="order")
-        rows, has_more = jobs.store.list_files(_limit(query.get("limit", "10000"), 10_000), after=query.get("after"),
-                                               purpose=query.get("purpose"), order=order)
+        rows, has_more = jobs.store.list_files(_limit(query.get("limit", "10000"), 10_000), owner=owner,
+                                               after=query.get("after"), purpose=query.get("purpose"), order=order)
         return _page([to_file(r) for r in rows], has_more)
 
     @router.delete("/files/{file_id}")
     async def delete_file(file_id: str, request: Request) -> JSONResponse:
-        authorize(request.headers)
-        _delete_file(jobs, file_id)
+        _delete_file(jobs, authorize(request.headers), file_id)
         return JSONResponse({"id": file_id, "object": "file", "deleted": True})
 
     @router.get("/files/{file_id}")
     async def get_file(file_id: str, request: Request) -> JSONResponse:
-        authorize(request.headers)
-        return JSONResponse(to_file(_file(jobs, file_id)))
+        return JSONResponse(to_file(_file(jobs, authorize(request.headers), file_id)))
 
     @router.get("/files/{file_id}/content")
     async def file_content(file_id: str, request: Request) -> FileResponse:
-        authorize(request.headers)
-        row = _file(jobs, file_id)
+        row = _file(jobs, authorize(request.headers), file_id)
         return FileResponse(row["path"], media_type="application/jsonl", filename=row["filename"])
 
     @router.post("/batches")
     async def create_batch(request: Request) -> JSONResponse:
-        authorize(request.headers)
+        owner = authorize(request.headers)
         params = _batch_params(await request.body())
-        return JSONResponse(to_batch(jobs.create(**params)))
+        return JSONResponse(to_batch(jobs.create(owner, **params)))
 
     @router.get("/batches/{batch_id}")
     async def get_batch(batch_id: str, request: Request) -> JSONResponse:
-        authorize(request.headers)
-        return JSONResponse(to_batch(jobs.get(batch_id)))
+        return JSONResponse(to_batch(jobs.get(batch_id, authorize(request.headers))))
 
     @router.get("/batches")
     async def list_batches(request: Request) -> JSONResponse:
-        authorize(request.headers)
+        owner = authorize(request.headers)
         limit = _limit(request.query_params.get("limit", "20"), 100)
-        rows, has_more = jobs.store.list_batches(limit, request.query_params.get("after"))
+        rows, has_more = jobs.store.list_batches(limit, owner=owner, after=request.query_params.get("after"))
         return _page([to_batch(r) for r in rows], has_more)
 
     @router.post("/batches/{batch_id}/cancel")
     async def cancel_batch(batch_id: str, request: Request) -> JSONResponse:
-        authorize(request.headers)
-        return JSONResponse(to_batch(jobs.cancel(batch_id)))
+        return JSONResponse(to_batch(jobs.cancel(batch_id, authorize(request.headers))))
 
     app.include_router(router)
 
@@ -110,26 +107,41 @@ def _page(data: list[dict], has_more: bool) -> JSONResponse:
                          "last_id": data[-1]["id"] if data else None, "has_more": has_more})
 
 
-def _delete_file(jobs: BatchJobs, file_id: str) -> None:
-    """Delete an uploaded or result file, unless an unfinished batch still reads it."""
-    _file(jobs, file_id)
+def _delete_file(jobs: BatchJobs, owner: str, file_id: str) -> None:
+    """Delete `owner`'s uploaded or result file, unless an unfinished batch still reads it."""
+    _file(jobs, owner, file_id)
     readers = jobs.store.active_batches_reading(file_id)
     if readers:
         raise InvalidRequest(f"file {file_id} is the input of unfinished batch {', '.join(readers)}; cancel it "
                              f"(POST /v1/batches/{{id}}/cancel) or let it finish, then delete the file",
                              param="file_id")
-    jobs.store.delete_file(file_id)
+    jobs.store.delete_file(file_id, owner)
 
 
-def _file(jobs: BatchJobs, file_id: str) -> dict:
-    row = jobs.store.get_file(file_id)
+def _file(jobs: BatchJobs, owner: str, file_id: str) -> dict:
+    """`owner`'s file; another owner's is NotFound, word for word as a missing one."""
+    row = jobs.store.get_file(file_id, owner)
     if row is None:
         raise NotFound(f"no file {file_id!r}", param="file_id")
     return row
 
 
-async def _store_upload(request: Request, jobs: BatchJobs, max_bytes: int) -> dict:
-    form = await request.form()
+async def _store_upload(request: Request, jobs: BatchJobs, max_bytes: int, owner: str) -> dict:
+    # counted while read: a chunked upload (no content-length) is refused as soon as it passes the limit
+    # (+ 64 KiB of multipart framing), before the form parser has spooled all of it to disk
+    limit, read = max_bytes + 64 * 1024, 0
+
+    async def receive():
+        nonlocal read
+        message = await request.receive()
+        read += len(message.get("body", b""))
+        if read > limit:
+            raise PayloadTooLarge(f"the upload is over the proxy's limit of {max_bytes} bytes per file ({read} bytes "
+                                  f"read before it was refused); split the batch into smaller files or raise "
+                                  f"max_file_bytes (COHORT_MAX_FILE_BYTES)")
+        return message
+
+    form = await Request(request.scope, receive).form()
     try:
         upload, purpose = form.get("file"), form.get("purpose")
         if purpose != "batch":
@@ -140,7 +152,7 @@ async def _store_upload(request: Request, jobs: BatchJobs, max_bytes: int) -> di
         file_id = new_id("file-")
         path = jobs.store.upload_path(file_id)
         size = await asyncio.to_thread(_copy, upload.file, path, max_bytes)
-        return jobs.store.add_file(file_id, upload.filename or "upload.jsonl", "batch", path, size)
+        return jobs.store.add_file(file_id, upload.filename or "upload.jsonl", "batch", path, size, owner=owner)
     finally:
         await form.close()
 

@@ -15,6 +15,8 @@ Transport errors are translated at the boundary (`raise BackendUnreachable(...) 
 
 from __future__ import annotations
 
+import json
+
 
 class ProxyError(Exception):
     status_code = 500
@@ -69,3 +71,21 @@ class BackendStatusError(BackendError):
     def __init__(self, status_code: int, content: bytes, content_type: str = "application/json") -> None:
         super().__init__(f"backend answered {status_code}")
         self.status_code, self.content, self.content_type = status_code, content, content_type
+
+    def openai_content(self, what: str) -> tuple[bytes, str]:
+        """(body, media type) to relay: the backend's own body when it is an OpenAI error, else the same
+        status in that shape, quoting the backend (e.g. vLLM's {"detail": "Not Found"} for a route it
+        does not offer); `what` names the request ("POST /v1/embeddings")."""
+        try:
+            body = json.loads(self.content)
+        except ValueError:
+            body = None
+        if isinstance(body, dict) and isinstance(body.get("error"), dict):
+            return self.content, self.content_type
+        detail = body.get("detail", body) if isinstance(body, dict) else self.content.decode("utf-8", "replace")[:500]
+        message = f"{what}: the backend answered {self.status_code} ({detail})"
+        if self.status_code == 404:
+            message += "; the backend does not offer this route or resource"
+        error = ProxyError(message, code=str(self.status_code))
+        error.error_type = "invalid_request_error" if self.status_code < 500 else "backend_error"
+        return json.dumps(error.body()).encode(), "application/json"

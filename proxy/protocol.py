@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Literal, Mapping
+from typing import AsyncIterator, Literal, Mapping
 
 from backend.policy import PolicyError, parse_policy
 from encoder.text import RequestTextError, request_text
 from proxy.errors import InvalidRequest, PayloadTooLarge
 
-Route = Literal["chat", "completion"]
+Route = Literal["chat", "completion", "responses"]
 POLICY_HEADER = "x-moe-routing"
 
 
@@ -32,7 +32,7 @@ class ProxyRequest:
     def text(self) -> str:
         """What the encoder sees (encoder.text decides); "" when there is none (token-id prompts)."""
         try:
-            return request_text(self.body)
+            return request_text(self.body.get("input") if self.route == "responses" else self.body)
         except RequestTextError:
             return ""
 
@@ -56,12 +56,30 @@ def check_size(content_length: str | None, max_bytes: int) -> None:
         raise PayloadTooLarge(_too_large(int(content_length), max_bytes))
 
 
+async def limited(chunks: AsyncIterator[bytes], max_bytes: int, what: str = "request body",
+                  fix: str = "shorten the request or raise --max-body-bytes") -> AsyncIterator[bytes]:
+    """`chunks` as they come, refused (413) as soon as their total passes `max_bytes`: a chunked body
+    announces no size, so the limit applies while reading, not after."""
+    size = 0
+    async for chunk in chunks:
+        size += len(chunk)
+        if size > max_bytes:
+            raise PayloadTooLarge(f"{what} is over the proxy's limit of {max_bytes} bytes ({size} bytes read "
+                                  f"before it was refused); {fix}")
+        yield chunk
+
+
+async def read_body(chunks: AsyncIterator[bytes], max_bytes: int) -> bytes:
+    """The whole request body, read no further than `max_bytes` (+ one chunk) before a 413."""
+    return b"".join([chunk async for chunk in limited(chunks, max_bytes)])
+
+
 def parse_request(raw: bytes, route: Route, headers: Mapping[str, str], *, default_policy: str,
                   max_bytes: int) -> ProxyRequest:
     """Validate `raw` as a chat/completion request body and attach the routing policy."""
     if len(raw) > max_bytes:
         raise PayloadTooLarge(_too_large(len(raw), max_bytes))
-    return prepare_body(_json_object(raw), route, headers, default_policy=default_policy)
+    return prepare_body(json_object(raw), route, headers, default_policy=default_policy)
 
 
 def prepare_body(body: dict, route: Route, headers: Mapping[str, str], *, default_policy: str) -> ProxyRequest:
@@ -73,12 +91,16 @@ def prepare_body(body: dict, route: Route, headers: Mapping[str, str], *, defaul
     return ProxyRequest(route=route, body=body, stream=bool(body.get("stream", False)), policy=policy)
 
 
-def _json_object(raw: bytes) -> dict:
+def json_object(raw: bytes) -> dict:
+    """`raw` decoded as a JSON object; a 400 saying what is wrong otherwise."""
     try:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise InvalidRequest(f"request body is not valid JSON ({exc}); send a JSON object "
                              f"with Content-Type: application/json") from exc
+    except RecursionError:  # json's C decoder refuses nesting deeper than the interpreter's recursion limit
+        raise InvalidRequest("request body is JSON nested too deeply for the proxy to decode; "
+                             "send a flatter JSON object") from None
     if not isinstance(body, dict):
         raise InvalidRequest(f"request body must be a JSON object, got {type(body).__name__}")
     return body

@@ -15,7 +15,7 @@ import contextlib
 import json
 import logging
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import AsyncIterator, Awaitable, TypeVar
 
 from starlette.responses import StreamingResponse
 
@@ -26,6 +26,7 @@ from proxy.metrics import ProxyMetrics
 from proxy.protocol import ProxyRequest, cohort_headers, with_profile
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class _ClosingStreamingResponse(StreamingResponse):
@@ -111,6 +112,31 @@ class StreamRelay:
                 await self._stream.__aexit__(None, None, None)
         if not self._admit.cancelled() and self._admit.exception() is None:
             self.up.gate.release(self._admit.result())
+
+
+async def unless_client_leaves(work: Awaitable[T], receive) -> T | None:
+    """Await `work` (admission, then the backend's whole answer) while watching the client's connection
+    (ASGI `receive`, the request body already read): if the client leaves first, `work` is cancelled,
+    which closes its backend connection (vLLM aborts the request; the work's own cleanup frees its
+    admission slot), and the result is None."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_disconnected(receive))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:  # also when this handler is cancelled itself
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+    if task.cancelled() or not task.done():
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task  # let its cleanup run before the answer goes
+        return None
+    return task.result()
+
+
+async def _disconnected(receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 def _sse_error(exc: ProxyError) -> bytes:

@@ -1,0 +1,86 @@
+"""What every request through the proxy gets, whatever its route: a request id, an access log line, and
+an OpenAI-shaped answer to an unexpected exception.
+
+`RequestContext` is plain ASGI middleware (no BaseHTTPMiddleware, which would buffer streams and hide
+client disconnects from the routes):
+
+- the request id is the client's `x-request-id` when it is sane (1-128 characters of letters, digits and
+  `-_.:/+=@`), else a new `req-<hex>`; it is written back into the request's headers (so the backend gets
+  it, proxy/auth.py `backend_headers`) and onto every response, errors included;
+- one line per request on the `proxy.access` logger: method, path, status, duration in ms, request id;
+  never a body or a query string (prompts are user data); 499 when the client left before an answer;
+- an exception that no handler turned into a response becomes a 500 in the OpenAI error shape naming
+  the request id, logged with its traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+import uuid
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+log = logging.getLogger(__name__)
+access_log = logging.getLogger("proxy.access")
+
+REQUEST_ID = "x-request-id"
+_SANE_ID = re.compile(r"[A-Za-z0-9._:/+=@-]{1,128}")
+
+
+def request_id_of(headers: list[tuple[bytes, bytes]]) -> tuple[str, bool]:
+    """The request id to use (the client's when sane, else a new one) and whether it is the client's."""
+    for name, value in headers:
+        if name.lower() == b"x-request-id":
+            text = value.decode("latin-1")
+            if _SANE_ID.fullmatch(text):
+                return text, True
+            break
+    return f"req-{uuid.uuid4().hex}", False
+
+
+def error_body(message: str, request_id: str) -> bytes:
+    """The OpenAI error shape of an unexpected failure."""
+    return json.dumps({"error": {"message": f"{message} (request id {request_id})", "type": "internal_error",
+                                 "param": None, "code": "internal_error"}}).encode()
+
+
+class RequestContext:
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id, sent = request_id_of(scope["headers"])
+        if not sent:  # the backend gets the id the client sees (proxy/auth.py forwards the header)
+            scope["headers"] = [(k, v) for k, v in scope["headers"] if k.lower() != b"x-request-id"]
+            scope["headers"].append((b"x-request-id", request_id.encode()))
+        scope.setdefault("state", {})["request_id"] = request_id
+        start, status = time.perf_counter(), [0]
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"x-request-id"]
+                message = {**message, "headers": [*headers, (b"x-request-id", request_id.encode())]}
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        except Exception:
+            log.exception("%s %s failed (request id %s)", scope["method"], scope["path"], request_id)
+            if status[0]:  # the answer has started: nothing else can be sent
+                raise
+            status[0] = 500
+            body = error_body("internal error in the proxy; it is logged with its traceback", request_id)
+            await send_with_id({"type": "http.response.start", "status": 500,
+                                "headers": [(b"content-type", b"application/json"),
+                                            (b"content-length", str(len(body)).encode())]})
+            await send({"type": "http.response.body", "body": body})
+        finally:
+            access_log.info("%s %s %d %.1fms %s", scope["method"], scope["path"], status[0] or 499,
+                            (time.perf_counter() - start) * 1000, request_id)

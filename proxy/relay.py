@@ -1,0 +1,69 @@
+"""Routes the proxy relays to the backend as they are, for clients that expect a vLLM/OpenAI server.
+
+    GET  /v1/models               the backend's model list
+    GET  /v1/models/{model}       one model of that list (client.models.retrieve); 404 when not there
+    POST /v1/embeddings           relayed, unplanned (no generation to plan)
+    POST /tokenize, /detokenize   relayed, unplanned
+    GET  /version                 relayed
+    POST /v1/responses            generates tokens: admitted like a completion (holds a slot, text from
+                                  `input`), streamed or whole; its body goes unchanged (no routing policy)
+
+What the backend does not offer answers with the backend's own status in the OpenAI error shape (vLLM
+answers {"detail": "Not Found"} for /v1/embeddings on a generative model: a 404 naming the route).
+"""
+
+from __future__ import annotations
+
+import json
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from proxy.auth import backend_headers
+from proxy.errors import InvalidRequest, NotFound
+from proxy.protocol import ProxyRequest, json_object
+
+POST_ROUTES = ("/v1/embeddings", "/tokenize", "/detokenize")
+
+
+def add_relay_routes(app: FastAPI, proxy) -> None:
+    """Add the relayed routes to `app`; `proxy` is the app's proxy.app.Proxy."""
+
+    async def relay(request: Request, method: str, path: str, body: bytes | None = None) -> Response:
+        answer = await proxy.backend.request(method, path, json=None if body is None else json_object(body),
+                                             headers=backend_headers(proxy.settings, request.headers))
+        return Response(answer.content, status_code=answer.status_code, media_type=answer.content_type)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        proxy.authorize(request.headers)
+        return await relay(request, "GET", "/v1/models")
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str, request: Request) -> Response:
+        proxy.authorize(request.headers)
+        listed = await proxy.backend.request("GET", "/v1/models", headers=backend_headers(proxy.settings, request.headers))
+        for entry in json.loads(listed.content).get("data", []):
+            if entry.get("id") == model:
+                return JSONResponse(entry)
+        raise NotFound(f"the model {model!r} does not exist at the backend; GET /v1/models lists the served ones",
+                       param="model", code="model_not_found")
+
+    @app.get("/version")
+    async def version(request: Request) -> Response:
+        proxy.authorize(request.headers)
+        return await relay(request, "GET", "/version")
+
+    async def relay_post(request: Request) -> Response:
+        return await relay(request, "POST", request.url.path, await proxy.body(request))
+
+    for path in POST_ROUTES:
+        app.add_api_route(path, relay_post, methods=["POST"])
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        body = json_object(await proxy.body(request))
+        if "stream" in body and not isinstance(body["stream"], bool):
+            raise InvalidRequest(f"'stream' must be true or false, got {body['stream']!r}", param="stream")
+        preq = ProxyRequest(route="responses", body=body, stream=bool(body.get("stream")), policy="")
+        return await proxy.generate(request, preq)
