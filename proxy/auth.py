@@ -41,12 +41,12 @@ def key_owners(entries: Iterable[str]) -> dict[bytes, str]:
             key, tenant = entry, ""
         if not key.strip():
             raise SettingsError("api_keys (--api-key, COHORT_API_KEYS): an empty key would let anyone in; "
-                                "give each key as KEY or KEY=TENANT")
+                                "give each key as KEY or KEY=TENANT", field="api_keys")
         digest = _digest(key.strip().encode())
         owner = f"tenant:{tenant}" if tenant else "key:" + digest.hex()
         if owners.setdefault(digest, owner) != owner:
             raise SettingsError(f"api_keys (--api-key, COHORT_API_KEYS): one key is given for two tenants "
-                                f"({owners[digest]!r} and {owner!r}); give each key once")
+                                f"({owners[digest]!r} and {owner!r}); give each key once", field="api_keys")
     return owners
 
 
@@ -69,6 +69,14 @@ class Authorizer:
             raise Unauthorized("missing or incorrect API key; send it as 'Authorization: Bearer <key>'",
                                code="invalid_api_key")
         return owner
+
+    def allows(self, headers: Mapping[str, str]) -> bool:
+        """Whether the headers carry a known key (always, on an open proxy)."""
+        try:
+            self(headers)
+        except Unauthorized:
+            return False
+        return True
 
 
 def _digest(key: bytes) -> bytes:

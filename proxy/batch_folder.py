@@ -22,7 +22,7 @@ class BatchFolder:
 
     async def read(self, job: Job) -> BatchFile:
         """The batch's input file, parsed and validated (lines must use the batch's endpoint)."""
-        path = self.store.get_file(job.input_file_id)["path"]
+        path = self.store.get_file(job.input_file_id, None)["path"]  # its owner's: checked when the batch was made
         return await asyncio.to_thread(read_batch_file, path, default_policy=self.settings.default_policy,
                                        max_line_bytes=self.settings.max_body_bytes,
                                        urls={job.endpoint: URLS[job.endpoint]})
@@ -43,14 +43,14 @@ class BatchFolder:
             job.journal = await asyncio.to_thread(Journal.open, paths, job.journal_meta)
         return job.journal
 
-    def register_results(self, batch_id: str, paths: JournalPaths) -> dict:
-        """Register the non-empty output and error files; their ids for the batch record."""
+    def register_results(self, batch_id: str, paths: JournalPaths, owner: str) -> dict:
+        """Register the non-empty output and error files as `owner`'s (the batch's); their ids for the batch record."""
         fields = {}
         for kind, path, name in (("output", paths.output, "output_file_id"), ("error", paths.errors, "error_file_id")):
             size = path.stat().st_size
             file_id = f"file-{kind}-{batch_id.removeprefix('batch_')}"
             if size:
-                self.store.add_file(file_id, f"{batch_id}_{kind}.jsonl", "batch_output", path, size)
+                self.store.add_file(file_id, f"{batch_id}_{kind}.jsonl", "batch_output", path, size, owner=owner)
             fields[name] = file_id if size else None
         return fields
 

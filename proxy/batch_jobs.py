@@ -18,6 +18,8 @@ requests use only backend slots that online requests leave free. Cancel, expiry 
 set the job's one `stop` event; the job tells them apart by its status and `expiring`.
 
 Usage is summed from RunStats into the record after each commit (a kill -9 in between loses those tokens).
+`create`, `get` and `cancel` act for an owner (proxy/auth.py): another owner's batch or input file is
+NotFound, as a missing one is; a batch's result files are registered to the batch's owner.
 """
 
 from __future__ import annotations
@@ -86,29 +88,35 @@ class BatchJobs:
         if batch_id in self._jobs:
             await asyncio.wait({self._jobs[batch_id][1]})
 
-    def create(self, input_file_id: str, endpoint: str, completion_window: str, metadata: dict | None) -> dict:
-        file = self.store.get_file(input_file_id)
-        if file is None or file["purpose"] != "batch":
-            raise InvalidRequest(f"no file {input_file_id!r} with purpose 'batch'; upload one with "
-                                 f"POST /v1/files (purpose=batch) first", param="input_file_id")
+    def create(self, owner: str, input_file_id: str, endpoint: str, completion_window: str,
+               metadata: dict | None) -> dict:
+        file = self.store.get_file(input_file_id, owner)
+        if file is None:
+            raise NotFound(f"no file {input_file_id!r}; upload one with POST /v1/files (purpose=batch) first",
+                           param="input_file_id")
+        if file["purpose"] != "batch":
+            raise InvalidRequest(f"file {input_file_id!r} has purpose {file['purpose']!r}; a batch reads a file "
+                                 f"uploaded with purpose 'batch'", param="input_file_id")
         now = int(self.clock())
         row = self.store.add_batch({
             "id": new_id("batch_"), "status": "validating", "endpoint": endpoint, "input_file_id": input_file_id,
             "completion_window": completion_window, "created_at": now, "expires_at": now + 24 * 3600,
-            "metadata": metadata})
+            "metadata": metadata, "owner": owner})
         self._start(Job.from_row(row))
         return row
 
-    def get(self, batch_id: str) -> dict:
-        row = self.store.get_batch(batch_id)
+    def get(self, batch_id: str, owner: str | None) -> dict:
+        """The batch, if `owner` owns it (None: whoever does)."""
+        row = self.store.get_batch(batch_id, owner)
         if row is None:
             raise NotFound(f"no batch {batch_id!r}", param="batch_id")
         return row
 
-    def cancel(self, batch_id: str) -> dict:
-        job = self._jobs[batch_id][0] if batch_id in self._jobs else Job.from_row(self.get(batch_id))
+    def cancel(self, batch_id: str, owner: str) -> dict:
+        row = self.get(batch_id, owner)  # another owner's batch: NotFound before anything else
+        job = self._jobs[batch_id][0] if batch_id in self._jobs else Job.from_row(row)
         if job.status in ("cancelling", "cancelled"):
-            return self.get(batch_id)
+            return self.get(batch_id, owner)
         if job.status not in CANCELLABLE:
             raise InvalidRequest(f"batch {batch_id} is {job.status}; only validating or in_progress batches can be "
                                  f"cancelled", param="batch_id")
@@ -116,7 +124,7 @@ class BatchJobs:
             self._start(job)
         self._move(job, "cancelling")
         job.stop.set()
-        return self.get(batch_id)
+        return self.get(batch_id, owner)
 
     def _start(self, job: Job) -> None:
         loop = asyncio.get_running_loop()
@@ -244,7 +252,8 @@ class BatchJobs:
         fields = {"output_file_id": None, "error_file_id": None, "usage": None}
         if job.input_sha256:  # validated: a journal may exist; opening it recovers a crash's torn tail
             journal = await self.folder.journal(job)
-            fields.update(self.folder.register_results(job.id, journal.paths), usage=job.usage,
+            owner = self.store.get_batch(job.id, None)["owner"]
+            fields.update(self.folder.register_results(job.id, journal.paths, owner), usage=job.usage,
                           completed=journal.counts["output"], failed=journal.counts["errors"])
         self._move(job, final, **fields)
         log.info("batch %s %s", job.id, final)

@@ -7,7 +7,11 @@
                                            `files` with purpose batch_output and served from here
 
 A batch record holds the OpenAI Batch object's fields; `to_batch`/`to_file` render the objects the
-official client parses. Status changes go through `transition`, a compare-and-set, so a cancel
+official client parses. Every file and batch has an `owner` (proxy/auth.py: "key:<sha256 of the API
+key>", "tenant:<name>", or "" on an open proxy; never a key): the API's reads, lists and deletes take
+the caller's owner and match only its records, so another owner's id reads as missing. A batch's
+output and error files get the batch's owner. Databases from before owners gain the column on open,
+their records owned by "" (the open proxy's owner): with keys configured no key sees them. Status changes go through `transition`, a compare-and-set, so a cancel
 and a finishing run cannot both win. Everything is committed as it happens (SQLite in WAL mode,
 synchronous=FULL): after a crash or restart the records say which batches were still running.
 """
@@ -27,7 +31,8 @@ CREATE TABLE IF NOT EXISTS files (
     purpose TEXT NOT NULL,
     bytes INTEGER NOT NULL,
     created_at INTEGER NOT NULL,
-    path TEXT NOT NULL
+    path TEXT NOT NULL,
+    owner TEXT NOT NULL DEFAULT ''  -- proxy/auth.py: a key's hash, a tenant, or '' (open proxy)
 );
 CREATE TABLE IF NOT EXISTS batches (
     seq INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -45,7 +50,8 @@ CREATE TABLE IF NOT EXISTS batches (
     errors TEXT,          -- JSON list of {code, line, message, param}: why validation failed
     metadata TEXT,        -- JSON object
     usage TEXT,           -- JSON BatchUsage, summed as requests finish; shown once the batch is final
-    input_sha256 TEXT, input_bytes INTEGER  -- the validated input, pinned for the journal
+    input_sha256 TEXT, input_bytes INTEGER, -- the validated input, pinned for the journal
+    owner TEXT NOT NULL DEFAULT ''
 );
 """
 ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
@@ -65,6 +71,9 @@ class BatchStore:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.executescript(SCHEMA)
+        for table in ("files", "batches"):  # a database from before owners: its records are the open proxy's
+            if "owner" not in {col["name"] for col in self._db.execute(f"PRAGMA table_info({table})")}:
+                self._db.execute(f"ALTER TABLE {table} ADD COLUMN owner TEXT NOT NULL DEFAULT ''")
 
     @staticmethod
     def exists(root: str | Path) -> bool:
@@ -84,37 +93,41 @@ class BatchStore:
         path.mkdir(parents=True, exist_ok=True)
         return path
 
-    def add_file(self, file_id: str, filename: str, purpose: str, path: Path, size: int) -> dict:
-        """Register a file (replacing a record with the same id, so finalizing twice is harmless)."""
+    def add_file(self, file_id: str, filename: str, purpose: str, path: Path, size: int, *, owner: str) -> dict:
+        """Register `owner`'s file (replacing a record with the same id, so finalizing twice is harmless)."""
         row = {"id": file_id, "filename": filename, "purpose": purpose, "bytes": size, "created_at": _now(),
-               "path": str(path)}
+               "path": str(path), "owner": owner}
         with self._lock:
-            self._db.execute("INSERT OR REPLACE INTO files (id, filename, purpose, bytes, created_at, path) "
-                             "VALUES (:id, :filename, :purpose, :bytes, :created_at, :path)", row)
+            self._db.execute("INSERT OR REPLACE INTO files (id, filename, purpose, bytes, created_at, path, owner) "
+                             "VALUES (:id, :filename, :purpose, :bytes, :created_at, :path, :owner)", row)
         return row
 
-    def get_file(self, file_id: str) -> dict | None:
+    def get_file(self, file_id: str, owner: str | None) -> dict | None:
+        """The file if `owner` owns it (None: whoever does, for the jobs that run a batch already checked)."""
         with self._lock:
-            row = self._db.execute("SELECT * FROM files WHERE id = ?", (file_id,)).fetchone()
+            row = self._db.execute("SELECT * FROM files WHERE id = ? AND (? IS NULL OR owner = ?)",
+                                   (file_id, owner, owner)).fetchone()
         return dict(row) if row else None
 
-    def list_files(self, limit: int, *, after: str | None = None, purpose: str | None = None,
+    def list_files(self, limit: int, *, owner: str, after: str | None = None, purpose: str | None = None,
                    order: str = "desc") -> tuple[list[dict], bool]:
-        """`limit` files in upload order (`order` asc or desc) after the file `after`; and whether more follow."""
+        """`limit` of `owner`'s files in upload order (`order` asc or desc) after its file `after`; and whether
+        more follow."""
         op, direction = ("<", "DESC") if order == "desc" else (">", "ASC")
         with self._lock:
-            bound = self._db.execute("SELECT rowid FROM files WHERE id = ?", (after,)).fetchone() if after else None
-            where = [f"rowid {op} ?"] + (["purpose = ?"] if purpose else [])
+            bound = self._db.execute("SELECT rowid FROM files WHERE id = ? AND owner = ?",
+                                     (after, owner)).fetchone() if after else None
+            where = ["owner = ?", f"rowid {op} ?"] + (["purpose = ?"] if purpose else [])
             start = bound[0] if bound else (1 << 62 if order == "desc" else -1)
             rows = self._db.execute(f"SELECT * FROM files WHERE {' AND '.join(where)} ORDER BY rowid {direction} "
-                                    f"LIMIT ?", (start, *([purpose] if purpose else []), limit + 1)).fetchall()
+                                    f"LIMIT ?", (owner, start, *([purpose] if purpose else []), limit + 1)).fetchall()
         return [dict(r) for r in rows[:limit]], len(rows) > limit
 
-    def delete_file(self, file_id: str) -> None:
-        """Forget the file's record and remove its bytes."""
+    def delete_file(self, file_id: str, owner: str) -> None:
+        """Forget `owner`'s file's record and remove its bytes (another owner's file: nothing happens)."""
         with self._lock:
-            row = self._db.execute("SELECT path FROM files WHERE id = ?", (file_id,)).fetchone()
-            self._db.execute("DELETE FROM files WHERE id = ?", (file_id,))
+            row = self._db.execute("SELECT path FROM files WHERE id = ? AND owner = ?", (file_id, owner)).fetchone()
+            self._db.execute("DELETE FROM files WHERE id = ? AND owner = ?", (file_id, owner))
         if row is not None:
             Path(row["path"]).unlink(missing_ok=True)
 
@@ -133,19 +146,23 @@ class BatchStore:
         with self._lock:
             self._db.execute(f"INSERT INTO batches ({cols}) VALUES ({', '.join(':' + c for c in record)})",
                              _encoded(record))
-        return self.get_batch(record["id"])
+        return self.get_batch(record["id"], None)
 
-    def get_batch(self, batch_id: str) -> dict | None:
+    def get_batch(self, batch_id: str, owner: str | None) -> dict | None:
+        """The batch if `owner` owns it (None: whoever does)."""
         with self._lock:
-            row = self._db.execute("SELECT * FROM batches WHERE id = ?", (batch_id,)).fetchone()
+            row = self._db.execute("SELECT * FROM batches WHERE id = ? AND (? IS NULL OR owner = ?)",
+                                   (batch_id, owner, owner)).fetchone()
         return _decoded(row) if row else None
 
-    def list_batches(self, limit: int, after: str | None = None) -> tuple[list[dict], bool]:
-        """Newest first, `limit` of them after the batch `after` (OpenAI's cursor); and whether more follow."""
+    def list_batches(self, limit: int, *, owner: str, after: str | None = None) -> tuple[list[dict], bool]:
+        """`owner`'s batches newest first, `limit` of them after its batch `after` (OpenAI's cursor); and
+        whether more follow."""
         with self._lock:
-            bound = self._db.execute("SELECT seq FROM batches WHERE id = ?", (after,)).fetchone() if after else None
-            rows = self._db.execute("SELECT * FROM batches WHERE seq < ? ORDER BY seq DESC LIMIT ?",
-                                    (bound[0] if bound else 1 << 62, limit + 1)).fetchall()
+            bound = self._db.execute("SELECT seq FROM batches WHERE id = ? AND owner = ?",
+                                     (after, owner)).fetchone() if after else None
+            rows = self._db.execute("SELECT * FROM batches WHERE owner = ? AND seq < ? ORDER BY seq DESC LIMIT ?",
+                                    (owner, bound[0] if bound else 1 << 62, limit + 1)).fetchall()
         return [_decoded(r) for r in rows[:limit]], len(rows) > limit
 
     def active_batches(self) -> list[dict]:

@@ -84,6 +84,9 @@ def test_upload_create_poll_download(proxy):
     assert "max_tokens=5000" in failed["error"]["message"]  # vLLM's own message
     assert batch.usage.output_tokens == 54
     assert client.files.retrieve(batch.output_file_id).purpose == "batch_output"
+    with pytest.raises(openai.BadRequestError, match="has purpose 'batch_output'; a batch reads a file uploaded"):
+        client.batches.create(input_file_id=batch.output_file_id, endpoint="/v1/chat/completions",
+                              completion_window="24h")
 
 
 def test_invalid_file_fails_with_line_numbers(proxy):
@@ -111,7 +114,7 @@ def test_openai_errors_for_bad_calls(proxy):
     upload = client.files.create(file=("x.jsonl", jsonl([request_line("a", "hi")])), purpose="batch")
     with pytest.raises(openai.BadRequestError, match="unsupported endpoint"):
         client.batches.create(input_file_id=upload.id, endpoint="/v1/embeddings", completion_window="24h")
-    with pytest.raises(openai.BadRequestError, match="no file 'file-missing'"):
+    with pytest.raises(openai.NotFoundError, match="no file 'file-missing'"):
         client.batches.create(input_file_id="file-missing", endpoint="/v1/chat/completions", completion_window="24h")
 
 

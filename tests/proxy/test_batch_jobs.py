@@ -35,7 +35,7 @@ def add_batch(jobs: BatchJobs, n: int, batch_id: str = "batch_1", **record) -> s
     path = jobs.store.upload_path("file-in")
     path.write_text("".join(json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
                                         "body": {"model": "tiny", "prompt": f"p{i}"}}) + "\n" for i in range(n)))
-    jobs.store.add_file("file-in", "in.jsonl", "batch", path, path.stat().st_size)
+    jobs.store.add_file("file-in", "in.jsonl", "batch", path, path.stat().st_size, owner="")
     parsed = read_batch_file(path, default_policy="topk", max_line_bytes=10_000)
     jobs.store.add_batch({"id": batch_id, "endpoint": "/v1/completions", "input_file_id": "file-in",
                           "completion_window": "24h", "created_at": int(START), "total": n,
@@ -50,8 +50,8 @@ def make_jobs(tmp_path, url: str, clock: Clock) -> tuple[BatchJobs, BackendClien
 
 
 def outcome(jobs: BatchJobs, batch_id: str) -> tuple[dict, list[dict], list[dict]]:
-    row = jobs.get(batch_id)
-    files = [jobs.store.get_file(row[f]) if row[f] else None for f in ("output_file_id", "error_file_id")]
+    row = jobs.get(batch_id, None)
+    files = [jobs.store.get_file(row[f], None) if row[f] else None for f in ("output_file_id", "error_file_id")]
     return row, *[[json.loads(x) for x in open(f["path"])] if f else [] for f in files]
 
 
@@ -130,7 +130,7 @@ def test_shutdown_mid_run_then_resume_finishes_each_request_once_and_sums_usage(
             await reached.wait()
             await jobs.close()  # what a proxy does at shutdown
             await backend.close()
-            return BatchStore(tmp_path).get_batch(batch_id)
+            return BatchStore(tmp_path).get_batch(batch_id, None)
 
     stopped = asyncio.run(first_run())
     assert stopped["status"] == "in_progress" and stopped["completed"] == 4
@@ -177,12 +177,12 @@ def test_a_batch_cancelled_while_waiting_for_its_turn_is_cancelled_at_once(tmp_p
             try:
                 await jobs.resume()
                 await reached.wait()  # batch_1 runs (it has the turn); batch_2 waits for the turn
-                assert jobs.cancel(second)["status"] == "cancelling"
+                assert jobs.cancel(second, "")["status"] == "cancelling"
                 await asyncio.wait_for(jobs.join(second), 10)  # not after batch_1
-                waiting = outcome(jobs, second)[0], jobs.get(first)["status"]
+                waiting = outcome(jobs, second)[0], jobs.get(first, None)["status"]
                 release.set()
                 await jobs.join(first)
-                return waiting, jobs.get(first)["status"]
+                return waiting, jobs.get(first, None)["status"]
             finally:
                 await jobs.close()
                 await backend.close()
