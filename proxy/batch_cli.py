@@ -43,6 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run_parser.add_argument("--dry-run", action="store_true", help="validate and predict only; write the sending order, send nothing")
     run_parser.add_argument("--plan", type=Path, help="where --dry-run writes the plan (default: OUTPUT + .plan.jsonl)")
     run_parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    run_parser.add_argument("--engine", choices=("local", "ray"), default="local",
+                            help="local: this process sends; ray: Ray Data sends, to every --backend "
+                                 "(comma-separated replicas), see proxy/batch_ray.py")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -54,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
         return _fail("no backend: pass --backend URL (a vLLM server) or set COHORT_BACKEND_URL")
     from proxy.profiles import encoder_problem
 
-    problem = encoder_problem(settings)
+    problem = encoder_problem(settings) or (_ray_problem() if args.engine == "ray" else None)
     if problem:
         return _fail(problem)
     from proxy.batchfile import read_batch_file
@@ -102,8 +105,8 @@ def _execute(args, settings: Settings, batch, predictor) -> int:
     except (JournalError, OSError) as exc:
         return _fail(str(exc))
     try:
-        stats = asyncio.run(_run(settings, batch, journal, predictor, progress=not args.no_progress,
-                                 skip_invalid=args.skip_invalid))
+        run = _run_ray if args.engine == "ray" else lambda *a, **k: asyncio.run(_run(*a, **k))
+        stats = run(settings, batch, journal, predictor, progress=not args.no_progress, skip_invalid=args.skip_invalid)
     except RunAborted as exc:
         return _fail(f"{exc}\nresults so far are in {paths.output}; run the same command again to finish the rest", 1)
     except KeyboardInterrupt:
@@ -127,6 +130,20 @@ async def _run(settings: Settings, batch, journal, predictor, *, progress: bool,
                                    skip_invalid=skip_invalid, on_progress=bar.update)
         finally:
             await backend.close()
+
+
+def _run_ray(settings: Settings, batch, journal, predictor, *, progress: bool, skip_invalid: bool):
+    from proxy.batch_ray import run_batch_ray
+
+    finished = sum(1 for r in batch.requests if r.line in journal.done)
+    with _ProgressBar(len(batch.requests), finished, enabled=progress) as bar:
+        return run_batch_ray(settings, batch, journal, predictor, skip_invalid=skip_invalid, on_progress=bar.update)
+
+
+def _ray_problem() -> str | None:
+    from proxy.batch_ray import ray_problem
+
+    return ray_problem()
 
 
 class _ProgressBar:

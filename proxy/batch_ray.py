@@ -1,0 +1,206 @@
+"""`cohort batch run --engine ray`: the same batch run, sent through Ray Data to one or more vLLM replicas.
+
+    cohort batch run --engine ray --input big.jsonl --output results.jsonl \
+        --backend http://replica-1:8000,http://replica-2:8000
+
+Who does what:
+- the driver (this process) validates the file, opens the journal and computes the sending order as
+  the local runner's `--dry-run` plan does (proxy/batch_order.py: admission by predicted experts,
+  `concurrency` at a time; file order with --encoder none), leaving out lines an earlier run finished;
+- Ray Data holds the ordered requests as a Dataset cut into contiguous blocks of `block_rows` rows
+  (a run of the plan, so alike requests travel together) and maps every block with `_SendBlock`, a
+  pool of one actor per replica. For a block, an actor leases a free replica (a ray.util.queue.Queue
+  of replica indexes, so no replica has two blocks at once) and sends the block's requests in order,
+  `concurrency` at a time, with the local runner's own code (`run_batch` over the block: the same
+  retries and the same output lines); finished blocks stream back as they end;
+- the driver is the journal's one writer (proxy/journal.py), so resume is the local runner's: a line
+  is finished when its journal entry is on disk; a block that was out when a run stopped is sent
+  again by the next run and its lines appear once in the results.
+
+Ray is started here (a local instance) unless this process is already connected, or RAY_ADDRESS
+names a cluster (then `ray.init()` joins it). Prompts are user data: nothing here logs them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+from typing import Callable, Sequence
+
+from proxy.batch_core import BatchCore, RunConfig, RunStats, invalid_records
+from proxy.batch_run import RunAborted
+from proxy.batchfile import BatchFile, BatchRequest
+from proxy.journal import Journal, JournalError, Record
+from proxy.settings import Settings
+
+log = logging.getLogger(__name__)
+
+BLOCK_BATCHES = 8  # a block holds this many `concurrency`-sized batches of the plan
+ACTOR_CPUS = 0.25  # an actor only waits on HTTP; a fraction of a CPU lets several share a core
+LEASE_TIMEOUT_S = 600.0
+_ABORT = -1  # the `line` of the row that says a block stopped (its `data`: why)
+
+
+def backend_urls(settings: Settings) -> list[str]:
+    """The replicas named by --backend / COHORT_BACKEND_URL (comma-separated)."""
+    return [u.strip() for u in settings.backend_url.split(",") if u.strip()]
+
+
+def ray_problem() -> str | None:
+    """Why --engine ray cannot run in this environment (None: it can)."""
+    try:
+        import ray.data  # noqa: F401
+    except ImportError as exc:
+        return f"--engine ray needs Ray Data ({exc}): pip install 'moe-cohort[ray]', or use --engine local"
+    return None
+
+
+def run_batch_ray(settings: Settings, batch: BatchFile, journal: Journal, predictor, *, skip_invalid: bool = True,
+                  on_progress: Callable[[RunStats], None] | None = None, block_rows: int | None = None) -> RunStats:
+    """Finish every line of `batch` that `journal` has not, as `proxy.batch_run.run_batch` does (invalid
+    ones into the error file with `skip_invalid`), the valid ones sent by Ray Data. Raises RunAborted
+    when a replica stays unreachable (what finished is committed)."""
+    import ray
+    import ray.data
+
+    from proxy.batch_order import make_order, simulated_order
+
+    if skip_invalid:
+        journal.commit(invalid_records(batch, journal.done))
+    config = RunConfig.from_settings(settings, metrics_interval_s=0)
+    urls = backend_urls(settings)
+    pending = [r for r in batch.requests if r.line not in journal.done]
+    stats = RunStats(total=len(batch.requests), finished_before=len(batch.requests) - len(pending))
+    if not pending:
+        return stats
+    order = simulated_order(pending, make_order(pending, predictor), config.concurrency)
+    started = _connect(ray)
+    try:
+        loads0 = _expert_loads(urls)
+        rows = block_rows or BLOCK_BATCHES * config.concurrency
+        with contextlib.closing(_send_blocks(ray, order, urls, config, settings, rows)) as blocks:
+            for records in blocks:
+                _commit(journal, records)
+                BatchCore([], config, stats).committed(records)  # counts them into `stats`
+                (on_progress or (lambda s: None))(stats)
+        loads = _expert_loads(urls)
+        stats.expert_loads = None if loads is None or loads0 is None else loads - loads0
+    finally:
+        if started:
+            ray.shutdown()
+    return stats
+
+
+def _commit(journal: Journal, records: list[Record]) -> None:
+    try:
+        journal.commit(records)
+    except (JournalError, OSError) as exc:  # disk full, ...: the journal rolled its files back
+        raise RunAborted(f"cannot write the results: {exc}") from exc
+
+
+def _send_blocks(ray, order: Sequence[BatchRequest], urls: list[str], config: RunConfig, settings: Settings,
+                 block_rows: int):
+    """The records of each finished block, as blocks finish; RunAborted after the records of a block that stopped."""
+    from ray.util.queue import Queue
+
+    leases = Queue()
+    for index in range(len(urls)):
+        leases.put(index)
+    rows = [{"line": r.line, "custom_id": r.custom_id, "url": r.url, "body": json.dumps(r.body), "policy": r.policy}
+            for r in order]  # in sending order; from_items keeps it, cutting contiguous blocks
+    ds = ray.data.from_items(rows, override_num_blocks=-(-len(rows) // block_rows))
+    sent = ds.map_batches(_SendBlock, batch_size=block_rows, batch_format="numpy", num_cpus=ACTOR_CPUS,
+                          compute=ray.data.ActorPoolStrategy(size=len(urls)),
+                          fn_constructor_kwargs={"urls": urls, "config": config, "leases": leases,
+                                                 "timeout_s": settings.request_timeout_s,
+                                                 "connect_timeout_s": settings.connect_timeout_s})
+    blocks = iter(sent.iter_batches(batch_size=None, batch_format="numpy"))
+    try:
+        for block in blocks:
+            yield [Record(int(line), str(kind), json.loads(data))
+                   for line, kind, data in zip(block["line"], block["kind"], block["data"]) if line != _ABORT]
+            stopped = [str(data) for line, data in zip(block["line"], block["data"]) if line == _ABORT]
+            if stopped:
+                raise RunAborted(stopped[0])
+    finally:
+        blocks.close()  # stops Ray Data's executor now: blocks still out are abandoned (a rerun sends them)
+
+
+class _SendBlock:
+    """A Ray Data actor: sends one block at a time to a leased replica, in the block's order."""
+
+    def __init__(self, urls: list[str], config: RunConfig, leases, timeout_s: float, connect_timeout_s: float) -> None:
+        self.urls, self.config, self.leases = urls, config, leases
+        self.timeouts = {"timeout_s": timeout_s, "connect_timeout_s": connect_timeout_s}
+
+    def __call__(self, block: dict) -> dict:
+        requests = [BatchRequest(int(line), str(cid), str(url), json.loads(body), str(policy), "")
+                    for line, cid, url, body, policy in
+                    zip(block["line"], block["custom_id"], block["url"], block["body"], block["policy"])]
+        index = self.leases.get(timeout=LEASE_TIMEOUT_S)
+        try:
+            records, stopped = asyncio.run(self._send(self.urls[index], requests))
+        finally:
+            self.leases.put(index)
+        rows = [(r.line, r.kind, json.dumps(r.data, ensure_ascii=False)) for r in records]
+        if stopped:
+            rows.append((_ABORT, "errors", stopped))
+        return {"line": [r[0] for r in rows], "kind": [r[1] for r in rows], "data": [r[2] for r in rows]}
+
+    async def _send(self, url: str, requests: list[BatchRequest]) -> tuple[list[Record], str | None]:
+        """The block through the local runner (file order: the block is already in admission order)."""
+        from proxy.backend import BackendClient
+        from proxy.batch_run import run_batch
+
+        kept = _Collected()
+        backend = BackendClient(url, **self.timeouts)
+        try:
+            await run_batch(BatchFile(requests=requests), kept, backend, None, self.config, skip_invalid=False)
+            return kept.records, None
+        except RunAborted as exc:
+            return kept.records, str(exc)
+        finally:
+            await backend.close()
+
+
+class _Collected:
+    """What run_batch needs of a journal, in memory: a block's records go back to the driver's journal."""
+
+    def __init__(self) -> None:
+        self.done: dict[int, str] = {}
+        self.records: list[Record] = []
+
+    def commit(self, records: list[Record]) -> None:
+        self.records.extend(records)
+
+
+def _connect(ray) -> bool:
+    """Join the running Ray (this process's, or RAY_ADDRESS's cluster), else start a local one; True if started here."""
+    ray.data.DataContext.get_current().enable_progress_bars = False  # the CLI has its own bar
+    if ray.is_initialized():
+        return False
+    ray.init(**({} if os.environ.get("RAY_ADDRESS") else {"num_cpus": len(os.sched_getaffinity(0))}),
+             include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False)
+    return True
+
+
+def _expert_loads(urls: list[str]):
+    """The replicas' summed expert-load counters (proxy/expert_loads.py); None if one has none."""
+    from proxy.backend import BackendClient
+    from proxy.expert_loads import ExpertLoads, fetch_expert_loads
+
+    async def read():
+        clients = [BackendClient(u, timeout_s=10) for u in urls]
+        try:
+            loads = [await fetch_expert_loads(c) for c in clients]
+        finally:
+            for c in clients:
+                await c.close()
+        if any(x is None for x in loads):
+            return None
+        return ExpertLoads(*(sum(getattr(x, f) for x in loads) for f in ("before", "after", "forwards")))
+
+    return asyncio.run(read())
