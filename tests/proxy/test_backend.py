@@ -1,14 +1,16 @@
 """The backend client's connection handling against a local server: keep-alive reuse (the proxy's
 latency depends on it), a finished stream returning its connection, an abandoned stream closing
-its own (how vLLM learns to abort), and errors translated at the boundary."""
+its own (how vLLM learns to abort), errors translated at the boundary, and the one retry of a request
+the backend certainly did not receive (never of one it may have started)."""
 
 import asyncio
+import logging
 
 import pytest
 from aiohttp import web
 
 from proxy.backend import BackendClient
-from proxy.errors import BackendStatusError
+from proxy.errors import BackendStatusError, BackendUnreachable
 from tests.proxy.servers import answer, local_backend
 
 
@@ -95,3 +97,56 @@ def test_error_status_keeps_the_backends_body_and_client_survives_a_new_event_lo
     asyncio.run(client.close())
     assert first.status_code == second.status_code == 404
     assert first.content == b'{"error": {"message": "no such model"}}'
+
+
+RETRY_LOG = "the backend did not receive the request, retrying once"
+
+
+def test_refused_connect_is_retried_exactly_once_then_unreachable(caplog):
+    from devtools.server import free_port
+
+    async def main():
+        client = BackendClient(f"http://127.0.0.1:{free_port()}")  # nothing listens there
+        try:
+            with pytest.raises(BackendUnreachable) as exc:
+                await client.request("POST", "/v1/completions", json={"prompt": "x"})
+            return exc.value
+        finally:
+            await client.close()
+
+    with caplog.at_level(logging.WARNING, logger="proxy.backend"):
+        error = asyncio.run(main())
+    assert "cannot reach the backend" in error.message
+    assert sum(RETRY_LOG in r.getMessage() for r in caplog.records) == 1
+
+
+@pytest.mark.parametrize("how", ["accepted then died", "answering then died"])
+def test_a_request_the_backend_may_have_started_is_never_retried(how, caplog):
+    received = []
+
+    async def dies(request):
+        received.append(await request.read())
+        if how == "answering then died":  # the status line and part of the body went out
+            response = web.StreamResponse(headers={"content-type": "application/json", "content-length": "100"})
+            await response.prepare(request)
+            await response.write(b'{"id": ')
+            await asyncio.sleep(0.01)
+        request.transport.abort()
+        return web.Response()
+
+    async def main():
+        async with local_backend(dies) as url:
+            client = BackendClient(url)
+            try:
+                with pytest.raises(BackendUnreachable):
+                    await client.request("POST", "/v1/completions", json={"prompt": "x"})
+                with pytest.raises(BackendUnreachable):
+                    async with client.stream("/v1/completions", json={"prompt": "y"}) as response:
+                        [c async for c in client.iter_raw(response)]
+            finally:
+                await client.close()
+
+    with caplog.at_level(logging.WARNING, logger="proxy.backend"):
+        asyncio.run(main())
+    assert received == [b'{"prompt": "x"}', b'{"prompt": "y"}']  # each request reached the backend once
+    assert not any(RETRY_LOG in r.getMessage() for r in caplog.records)
