@@ -40,13 +40,11 @@ def key_owners(entries: Iterable[str]) -> dict[bytes, str]:
         if not (sep and TENANT.fullmatch(tenant)):
             key, tenant = entry, ""
         if not key.strip():
-            raise SettingsError("api_keys (--api-key, COHORT_API_KEYS): an empty key would let anyone in; "
-                                "give each key as KEY or KEY=TENANT", field="api_keys")
+            raise _bad_keys("has an empty key, which would let anyone in; give each --api-key as KEY or KEY=TENANT")
         digest = _digest(key.strip().encode())
         owner = f"tenant:{tenant}" if tenant else "key:" + digest.hex()
         if owners.setdefault(digest, owner) != owner:
-            raise SettingsError(f"api_keys (--api-key, COHORT_API_KEYS): one key is given for two tenants "
-                                f"({owners[digest]!r} and {owner!r}); give each key once", field="api_keys")
+            raise _bad_keys(f"gives one key for two tenants ({owners[digest]!r} and {owner!r}); give each --api-key once")
     return owners
 
 
@@ -77,6 +75,10 @@ class Authorizer:
         except Unauthorized:
             return False
         return True
+
+
+def _bad_keys(detail: str) -> SettingsError:
+    return SettingsError(f"api_keys (env COHORT_API_KEYS) {detail}", field="api_keys", detail=detail)
 
 
 def _digest(key: bytes) -> bytes:

@@ -43,6 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", dest="api_keys", action="append", help="accept this proxy API key (repeatable; "
                         "env COHORT_API_KEYS=k1,k2; default: none, the proxy is open)")
     parser.add_argument("--log-prompts", action="store_true", default=None, help="log prompt texts (off: they are user data)")
+    parser.add_argument("--protect-metrics", action="store_true", default=None, help="/metrics needs an --api-key and "
+                        "/health shows callers without one only its status (env COHORT_PROTECT_METRICS)")
     parser.add_argument("--model-dir", help="tiny MoE folder for the embedded backend, built there if missing "
                         "(default: ~/.cache/moe-cohort/tiny-qwen3-moe)")
     parser.add_argument("--backend-port", type=_port, help="port of the embedded vLLM, used only without --backend "
@@ -54,7 +56,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     overrides = flag_overrides(args, _FLAGS)
-    overrides.update(api_keys=tuple(args.api_keys) if args.api_keys else None, log_prompts=args.log_prompts)
+    overrides.update(api_keys=tuple(args.api_keys) if args.api_keys else None, log_prompts=args.log_prompts,
+                     protect_metrics=args.protect_metrics)
     try:
         settings = load_settings(overrides, config=args.config, flags=_FLAGS)
     except SettingsError as exc:

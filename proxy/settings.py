@@ -63,9 +63,8 @@ class Settings:
 
         key_owners(self.api_keys)  # an empty key, or one key for two tenants: SettingsError naming --api-key
         if self.protect_metrics and not self.api_keys:
-            raise SettingsError("protect_metrics (--protect-metrics, COHORT_PROTECT_METRICS) needs at least one "
-                                "--api-key (COHORT_API_KEYS): without keys there is nothing to protect them with",
-                                field="protect_metrics")
+            raise _bad("protect_metrics", "needs at least one --api-key (COHORT_API_KEYS): without keys "
+                                          "nothing protects /metrics")
 
         try:
             parse_policy(self.default_policy)

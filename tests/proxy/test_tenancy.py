@@ -7,6 +7,8 @@ import asyncio
 import hashlib
 import json
 import sqlite3
+import subprocess
+import sys
 
 import httpx
 import openai
@@ -181,3 +183,14 @@ def test_unauthenticated_paths_do_not_reach_the_metrics(tmp_path):
     app = create_app(Settings(backend_url="http://127.0.0.1:9", encoder="none", data_dir=str(tmp_path), api_keys=("k",)))
     *_, metrics = call(app, *[("GET", f"/v1/files/file-secret{i}", {}) for i in range(3)], ("GET", "/metrics", {}))
     assert "file-secret" not in metrics.text
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--protect-metrics"], "protect_metrics (env COHORT_PROTECT_METRICS) needs at least one --api-key"),
+    (["--api-key", "k=team-a", "--api-key", "k=team-b"], "gives one key for two tenants"),
+])
+def test_serve_refuses_bad_security_flags_in_one_line(flags, message):
+    done = subprocess.run([sys.executable, "-m", "cohort.cli", "serve", "--backend", "http://127.0.0.1:9",
+                           "--encoder", "none", *flags], capture_output=True, text=True, timeout=120)
+    said = (done.stdout + done.stderr).strip()
+    assert done.returncode == 2 and message in said and len(said.splitlines()) == 1, said
