@@ -5,6 +5,7 @@ the backend certainly did not receive (never of one it may have started)."""
 
 import asyncio
 import logging
+import socket
 
 import pytest
 from aiohttp import web
@@ -150,3 +151,39 @@ def test_a_request_the_backend_may_have_started_is_never_retried(how, caplog):
         asyncio.run(main())
     assert received == [b'{"prompt": "x"}', b'{"prompt": "y"}']  # each request reached the backend once
     assert not any(RETRY_LOG in r.getMessage() for r in caplog.records)
+
+
+def test_a_refused_connect_succeeds_when_the_backend_comes_up_before_the_retry():
+    """The port starts listening (the kernel queues the retry's connection) as the retry is logged; the
+    server then answers it: the caller gets the answer, not a 502."""
+    from devtools.server import free_port
+
+    port, listening = free_port(), socket.socket()
+
+    class OpenThePort(logging.Handler):
+        def emit(self, record):
+            if RETRY_LOG in record.getMessage():
+                listening.bind(("127.0.0.1", port))
+                listening.listen()
+
+    async def main():
+        client = BackendClient(f"http://127.0.0.1:{port}")
+        call = asyncio.ensure_future(client.request("POST", "/v1/completions", json={"prompt": "x"}))
+        while listening.getsockname()[1] != port and not call.done():  # until the first attempt was refused
+            await asyncio.sleep(0.01)
+        runner = web.ServerRunner(web.Server(lambda request: serve_and_record([], request)))
+        await runner.setup()
+        await web.SockSite(runner, listening).start()
+        try:
+            return (await call).content
+        finally:
+            await client.close()
+            await runner.cleanup()
+
+    handler = OpenThePort()
+    logging.getLogger("proxy.backend").addHandler(handler)
+    try:
+        assert asyncio.run(main()) == b'{"path": "/v1/completions"}'
+    finally:
+        logging.getLogger("proxy.backend").removeHandler(handler)
+        listening.close()
