@@ -19,7 +19,6 @@ and lists show only the caller's own. Storage and jobs: proxy/batch_store.py, pr
 from __future__ import annotations
 
 import asyncio
-import json
 from typing import Callable, Mapping
 
 from fastapi import APIRouter, FastAPI, Request
@@ -29,9 +28,10 @@ from proxy.batch_jobs import BatchJobs
 from proxy.batch_store import to_batch, to_file
 from proxy.batchfile import URLS, new_id
 from proxy.errors import InvalidRequest, NotFound, PayloadTooLarge
-from proxy.protocol import check_size
+from proxy.protocol import check_size, json_object, limited
 
 COMPLETION_WINDOWS = ("24h",)
+CREATE_BODY_BYTES = 64 * 1024  # POST /v1/batches: four fields; metadata at most 16 x (64 + 512) characters
 
 
 def add_batch_api(app: FastAPI, jobs: BatchJobs, authorize: Callable[[Mapping[str, str]], str],
@@ -53,6 +53,9 @@ def add_batch_api(app: FastAPI, jobs: BatchJobs, authorize: Callable[[Mapping[st
         order = query.get("order", "desc")
         if order not in ("asc", "desc"):
             raise InvalidRequest(f"order must be 'asc' or 'desc', got {order!r}", param="order")
+        if query.get("after") and jobs.store.get_file(query["after"], owner) is None:
+            raise InvalidRequest(f"after: no file {query['after']!r}; pass the last id of the previous page",
+                                 param="after")
         rows, has_more = jobs.store.list_files(_limit(query.get("limit", "10000"), 10_000), owner=owner,
                                                after=query.get("after"), purpose=query.get("purpose"), order=order)
         return _page([to_file(r) for r in rows], has_more)
@@ -74,7 +77,11 @@ def add_batch_api(app: FastAPI, jobs: BatchJobs, authorize: Callable[[Mapping[st
     @router.post("/batches")
     async def create_batch(request: Request) -> JSONResponse:
         owner = authorize(request.headers)
-        params = _batch_params(await request.body())
+        body = b"".join([chunk async for chunk in limited(
+            request.stream(), CREATE_BODY_BYTES, "the batch request body",
+            "send only input_file_id, endpoint, completion_window and metadata (16 pairs of at most 64 + 512 "
+            "characters)")])
+        params = _batch_params(body)
         return JSONResponse(to_batch(jobs.create(owner, **params)))
 
     @router.get("/batches/{batch_id}")
@@ -84,8 +91,10 @@ def add_batch_api(app: FastAPI, jobs: BatchJobs, authorize: Callable[[Mapping[st
     @router.get("/batches")
     async def list_batches(request: Request) -> JSONResponse:
         owner = authorize(request.headers)
-        limit = _limit(request.query_params.get("limit", "20"), 100)
-        rows, has_more = jobs.store.list_batches(limit, owner=owner, after=request.query_params.get("after"))
+        limit, after = _limit(request.query_params.get("limit", "20"), 100), request.query_params.get("after")
+        if after and jobs.store.get_batch(after, owner) is None:
+            raise InvalidRequest(f"after: no batch {after!r}; pass the last id of the previous page", param="after")
+        rows, has_more = jobs.store.list_batches(limit, owner=owner, after=after)
         return _page([to_batch(r) for r in rows], has_more)
 
     @router.post("/batches/{batch_id}/cancel")
@@ -96,7 +105,7 @@ def add_batch_api(app: FastAPI, jobs: BatchJobs, authorize: Callable[[Mapping[st
 
 
 def _limit(raw: str, maximum: int) -> int:
-    if not raw.isdigit() or not 1 <= int(raw) <= maximum:
+    if not (raw.isascii() and raw.isdigit() and len(raw) <= 9 and 1 <= int(raw) <= maximum):
         raise InvalidRequest(f"limit must be an integer from 1 to {maximum}, got {raw!r}", param="limit")
     return int(raw)
 
@@ -173,24 +182,23 @@ def _copy(src, path, max_bytes: int) -> int:
 
 
 def _batch_params(raw: bytes) -> dict:
-    try:
-        body = json.loads(raw)
-    except ValueError as exc:
-        raise InvalidRequest(f"request body is not valid JSON ({exc})") from exc
-    if not isinstance(body, dict):
-        raise InvalidRequest("request body must be a JSON object")
-    if not isinstance(body.get("input_file_id"), str):
+    body = json_object(raw)
+    if "input_file_id" not in body:
         raise InvalidRequest("'input_file_id' is required (the id of a file uploaded with purpose 'batch')",
                              param="input_file_id")
-    if body.get("endpoint") not in URLS:
+    if not isinstance(body["input_file_id"], str):
+        raise InvalidRequest(f"input_file_id must be a string (the id of a file uploaded with purpose 'batch'), "
+                             f"got {type(body['input_file_id']).__name__}", param="input_file_id")
+    if not isinstance(body.get("endpoint"), str) or body["endpoint"] not in URLS:
         raise InvalidRequest(f"unsupported endpoint {body.get('endpoint')!r}; this proxy runs batches for "
                              f"{', '.join(sorted(URLS))}", param="endpoint")
     if body.get("completion_window") not in COMPLETION_WINDOWS:
         raise InvalidRequest(f"completion_window must be one of {COMPLETION_WINDOWS}, got "
                              f"{body.get('completion_window')!r}", param="completion_window")
     metadata = body.get("metadata")
-    if metadata is not None and not (isinstance(metadata, dict) and len(metadata) <= 16
-                                     and all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())):
-        raise InvalidRequest("metadata must be an object of at most 16 string keys and string values", param="metadata")
+    if metadata is not None and not (isinstance(metadata, dict) and len(metadata) <= 16 and all(
+            isinstance(k, str) and len(k) <= 64 and isinstance(v, str) and len(v) <= 512 for k, v in metadata.items())):
+        raise InvalidRequest("metadata must be an object of at most 16 pairs: string keys of at most 64 characters, "
+                             "string values of at most 512", param="metadata")
     return {"input_file_id": body["input_file_id"], "endpoint": body["endpoint"],
             "completion_window": body["completion_window"], "metadata": metadata}

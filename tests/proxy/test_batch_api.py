@@ -225,3 +225,47 @@ def test_files_list_pages_and_delete_refuses_a_file_a_running_batch_reads(tmp_pa
     assert deleted.deleted and deleted.id == ids[1] and left == [ids[2], ids[0]]
     assert not (tmp_path / "files" / ids[1]).exists() and (tmp_path / "files" / ids[0]).exists()
     assert bad_order.status_code == 400 and "order must be 'asc' or 'desc'" in bad_order.json()["error"]["message"]
+
+
+BASE = {"endpoint": "/v1/completions", "completion_window": "24h"}
+
+
+async def chunks(parts):
+    """A body with no content-length (sent chunked)."""
+    for part in parts:
+        yield part
+
+
+@pytest.mark.parametrize("method, path, body, status, message", [
+    ("GET", "/v1/files?limit=%C2%B2", None, 400, "limit must be an integer from 1 to 10000, got '²'"),
+    ("GET", "/v1/files?limit=" + "9" * 5000, None, 400, "limit must be an integer from 1 to 10000"),
+    ("GET", "/v1/batches?limit=%C2%B2", None, 400, "limit must be an integer from 1 to 100, got '²'"),
+    ("GET", "/v1/files?after=file-nope", None, 400, "after: no file 'file-nope'"),
+    ("GET", "/v1/batches?after=batch_nope", None, 400, "after: no batch 'batch_nope'"),
+    ("POST", "/v1/batches", {**BASE, "input_file_id": 123}, 400, "input_file_id must be a string"),
+    ("POST", "/v1/batches", {**BASE, "endpoint": ["/v1/completions"]}, 400, "unsupported endpoint ['/v1/completions']"),
+    ("POST", "/v1/batches", {**BASE, "completion_window": "1h"}, 400, "completion_window must be one of ('24h',)"),
+    ("POST", "/v1/batches", {**BASE, "metadata": {"k" * 65: "v"}}, 400, "keys of at most 64 characters"),
+    ("POST", "/v1/batches", {**BASE, "metadata": {"k": "v" * 513}}, 400, "values of at most 512"),
+    ("POST", "/v1/batches", b'{"metadata": ' + b"[" * 30_000 + b"]" * 30_000 + b"}", 400, "nested too deeply"),
+    ("POST", "/v1/batches", {**BASE, "metadata": {"k": "v" * 200_000}}, 413, "the batch request body is over"),
+    ("POST", "/v1/batches", [b'{"metadata": "', b"v" * 200_000, b'"}'], 413, "the batch request body is over"),  # chunked
+    ("DELETE", "/v1/batches/batch_x", None, 405, "DELETE /v1/batches/batch_x: Method Not Allowed"),
+    ("GET", "/v1/batches/batch_x/cancel", None, 405, "Method Not Allowed"),
+    ("PUT", "/v1/files", None, 405, "Method Not Allowed"),
+])
+def test_wrong_fields_and_methods_are_openai_errors_naming_them(tmp_path, method, path, body, status, message):
+    app = create_app(Settings(backend_url="http://127.0.0.1:9", encoder="none", data_dir=str(tmp_path)))
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy") as c:
+            upload = await c.post("/v1/files", files={"file": ("a.jsonl", jsonl([request_line("a", "x")]))},
+                                  data={"purpose": "batch"})
+            content = body if not isinstance(body, dict) else json.dumps({"input_file_id": upload.json()["id"],
+                                                                          **body}).encode()
+            return await c.request(method, path, content=chunks(content) if isinstance(content, list) else content)
+
+    answer = asyncio.run(main())
+    error = answer.json()["error"]
+    assert answer.status_code == status and message in error["message"], error
+    assert set(error) == {"message", "type", "param", "code"}
