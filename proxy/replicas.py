@@ -1,0 +1,186 @@
+"""Several vLLM replicas behind the proxy: per-replica capacity and health, routing by expert affinity.
+
+Issue 18, "Several backends in the proxy" (a component; proxy/app.py does not use it yet):
+
+- `ReplicaSet` holds R `BackendClient`s, each with its capacity (that vLLM's max_num_seqs, as
+  `max_in_flight` is for one backend), and one `encoder.affinity.ReplicaRouter`, the rule the
+  engine replay measures (eval.replicas, benchmarks/bench_replicas.py). A request waits in the
+  router until a slot frees on a healthy replica; with "affinity" that replica takes the waiting
+  request whose predicted profile (the vector the caller passes: proxy.profiles) fits its own
+  residents best. Nobody waits while a healthy replica has a free slot; the fairness bound
+  `max_queue_s` goes first, as in proxy.admission.
+- Health: `check()` probes every replica's GET /health (vLLM serves it). A replica that fails the
+  probe, or refuses a connection during a request, is taken out: it is offered nothing new and its
+  round-robin queue moves to the others. `check()` takes it back once it answers. When the last
+  replica goes out, every waiting request fails with BackendUnreachable (a 502), none hangs.
+- Failover, never twice: `request()` resends to another replica only a request whose connection
+  failed before the backend accepted it (a refused or unreachable connect, aiohttp's
+  ClientConnectorError under our BackendUnreachable); a failure once the request went out is the
+  caller's answer (502/504), never a resend, since that replica may be generating. Streams take an
+  `acquire()` lease and stream from its client; a stream under way when its replica dies is ended
+  by the streaming code with an SSE error event, as with one backend.
+- `models()`: the healthy replicas' /v1/models lists merged by model id (first replica wins).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import aiohttp
+import numpy as np
+
+from encoder.admission import ResidentExperts
+from encoder.affinity import ReplicaRouter
+from proxy.backend import BackendAnswer, BackendClient
+from proxy.errors import BackendError, BackendUnreachable
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, eq=False)
+class Lease:
+    """A slot on one replica: talk to `client`, then `ReplicaSet.release(lease)`."""
+
+    replica: int
+    client: BackendClient
+    queue_s: float
+    ticket: object = field(repr=False)
+
+
+@dataclass(eq=False)
+class _Ticket:
+    vector: np.ndarray | None  # [L*E] predicted profile (or [D] embedding), None: first come, first served
+    arrived: float
+    future: asyncio.Future
+
+
+class ReplicaSet:
+    """R backends, their capacities and health, and the routing of encoder.affinity; see the module docstring."""
+
+    def __init__(self, clients: Sequence[BackendClient], capacities: Sequence[int], routing: str = "affinity", *,
+                 max_queue_s: float = 30.0, health_timeout_s: float = 5.0, clock: Callable[[], float] = time.monotonic,
+                 resident_factory=lambda size: ResidentExperts(1, size)):
+        if len(clients) != len(capacities) or not clients:
+            raise ValueError(f"one capacity per backend: {len(clients)} backend(s), {len(capacities)} capacities")
+        self.clients = list(clients)
+        self.router = ReplicaRouter(capacities, routing, max_wait=max_queue_s, resident_factory=resident_factory)
+        self.health_timeout_s, self.clock = health_timeout_s, clock
+        self._waiting: set[_Ticket] = set()
+
+    @classmethod
+    def from_urls(cls, urls: Sequence[str], capacities: Sequence[int], routing: str = "affinity", **options) -> "ReplicaSet":
+        return cls([BackendClient(u) for u in urls], capacities, routing, **options)
+
+    async def close(self) -> None:
+        await asyncio.gather(*(c.close() for c in self.clients))
+
+    async def acquire(self, vector: np.ndarray | None = None) -> Lease:
+        """Wait for a slot on a healthy replica, by the routing; the caller must `release()` the lease."""
+        return await self._wait(_Ticket(vector, self.clock(), asyncio.get_running_loop().create_future()))
+
+    def release(self, lease: Lease) -> None:
+        """The request on `lease` is done (answered, failed or abandoned): its slot frees."""
+        self.router.release(lease.ticket)
+        self._pump()
+
+    async def request(self, method: str, path: str, *, json: dict | None = None, headers: dict[str, str] | None = None,
+                      vector: np.ndarray | None = None) -> tuple[int, BackendAnswer]:
+        """(replica, whole answer) of one request, resent elsewhere only if no backend accepted it."""
+        ticket = _Ticket(vector, self.clock(), asyncio.get_running_loop().create_future())
+        while True:
+            lease = await self._wait(ticket)
+            try:
+                return lease.replica, await lease.client.request(method, path, json=json, headers=headers)
+            except BackendUnreachable as exc:
+                if not _never_sent(exc):
+                    raise
+                log.warning("replica %d (%s) refused the connection; taking it out and sending the request elsewhere",
+                            lease.replica, lease.client.base_url)
+                self.set_healthy(lease.replica, False)
+                ticket.future = asyncio.get_running_loop().create_future()
+            finally:
+                self.release(lease)
+
+    def set_healthy(self, replica: int, healthy: bool) -> None:
+        """Take a replica out of the routing or back in; with none left, every waiting request fails."""
+        if bool(self.router.healthy[replica]) == healthy:
+            return
+        log.warning("replica %d (%s) %s", replica, self.clients[replica].base_url, "is back" if healthy else "is out")
+        self.router.set_healthy(replica, healthy)
+        if not self.router.healthy.any():
+            for ticket in list(self._waiting):
+                self.router.remove(ticket)
+                self._waiting.discard(ticket)
+                ticket.future.set_exception(_none_healthy())
+        self._pump()
+
+    async def check(self) -> list[bool]:
+        """Probe every replica's GET /health (at most `health_timeout_s` each, all at once); update health."""
+        async def probe(client: BackendClient) -> bool:
+            try:
+                await asyncio.wait_for(client.request("GET", "/health"), self.health_timeout_s)
+                return True
+            except (BackendError, TimeoutError):
+                return False
+
+        results = await asyncio.gather(*(probe(c) for c in self.clients))
+        for r, ok in enumerate(results):
+            self.set_healthy(r, ok)
+        return list(results)
+
+    async def models(self) -> dict:
+        """The healthy replicas' /v1/models, merged by model id: {"object": "list", "data": [...]}."""
+        up = [c for c, ok in zip(self.clients, self.router.healthy) if ok]
+        answers = await asyncio.gather(*(c.request("GET", "/v1/models") for c in up), return_exceptions=True)
+        data, seen, errors = [], set(), [a for a in answers if isinstance(a, BaseException)]
+        for answer in answers:
+            for model in [] if isinstance(answer, BaseException) else json.loads(answer.content).get("data", []):
+                if model.get("id") not in seen:
+                    seen.add(model.get("id"))
+                    data.append(model)
+        if errors and len(errors) == len(answers):
+            raise errors[0]
+        return {"object": "list", "data": data}
+
+    async def _wait(self, ticket: _Ticket) -> Lease:
+        if not self.router.healthy.any():
+            raise _none_healthy()
+        self.router.add(ticket, ticket.vector, ticket.arrived)
+        self._waiting.add(ticket)
+        self._pump()
+        try:
+            return await ticket.future
+        except asyncio.CancelledError:
+            if ticket in self._waiting:
+                self.router.remove(ticket)
+                self._waiting.discard(ticket)
+            elif ticket.future.done() and not ticket.future.cancelled():
+                self.release(ticket.future.result())  # granted, but the waiter left before using the slot
+            raise
+
+    def _pump(self) -> None:
+        now, admitted = self.clock(), True
+        while admitted:
+            admitted = False
+            for ticket, replica in self.router.admit(now):
+                self._waiting.discard(ticket)
+                if ticket.future.done():  # its waiter was cancelled and has not run its cleanup yet
+                    self.router.release(ticket)
+                    admitted = True  # the slot is free again: admit once more
+                    continue
+                ticket.future.set_result(Lease(replica, self.clients[replica], now - ticket.arrived, ticket))
+
+
+def _never_sent(exc: BackendUnreachable) -> bool:
+    """Whether the backend certainly never got the request: the connect itself failed (refused, unreachable)."""
+    return isinstance(exc.__cause__, aiohttp.ClientConnectorError)
+
+
+def _none_healthy() -> BackendUnreachable:
+    return BackendUnreachable("no healthy backend replica: every --backend is out (refused connections or failed "
+                              "health checks); check that the vLLM servers are running")

@@ -1,0 +1,167 @@
+"""proxy.replicas.ReplicaSet against throwaway local servers: capacity, affinity, failover only before the
+backend accepted a request, health checks, no replica left, and merged /v1/models."""
+
+import asyncio
+import socket
+
+import numpy as np
+import pytest
+
+from proxy.backend import BackendClient
+from proxy.errors import BackendUnreachable
+from proxy.replicas import ReplicaSet
+from tests.proxy.servers import answer, drop, local_backend
+
+A, B = np.array([1.0, 1.0, 0, 0]), np.array([0, 0, 1.0, 1.0])
+
+
+def named(name: str, seen: list, health: dict | None = None):
+    """A replica that answers with its name and records (name, path); /health answers 503 while health["down"]."""
+    async def handler(request):
+        seen.append((name, request.path))
+        if request.path == "/health" and health is not None and health["down"]:
+            return answer({"error": "starting"}, status=503)
+        if request.path == "/v1/models":
+            return answer({"object": "list", "data": [{"id": f"m-{name}"}, {"id": "shared", "owned_by": name}]})
+        return answer({"replica": name})
+    return handler
+
+
+def refused_url() -> str:
+    """A local port nobody listens on (a replica that is down)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+async def settle():
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+def unused(n: int) -> list[BackendClient]:
+    return [BackendClient(refused_url()) for _ in range(n)]
+
+
+def test_each_replica_holds_its_capacity_and_a_freed_slot_takes_the_next_waiter():
+    async def main():
+        replicas = ReplicaSet(unused(2), [1, 2], "least-loaded")
+        held = [await replicas.acquire() for _ in range(3)]
+        assert sorted(lease.replica for lease in held) == [0, 1, 1]
+        first, second = (asyncio.create_task(replicas.acquire()) for _ in range(2))
+        await settle()
+        assert not first.done() and not second.done()
+        first.cancel()  # a waiter that leaves gives up its turn
+        await settle()
+        replicas.release(held[0])
+        assert (await second).replica == held[0].replica
+
+    asyncio.run(main())
+
+
+def test_affinity_gives_a_freed_slot_to_the_waiting_request_that_fits_that_replica():
+    async def main():
+        replicas = ReplicaSet(unused(2), [2, 2], "affinity")
+        on_a, on_b = await replicas.acquire(A), await replicas.acquire(B)
+        assert (on_a.replica, on_b.replica) == (0, 1)
+        assert [(await replicas.acquire(v)).replica for v in (A, B)] == [0, 1]  # slots free: nobody waits
+        like_a = asyncio.create_task(replicas.acquire(A * 0.9))  # older
+        like_b = asyncio.create_task(replicas.acquire(B * 0.9))
+        await settle()
+        replicas.release(on_b)
+        assert (await like_b).replica == 1 and not like_a.done()  # the B-like one, though A-like waited longer
+        replicas.release(on_a)
+        assert (await like_a).replica == 0
+
+    asyncio.run(main())
+
+
+def test_a_refused_replica_is_taken_out_and_the_request_goes_to_another():
+    seen: list = []
+
+    async def main():
+        async with local_backend(named("b", seen)) as live:
+            replicas = ReplicaSet([BackendClient(refused_url()), BackendClient(live)], [1, 1], "least-loaded")
+            try:
+                replica, got = await replicas.request("POST", "/v1/completions", json={"prompt": "x"})
+                assert (replica, got.content) == (1, b'{"replica": "b"}')
+                assert replicas.router.healthy.tolist() == [False, True]
+                assert (await replicas.request("POST", "/v1/completions", json={}))[0] == 1
+            finally:
+                await replicas.close()
+
+    asyncio.run(main())
+    assert seen == [("b", "/v1/completions")] * 2
+
+
+def test_a_request_the_backend_accepted_is_never_resent():
+    seen: list = []
+
+    async def main():
+        async with local_backend(drop) as dying, local_backend(named("b", seen)) as live:
+            replicas = ReplicaSet([BackendClient(dying), BackendClient(live)], [1, 1], "least-loaded")
+            try:
+                with pytest.raises(BackendUnreachable):
+                    await replicas.request("POST", "/v1/completions", json={"prompt": "x"})
+                assert replicas.router.healthy.tolist() == [True, True] and replicas.router.busy.tolist() == [0, 0]
+            finally:
+                await replicas.close()
+
+    asyncio.run(main())
+    assert seen == []  # the replica that took the request died answering: the client gets the error, b nothing
+
+
+def test_health_checks_take_a_replica_out_and_back():
+    seen: list = []
+    health = {"down": True}
+
+    async def main():
+        async with local_backend(named("a", seen, health)) as a, local_backend(named("b", seen)) as b:
+            replicas = ReplicaSet([BackendClient(a), BackendClient(b)], [4, 1], "least-loaded")
+            try:
+                assert await replicas.check() == [False, True]
+                assert (await replicas.acquire()).replica == 1  # a has more free slots but is out
+                health["down"] = False
+                assert await replicas.check() == [True, True]
+                assert (await replicas.acquire()).replica == 0
+            finally:
+                await replicas.close()
+
+    asyncio.run(main())
+
+
+def test_with_no_replica_left_waiting_and_new_requests_fail_at_once():
+    async def main():
+        replicas = ReplicaSet(unused(1), [1], "affinity")
+        await replicas.acquire(A)
+        waiter = asyncio.create_task(replicas.acquire(B))
+        await settle()
+        replicas.set_healthy(0, False)
+        with pytest.raises(BackendUnreachable, match="no healthy backend replica"):
+            await asyncio.wait_for(waiter, 30)  # a guard against hanging, not a timing
+        with pytest.raises(BackendUnreachable, match="no healthy backend replica"):
+            await asyncio.wait_for(replicas.acquire(A), 30)
+
+    asyncio.run(main())
+
+
+def test_models_merges_the_replicas_lists_by_id():
+    seen: list = []
+
+    async def main():
+        async with local_backend(named("a", seen)) as a, local_backend(named("b", seen)) as b:
+            replicas = ReplicaSet([BackendClient(a), BackendClient(b), BackendClient(refused_url())], [1, 1, 1])
+            replicas.set_healthy(2, False)
+            try:
+                return await replicas.models()
+            finally:
+                await replicas.close()
+
+    merged = asyncio.run(main())
+    assert merged["object"] == "list"
+    assert [(m["id"], m.get("owned_by")) for m in merged["data"]] == [("m-a", None), ("shared", "a"), ("m-b", None)]
+
+
+def test_one_capacity_per_backend():
+    with pytest.raises(ValueError, match="one capacity per backend"):
+        ReplicaSet(unused(2), [1])
