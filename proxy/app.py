@@ -22,6 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from proxy.auth import Authorizer, backend_headers
+from proxy.cohort_key import cohort_key_header
 from proxy.backend import BackendClient
 from proxy.batch_api import add_batch_api
 from proxy.batch_jobs import BatchJobs
@@ -91,7 +92,8 @@ class Proxy:
         admission = await self.gate.admit(preq.text, preq.policy)
         try:  # released exactly once: answered, failed, or cancelled because the client left
             with self.metrics.backend_seconds.labels(preq.route).time():
-                answer = await self.backend.request("POST", path, json=with_profile(preq.body, admission), headers=headers)
+                answer = await self.backend.request("POST", path, json=with_profile(preq.body, admission),
+                                                    headers={**headers, **cohort_key_header(admission)})
         finally:
             self.gate.release(admission)
         return admission, answer

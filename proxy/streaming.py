@@ -23,6 +23,7 @@ from proxy.backend import BackendClient
 from proxy.admission import AdmissionGate
 from proxy.errors import ProxyError
 from proxy.metrics import ProxyMetrics
+from proxy.cohort_key import cohort_key_header
 from proxy.protocol import ProxyRequest, cohort_headers, with_profile
 
 log = logging.getLogger(__name__)
@@ -75,7 +76,8 @@ class StreamRelay:
 
     async def _open(self) -> None:
         body = with_profile(self.preq.body, self._admit.result())
-        stream = self.up.backend.stream(self.path, json=body, headers=self.headers)
+        headers = {**self.headers, **cohort_key_header(self._admit.result())}
+        stream = self.up.backend.stream(self.path, json=body, headers=headers)
         self._response = await stream.__aenter__()  # raises on a backend error status
         self._stream = stream
         self.up.metrics.requests.labels(self.preq.route, str(self._response.status)).inc()
