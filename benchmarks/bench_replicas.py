@@ -1,6 +1,7 @@
 """Routing over R replicas of S slots each, on held-out requests only (issue 18, "Measure it with the engine replay").
 
     python benchmarks/bench_replicas.py --finetuned /tmp/cohort-cache/ft-encoder [--replicas 2,4] [--slots 16,32]
+                                        [--load 0,0.8]
 
 The held-out side of the project's one split (traces.split) is replayed through R replicas of S
 slots (eval.replicas), lognormal output lengths (mean 64, sigma 1), 5 seeds, all requests
@@ -21,6 +22,17 @@ and, for reference, one engine of R*S slots with the same admission (single-affi
 traces' (single-reference), each against its own random order. Loads per token are summed over
 the replicas' steps; idle-while-queued counts the steps in which a replica had a free slot while
 a request waited (0 by construction for least-loaded and affinity, which the replay asserts).
+
+--load L > 0 replays the same requests arriving as a Poisson process of L * R * S / 64 requests
+per step instead (L = 1: as many arrivals as the replicas finish, on average), where a queue is
+rare and pool admission has little to choose from (the random row then also moves which request
+arrives when, so read these tables against least-loaded, which the summary line does); two more
+rows show what placing on arrival does:
+
+    affinity-placed     a request that needs no queue goes to the replica it fits best among those
+                        within --slack residents of the least loaded (encoder.affinity's slack)
+    packed              the same slack with one identical profile for every request: the control
+                        that packs requests together without knowing them
 """
 
 from __future__ import annotations
@@ -40,7 +52,7 @@ from encoder.profile import load_profile_head  # noqa: E402
 from eval.cost import parse_cost_model  # noqa: E402
 from eval.engine import lengths_from_spec  # noqa: E402
 from eval.replay import decode_profiles, decode_tokens  # noqa: E402
-from eval.replicas import Routing, evaluate_with_single, format_replica_table  # noqa: E402
+from eval.replicas import Routing, evaluate_with_single, format_replica_table, poisson_arrivals  # noqa: E402
 from traces.importers import load_traces  # noqa: E402
 from traces.split import heldout_split  # noqa: E402
 
@@ -58,31 +70,45 @@ def main() -> None:
     cost = parse_cost_model(args.cost_model)
     lengths = lengths_from_spec(args.lengths, held.request_ids)
     print(f"held-out: {len(held)} of {len(ts)} requests; lengths {args.lengths} (mean 64); cost model {cost.name}; "
-          f"{args.seeds} seeds; all requests arrive at step 0\n")
+          f"{args.seeds} seeds\n")
     routings = {"round-robin": Routing("round-robin"), "least-loaded": Routing("least-loaded"),
                 "affinity": Routing("affinity", predicted),
                 "affinity-regions": Routing("affinity", predicted, contrast=args.contrast),
                 "affinity-reference": Routing("affinity", own)}
-    summary = []
-    for r in _ints(args.replicas):
-        for s in _ints(args.slots):
-            begin = time.perf_counter()
-            result = evaluate_with_single(tokens, r, s, routings, lengths, cost, held.num_layers, seeds=args.seeds)
-            print(format_replica_table(result) + f"\n({time.perf_counter() - begin:.1f} s)\n")
-            summary.append(result)
-    _targets(summary)
+    placing = {"affinity-placed": Routing("affinity", predicted, slack=args.slack),
+               "packed": Routing("affinity", np.tile(predicted.mean(axis=0), (len(held), 1)), slack=args.slack)}
+    for load in _floats(args.load):
+        print(f"== {'all requests arrive at step 0 (saturation)' if load == 0 else f'Poisson arrivals, load {load:g}'}\n")
+        summary = []
+        for r in _ints(args.replicas):
+            for s in _ints(args.slots):
+                begin = time.perf_counter()
+                arrivals = None if load == 0 else (lambda seed, rate=load * r * s / 64: poisson_arrivals(len(held), rate, seed))
+                rows = routings if load == 0 else {**routings, **placing}
+                result = evaluate_with_single(tokens, r, s, rows, lengths, cost, held.num_layers, seeds=args.seeds,
+                                              arrivals=arrivals)
+                print(format_replica_table(result) + f"\n({time.perf_counter() - begin:.1f} s)\n")
+                summary.append(result)
+        _targets(summary, load)
+        print()
 
 
-def _targets(results: list[dict]) -> None:
-    """Issue 18's replay target per (R, S): affinity saves more than one engine of R*S, and no idle-while-queued."""
+def _targets(results: list[dict], load: float) -> None:
+    """Saturation: issue 18's replay target per (R, S), affinity saves more than one engine of R*S, and no
+    idle-while-queued. Poisson arrivals: loads/token against least-loaded at the same arrival times."""
     for r in results:
         rows, total = r["plans"], r["replicas"] * r["slots"]
+        head = f"R = {r['replicas']} x S = {r['slots']:>2}:"
+        if load > 0:
+            vs = lambda name: 1 - rows[name]["loads_per_token"] / rows["least-loaded"]["loads_per_token"]  # noqa: E731
+            print(f"{head} loads/token saved vs least-loaded at the same arrivals: " +
+                  ", ".join(f"{n} {vs(n):.2%}" for n in ("affinity", "affinity-placed", "packed", "affinity-reference")))
+            continue
         aff, single = rows["affinity"], rows[f"single-affinity (1x{total})"]
-        regions = rows["affinity-regions"]
-        print(f"R = {r['replicas']} x S = {r['slots']:>2}: affinity {aff['saving']:.2%} (std {aff['saving_std']:.2%}) "
-              f"vs one engine of {total} slots {single['saving']:.2%} -> more: {aff['saving'] > single['saving']}; "
-              f"regions {regions['saving']:.2%}; idle-while-queued steps: affinity {aff['violations']}, least-loaded "
-              f"{rows['least-loaded']['violations']}, round-robin {rows['round-robin']['violations']}")
+        print(f"{head} affinity {aff['saving']:.2%} (std {aff['saving_std']:.2%}) vs one engine of {total} slots "
+              f"{single['saving']:.2%} -> more: {aff['saving'] > single['saving']}; regions "
+              f"{rows['affinity-regions']['saving']:.2%}; idle-while-queued steps: affinity {aff['violations']}, "
+              f"least-loaded {rows['least-loaded']['violations']}, round-robin {rows['round-robin']['violations']}")
 
 
 def _predicted_profiles(ts, train_idx, held_idx, finetuned: str | None, cache: Path) -> np.ndarray:  # [n, L*E]
@@ -101,6 +127,10 @@ def _predicted_profiles(ts, train_idx, held_idx, finetuned: str | None, cache: P
     return head.predict(x[held_idx]).reshape(len(held_idx), -1)
 
 
+def _floats(text: str) -> list[float]:
+    return [float(v) for v in text.split(",") if v.strip()]
+
+
 def _ints(text: str) -> list[int]:
     return [int(v) for v in text.split(",") if v.strip()]
 
@@ -115,6 +145,8 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--lengths", default="lognormal")
     p.add_argument("--cost-model", default="deepseek-v2-lite")
     p.add_argument("--contrast", type=float, default=0.25, help="affinity-regions: weight of the best fit elsewhere")
+    p.add_argument("--load", default="0", help="0: all at step 0; L > 0: Poisson arrivals at L x capacity (a list)")
+    p.add_argument("--slack", type=int, default=4, help="affinity-placed and packed: residents over the least loaded")
     p.add_argument("--cache", default="/tmp/cohort-bench-cache", help="embedding cache (outside the repository)")
     return p.parse_args()
 

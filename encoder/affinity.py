@@ -13,6 +13,12 @@ several backends drive the same object. Routings:
   per step for r: encoder.admission.ResidentExperts). With `contrast` > 0 the fit is relative,
   a region of profile space per replica that follows the residents: r prefers the request that
   fits r better than it fits the best other replica, score_r(c) - contrast * min_r' score_r'(c).
+  With `slack` set, a request that needs no queue (the pool holds no more requests than there are
+  free slots, so every one of them gets in now) is placed instead: the oldest first, each on the
+  replica where it adds the fewest expected new experts among those with a free slot and at most
+  `slack` more residents than the least loaded of them. Measured (bench_replicas --load): under
+  partial load nearly all of what it saves comes from packing requests together, which the same
+  slack with identical profiles saves too, so it is off by default.
 - "least-loaded": the same shared pool, first come first served (fairness bound first).
 - "round-robin": bound on arrival: the i-th request goes to the queue of replica i mod R (the
   healthy ones); each replica serves its own queue first come first served.
@@ -31,7 +37,7 @@ from collections.abc import Callable, Hashable, Sequence
 
 import numpy as np
 
-from encoder.admission import ResidentExperts
+from encoder.admission import ResidentEmbedding, ResidentExperts
 from encoder.waiting import Resident, WaitingPool, resident_size
 
 ROUTINGS = ("round-robin", "least-loaded", "affinity")
@@ -42,12 +48,13 @@ class ReplicaRouter:
     """R replicas' free slots, resident sets and health, and the waiting requests; see the module docstring."""
 
     def __init__(self, slots: Sequence[int], routing: str = "affinity", *, max_wait: float | None = None,
-                 resident_factory: ResidentFactory = lambda size: ResidentExperts(1, size), contrast: float = 0.0):
+                 resident_factory: ResidentFactory = lambda size: ResidentExperts(1, size), contrast: float = 0.0,
+                 slack: int | None = None):
         if routing not in ROUTINGS:
             raise ValueError(f"routing must be one of {', '.join(ROUTINGS)}, got {routing!r}")
         if len(slots) < 1 or min(slots) < 1:
             raise ValueError(f"every replica needs >= 1 slot, got {list(slots)}")
-        self.routing, self.max_wait, self.contrast = routing, max_wait, float(contrast)
+        self.routing, self.max_wait, self.contrast, self.slack = routing, max_wait, float(contrast), slack
         self.capacity = np.asarray(slots, np.int64)  # [R]
         self.busy = np.zeros(len(slots), np.int64)  # [R] admitted, not yet released
         self.healthy = np.ones(len(slots), bool)  # [R] a replica that is down admits nothing
@@ -98,8 +105,12 @@ class ReplicaRouter:
             free = np.where([self._has_candidate(r) for r in range(self.replicas)], self.free(), 0)  # [R]
             if free.max(initial=0) <= 0:
                 return out
-            r = int(np.argmax(free))  # most free slots first, ties to the lowest index
-            key = self._choose(r, now)
+            if self.slack is not None and self.routing == "affinity" and len(self.pool) <= free.sum():
+                key = self.pool.pick(None, now, self.max_wait)  # no queue: everyone gets in, oldest first,
+                r = self._fitting_replica(key, free)  # each to the replica it fits among the least loaded
+            else:
+                r = int(np.argmax(free))  # most free slots first, ties to the lowest index
+                key = self._choose(r, now)
             self._place(key, r)
             out.append((key, r))
 
@@ -142,6 +153,21 @@ class ReplicaRouter:
         if resident is not None and self.contrast > 0 and isinstance(resident, ResidentExperts):
             resident = _Contrast(resident, self._others(r), self.contrast)
         return self.pool.pick(resident, now, self.max_wait)
+
+    def _fitting_replica(self, key: Hashable, free: np.ndarray) -> int:
+        """Among replicas with a free slot and at most `slack` more residents than the least loaded of them,
+        the one where `key` adds the fewest expected new experts (ties: most free, then the lowest index)."""
+        load = np.where(free > 0, self.busy, np.iinfo(np.int64).max)  # [R]
+        allowed = load <= load.min() + self.slack  # [R]
+        row = self.pool.rows[key]
+        fit = np.zeros(self.replicas)  # [R] lower is better
+        if self.pool.profiled[row]:
+            vector = self.pool.matrix[row][None]  # [1, F]
+            for r in np.flatnonzero(allowed):
+                resident = self._resident_for(int(r))
+                score = float(resident.scores(vector)[0])
+                fit[r] = -score if isinstance(resident, ResidentEmbedding) else score
+        return int(np.lexsort((np.arange(self.replicas), -free, np.where(allowed, fit, np.inf)))[0])
 
     def _place(self, key: Hashable, r: int) -> None:
         if self.routing == "round-robin":

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Callable, Mapping
 
 import numpy as np
 from threadpoolctl import threadpool_limits
@@ -51,17 +51,24 @@ class Routing:
     vectors: np.ndarray | None = None  # [N, F] flat expert profiles [L*E], or embeddings [D] (affinity)
     contrast: float = 0.0  # affinity: fit relative to the other replicas (encoder.affinity)
     embedding: bool = False  # vectors are embeddings (nearest-embedding fit), not expert profiles
+    slack: int | None = None  # affinity: with no queue, place by fit within this many residents of the least loaded
     shuffle: bool = False  # requests arrive in a random order of the seed (the random baseline), else trace order
 
     def run(self, tokens: DecodeTokens, lengths: np.ndarray, slots: list[int], seed: int = 0,
-            max_wait: float | None = None) -> ReplicaReplay:
-        order = np.random.default_rng(seed).permutation(len(tokens)) if self.shuffle else None
+            max_wait: float | None = None, times: np.ndarray | None = None) -> ReplicaReplay:
+        """One replay; `times` [N] sorted arrival steps, taken by the requests in arrival order (None: all at 0)."""
+        order = np.random.default_rng(seed).permutation(len(tokens)) if self.shuffle else np.arange(len(tokens))
+        arrivals = None
+        if times is not None:
+            arrivals = np.empty(len(order), np.int64)
+            arrivals[order] = times  # the k-th request of the order arrives at times[k]
         vectors, factory = self.vectors, lambda size: ResidentExperts(1, size)
         if self.embedding:  # unit rows, as ResidentEmbedding scores them
             norms = np.linalg.norm(vectors, axis=1, keepdims=True)
             vectors, factory = vectors / np.where(norms > 0, norms, 1.0), ResidentEmbedding
-        router = ReplicaRouter(slots, self.routing, max_wait=max_wait, resident_factory=factory, contrast=self.contrast)
-        return replay_replicas(tokens, lengths, router, vectors=vectors, order=order)
+        router = ReplicaRouter(slots, self.routing, max_wait=max_wait, resident_factory=factory, contrast=self.contrast,
+                               slack=self.slack)
+        return replay_replicas(tokens, lengths, router, vectors=vectors, order=order, arrivals=arrivals)
 
 
 def replay_replicas(tokens: DecodeTokens, lengths: np.ndarray, router: ReplicaRouter, *,
@@ -116,7 +123,7 @@ def replay_replicas(tokens: DecodeTokens, lengths: np.ndarray, router: ReplicaRo
 
 def evaluate_replicas(tokens: DecodeTokens, replicas: int, slots: int, routings: Mapping[str, Routing], lengths: Lengths,
                       cost: CostModel, num_layers: int, *, seeds: int = 5, random_draws: int = 4,
-                      max_wait: float | None = None) -> dict:
+                      max_wait: float | None = None, arrivals: Callable[[int], np.ndarray] | None = None) -> dict:
     """Every routing and the random baseline (least-loaded, random arrival order) over `seeds` seeds.
 
     Rows as eval.engine.evaluate_continuous's (loads_per_token, saving vs random, saving_std,
@@ -127,11 +134,11 @@ def evaluate_replicas(tokens: DecodeTokens, replicas: int, slots: int, routings:
     runs: dict[str, list[list[ReplicaReplay]]] = {"random": []}
     with threadpool_limits(limits=1, user_api="blas"):
         for seed in range(seeds):
-            lens = lengths(seed)
-            runs["random"].append([random.run(tokens, lens, sizes, seed * random_draws + j, max_wait)
+            lens, times = lengths(seed), None if arrivals is None else arrivals(seed)
+            runs["random"].append([random.run(tokens, lens, sizes, seed * random_draws + j, max_wait, times)
                                    for j in range(random_draws)])
             for name, routing in routings.items():
-                runs.setdefault(name, []).append([routing.run(tokens, lens, sizes, seed, max_wait)])
+                runs.setdefault(name, []).append([routing.run(tokens, lens, sizes, seed, max_wait, times)])
     rows = {name: summary_row(rs, runs["random"], cost, num_layers) for name, rs in runs.items()}
     non_moe = non_moe_us_per_step(rows["random"], cost)
     ref = rows.get("affinity-reference", {}).get("saving", 0.0)
@@ -146,6 +153,11 @@ def evaluate_replicas(tokens: DecodeTokens, replicas: int, slots: int, routings:
     return {"engine": "continuous", "replicas": replicas, "slots": slots, "num_requests": len(tokens),
             "decode_mode": tokens.mode, "cost_model": cost.name, "non_moe_us_per_step": non_moe, "plans": rows}
 
+
+def poisson_arrivals(n: int, rate: float, seed: int) -> np.ndarray:  # [N] sorted int64 steps, the first at 0
+    """Arrival steps of a Poisson process of `rate` requests per step (e.g. load * R * S / mean length)."""
+    gaps = np.random.default_rng([seed, 104729]).exponential(1.0 / rate, n)  # [N]
+    return np.floor(np.cumsum(gaps) - gaps[0]).astype(np.int64)
 
 def routings_for(names: str, *, predicted: np.ndarray | None = None, embeddings: np.ndarray | None = None,
                  reference: np.ndarray | None = None) -> dict[str, Routing]:
@@ -168,7 +180,7 @@ def evaluate_with_single(tokens: DecodeTokens, replicas: int, slots: int, routin
     """evaluate_replicas, plus for reference one engine of R*S slots admitting by the same affinity rows:
     rows "single-<name> (1xRS)", each saving against that engine's own random order."""
     result = evaluate_replicas(tokens, replicas, slots, routings, lengths, cost, num_layers, **options)
-    alike = {k: v for k, v in routings.items() if v.routing == "affinity" and not v.contrast}
+    alike = {k: v for k, v in routings.items() if v.routing == "affinity" and not v.contrast and v.slack is None}
     if replicas > 1 and alike:
         single = evaluate_replicas(tokens, 1, replicas * slots, alike, lengths, cost, num_layers, **options)
         for name, row in single["plans"].items():

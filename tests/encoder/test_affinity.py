@@ -71,10 +71,11 @@ def test_affinity_matches_brute_force_on_random_pools():
                     assert router.release(keys.pop(int(rng.integers(0, len(keys))))) == rep
 
 
-@pytest.mark.parametrize("routing", ["least-loaded", "affinity"])
-def test_a_shared_pool_never_leaves_a_replica_idle_while_requests_wait(routing):
+@pytest.mark.parametrize("routing,options", [("least-loaded", {}), ("affinity", {}), ("affinity", {"contrast": 0.5}),
+                                             ("affinity", {"slack": 1})])
+def test_a_shared_pool_never_leaves_a_replica_idle_while_requests_wait(routing, options):
     rng = np.random.default_rng(1)
-    router = ReplicaRouter([2, 1, 3], routing, contrast=0.5 if routing == "affinity" else 0.0)
+    router = ReplicaRouter([2, 1, 3], routing, **options)
     admitted, key = [], 0
     for step in range(300):
         for _ in range(int(rng.integers(0, 3))):
@@ -139,3 +140,13 @@ def test_remove_and_errors():
     with pytest.raises(ValueError, match=">= 1 slot"):
         ReplicaRouter([2, 0])
     assert set(ROUTINGS) == {"round-robin", "least-loaded", "affinity"}
+
+
+@pytest.mark.parametrize("slack,where", [(None, 1), (0, 0), (1, 1)])
+def test_with_slack_a_request_that_needs_no_queue_goes_where_it_fits_among_the_least_loaded(slack, where):
+    router = ReplicaRouter([3, 3], "affinity", slack=slack)
+    for key, vector in (("a", A), ("b", B), ("b2", B)):
+        router.add(key, vector, now=0.0)
+    assert router.admit(0.0) == [("a", 0), ("b", 1), ("b2", 0 if slack is None else 1)]
+    router.add("x", B2, now=1.0)  # x fits replica 1 (B, B), which holds one more than replica 0 (A)
+    assert router.admit(1.0) == [("x", where)]

@@ -206,3 +206,16 @@ def test_cohort_eval_replicas_rejects_bad_arguments_in_one_line(tmp_path, capsys
         code = exc.code
     out, err = capsys.readouterr()
     assert (code, out) == (2, "") and len(err.strip().splitlines()) == 1 and flag in err, err
+
+
+def test_arrival_times_go_to_the_requests_in_arrival_order():
+    from eval.replicas import poisson_arrivals
+
+    times = poisson_arrivals(400, 0.5, seed=3)
+    assert times[0] == 0 and (np.diff(times) >= 0).all() and abs(times[-1] / 399 - 2.0) < 0.3  # mean gap 1 / rate
+    ts = random_traces(12, max_prompt=6, seed=5)
+    tok, times = decode_tokens(ts), np.arange(0, 24, 2)
+    for routing in (Routing("least-loaded", shuffle=True), Routing("least-loaded")):
+        got = routing.run(tok, np.full(12, 3), [12, 12], seed=7, times=times)  # room for all: nobody waits
+        order = np.random.default_rng(7).permutation(12) if routing.shuffle else np.arange(12)
+        assert got.start[order].tolist() == times.tolist()
