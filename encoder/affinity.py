@@ -12,7 +12,8 @@ several backends drive the same object. Routings:
   (fairness bound first, FCFS for requests without a vector, then the fewest expected new experts
   per step for r: encoder.admission.ResidentExperts). With `contrast` > 0 the fit is relative,
   a region of profile space per replica that follows the residents: r prefers the request that
-  fits r better than it fits the best other replica, score_r(c) - contrast * min_r' score_r'(c).
+  fits r better than it fits the best other replica, score_r(c) - contrast * min_r' score_r'(c)
+  (measured at 0.1 to 1.0: no better than plain affinity, within the spread over seeds; off by default).
   With `slack` set, a request that needs no queue (the pool holds no more requests than there are
   free slots, so every one of them gets in now) is placed instead: the oldest first, each on the
   replica where it adds the fewest expected new experts among those with a free slot and at most
