@@ -21,7 +21,8 @@ into batches of at most `batch_tokens` padded tokens (many short texts per batch
 The features of every batch still come from the model's own `preprocess`, so the embeddings equal
 those of `encode` up to float rounding (benchmarks/bench_encoder.py checks it). Static models pad
 nothing (an EmbeddingBag over concatenated token ids), so their texts go in large plain chunks.
-An ONNX folder is fed the token ids of the fast tokenizer directly, one text per call.
+An ONNX folder is fed the token ids of the fast tokenizer directly, one text per call. Long texts
+are first cut to a character prefix with the same first max_seq_len tokens (encoder.clip).
 """
 
 from __future__ import annotations
@@ -106,6 +107,7 @@ class Embedder:
     def __init__(self, model: str | os.PathLike | None = None, *, max_seq_len: int | None = None,
                  device: str = "cpu", batch_tokens: int = 2048, max_batch: int = 64, cache_size: int = 0,
                  threads: int | None = None):
+        from encoder.clip import Clipper
         from encoder.onnx import OnnxSentenceModel, is_onnx_dir
 
         self.source = resolve_model(model)
@@ -120,6 +122,7 @@ class Embedder:
         self.static = not self.onnx and type(self.model[0]).__name__ == "StaticEmbedding"
         if max_seq_len is not None:
             self._truncate(max_seq_len)
+        self._clipper = Clipper.of(self._fast_tokenizer(), self._max_tokens())  # None: texts go in whole
         self.batch_tokens, self.max_batch = batch_tokens, max_batch
         self.cache_size = cache_size
         self._cache: OrderedDict[bytes, np.ndarray] = OrderedDict()  # text digest -> [D] float32
@@ -141,10 +144,24 @@ class Embedder:
         else:
             self.model.max_seq_length = max_seq_len
 
+    def _fast_tokenizer(self):
+        if self.onnx:
+            return self.model.tokenizer
+        return self.model[0].tokenizer if self.static else getattr(self.model.tokenizer, "backend_tokenizer", None)
+
+    def _max_tokens(self) -> int | None:
+        if self.static:
+            return (self.model[0].tokenizer.truncation or {}).get("max_length")
+        return self.model.max_seq_length
+
+    def _clip(self, texts: Sequence[str]) -> Sequence[str]:
+        """Long texts cut to a prefix with the same first tokens (encoder.clip): less tokenizer work, same input."""
+        return self._clipper.clip(texts) if self._clipper is not None else texts
+
     def encode(self, texts: Sequence[str], *, progress: bool = False) -> np.ndarray:
         """Embeddings [N, D] float32, L2-normalised; identical texts are encoded once."""
         if not self.cache_size:
-            return self._encode(texts, progress)
+            return self._encode(self._clip(texts), progress)
         keys = [_digest(t.encode("utf-8", "surrogatepass")) for t in texts]
         missing = {k: t for k, t in zip(keys, texts) if k not in self._cache}  # text digest -> text
         if missing:
@@ -157,7 +174,7 @@ class Embedder:
 
     def _fill(self, missing: dict[bytes, str], progress: bool) -> None:
         """Cache the texts `missing` by text digest, encoding only those whose truncated ids are new."""
-        texts = list(missing.values())
+        texts = self._clip(list(missing.values()))
         ids = self.token_ids(texts)
         token_keys = [_digest(np.asarray(i, dtype=np.int64).tobytes()) for i in ids]
         new = {k: i for i, k in enumerate(token_keys) if k not in self._by_tokens}  # token digest -> index in texts

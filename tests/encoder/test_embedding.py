@@ -19,6 +19,7 @@ TEXTS = [
     "hi",
     "What is the best pizza in Naples?",  # duplicate
     "Écris un poème sur la mer.",
+    "Tell me everything about the rivers of Europe, from source to sea. " * 80,  # 5,000 characters: clipped
 ]
 
 
@@ -125,3 +126,26 @@ def test_cache_by_truncated_tokens_is_exact(minilm_dir, monkeypatch):
     own = Embedder(minilm_dir, max_seq_len=8).encode([longer, other])
     np.testing.assert_allclose(x[:2], own, atol=1e-6)
     assert len(e._cache) == 3 and len(e._by_tokens) == 2
+
+
+@pytest.mark.parametrize("max_tokens", [8, 128])
+def test_clipped_texts_keep_their_first_tokens(minilm_dir, max_tokens):
+    """A long text is cut to a prefix only where the model's input (its first max_tokens tokens) stays the same."""
+    from tokenizers import Tokenizer
+
+    from encoder.clip import CHARS_PER_TOKEN, Clipper
+
+    full = Tokenizer.from_file(str(Path(minilm_dir) / "tokenizer.json"))
+    full.no_padding()
+    full.enable_truncation(max_tokens)
+    window = CHARS_PER_TOKEN * max_tokens
+    texts = ["Rivers of Europe, from source to sea. " * 200,  # plain words: cut
+             "x" * (2 * window) + " and then some words" * 50,  # one unbroken word over the window: kept whole
+             "Ünïcödé ÀCCENTS and CASE, punctuation!?;" * 100,
+             "中文没有空格的文本" * 500 + " 然后 有 空格",  # CJK: a token per character
+             "https://example.com/" + "a/b-c_d.e?f=g&" * 300 + " tail",
+             "short"]
+    clipper = Clipper.of(full, max_tokens)
+    clipped = clipper.clip(texts)
+    assert len(clipped[0]) < len(texts[0]) and clipped[1] == texts[1] and clipped[5] == texts[5]
+    assert [e.ids for e in full.encode_batch(clipped)] == [e.ids for e in full.encode_batch(texts)]
