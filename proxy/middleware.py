@@ -21,6 +21,7 @@ import re
 import time
 import uuid
 
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 log = logging.getLogger(__name__)
@@ -71,6 +72,8 @@ class RequestContext:
 
         try:
             await self.app(scope, receive, send_with_id)
+        except ClientDisconnect:  # the client left while its body was being read: no one to answer
+            pass
         except Exception:
             log.exception("%s %s failed (request id %s)", scope["method"], scope["path"], request_id)
             if status[0]:  # the answer has started: nothing else can be sent

@@ -6,6 +6,7 @@ import logging
 import re
 import select
 import socket
+import time
 
 import httpx
 import pytest
@@ -158,3 +159,16 @@ def test_one_access_log_line_per_request_without_the_prompt(caplog):
     assert re.fullmatch(r"POST /v1/chat/completions 200 [0-9.]+ms r1", lines[0])
     assert re.fullmatch(r"POST /v1/chat/completions 400 [0-9.]+ms r2", lines[1])
     assert not any("hello" in line for line in lines)  # CHAT's prompt
+
+
+def test_a_client_that_leaves_while_sending_its_body_is_a_499_not_an_error(proxy, caplog):
+    with caplog.at_level(logging.INFO):
+        with socket.create_connection(("127.0.0.1", int(proxy.url.rsplit(":", 1)[1])), timeout=30) as sock:
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: proxy\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 1000\r\nx-request-id: gone-1\r\n\r\n{\"model\": ")  # then hangs up
+        deadline = time.monotonic() + 30
+        while not any(r.name == "proxy.access" for r in caplog.records):
+            assert time.monotonic() < deadline, "no access line"
+            time.sleep(0.05)
+    assert [r.getMessage().split()[2::2] for r in caplog.records if r.name == "proxy.access"] == [["499", "gone-1"]]
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
