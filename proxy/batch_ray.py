@@ -180,6 +180,7 @@ class _Collected:
 def _connect(ray) -> bool:
     """Join the running Ray (this process's, or RAY_ADDRESS's cluster), else start a local one; True if started here."""
     ray.data.DataContext.get_current().enable_progress_bars = False  # the CLI has its own bar
+    logging.getLogger("ray.data").setLevel(logging.ERROR)  # its per-run INFO lines; failures still raise here
     if ray.is_initialized():
         return False
     ray.init(**({} if os.environ.get("RAY_ADDRESS") else {"num_cpus": len(os.sched_getaffinity(0))}),
