@@ -48,6 +48,18 @@ def version() -> str:
         return "unknown (not installed)"
 
 
+def quiet_loading_bars() -> None:
+    """No "Loading weights" / download bars from transformers and huggingface_hub (for --no-progress,
+    and in `cohort serve`, whose log is no terminal); set before they import where possible."""
+    from huggingface_hub.utils import disable_progress_bars
+
+    disable_progress_bars()  # transformers reads this state when it is imported
+    if "transformers" in sys.modules:
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.disable_progress_bar()
+
+
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("proxy.cli", "run the OpenAI-compatible proxy in front of vLLM (or an embedded tiny-MoE vLLM)"),
@@ -81,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more log output (-vv for debug)")
     module.add_arguments(parser)
     args = parser.parse_args(argv[1:])
+    if getattr(args, "no_progress", False):
+        quiet_loading_bars()
     level = max(logging.WARNING - 10 * args.verbose, logging.DEBUG)
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     return int(module.run(args) or 0)

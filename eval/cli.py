@@ -33,6 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="encoder for the 'encoder' plan, from the traces' texts: local folder or hub name "
                              "(default: the packaged all-MiniLM-L6-v2); 'none' leaves the plan out")
     parser.add_argument("--seeds", type=positive_int, default=5, help="random plans to average (default %(default)s)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar while embedding the traces' texts")
     parser.add_argument("--report", metavar="DIR", help="also write report.json, report.md and saving.png to DIR")
     parser.add_argument("--sweep", type=int_list, default="8,16,32,64",
                         help="batch sizes of the report's plot, comma-separated (default %(default)s)")
@@ -49,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
         ts = heldout_traces(load_traces(args.traces), args.heldout)
         masks = expert_masks(ts, decode_steps=args.decode_steps, decode=args.decode, phase=args.decode_phase)
         plans = {"plan": read_plan_file(args.plan, ts.request_ids)} if args.plan else {}
-        planners = _encoder_planner(ts, args.encoder)
+        planners = _encoder_planner(ts, args.encoder, progress=not args.no_progress)
         result = evaluate(ts, args.batch_size, masks=masks, seeds=args.seeds, plans=plans, planners=planners)
     except (TraceFormatError, PlanError, OSError) as exc:
         return fail(str(exc))
@@ -63,14 +64,14 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _encoder_planner(ts, encoder: str | None) -> dict:
+def _encoder_planner(ts, encoder: str | None, *, progress: bool) -> dict:
     """{"encoder": planner} over the traces' texts, embedded once; {} without texts or with 'none'."""
     if (encoder or "").lower() == "none" or ts.texts is None or not any(t.strip() for t in ts.texts):
         return {}
     from encoder import embed_texts
     from encoder.planner import plan_batches
 
-    x = embed_texts(list(ts.texts), encoder=encoder)  # [N, D]
+    x = embed_texts(list(ts.texts), encoder=encoder, progress=progress)  # [N, D]
     return {"encoder": lambda _ts, batch_size: plan_batches(x, batch_size)}
 
 

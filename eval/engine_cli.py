@@ -128,7 +128,7 @@ def _lengths(args: argparse.Namespace, ts: TraceSet, tokens: DecodeTokens):
     return lengths_from_spec(args.lengths, ts.request_ids, mean=args.mean_length)
 
 
-def text_side(ts: TraceSet, encoder: str | None):
+def text_side(ts: TraceSet, encoder: str | None, *, progress: bool = False):
     """(embeddings [N, D], profile head or None) from --encoder; (None, None) without texts or with 'none'."""
     if (encoder or "").lower() == "none" or ts.texts is None or not any(t.strip() for t in ts.texts):
         return None, None
@@ -138,7 +138,7 @@ def text_side(ts: TraceSet, encoder: str | None):
     head = load_profile_head(encoder) if encoder and Path(encoder).is_dir() else None
     if head is None:
         log.info("no profile head beside encoder %s (cohort train writes one): text-profile left out", encoder)
-    return embed_texts(list(ts.texts), encoder=encoder), head
+    return embed_texts(list(ts.texts), encoder=encoder, progress=progress), head
 
 
 def run_engine(args: argparse.Namespace) -> int:
@@ -156,7 +156,7 @@ def run_engine(args: argparse.Namespace) -> int:
     try:
         ts = heldout_traces(load_traces(args.traces), args.heldout)
         plan = read_plan_file(args.plan, ts.request_ids) if args.plan else None
-        text = text_side(ts, args.encoder)
+        text = text_side(ts, args.encoder, progress=not getattr(args, "no_progress", False))
         result = run_continuous(args, ts, plan, text) if args.replicas is None else run_replicas(args, ts, text)
     except (TraceFormatError, PlanError, OSError, ValueError) as exc:
         print(f"cohort eval: error: {exc}", file=sys.stderr)

@@ -49,6 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(default: ~/.cache/moe-cohort/tiny-qwen3-moe)")
     parser.add_argument("--backend-port", type=_port, help="port of the embedded vLLM, used only without --backend "
                         "(default: a free port)")
+    parser.set_defaults(no_progress=True)  # a server log is no terminal: no "Loading weights" bars
     parser.add_argument("--backend-wait-s", type=_seconds, default=BACKEND_WAIT_S,
                         help="with --backend: how long to retry its /health at start-up before starting anyway; "
                              "0: do not check")

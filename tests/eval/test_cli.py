@@ -137,3 +137,20 @@ def test_a_bad_argument_is_one_line_naming_the_flag_before_any_work(trace_file, 
     assert (code, out) == (2, "")  # nothing evaluated or printed before the check
     assert len(err.strip().splitlines()) == 1 and flag in err and "Traceback" not in err, err
     assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("quiet", [False, True])
+def test_embedding_shows_progress_on_stderr_unless_no_progress(quiet):
+    import os
+    import subprocess
+    import sys
+
+    args = [sys.executable, "-m", "cohort.cli", "eval", "--traces", "sample", "--batch-size", "16", "--json",
+            *(["--no-progress"] if quiet else [])]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert done.returncode == 0, done.stderr
+    assert "encoder" in json.loads(done.stdout)["plans"]  # the traces' texts were embedded
+    if quiet:
+        assert "embedding" not in done.stderr and "Loading weights" not in done.stderr, done.stderr
+    else:
+        assert "embedding: 100%" in done.stderr, done.stderr  # tqdm's bar, prompts embedded out of all
