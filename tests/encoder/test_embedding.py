@@ -144,7 +144,8 @@ def test_clipped_texts_keep_their_first_tokens(minilm_dir, max_tokens):
              "Ünïcödé ÀCCENTS and CASE, punctuation!?;" * 100,
              "中文没有空格的文本" * 500 + " 然后 有 空格",  # CJK: a token per character
              "https://example.com/" + "a/b-c_d.e?f=g&" * 300 + " tail",
-             "short"]
+             "short",
+             "a " + "x" * 50 + " " + "y" * (2 * window) + " tail"]  # the prefix ends early, then one word of [UNK]
     clipper = Clipper.of(full, max_tokens)
     clipped = clipper.clip(texts)
     assert len(clipped[0]) < len(texts[0]) and clipped[1] == texts[1] and clipped[5] == texts[5]
