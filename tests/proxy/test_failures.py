@@ -5,6 +5,7 @@ in-process behind httpx.ASGITransport."""
 import asyncio
 import contextlib
 import json
+import re
 
 import httpx
 import openai
@@ -225,3 +226,70 @@ def test_stream_chunks_are_relayed_as_they_arrive():
 
     first, rest = run(main())
     assert first == b'data: {"n": 1}\n\n' and rest == b"data: [DONE]\n\n"
+
+
+def test_non_streaming_clients_that_leave_free_their_slots_and_close_the_backend_connection():
+    """One slot: A holds it at a backend that never answers, B waits for it; both clients hang up. A's backend
+    connection is closed (how vLLM learns to abort), B never reaches the backend, and the slot serves C."""
+    arrived, a_closed = [], asyncio.Event()
+
+    async def backend(request):
+        content = (await body_of(request))["messages"][0]["content"]
+        arrived.append(content)
+        if content == "c":
+            return answer(OK_BODY)
+        response = web.StreamResponse(headers={"content-type": "application/json", "content-length": "1000000"})
+        await response.prepare(request)
+        try:
+            while True:  # an answer that never ends, until the proxy hangs up
+                await response.write(b" ")
+                await asyncio.sleep(0.01)
+        except (ConnectionError, asyncio.CancelledError):
+            a_closed.set()
+            raise
+
+    async def send(port, content):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        body = json.dumps({**CHAT, "messages": [{"role": "user", "content": content}]}).encode()
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: proxy\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        await writer.drain()
+        return writer
+
+    async def until(condition):
+        for _ in range(1000):
+            if await condition():
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError("timed out")
+
+    async def main():
+        async with local_backend(backend) as url:
+            settings = Settings(backend_url=url, port=free_port(), encoder="none", max_in_flight=1)
+            with ProxyThread(settings) as proxy:
+                async with httpx.AsyncClient(base_url=proxy.url, timeout=10) as c:
+                    async def gauge(name):
+                        return float(re.search(rf"^{name} (\S+)$", (await c.get("/metrics")).text, re.M).group(1))
+
+                    a = await send(settings.port, "a")
+                    await until(lambda: _true(arrived == ["a"]))
+                    b = await send(settings.port, "b")
+                    await until(lambda: _equal(gauge("cohort_waiting"), 1))
+                    b.close()  # B leaves while it waits, then A while at the backend
+                    await until(lambda: _equal(gauge("cohort_waiting"), 0))
+                    a.close()
+                    await asyncio.wait_for(a_closed.wait(), 10)
+                    await until(lambda: _equal(gauge("cohort_in_flight"), 0))
+                    third = await c.post("/v1/chat/completions", json={**CHAT, "messages": [{"role": "user", "content": "c"}]})
+        return third
+
+    assert run(main()).status_code == 200
+    assert arrived == ["a", "c"]
+
+
+async def _true(value):
+    return value
+
+
+async def _equal(awaitable, expected):
+    return await awaitable == expected
