@@ -124,4 +124,5 @@ def test_compose_starts_the_proxy_in_front_of_defined_replicas():
     backend = re.fullmatch(r"http://([a-z0-9-]+):8000", proxy["environment"]["COHORT_BACKEND_URL"])
     assert backend and backend.group(1) in replicas
     assert set(proxy["depends_on"]) <= set(replicas)
-    assert proxy["ports"] == ["8080:8080"]
+    assert proxy["ports"] == ["${PROXY_PORT:-8080}:8080"]
+    assert all(services[name]["shm_size"] for name in [*replicas, "proxy"])  # vLLM and Ray need /dev/shm
