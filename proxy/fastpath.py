@@ -1,0 +1,44 @@
+"""The hot routes' short way through the app: POST /v1/chat/completions and /v1/completions.
+
+Profiled at 64 clients (py-spy on `cohort serve`, benchmarks/bench_proxy.py), a third of the proxy's
+CPU per request went to FastAPI's layers around these two routes: route matching over every
+route, the dependency solver, the exception and exit-stack middlewares, the response wrappers. The
+proxy's own work (auth, parse, admit, forward) does not need them. `FastPath` is plain ASGI
+middleware that sends these two paths straight to their handlers and everything else on to the
+app; the handlers and the error answers are the same functions the app's routes and exception
+handlers use, so the two ways cannot drift apart. It sits inside `RequestContext`
+(proxy/middleware.py): request ids, access log lines and the last-resort 500 are unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Awaitable, Callable
+
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from proxy.errors import ProxyError
+
+Handler = Callable[[Request], Awaitable[Response]]
+ErrorAnswer = Callable[[Request, ProxyError, str], Response]  # (request, error, metrics route label)
+
+
+class FastPath:
+    """ASGI middleware: `routes` maps a POST path to (handler, metrics route label)."""
+
+    def __init__(self, app: ASGIApp, routes: dict[str, tuple[Handler, str]], on_error: ErrorAnswer) -> None:
+        self.app, self.routes, self.on_error = app, routes, on_error
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        route = self.routes.get(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
+        if route is None:  # every other path and method: the app (405s, 404s, the other routes)
+            await self.app(scope, receive, send)
+            return
+        handler, label = route
+        request = Request(scope, receive)
+        try:
+            response = await handler(request)
+        except ProxyError as exc:
+            response = self.on_error(request, exc, label)
+        await response(scope, receive, send)
