@@ -125,6 +125,8 @@ def _send_blocks(ray, order: Sequence[BatchRequest], urls: list[str], config: Ru
             stopped = [str(data) for line, data in zip(block["line"], block["data"]) if line == _ABORT]
             if stopped:
                 raise RunAborted(stopped[0])
+    except ray.exceptions.RayError as exc:  # a worker or actor died: what finished is committed
+        raise RunAborted(f"Ray Data stopped: {type(exc).__name__}: {str(exc).splitlines()[0]}") from exc
     finally:
         blocks.close()  # stops Ray Data's executor now: blocks still out are abandoned (a rerun sends them)
 
