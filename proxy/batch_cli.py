@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
         return _fail("no backend: pass --backend URL (a vLLM server) or set COHORT_BACKEND_URL")
     from proxy.profiles import encoder_problem
 
-    problem = encoder_problem(settings) or (_ray_problem() if args.engine == "ray" else None)
+    problem = encoder_problem(settings) or (_ray_problem() if args.engine == "ray" else _one_backend(settings))
     if problem:
         return _fail(problem)
     from proxy.batchfile import read_batch_file
@@ -138,6 +138,13 @@ def _run_ray(settings: Settings, batch, journal, predictor, *, progress: bool, s
     finished = sum(1 for r in batch.requests if r.line in journal.done)
     with _ProgressBar(len(batch.requests), finished, enabled=progress) as bar:
         return run_batch_ray(settings, batch, journal, predictor, skip_invalid=skip_invalid, on_progress=bar.update)
+
+
+def _one_backend(settings: Settings) -> str | None:
+    if "," in settings.backend_url:
+        return (f"--engine local sends to one backend, got several in --backend {settings.backend_url!r}; "
+                f"pass one, or --engine ray to send to all of them")
+    return None
 
 
 def _ray_problem() -> str | None:

@@ -141,6 +141,15 @@ def test_ray_missing_is_one_line_and_exit_2(tmp_path):
     assert not (tmp_path / "out.jsonl").exists()
 
 
+def test_several_backends_need_the_ray_engine(tmp_path, capsys):
+    src = write(tmp_path / "in.jsonl", chat_lines(2))
+    code = main(["batch", "run", "--input", str(src), "--output", str(tmp_path / "out.jsonl"), "--encoder", "none",
+                 "--backend", "http://127.0.0.1:9,http://127.0.0.1:10", "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--engine local sends to one backend" in err and "--engine ray" in err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "out.jsonl").exists()
+
+
 def test_ray_and_local_runner_give_the_same_results_on_vllm(local_ray, vllm_server, tmp_path, capsys):
     n = 30
     src = write(tmp_path / "in.jsonl", [request_line(f"k{i}", f"ray test {i}", max_tokens=4,
