@@ -5,10 +5,10 @@
 
 A candidate SPEC is an `--encoder` value (folder, hub name, `static`, `onnx`, `onnx:FOLDER`, or empty
 for the packaged MiniLM) with optional `@N` for inputs cut to their first N tokens, e.g.
-`onnx-ft-32=onnx:/tmp/ft@32`. Without --candidate: the packaged MiniLM (as is, at 64 and 32 tokens,
-and on ONNX int8), the fine-tuned MiniLM of --finetuned (as is, at 64 and 32 tokens, on ONNX int8,
-and on ONNX int8 at 32 tokens), the distilled static model and the fine-tuned one of
---finetuned-static. The fine-tuned folders come from `cohort train` (hours of CPU: not rebuilt here).
+`onnx-ft-32=onnx:/tmp/ft@32`. Without --candidate: the packaged MiniLM at 128 tokens (the proxy's
+--encoder-max-seq-len), 64 and 32, and on ONNX int8 at 128 and 32; the fine-tuned MiniLM of
+--finetuned as saved (64 tokens), at 128 and 32, and on ONNX int8 at 64 and 32; the distilled
+static model and the fine-tuned one of --finetuned-static (all tokens). The fine-tuned folders come from `cohort train` (hours of CPU: not rebuilt here).
 
 1. Speed, on the held-out prompts (distinct texts, cache off): prompts per CPU-second and per
    wall-second of each candidate's `Embedder.encode`, torch and ONNX Runtime on 1 thread, then 2,
@@ -62,11 +62,11 @@ def main() -> None:
 
 
 def _default_candidates(args) -> list[str]:
-    out = ["minilm=", "minilm-64=@64", "minilm-32=@32", "onnx=onnx"]
-    if args.finetuned:
+    out = ["minilm=@128", "minilm-64=@64", "minilm-32=@32", "onnx=onnx@128", "onnx-32=onnx@32"]  # 128: the proxy's
+    if args.finetuned:  # `cohort train` saves its encoder at 64 tokens
         ft = args.finetuned
-        out += [f"minilm-ft={ft}", f"minilm-ft-64={ft}@64", f"minilm-ft-32={ft}@32", f"onnx-ft=onnx:{ft}",
-                f"onnx-ft-64=onnx:{ft}@64", f"onnx-ft-32=onnx:{ft}@32"]
+        out += [f"minilm-ft={ft}", f"minilm-ft-128={ft}@128", f"minilm-ft-32={ft}@32", f"onnx-ft=onnx:{ft}",
+                f"onnx-ft-32=onnx:{ft}@32"]
     else:
         print("no --finetuned folder: the fine-tuned MiniLM candidates (and the quality reference) are left out")
     out += ["static=static"] + ([f"static-ft={args.finetuned_static}"] if args.finetuned_static else [])
@@ -85,12 +85,14 @@ def speed(candidates: dict, texts: list[str], repeats: int) -> dict[str, float]:
         torch.set_num_threads(threads)
         base = Embedder(None)
         plain, plain_wall = _rate(lambda: base.model.encode(texts, batch_size=32, normalize_embeddings=True), len(texts), repeats)
-        print(f"  {threads} thread(s): {'plain encode':<14} {plain:8.1f} | {plain_wall:8.1f}   (all-MiniLM-L6-v2, the 1x)")
+        print(f"  {threads} thread(s): {'plain encode':<14} {plain:8.1f} | {plain_wall:8.1f}   (all-MiniLM-L6-v2, the 1x; "
+              f"max {base.model.max_seq_length} tokens)")
         for name, (source, cut) in candidates.items():
             e = Embedder(source or None, max_seq_len=cut, threads=threads)
             e.encode(texts[:32])  # warm-up
             rate, wall = _rate(lambda: e.encode(texts), len(texts), repeats)
-            print(f"  {threads} thread(s): {name:<14} {rate:8.1f} | {wall:8.1f}   = {rate / plain:6.1f}x plain encode")
+            print(f"  {threads} thread(s): {name:<14} {rate:8.1f} | {wall:8.1f}   = {rate / plain:6.1f}x plain encode"
+                  f"   (max {e._max_tokens() or 'all'} tokens)")
             if threads == 1:
                 ratios[name] = rate / plain
     torch.set_num_threads(2)
