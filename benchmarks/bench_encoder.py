@@ -8,7 +8,8 @@ for the packaged MiniLM) with optional `@N` for inputs cut to their first N toke
 `onnx-ft-32=onnx:/tmp/ft@32`. Without --candidate: the packaged MiniLM at 128 tokens (the proxy's
 --encoder-max-seq-len), 64 and 32, and on ONNX int8 at 128 and 32; the fine-tuned MiniLM of
 --finetuned as saved (64 tokens), at 128 and 32, and on ONNX int8 at 64 and 32; the distilled
-static model and the fine-tuned one of --finetuned-static (all tokens). The fine-tuned folders come from `cohort train` (hours of CPU: not rebuilt here).
+static model and the fine-tuned one of --finetuned-static (all tokens). The fine-tuned folders
+come from `cohort train` (hours of CPU: not rebuilt here).
 
 1. Speed, on the held-out prompts (distinct texts, cache off): prompts per CPU-second and per
    wall-second of each candidate's `Embedder.encode`, torch and ONNX Runtime on 1 thread, then 2,
