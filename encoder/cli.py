@@ -26,10 +26,10 @@ log = logging.getLogger(__name__)
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--input", required=True, type=Path, help="JSONL of OpenAI Batch request lines or {id, text} lines")
     parser.add_argument("--output", required=True, type=Path, help="where to write the plan (JSONL of {id, batch, position})")
-    parser.add_argument("--batch-size", required=True, type=int, help="most requests per batch (B)")
+    parser.add_argument("--batch-size", required=True, type=_positive_int, help="most requests per batch (B)")
     parser.add_argument("--encoder", default=None, help="sentence-transformers model: local folder, hub name, or "
                         "`static` (distilled once, fast) (default: the packaged all-MiniLM-L6-v2, works offline)")
-    parser.add_argument("--max-seq-len", type=int, default=None, help="truncate texts to this many tokens (default: the model's)")
+    parser.add_argument("--max-seq-len", type=_positive_int, default=None, help="truncate texts to this many tokens (default: the model's)")
     parser.add_argument("--seed", type=int, default=0, help="planner seed (default 0)")
     parser.add_argument("--skip-invalid", action="store_true", help="write bad lines to a rejects file instead of stopping")
     parser.add_argument("--rejects", type=Path, default=None,
@@ -38,8 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.batch_size < 1:
-        return _fail(f"--batch-size must be >= 1, got {args.batch_size}")
+    if args.input.is_dir():
+        return _fail(f"--input {args.input}: is a folder; give the JSONL file of prompts")
     if args.rejects is not None and not args.skip_invalid:
         return _fail("--rejects only applies with --skip-invalid")
     problem = _unwritable(args.output) or _unknown_encoder(args.encoder)
@@ -101,6 +101,16 @@ def _write_rejects(path: Path, rejects: list[InputError]) -> None:
     with open(path, "w", encoding="utf-8") as f:
         for err in rejects:
             f.write(json.dumps({"line": err.line, "error": err.reason, "raw": err.raw}) + "\n")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
 
 
 def _fail(message: str) -> int:

@@ -49,6 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.output.is_dir():
+        return _fail(f"--output {args.output} is a folder; give a file path for the results, "
+                     f"e.g. {args.output / 'results.jsonl'}")
     try:
         settings = load_settings(flag_overrides(args, _FLAGS), flags=_FLAGS)
     except SettingsError as exc:

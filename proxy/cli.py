@@ -9,10 +9,12 @@ With --backend, the backend is asked for /health at start-up, retried with backo
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import socket
 import sys
 import time
+from pathlib import Path
 
 from proxy.settings import Settings, SettingsError, add_setting_flags, flag_overrides, load_settings
 
@@ -65,14 +67,16 @@ def run(args: argparse.Namespace) -> int:
         return _fail(str(exc))
     from proxy.profiles import encoder_problem
 
-    problem = encoder_problem(settings) or _port_problem(settings.host, settings.port, "--port (env COHORT_PORT)")
+    problem = (encoder_problem(settings) or _port_problem(settings.host, settings.port, "--port (env COHORT_PORT)")
+               or _data_dir_problem(settings.data_dir))
     if not problem and args.backend_port and not settings.backend_url:
         problem = _port_problem("127.0.0.1", args.backend_port, "--backend-port")
     if problem:
         return _fail(problem)
     server = None
     if settings.backend_url:
-        wait_for_backend(settings.backend_url, args.backend_wait_s)
+        for url in settings.backend_url.split(","):  # each replica
+            wait_for_backend(url.strip(), args.backend_wait_s)
     else:
         server, settings = _start_embedded(settings, args.model_dir, args.backend_port,
                                            explicit_in_flight=args.max_in_flight is not None)
@@ -122,13 +126,31 @@ def _backend_problem(httpx, url: str) -> str | None:
 
 
 def _port_problem(host: str, port: int, flag: str) -> str | None:
-    """A port that another process holds: one line now, not a bind error after vLLM has started."""
-    with socket.socket() as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
+    """A port that another process holds, or a host that is no local address: one line now, not a
+    bind error after vLLM has started."""
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind((host, port))
-        except OSError as exc:
-            return f"{flag}: cannot listen on {host}:{port} ({exc.strerror}); is another server on it? pick another port"
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        if exc.errno == errno.EADDRINUSE:
+            return f"{flag}: cannot listen on {host}:{port} ({reason}); is another server on it? pick another port"
+        return (f"--host (env COHORT_HOST): cannot listen on {host}:{port} ({reason}); give an address of this "
+                f"machine, e.g. 127.0.0.1 or 0.0.0.0 for all")
+    return None
+
+
+def _data_dir_problem(data_dir: str) -> str | None:
+    """An explicit --data-dir that cannot be created or written (it is created on first use)."""
+    if not data_dir:
+        return None
+    path = Path(data_dir).expanduser()
+    existing = next((p for p in (path, *path.parents) if p.exists()), None)
+    if existing is not None and not existing.is_dir():
+        return f"--data-dir (env COHORT_DATA_DIR) {path}: {existing} is a file, not a folder"
+    if existing is not None and not os.access(existing, os.W_OK | os.X_OK):
+        return f"--data-dir (env COHORT_DATA_DIR) {path}: {existing} is not writable"
     return None
 
 
@@ -139,7 +161,7 @@ def _start_embedded(settings: Settings, model_dir: str | None, port: int | None,
     max_num_seqs = settings.max_in_flight if explicit_in_flight else 16
     path = ensure_tiny_model(model_dir)
     print(f"no --backend given: starting a local vLLM CPU server on the tiny MoE in {path} "
-          f"(with the moe-cohort plugin; about 20 s)...")
+          f"(with the moe-cohort plugin; up to 2 minutes on 2 CPU cores)...")
     server = start_embedded_backend(path, max_num_seqs=max_num_seqs, port=port)
     print(f"vLLM backend ready at {server.url} (model '{server.served_model_name}', log {server.log_path})")
     if stay_off_worker_cpus(server):  # its worker busy-polls its cores; the proxy would wait behind it

@@ -25,6 +25,17 @@ class SettingsError(ValueError):
         self.field, self.detail = field, detail
 
 
+def _is_http_url(text: str) -> bool:
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(text)
+        parts.port  # raises ValueError for a port that is not a number in range
+    except ValueError:
+        return False
+    return parts.scheme in ("http", "https") and bool(parts.hostname)
+
+
 def _bad(name: str, detail: str) -> SettingsError:
     return SettingsError(f"{name} (env {ENV_PREFIX}{name.upper()}) {detail}", field=name, detail=detail)
 
@@ -70,6 +81,10 @@ class Settings:
             parse_policy(self.default_policy)
         except PolicyError as exc:
             raise _bad("default_policy", f"{self.default_policy!r}: {exc}") from None
+        bad_urls = [u for u in self.backend_url.split(",") if not _is_http_url(u.strip())]  # replicas: comma-separated
+        if self.backend_url and bad_urls:
+            raise _bad("backend_url", f"must be an http:// or https:// URL such as http://127.0.0.1:8000 "
+                                      f"(replicas: comma-separated), got {bad_urls[0]!r}")
         if not 1 <= self.port <= 65535:
             raise _bad("port", f"must be a TCP port in 1..65535, got {self.port}")
         for name in ("max_in_flight", "max_body_bytes", "encoder_max_seq_len", "max_file_bytes"):

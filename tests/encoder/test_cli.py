@@ -32,7 +32,6 @@ def test_bad_line_stops_with_its_line_number(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("args, match", [
-    (["--batch-size", "0"], "batch-size"),
     (["--batch-size", "4", "--rejects", "r.jsonl"], "--skip-invalid"),
 ])
 def test_bad_arguments(tmp_path, capsys, args, match):
@@ -92,3 +91,19 @@ def test_bad_arguments_fail_before_any_work_in_one_line(tmp_path, capsys, extra,
     assert main(args) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1 and "Traceback" not in err
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--max-seq-len", "0"], "argument --max-seq-len: expected a positive integer, got 0"),
+    (["--batch-size", "0"], "argument --batch-size: expected a positive integer, got 0"),
+    (["--batch-size", "x"], "argument --batch-size: expected a positive integer, got 'x'"),
+    (["--input", "."], "--input .: is a folder"),
+])
+def test_bad_values_are_one_line_naming_the_flag(tmp_path, capsys, extra, message):
+    src = write(tmp_path / "in.jsonl", GOOD)
+    try:
+        code = main(["plan", "--input", str(src), "--batch-size", "4", "--output", str(tmp_path / "p.jsonl"), *extra])
+    except SystemExit as exc:
+        code = exc.code
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and message in err and len(err.splitlines()) == 1, err

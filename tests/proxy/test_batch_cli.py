@@ -94,6 +94,15 @@ def test_a_bad_policy_flag_is_one_line_naming_it_before_the_file_is_read(tmp_pat
     assert err.startswith("cohort batch: error: --policy (env COHORT_DEFAULT_POLICY)") and "X-MoE-Routing" not in err
 
 
+def test_an_output_that_is_a_folder_is_one_line(tmp_path, capsys):
+    src = write(tmp_path / "in.jsonl", [request_line("a", "hi")])
+    code = main(["batch", "run", "--input", str(src), "--output", str(tmp_path), "--backend", "http://127.0.0.1:9",
+                 "--encoder", "none"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err == (f"cohort batch: error: --output {tmp_path} is a folder; give a file path for the "
+                                 f"results, e.g. {tmp_path / 'results.jsonl'}")
+
+
 def test_skip_invalid_writes_bad_lines_to_the_error_file_once(vllm_server, tmp_path, capsys):
     src = write(tmp_path / "in.jsonl", [request_line("a", "hi"), "{oops", request_line("a", "dup"),
                                         request_line("b", "there", url="/v1/completions"),

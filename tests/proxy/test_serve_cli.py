@@ -41,6 +41,7 @@ def test_embedded_default_serves_and_shuts_down_cleanly(tiny_moe_dir, tmp_path):
         proc.wait(60)
     assert proc.returncode == 0, log.read_text()
     assert not _ok(backend + "/health"), "the embedded vLLM outlived `cohort serve`"
+    assert "nanobind" not in log.read_text() and "Loading weights" not in log.read_text()  # a quiet Ctrl-C
 
 
 def _ok(url: str) -> bool:
@@ -205,3 +206,12 @@ def test_a_backend_that_comes_up_during_the_wait_is_used(tmp_path):
         if server is not None:
             server.shutdown()
     assert proc.returncode == 0, log.read_text()
+
+
+def test_a_bad_host_or_data_dir_is_one_line_naming_it(tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    base = ["serve", "--backend", "http://127.0.0.1:9", "--encoder", "none", "--port", str(free_port())]
+    code, out, err = _run([*base, "--host", "999.1.1.1"], capsys)
+    assert code == 2 and "--host (env COHORT_HOST): cannot listen on 999.1.1.1" in err and "port" not in err.split(")")[-1]
+    code, out, err = _run([*base, "--data-dir", str(tmp_path / "file" / "data")], capsys)
+    assert code == 2 and f"--data-dir (env COHORT_DATA_DIR) {tmp_path / 'file' / 'data'}: " in err, err

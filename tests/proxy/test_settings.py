@@ -14,6 +14,9 @@ def test_environment_then_flags():
     ({"COHORT_PORT": "eighty"}, "COHORT_PORT='eighty': expected int"),
     ({"COHORT_MAX_IN_FLIGHT": "0"}, r"max_in_flight \(env COHORT_MAX_IN_FLIGHT\) must be >= 1, got 0"),
     ({"COHORT_LOG_PROMPTS": "maybe"}, "expected bool"),
+    ({"COHORT_BACKEND_URL": "http://127.0.0.1:8000,ftp://x"}, r"got 'ftp://x'"),
+    ({"COHORT_BACKEND_URL": "notaurl"}, r"backend_url \(env COHORT_BACKEND_URL\) must be an http:// or https:// URL "
+                                        r"such as http://127.0.0.1:8000 \(replicas: comma-separated\), got 'notaurl'"),
     ({"COHORT_MAX_QUEUE_MS": "-1"}, r"max_queue_ms \(env COHORT_MAX_QUEUE_MS\) must be a finite number >= 0, got -1.0"),
     ({"COHORT_DEFAULT_POLICY": "bogus"}, r"default_policy \(env COHORT_DEFAULT_POLICY\) 'bogus': .*allowed"),
 ])
