@@ -21,24 +21,57 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="base sentence-transformers model: a local folder, a hub name (online), or the bundled "
                              "offline default %(default)s")
     parser.add_argument("--output", required=True, help="folder for the fine-tuned model (a sentence-transformers folder)")
-    parser.add_argument("--epochs", type=float, default=_DEFAULTS.epochs, help="passes over the pairs (default %(default)s)")
-    parser.add_argument("--max-pairs", type=int, default=_DEFAULTS.max_pairs, help="training pairs (default %(default)s)")
-    parser.add_argument("--batch-size", type=int, default=_DEFAULTS.batch_size, help="pairs per step (default %(default)s)")
-    parser.add_argument("--learning-rate", type=float, default=_DEFAULTS.learning_rate, help="default %(default)s")
-    parser.add_argument("--max-seq-length", type=int, default=_DEFAULTS.max_seq_length,
+    parser.add_argument("--epochs", type=_positive_float, default=_DEFAULTS.epochs, help="passes over the pairs (default %(default)s)")
+    parser.add_argument("--max-pairs", type=_int_from(2), default=_DEFAULTS.max_pairs, help="training pairs (default %(default)s)")
+    parser.add_argument("--batch-size", type=_int_from(2), default=_DEFAULTS.batch_size, help="pairs per step (default %(default)s)")
+    parser.add_argument("--learning-rate", type=_positive_float, default=_DEFAULTS.learning_rate, help="default %(default)s")
+    parser.add_argument("--max-seq-length", type=_int_from(0), default=_DEFAULTS.max_seq_length,
                         help="truncate texts to this many word pieces, in training and in the saved model; 0 keeps the base's (default %(default)s)")
     parser.add_argument("--target", choices=TARGETS, default=DEFAULT_TARGET, help="overlap target (default %(default)s)")
     parser.add_argument("--loss", choices=LOSSES, default=_DEFAULTS.loss, help="sentence-transformers loss (default %(default)s)")
-    parser.add_argument("--holdout", type=float, default=_DEFAULTS.holdout,
+    parser.add_argument("--holdout", type=_share, default=_DEFAULTS.holdout,
                         help="share of requests held out for the before/after report (default %(default)s)")
     parser.add_argument("--seed", type=int, default=_DEFAULTS.seed, help="split, pair sampling and training seed (default %(default)s)")
-    parser.add_argument("--save-steps", type=int, default=_DEFAULTS.save_steps, help="checkpoint every N steps (default %(default)s)")
+    parser.add_argument("--save-steps", type=_int_from(1), default=_DEFAULTS.save_steps, help="checkpoint every N steps (default %(default)s)")
     parser.add_argument("--resume", action="store_true", help="continue the run in --output from its newest checkpoint")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     parser.add_argument("--profile-head", choices=("yes", "no", "only"), default="yes",
                         help="also fit the expert-profile head (embedding -> per-layer expert frequencies) on the "
                              "training side and save it beside the encoder (yes, default); no; or only fit the head for "
                              "the --base encoder, saving it in --output, without fine-tuning")
+
+
+def _int_from(low: int):
+    """argparse type: an integer >= low."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = low - 1
+        if value < low:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}")
+        return value
+    return parse
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+    return value
+
+
+def _share(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {text!r}")
+    return value
 
 
 def run(args: argparse.Namespace) -> int:
