@@ -75,8 +75,8 @@ def run(args: argparse.Namespace) -> int:
         return _fail(problem)
     server = None
     if settings.backend_url:
-        for url in settings.backend_url.split(","):  # each replica
-            wait_for_backend(url.strip(), args.backend_wait_s)
+        for url in settings.backend_urls:  # each replica
+            wait_for_backend(url, args.backend_wait_s)
     else:
         server, settings = _start_embedded(settings, args.model_dir, args.backend_port,
                                            explicit_in_flight=args.max_in_flight is not None)

@@ -82,7 +82,7 @@ class Settings:
         except PolicyError as exc:
             raise _bad("default_policy", f"{self.default_policy!r}: {exc}") from None
         bad_urls = [u for u in self.backend_url.split(",") if not _is_http_url(u.strip())]  # replicas: comma-separated
-        if self.backend_url and bad_urls:
+        if self.backend_url.strip() and bad_urls:
             raise _bad("backend_url", f"must be an http:// or https:// URL such as http://127.0.0.1:8000 "
                                       f"(replicas: comma-separated), got {bad_urls[0]!r}")
         if not 1 <= self.port <= 65535:
@@ -95,6 +95,11 @@ class Settings:
             value = getattr(self, name)
             if not 0 <= value < float("inf"):  # nan fails too
                 raise _bad(name, f"must be a finite number >= 0, got {value}")
+
+    @property
+    def backend_urls(self) -> tuple[str, ...]:
+        """The backend replicas: `backend_url` split at commas (one URL: one replica; empty: none)."""
+        return tuple(u.strip() for u in self.backend_url.split(",") if u.strip())
 
     @property
     def batch_in_flight(self) -> int:
