@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import numpy as np
 
@@ -17,10 +18,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     imp = sub.add_parser("import", help="convert a trace directory or .jsonl to a moe-cohort .npz")
     imp.add_argument("path", help="traces.npz+prompts.jsonl directory, .jsonl of records, or 'sample'")
     imp.add_argument("--output", "-o", required=True, help="where to write the .npz")
-    imp.add_argument("--num-experts", type=int, help="experts per layer (default: largest id + 1)")
+    imp.add_argument("--num-experts", type=_positive_int, help="experts per layer (default: largest id + 1)")
+
+
+def _positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return int(text)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.action == "import" and Path(args.output).is_dir():
+        print(f"cohort traces: error: --output {args.output} is a folder; give a file path such as "
+              f"{Path(args.output) / 'traces.npz'}")
+        return 2
     try:
         ts = load_traces(args.path, num_experts=getattr(args, "num_experts", None))
         if args.action == "import":

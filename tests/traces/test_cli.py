@@ -21,3 +21,14 @@ def test_import_error_is_reported(tmp_path, capsys):
     bad.write_text('{"id": "a", "experts": [[[0, 1]]], "num_prompt_tokens": 3}\n')
     assert main(["traces", "import", str(bad), "-o", str(tmp_path / "o.npz")]) == 2
     assert "line 1: num_prompt_tokens must be" in capsys.readouterr().out
+
+
+def test_an_output_that_is_a_folder_or_a_bad_expert_count_is_one_line(tmp_path, capsys):
+    import pytest
+
+    assert main(["traces", "import", "sample", "-o", str(tmp_path)]) == 2
+    said = capsys.readouterr().out.strip()
+    assert said == f"cohort traces: error: --output {tmp_path} is a folder; give a file path such as {tmp_path / 'traces.npz'}"
+    with pytest.raises(SystemExit):
+        main(["traces", "import", "sample", "-o", str(tmp_path / "t.npz"), "--num-experts", "0"])
+    assert "argument --num-experts: expected a positive integer, got '0'" in capsys.readouterr().err
