@@ -115,6 +115,14 @@ class ReplicaRouter:
             self._place(key, r)
             out.append((key, r))
 
+    def hold(self, key: Hashable, replica: int) -> None:
+        """A slot of `replica` taken outside the waiting pool (background work that no waiting request
+        wanted it for); `release(key)` frees it."""
+        if key in self.placed:
+            raise ValueError(f"{key!r} holds a slot already")
+        self.placed[key] = (replica, None)
+        self.busy[replica] += 1
+
     def release(self, key: Hashable) -> int:
         """An admitted request finished (or failed): its slot frees; returns its replica."""
         r, vector = self.placed.pop(key)

@@ -14,6 +14,12 @@ event loop). The admission carries the profile in compact form, which the proxy 
 own queue too. Background work (the Batch API's jobs) shares the slots through
 `admit_background()` but only gets one that no waiting request wants. Nothing here knows HTTP: a
 caller awaits `admit()`, talks to the backend, then calls `release(admission)`.
+
+The slots are a `proxy.replicas.ReplicaSet`: one backend is a set of one replica, several backends
+(`--backend` repeated) a set of R, each with `max_in_flight` slots, routed by `--routing`
+(encoder.affinity.ReplicaRouter; "affinity" is this module's rule applied per replica). An
+admission names its replica (`admission.client`); `failover()` moves a request whose connection a
+replica refused (it never got it) to another one.
 """
 
 from __future__ import annotations
@@ -29,7 +35,6 @@ from typing import Callable, Sequence
 import numpy as np
 
 from encoder.admission import ResidentExperts
-from encoder.waiting import WaitingPool, resident_size
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +48,19 @@ class Admission:
     admission_id: str  # the admission's sequence number (X-Cohort-Admission)
     queue_s: float
     profile: list[int] | None = None  # compact, for vllm_xargs.moe_profile
-    flat: np.ndarray | None = field(default=None, repr=False)  # [L*E] or [D], what the resident set holds
+    flat: np.ndarray | None = field(default=None, repr=False)  # [L*E] or [D], the predicted vector
+    lease: object = field(default=None, repr=False)  # proxy.replicas.Lease: the replica's slot
+    arrived: float = 0.0
+    ticket_profile: tuple | None = field(default=None, repr=False)  # (flat, compact) as predicted, for failover
+
+    @property
+    def client(self):
+        """The BackendClient of the replica this admission's slot is on."""
+        return self.lease.client
+
+    @property
+    def replica(self) -> int:
+        return self.lease.replica
 
 
 class Profiler:
@@ -82,15 +99,12 @@ class Profiler:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
 
-@dataclass(eq=False)
-class _Ticket:
-    arrived: float
-    profile: tuple | None  # (flat [L*E], compact) or None
-    future: asyncio.Future
-
-
 @dataclass
 class AdmissionGate:
+    """Profiles on arrival, then a slot from `replicas` (proxy.replicas.ReplicaSet: one backend is a set of
+    one); the metrics waiting / in_flight / queue_seconds. Without `replicas` it makes a set of one
+    slot-only replica of `max_in_flight` slots, with `max_queue_s`, `clock` and `resident_factory`."""
+
     profiler: Profiler | None
     metrics: object  # proxy.metrics.ProxyMetrics
     # size -> the resident set: ResidentExperts over predicted profiles, or ResidentEmbedding
@@ -98,14 +112,20 @@ class AdmissionGate:
     max_in_flight: int = 256
     max_queue_s: float = 30.0
     clock: Callable[[], float] = time.monotonic
-    _pool: WaitingPool = field(default_factory=WaitingPool)  # waiting tickets (the keys) and their vectors
-    _background: list = field(default_factory=list)  # futures of waiting background requests
-    _resident: object = None
-    _in_flight: int = 0
+    replicas: object = None  # proxy.replicas.ReplicaSet
+    _background: list = field(default_factory=list)  # background admissions not released yet, oldest first
     _ids: itertools.count = field(default_factory=itertools.count)
 
+    def __post_init__(self) -> None:
+        if self.replicas is None:
+            from proxy.replicas import ReplicaSet
+
+            self.replicas = ReplicaSet([None], [self.max_in_flight], "affinity", max_queue_s=self.max_queue_s,
+                                       clock=self.clock, resident_factory=self.resident_factory)
+        self.clock = self.replicas.clock
+
     async def admit(self, text: str, policy: str = "") -> Admission:
-        """Wait until this request's turn at the backend; the caller must `release()` it afterwards."""
+        """Wait until this request's turn at a backend; the caller must `release()` it afterwards."""
         arrived = self.clock()
         self.metrics.waiting.inc()
         try:
@@ -113,81 +133,66 @@ class AdmissionGate:
         except asyncio.CancelledError:
             self.metrics.waiting.dec()
             raise
-        ticket = _Ticket(arrived, profile, asyncio.get_running_loop().create_future())
-        self._pool.add(ticket, None if profile is None else profile[0], arrived)
-        self._pump()
-        try:
-            return await ticket.future
-        except asyncio.CancelledError:
-            self._cancel(ticket)
-            raise
+        return await self._acquire(profile, arrived)
 
-    async def admit_background(self) -> None:
-        """Wait for a slot that no waiting request wants; the caller must `release()` afterwards."""
-        future = asyncio.get_running_loop().create_future()
-        self._background.append(future)
-        self._pump()
-        try:
-            await future
-        except asyncio.CancelledError:
-            if future.done() and not future.cancelled():
-                self.release()  # granted, but the waiter was cancelled before it could use the slot
-            else:
-                future.cancel()
-            raise
+    def refused(self, admission: Admission, exc: Exception) -> bool:
+        """Whether `admission`'s request may go to another replica after `exc`: its replica refused the
+        connection (it never got the request) and another replica exists; that replica is then taken out.
+        The caller releases `admission` and asks `readmit(admission)` for a slot elsewhere."""
+        return self.replicas.refused(admission.lease, exc)
+
+    async def readmit(self, admission: Admission) -> Admission:
+        """A new slot for a refused request: same profile, its place by its first arrival."""
+        self.metrics.waiting.inc()
+        return await self._acquire(admission.ticket_profile, admission.arrived)
+
+    async def admit_background(self) -> Admission:
+        """Wait for a slot that no waiting request wants; the caller must `release()` it afterwards."""
+        lease = await self.replicas.acquire_background()
+        admission = Admission(f"b{next(self._ids)}", lease.queue_s, lease=lease)
+        self._background.append(admission)
+        self._in_flight_changed()
+        return admission
 
     def release(self, admission: Admission | None = None) -> None:
-        """Free the slot of an admitted request (answered, failed or abandoned)."""
-        self._in_flight -= 1
-        if admission is not None and admission.flat is not None and resident_size(self._resident) == admission.flat.shape[0]:
-            self._resident.release(admission.flat)
-        self.metrics.in_flight.set(self._in_flight)
-        self._pump()
+        """Free the slot of an admitted request (answered, failed or abandoned); None: the oldest background one."""
+        if admission is None:
+            admission = self._background[0]
+        if admission in self._background:
+            self._background.remove(admission)
+        self.replicas.release(admission.lease)
+        self._in_flight_changed()
 
     def close(self) -> None:
         if self.profiler is not None:
             self.profiler.close()
 
-    def _pump(self) -> None:
-        while self._in_flight < self.max_in_flight and len(self._pool):
-            ticket = self._pool.pick(self._resident_for(self._pool.size), self.clock(), self.max_queue_s)
-            self._pool.remove(ticket)
-            if ticket.future.done():  # its waiter was cancelled and has not run its cleanup yet
-                self.metrics.waiting.dec()
-                continue
-            self._grant(ticket)
-        while self._in_flight < self.max_in_flight and self._background:
-            future = self._background.pop(0)
-            if not future.done():  # else cancelled while waiting
-                self._take_slot()
-                future.set_result(None)
+    # what tests and the metrics look at: the one pool, the slots taken, replica 0's resident set
+    @property
+    def _pool(self):
+        return self.replicas.router.pool
 
-    def _resident_for(self, size: int | None):
-        if size is None:
-            return None
-        if self._resident is None or resident_size(self._resident) != size:
-            self._resident = self.resident_factory(size)  # the first vector seen
-        return self._resident
+    @property
+    def _in_flight(self) -> int:
+        return self.replicas.in_flight()
 
-    def _grant(self, ticket: _Ticket) -> None:
-        self._take_slot()
-        queue_s = self.clock() - ticket.arrived
-        flat, compact = ticket.profile if ticket.profile is not None else (None, None)
-        if flat is not None and flat.shape[0] == self._pool.size:
-            self._resident_for(flat.shape[0]).admit(flat)
-        else:
-            flat = None  # not in the resident set, so release must not remove it
-        self.metrics.waiting.dec()
-        self.metrics.queue_seconds.observe(queue_s)
-        ticket.future.set_result(Admission(f"a{next(self._ids)}", queue_s, compact, flat))
+    @property
+    def _resident(self):
+        return self.replicas.router.resident(0)
 
-    def _take_slot(self) -> None:
-        self._in_flight += 1
-        self.metrics.in_flight.set(self._in_flight)
-
-    def _cancel(self, ticket: _Ticket) -> None:
-        if ticket in self._pool:
-            self._pool.remove(ticket)
+    async def _acquire(self, profile: tuple | None, arrived: float) -> Admission:
+        flat, compact = profile if profile is not None else (None, None)
+        try:
+            lease = await self.replicas.acquire(flat, arrived)
+        except BaseException:  # cancelled (a slot granted meanwhile is given back) or no healthy replica
             self.metrics.waiting.dec()
-        elif ticket.future.done() and not ticket.future.cancelled():
-            self.release(ticket.future.result())  # granted, but the waiter left before using the slot
+            self._in_flight_changed()
+            raise
+        self.metrics.waiting.dec()
+        self.metrics.queue_seconds.observe(self.clock() - arrived)
+        self._in_flight_changed()
+        return Admission(f"a{next(self._ids)}", self.clock() - arrived, compact, flat, lease=lease,
+                         arrived=arrived, ticket_profile=profile)
+
+    def _in_flight_changed(self) -> None:
+        self.metrics.in_flight.set(self.replicas.in_flight())

@@ -12,6 +12,7 @@ and an access log line (proxy/middleware.py); every error leaves in the OpenAI e
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import gc
 import logging
@@ -27,12 +28,13 @@ from proxy.backend import BackendClient
 from proxy.batch_api import add_batch_api
 from proxy.batch_jobs import BatchJobs
 from proxy.admission import AdmissionGate, Profiler
-from proxy.errors import BackendStatusError, ProxyError
+from proxy.errors import BackendStatusError, BackendUnreachable, ProxyError
 from proxy.metrics import ProxyMetrics
 from proxy.middleware import RequestContext, access_log
 from proxy.profiles import Predictor, make_predictor
 from proxy.protocol import ProxyRequest, Route, check_size, cohort_headers, parse_request, read_body, with_profile
 from proxy.relay import add_relay_routes
+from proxy.replicas import ReplicaSet
 from proxy.settings import Settings, load_settings
 from proxy.streaming import StreamRelay, Upstream, unless_client_leaves
 
@@ -40,6 +42,7 @@ log = logging.getLogger(__name__)
 
 PATHS: dict[Route, str] = {"chat": "/v1/chat/completions", "completion": "/v1/completions",
                            "responses": "/v1/responses"}
+HEALTH_EVERY_S = 2.0  # how often several replicas are probed (GET /health each)
 CLIENT_CLOSED = 499  # the client left before its answer (nginx's code); in the metrics and the access log
 
 
@@ -49,17 +52,37 @@ class Proxy:
     def __init__(self, settings: Settings, predictor: Predictor | None) -> None:
         self.settings, self.predictor = settings, predictor
         self.metrics = ProxyMetrics()
-        self.backend = BackendClient.from_settings(settings)
+        clients = [BackendClient(url, timeout_s=settings.request_timeout_s, connect_timeout_s=settings.connect_timeout_s)
+                   for url in settings.backend_urls]
+        self.backend = clients[0]  # the one backend, or the first replica (Batch API code without a gate)
+        # one backend is a set of one replica; several (--backend repeated) are routed by --routing
+        self.replicas = ReplicaSet(clients, [settings.max_in_flight] * len(clients), settings.routing,
+                                   max_queue_s=settings.max_queue_ms / 1000,
+                                   **({"resident_factory": predictor.resident_factory} if predictor else {}))
         profiler = Profiler(predictor.predict, self.metrics.profile_seconds) if predictor else None
-        self.gate = AdmissionGate(profiler, self.metrics, max_in_flight=settings.max_in_flight,
-                                  max_queue_s=settings.max_queue_ms / 1000,
-                                  **({"resident_factory": predictor.resident_factory} if predictor else {}))
+        self.gate = AdmissionGate(profiler, self.metrics, replicas=self.replicas)
         self.authorize = Authorizer(settings.api_keys)  # called with a request's headers
         self.upstream = Upstream(self.gate, self.backend, self.metrics, settings.keepalive_s)
 
     async def close(self) -> None:
         self.gate.close()
-        await self.backend.close()
+        await self.replicas.close()
+
+    def relay_client(self) -> BackendClient:
+        """Where a request that takes no slot goes (/v1/embeddings, /tokenize, ...): a healthy replica."""
+        return self.backend if self.replicas.size == 1 else self.replicas.any_client()
+
+    async def watch_replicas(self, every_s: float = HEALTH_EVERY_S) -> None:
+        """With several replicas: probe them every `every_s` (a replica that stops answering goes out,
+        one that answers again comes back); a single backend is never taken out."""
+        if self.replicas.size < 2:
+            return
+        while True:
+            await asyncio.sleep(every_s)
+            try:
+                await self.replicas.check()
+            except Exception:  # a bug here must not stop the checks
+                log.exception("checking the backend replicas failed")
 
     async def body(self, request: Request) -> bytes:
         """The authorized request's body, refused (413) as soon as it passes the size limit."""
@@ -91,18 +114,27 @@ class Proxy:
     async def _forward(self, preq: ProxyRequest, path: str, headers: dict[str, str]):
         admission = await self.gate.admit(preq.text, preq.policy)
         try:  # released exactly once: answered, failed, or cancelled because the client left
-            with self.metrics.backend_seconds.labels(preq.route).time():
-                answer = await self.backend.request("POST", path, json=with_profile(preq.body, admission),
-                                                    headers={**headers, **cohort_key_header(admission)})
+            while True:
+                try:
+                    with self.metrics.backend_seconds.labels(preq.route).time():
+                        answer = await admission.client.request("POST", path, json=with_profile(preq.body, admission),
+                                                                headers={**headers, **cohort_key_header(admission)})
+                    return admission, answer
+                except BackendUnreachable as exc:
+                    if not self.gate.refused(admission, exc):  # it may have reached the backend: never resent
+                        raise
+                    refused, admission = admission, None
+                    self.gate.release(refused)
+                    admission = await self.gate.readmit(refused)  # another replica; its place kept
         finally:
-            self.gate.release(admission)
-        return admission, answer
+            if admission is not None:
+                self.gate.release(admission)
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
     """The ASGI app."""
     settings = settings or load_settings()
-    if not settings.backend_url:
+    if not settings.backend_urls:
         raise ValueError("settings.backend_url is empty; pass --backend URL (or run `cohort serve` without it "
                          "to start the embedded vLLM backend)")
     proxy = Proxy(settings, make_predictor(settings))
@@ -116,7 +148,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         # vLLM's API server does the same after startup.
         gc.collect()
         gc.freeze()
+        watcher = asyncio.get_running_loop().create_task(proxy.watch_replicas())
         yield
+        watcher.cancel()
         await batch_jobs.close()
         await proxy.close()
 
@@ -142,6 +176,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def health(request: Request) -> Response:
         # --protect-metrics: open for load balancers, but the backend's address and errors only for a key
         shown = not settings.protect_metrics or proxy.authorize.allows(request.headers)
+        if proxy.replicas.size > 1:
+            return await _replicas_health(proxy, shown)
         try:
             await proxy.backend.request("GET", "/health")
         except ProxyError as exc:
@@ -156,6 +192,17 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         return Response(proxy.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+async def _replicas_health(proxy: Proxy, shown: bool) -> Response:
+    """Several replicas: each probed now (and taken out or back in by the answer); 200 while one is up."""
+    up = await proxy.replicas.check()
+    router = proxy.replicas.router
+    replicas = [{"backend": c.base_url, "healthy": ok, "in_flight": int(busy), "max_in_flight": int(cap)}
+                for c, ok, busy, cap in zip(proxy.replicas.clients, up, router.busy, router.capacity)]
+    status = "ok" if all(up) else "degraded" if any(up) else "backend unavailable"
+    return JSONResponse({"status": status, "routing": router.routing, **({"replicas": replicas} if shown else {})},
+                        status_code=200 if any(up) else 503)
 
 
 def _add_error_handlers(app: FastAPI, proxy: Proxy) -> None:

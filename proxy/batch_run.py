@@ -9,7 +9,7 @@ Batch API's jobs and benchmarks/bench_batch.py.
    whole file, or file order without a predictor), so the backend stays full and its resident set
    stays alike. With `gate` (the proxy's online admission, proxy/admission.py) each request also
    takes a background slot, so batch work only uses backend capacity that interactive requests
-   leave free;
+   leave free, on the replica the gate gives the slot on (`cohort serve` with several --backend);
 4. retries, backoff and what fails a request: proxy/batch_core.py decides; an unreachable backend
    (after the retries) stops the run with RunAborted, and a rerun resumes;
 5. finished requests are committed to the journal (proxy/journal.py) in groups by one writer.
@@ -59,6 +59,10 @@ class RunAborted(RuntimeError):
 class Stopped(Exception):
     """Raised in a task group to end it: `stop` was set, or the deadline passed (asyncio's documented way
     to terminate a TaskGroup); what finished is kept."""
+
+
+class _Refused(Exception):
+    """A replica refused the connection and is out: the request goes to another one."""
 
 
 class _Unreachable(Exception):
@@ -150,35 +154,48 @@ class _Driver:
 
     async def _finish(self, send: Send) -> None:
         """Send one request until the core finishes it; its record goes to the writer."""
-        if self.gate is not None:
-            await self.gate.admit_background()
-        try:
-            decision = self.core.on_outcome(send, await self._attempt(send))
-            while isinstance(decision, Retry):
-                log.warning("custom_id %r: %s; retry %d/%d in %.1f s", send.request.custom_id, decision.reason,
-                            self.core.attempts[send.request.line], self.core.config.max_retries, decision.delay_s)
-                await asyncio.sleep(decision.delay_s)
-                decision = self.core.on_outcome(send, await self._attempt(send))
-        finally:
-            if self.gate is not None:
-                self.gate.release()
+        decision = self.core.on_outcome(send, await self._slotted(send))
+        while isinstance(decision, Retry):
+            log.warning("custom_id %r: %s; retry %d/%d in %.1f s", send.request.custom_id, decision.reason,
+                        self.core.attempts[send.request.line], self.core.config.max_retries, decision.delay_s)
+            await asyncio.sleep(decision.delay_s)
+            decision = self.core.on_outcome(send, await self._slotted(send))
         if isinstance(decision, Abort):
             raise _Unreachable(decision.message)
         self.records.put_nowait(decision.record)
         async with self.slot_freed:
             self.slot_freed.notify()
 
-    async def _attempt(self, send: Send) -> Outcome:
+    async def _slotted(self, send: Send) -> Outcome:
+        """One attempt; with `gate`, on a background slot of the gate's replica (held for the attempt only),
+        and sent again on another replica when one refused the connection (it never got the request)."""
+        if self.gate is None:
+            return await self._attempt(send, self.backend)
+        while True:
+            try:
+                slot = await self.gate.admit_background()
+            except BackendUnreachable as exc:  # no healthy replica
+                return Unreachable(exc.message)
+            try:
+                return await self._attempt(send, slot.client or self.backend, slot)
+            except _Refused:
+                continue
+            finally:
+                self.gate.release(slot)
+
+    async def _attempt(self, send: Send, client: BackendClient, slot=None) -> Outcome:
         """One POST; the backend's answer or failure as the core's Outcome (errors translated here)."""
         headers = {**self.headers, "x-request-id": send.request_id}
         try:
-            answer = await self.backend.request("POST", send.request.url, json=send.request.body, headers=headers)
+            answer = await client.request("POST", send.request.url, json=send.request.body, headers=headers)
             return Answered(answer.status_code, _decode(answer.content))
         except BackendStatusError as exc:
             return Answered(exc.status_code, _decode(exc.content))
         except BackendTimeout as exc:
             return TimedOut(exc.message)
         except BackendUnreachable as exc:
+            if slot is not None and self.gate.refused(slot, exc):
+                raise _Refused() from exc
             return Unreachable(exc.message)
 
     async def _write(self) -> None:

@@ -20,11 +20,14 @@ from proxy.settings import Settings, SettingsError, add_setting_flags, flag_over
 
 # flag -> Settings field; defaults live in Settings (and COHORT_* variables), not here
 _FLAGS = {
-    "--backend": ("backend_url", str, "vLLM server to front, e.g. http://127.0.0.1:8000 (default: start a tiny one)"),
+    "--backend": ("backend_url", list, "vLLM server to front, e.g. http://127.0.0.1:8000; repeat it for several "
+                                       "replicas (a comma list in the variable), each with --max-in-flight slots "
+                                       "(default: start a tiny one)"),
+    "--routing": ("routing", str, "which replica takes which request: affinity, least-loaded or round-robin"),
     "--host": ("host", str, "address to listen on"),
     "--port": ("port", int, "port to listen on"),
     "--max-queue-ms": ("max_queue_ms", float, "fairness bound: a request waiting this long is admitted first"),
-    "--max-in-flight": ("max_in_flight", int, "requests at the backend at once: set it to its max_num_seqs"),
+    "--max-in-flight": ("max_in_flight", int, "requests at the backend (each replica) at once: its max_num_seqs"),
     "--default-policy": ("default_policy", str, "routing policy when a request has no X-MoE-Routing header"),
     "--encoder": ("encoder", str, "encoder name or path (a folder from `cohort train` brings its profile head); "
                                   "'static' is fast; 'none': first come, first served (default: the packaged MiniLM)"),
@@ -177,7 +180,8 @@ def _serve(settings: Settings) -> None:
 
     app = create_app(settings)
     print(f"moe-cohort proxy on http://{settings.host}:{settings.port}/v1 -> {settings.backend_url} "
-          f"({settings.max_in_flight} in flight, policy {settings.default_policy}); "
+          f"({settings.max_in_flight} in flight{' per replica, routing ' + settings.routing if len(settings.backend_urls) > 1 else ''}, "
+          f"policy {settings.default_policy}); "
           f"point an OpenAI client at base_url=http://{settings.host}:{settings.port}/v1. Ctrl-C stops.")
     uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning")
 

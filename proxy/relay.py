@@ -1,9 +1,9 @@
 """Routes the proxy relays to the backend as they are, for clients that expect a vLLM/OpenAI server.
 
-    GET  /v1/models               the backend's model list
+    GET  /v1/models               the backend's model list (several replicas: their lists merged by id)
     GET  /v1/models/{model}       one model of that list (client.models.retrieve); 404 when not there
     POST /v1/embeddings           relayed, unplanned (no generation to plan)
-    POST /tokenize, /detokenize   relayed, unplanned
+    POST /tokenize, /detokenize   relayed, unplanned (several replicas: to a healthy one, in turn)
     GET  /version                 relayed
     POST /v1/responses            generates tokens: admitted like a completion (holds a slot, text from
                                   `input`), streamed or whole; its body goes unchanged (no routing policy)
@@ -30,20 +30,28 @@ def add_relay_routes(app: FastAPI, proxy) -> None:
     """Add the relayed routes to `app`; `proxy` is the app's proxy.app.Proxy."""
 
     async def relay(request: Request, method: str, path: str, body: bytes | None = None) -> Response:
-        answer = await proxy.backend.request(method, path, json=None if body is None else json_object(body),
-                                             headers=backend_headers(proxy.settings, request.headers))
+        answer = await proxy.relay_client().request(method, path, json=None if body is None else json_object(body),
+                                                    headers=backend_headers(proxy.settings, request.headers))
         return Response(answer.content, status_code=answer.status_code, media_type=answer.content_type)
+
+    async def listed(request: Request) -> dict:
+        """The model list: the backend's, or the healthy replicas' merged by model id."""
+        headers = backend_headers(proxy.settings, request.headers)
+        if proxy.replicas.size > 1:
+            return await proxy.replicas.models(headers)
+        return json.loads((await proxy.backend.request("GET", "/v1/models", headers=headers)).content)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         proxy.authorize(request.headers)
+        if proxy.replicas.size > 1:
+            return JSONResponse(await listed(request))
         return await relay(request, "GET", "/v1/models")
 
     @app.get("/v1/models/{model:path}")
     async def model(model: str, request: Request) -> Response:
         proxy.authorize(request.headers)
-        listed = await proxy.backend.request("GET", "/v1/models", headers=backend_headers(proxy.settings, request.headers))
-        for entry in json.loads(listed.content).get("data", []):
+        for entry in (await listed(request)).get("data", []):
             if entry.get("id") == model:
                 return JSONResponse(entry)
         raise NotFound(f"the model {model!r} does not exist at the backend; GET /v1/models lists the served ones",

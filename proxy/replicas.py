@@ -1,6 +1,8 @@
 """Several vLLM replicas behind the proxy: per-replica capacity and health, routing by expert affinity.
 
-Issue 18, "Several backends in the proxy" (a component; proxy/app.py does not use it yet):
+Issue 18, "Several backends in the proxy". `cohort serve --backend A --backend B` (proxy/app.py): the
+AdmissionGate (proxy/admission.py) profiles each request and takes its slot here; one backend is a
+set of one replica, so both cases share this one code path.
 
 - `ReplicaSet` holds R `BackendClient`s, each with its capacity (that vLLM's max_num_seqs, as
   `max_in_flight` is for one backend), and one `encoder.affinity.ReplicaRouter`, the rule the
@@ -20,6 +22,9 @@ Issue 18, "Several backends in the proxy" (a component; proxy/app.py does not us
   `acquire()` lease and stream from its client; a stream under way when its replica dies is ended
   by the streaming code with an SSE error event, as with one backend.
 - `models()`: the healthy replicas' /v1/models lists merged by model id (first replica wins).
+- Background work (the Batch API's jobs): `acquire_background()` gets a slot only when no waiting
+  request can use it (every replica with a free slot has nobody waiting for it).
+- A client of None is a slot-only replica (AdmissionGate without backends, in tests).
 """
 
 from __future__ import annotations
@@ -71,6 +76,8 @@ class ReplicaSet:
         self.router = ReplicaRouter(capacities, routing, max_wait=max_queue_s, resident_factory=resident_factory)
         self.health_timeout_s, self.clock = health_timeout_s, clock
         self._waiting: set[_Ticket] = set()
+        self._background: list[_Ticket] = []  # waiting background work, oldest first
+        self._turn = 0
 
     @classmethod
     def from_urls(cls, urls: Sequence[str], capacities: Sequence[int], routing: str = "affinity", **options) -> "ReplicaSet":
@@ -79,9 +86,52 @@ class ReplicaSet:
     async def close(self) -> None:
         await asyncio.gather(*(c.close() for c in self.clients))
 
-    async def acquire(self, vector: np.ndarray | None = None) -> Lease:
-        """Wait for a slot on a healthy replica, by the routing; the caller must `release()` the lease."""
-        return await self._wait(_Ticket(vector, self.clock(), asyncio.get_running_loop().create_future()))
+    @property
+    def size(self) -> int:
+        return len(self.clients)
+
+    def in_flight(self) -> int:
+        return int(self.router.busy.sum())
+
+    async def acquire(self, vector: np.ndarray | None = None, arrived: float | None = None) -> Lease:
+        """Wait for a slot on a healthy replica, by the routing; the caller must `release()` the lease.
+        `arrived` (default: now) is when the request arrived, for the fairness bound."""
+        arrived = self.clock() if arrived is None else arrived
+        return await self._wait(_Ticket(vector, arrived, asyncio.get_running_loop().create_future()))
+
+    async def acquire_background(self) -> Lease:
+        """Wait for a slot that no waiting request wants (Batch API work); `release()` it afterwards."""
+        if not self.router.healthy.any():
+            raise _none_healthy()
+        ticket = _Ticket(None, self.clock(), asyncio.get_running_loop().create_future())
+        self._background.append(ticket)
+        self._pump()
+        try:
+            return await ticket.future
+        except asyncio.CancelledError:
+            if ticket.future.done() and not ticket.future.cancelled():
+                self.release(ticket.future.result())  # granted, but the waiter left before using the slot
+            elif ticket in self._background:
+                self._background.remove(ticket)
+            raise
+
+    def refused(self, lease: Lease, exc: BackendError) -> bool:
+        """Whether a request that failed with `exc` on `lease` may go to another replica: the backend never
+        got it (the connect failed) and another replica exists; then `lease`'s replica is taken out."""
+        if self.size < 2 or not isinstance(exc, BackendUnreachable) or not _never_sent(exc):
+            return False
+        log.warning("replica %d (%s) refused the connection; taking it out and sending the request elsewhere",
+                    lease.replica, lease.client.base_url)
+        self.set_healthy(lease.replica, False)
+        return True
+
+    def any_client(self) -> BackendClient:
+        """A healthy replica's client for requests that take no slot (relayed routes), in turn."""
+        up = np.flatnonzero(self.router.healthy)
+        if len(up) == 0:
+            raise _none_healthy()
+        self._turn += 1
+        return self.clients[int(up[self._turn % len(up)])]
 
     def release(self, lease: Lease) -> None:
         """The request on `lease` is done (answered, failed or abandoned): its slot frees."""
@@ -97,11 +147,8 @@ class ReplicaSet:
             try:
                 return lease.replica, await lease.client.request(method, path, json=json, headers=headers)
             except BackendUnreachable as exc:
-                if not _never_sent(exc):
+                if not self.refused(lease, exc):
                     raise
-                log.warning("replica %d (%s) refused the connection; taking it out and sending the request elsewhere",
-                            lease.replica, lease.client.base_url)
-                self.set_healthy(lease.replica, False)
                 ticket.future = asyncio.get_running_loop().create_future()
             finally:
                 self.release(lease)
@@ -117,6 +164,9 @@ class ReplicaSet:
                 self.router.remove(ticket)
                 self._waiting.discard(ticket)
                 ticket.future.set_exception(_none_healthy())
+            for ticket in self._background:
+                ticket.future.set_exception(_none_healthy())
+            self._background.clear()
         self._pump()
 
     async def check(self) -> list[bool]:
@@ -133,10 +183,13 @@ class ReplicaSet:
             self.set_healthy(r, ok)
         return list(results)
 
-    async def models(self) -> dict:
+    async def models(self, headers: dict[str, str] | None = None) -> dict:
         """The healthy replicas' /v1/models, merged by model id: {"object": "list", "data": [...]}."""
         up = [c for c, ok in zip(self.clients, self.router.healthy) if ok]
-        answers = await asyncio.gather(*(c.request("GET", "/v1/models") for c in up), return_exceptions=True)
+        if not up:
+            raise _none_healthy()
+        answers = await asyncio.gather(*(c.request("GET", "/v1/models", headers=headers) for c in up),
+                                       return_exceptions=True)
         data, seen, errors = [], set(), [a for a in answers if isinstance(a, BaseException)]
         for answer in answers:
             for model in [] if isinstance(answer, BaseException) else json.loads(answer.content).get("data", []):
@@ -174,6 +227,13 @@ class ReplicaSet:
                     admitted = True  # the slot is free again: admit once more
                     continue
                 ticket.future.set_result(Lease(replica, self.clients[replica], now - ticket.arrived, ticket))
+        while self._background and self.router.free().max(initial=0) > 0:  # no waiting request wants these
+            ticket = self._background.pop(0)
+            if ticket.future.done():  # cancelled while waiting
+                continue
+            replica = int(np.argmax(self.router.free()))
+            self.router.hold(ticket, replica)
+            ticket.future.set_result(Lease(replica, self.clients[replica], now - ticket.arrived, ticket))
 
 
 def _never_sent(exc: BackendUnreachable) -> bool:

@@ -42,7 +42,10 @@ def _bad(name: str, detail: str) -> SettingsError:
 
 @dataclass(frozen=True)
 class Settings:
-    backend_url: str = ""  # vLLM server to front, e.g. http://127.0.0.1:8000 (empty: start the embedded one)
+    # vLLM server(s) to front, e.g. http://127.0.0.1:8000; several replicas as a comma list, each with
+    # max_in_flight slots (empty: start the embedded one)
+    backend_url: str = ""
+    routing: str = "affinity"  # which replica takes which request: affinity | least-loaded | round-robin
     host: str = "127.0.0.1"
     port: int = 8080
     max_queue_ms: float = 30_000.0  # fairness bound: a request that has waited this long is admitted first
@@ -85,6 +88,10 @@ class Settings:
         if self.backend_url.strip() and bad_urls:
             raise _bad("backend_url", f"must be an http:// or https:// URL such as http://127.0.0.1:8000 "
                                       f"(replicas: comma-separated), got {bad_urls[0]!r}")
+        from encoder.affinity import ROUTINGS
+
+        if self.routing not in ROUTINGS:
+            raise _bad("routing", f"must be one of {', '.join(ROUTINGS)}, got {self.routing!r}")
         if not 1 <= self.port <= 65535:
             raise _bad("port", f"must be a TCP port in 1..65535, got {self.port}")
         for name in ("max_in_flight", "max_body_bytes", "encoder_max_seq_len", "max_file_bytes"):
@@ -125,13 +132,15 @@ def add_setting_flags(parser, flags: FlagTable) -> None:
     defaults = {f.name: f.default for f in fields(Settings)}
     for flag, (dest, kind, help_text) in flags.items():
         shown = "" if "default" in help_text else f"default {defaults[dest]!r}; " if defaults[dest] != "" else ""
-        parser.add_argument(flag, dest=dest, type=kind,
+        kind_args = {"action": "append"} if kind is list else {"type": kind}  # list: repeatable, joined by commas
+        parser.add_argument(flag, dest=dest, **kind_args,
                             help=f"{help_text} ({shown}env {ENV_PREFIX}{dest.upper()})".replace("%", "%%"))
 
 
 def flag_overrides(args, flags: FlagTable) -> dict[str, object]:
     """The Settings overrides that the parsed `args` carry for `flags` (None where not given)."""
-    return {dest: getattr(args, dest) for dest, _, _ in flags.values()}
+    values = {dest: getattr(args, dest) for dest, _, _ in flags.values()}
+    return {dest: ",".join(v) if isinstance(v, list) else v for dest, v in values.items()}
 
 
 def load_settings(overrides: Mapping[str, object] | None = None, environ: Mapping[str, str] | None = None, *,

