@@ -29,6 +29,7 @@ from proxy.batch_api import add_batch_api
 from proxy.batch_jobs import BatchJobs
 from proxy.admission import AdmissionGate, Profiler
 from proxy.errors import BackendStatusError, BackendUnreachable, ProxyError
+from proxy.fastpath import FastPath
 from proxy.metrics import ProxyMetrics
 from proxy.middleware import RequestContext, access_log
 from proxy.profiles import Predictor, make_predictor
@@ -156,19 +157,23 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     app = FastAPI(title="moe-cohort proxy", lifespan=lifespan)
     app.state.proxy = proxy
-    app.add_middleware(RequestContext)
     access_log.setLevel(logging.INFO if settings.access_log else logging.WARNING)
     _add_error_handlers(app, proxy)
     batch_jobs = BatchJobs(settings, proxy.backend, proxy.predictor, gate=proxy.gate)
     add_batch_api(app, batch_jobs, proxy.authorize, settings.max_file_bytes)
 
-    @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await proxy.completion(request, "chat")
 
-    @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await proxy.completion(request, "completion")
+
+    # the two hot routes skip FastAPI's layers (proxy/fastpath.py); routes here too, for the OpenAPI schema
+    app.post(PATHS["chat"])(chat_completions)
+    app.post(PATHS["completion"])(completions)
+    app.add_middleware(FastPath, routes={PATHS["chat"]: (chat_completions, "chat"),
+                                         PATHS["completion"]: (completions, "completion")},
+                       on_error=lambda request, exc, label: error_answer(proxy, request, exc, label))
 
     add_relay_routes(app, proxy)
 
@@ -191,7 +196,18 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             proxy.authorize(request.headers)
         return Response(proxy.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    app.add_middleware(RequestContext)  # added last, so outermost: around the fast path too
     return app
+
+
+def error_answer(proxy: Proxy, request: Request, exc: ProxyError, route: str) -> Response:
+    """The answer to a ProxyError (the OpenAI error shape), counted under the metrics label `route`."""
+    proxy.metrics.requests.labels(route, str(exc.status_code)).inc()
+    if isinstance(exc, BackendStatusError):  # the backend's own error, in the OpenAI shape
+        content, media_type = exc.openai_content(f"{request.method} {request.url.path}")
+        return Response(content, status_code=exc.status_code, media_type=media_type)
+    log.warning("%s %s -> %d: %s", request.method, request.url.path, exc.status_code, exc.message)
+    return JSONResponse(exc.body(), status_code=exc.status_code)
 
 
 async def _replicas_health(proxy: Proxy, shown: bool) -> Response:
@@ -208,12 +224,7 @@ async def _replicas_health(proxy: Proxy, shown: bool) -> Response:
 def _add_error_handlers(app: FastAPI, proxy: Proxy) -> None:
     @app.exception_handler(ProxyError)
     async def proxy_error(request: Request, exc: ProxyError) -> Response:
-        proxy.metrics.requests.labels(_route_of(request), str(exc.status_code)).inc()
-        if isinstance(exc, BackendStatusError):  # the backend's own error, in the OpenAI shape
-            content, media_type = exc.openai_content(f"{request.method} {request.url.path}")
-            return Response(content, status_code=exc.status_code, media_type=media_type)
-        log.warning("%s %s -> %d: %s", request.method, request.url.path, exc.status_code, exc.message)
-        return JSONResponse(exc.body(), status_code=exc.status_code)
+        return error_answer(proxy, request, exc, _route_of(request))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
