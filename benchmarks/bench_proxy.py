@@ -23,6 +23,12 @@ vLLM server with max_num_seqs = --slots and `--scheduler-cls backend.scheduler.E
 the proxy forwarding at once (admission inside the engine, from the profiles the proxy sends);
 prints the mean distinct experts per layer per decode forward from the plugin's counters, with
 the tokens per forward beside it (fewer tokens per forward touch fewer experts by themselves).
+With --replicas 2 (issue 18): a second tiny-MoE vLLM server is started beside the first; part 1
+adds a proxy fronting both (`--backend A --backend B`, routing affinity) to the same comparison
+(the direct baseline is still server A alone), and part 2 becomes the two-replica run: the prompts
+through `cohort serve --backend A --backend B --routing X` for X in round-robin, least-loaded and
+affinity (--slots in flight per replica, --encoder), the distinct experts per layer per decode
+forward summed over both servers' counters, and the wall time.
 Without --backend, a tiny-MoE vLLM CPU server is started (and stopped) here. The proxy runs as
 its own process (`cohort serve`), as in production.
 """
@@ -114,8 +120,10 @@ def healthy(url: str) -> bool:
 
 
 def start_proxy(backend: str, *flags: str) -> tuple[subprocess.Popen, str]:
+    """`cohort serve` in front of `backend` (several replicas: a comma list, one --backend each)."""
     port = free_port()
-    cmd = [sys.executable, "-m", "cohort.cli", "serve", "--backend", backend, "--port", str(port), *flags]
+    backends = [a for url in backend.split(",") for a in ("--backend", url)]
+    cmd = [sys.executable, "-m", "cohort.cli", "serve", *backends, "--port", str(port), *flags]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
@@ -128,28 +136,33 @@ def start_proxy(backend: str, *flags: str) -> tuple[subprocess.Popen, str]:
 
 
 def overhead(backend: str, concurrency: list[int], per_client: int, rounds: int, encoder: str,
-             prompts: list[str]) -> None:
-    """Part 1 for one encoder ("none": no embedding, the prompt "hi"; else distinct `prompts`)."""
-    proc, proxy = start_proxy(backend, "--encoder", encoder, "--max-in-flight", "256")
+             prompts: list[str], replica: str | None = None) -> None:
+    """Part 1 for one encoder ("none": no embedding, the prompt "hi"; else distinct `prompts`); with
+    `replica`, also a proxy fronting `backend` and `replica` ("proxy2")."""
+    procs, proxies = [], {}
+    for name, backends in [("proxy", backend)] + ([("proxy2", f"{backend},{replica}")] if replica else []):
+        proc, proxies[name] = start_proxy(backends, "--encoder", encoder, "--max-in-flight", "256")
+        procs.append(proc)
     texts = None if encoder == "none" else prompts
     try:
         print(f"encoder {encoder or 'default'!r}; whole answers (max_tokens=1):")
-        compare(backend, proxy, concurrency, per_client, rounds, stream=False, prompts=texts)
+        compare(backend, proxies, concurrency, per_client, rounds, stream=False, prompts=texts)
         print(f"encoder {encoder or 'default'!r}; streams (max_tokens=8), time to the first chunk:")
-        compare(backend, proxy, [c for c in concurrency if c <= 16], per_client, rounds, stream=True, prompts=texts)
+        compare(backend, proxies, [c for c in concurrency if c <= 16], per_client, rounds, stream=True, prompts=texts)
     finally:
-        proc.terminate()
-        proc.wait(30)
+        for proc in procs:
+            proc.terminate()
+            proc.wait(30)
 
 
-def compare(backend: str, proxy: str, concurrency: list[int], per_client: int, rounds: int, *, stream: bool,
-            prompts: list[str] | None = None) -> None:
+def compare(backend: str, proxies: dict[str, str], concurrency: list[int], per_client: int, rounds: int, *,
+            stream: bool, prompts: list[str] | None = None) -> None:
     """`rounds` direct and proxied runs, alternating, at each concurrency (the machine drifts: one
-    of each in a row would compare two moments); a table of p50/p99/throughput and the difference."""
+    of each in a row would compare two moments); a table of p50/p99/throughput and each proxy's difference."""
     print(f"{'clients':>7} {'path':>6} {'p50 ms':>8} {'p99 ms':>8} {'req/s':>8}")
     for c in concurrency:
         rows = {}
-        for name, url in [("direct", backend), ("proxy", proxy)] * rounds:
+        for name, url in [("direct", backend), *proxies.items()] * rounds:
             lat, rps = asyncio.run(load(url + "/v1/completions", c, per_client, stream, prompts))
             rows.setdefault(name, []).append((lat, rps))
         stats = {}
@@ -157,8 +170,10 @@ def compare(backend: str, proxy: str, concurrency: list[int], per_client: int, r
             lat = np.concatenate([r[0] for r in runs]) * 1000
             stats[name] = (np.percentile(lat, 50), np.percentile(lat, 99), np.mean([r[1] for r in runs]))
             print(f"{c:>7} {name:>6} {stats[name][0]:>8.2f} {stats[name][1]:>8.2f} {stats[name][2]:>8.1f}")
-        print(f"{c:>7} {'added':>6} {stats['proxy'][0] - stats['direct'][0]:>8.2f} "
-              f"{stats['proxy'][1] - stats['direct'][1]:>8.2f}")
+        for name in proxies:
+            label = "added" if name == "proxy" else f"+{name}"
+            print(f"{c:>7} {label:>6} {stats[name][0] - stats['direct'][0]:>8.2f} "
+                  f"{stats[name][1] - stats['direct'][1]:>8.2f}")
 
 
 def decode_distinct(backend: str) -> tuple[float, float, float]:
@@ -213,6 +228,29 @@ def admission(backend: str, prompts: list[str], slots: int, max_tokens: int, moe
               f"per forward ({loads1 - loads0:,.0f} loads over {fwd1 - fwd0:,.0f} layer-forwards), wall {wall:.1f} s")
 
 
+def replicas_run(backends: list[str], prompts: list[str], slots: int, max_tokens: int, moe_layers: int,
+                 encoder: str) -> None:
+    """Part 2 with several replicas: one proxy in front of all `backends` per routing; the decode
+    counters summed over every backend."""
+    enc = ["--encoder", encoder] if encoder else []
+    print(f"{len(backends)} replicas, {len(prompts)} prompts, 64 clients, {slots} in flight per replica, "
+          f"{max_tokens} tokens each, encoder {encoder or 'default'!r}")
+    for routing in ("round-robin", "least-loaded", "affinity"):
+        proc, proxy = start_proxy(",".join(backends), *enc, "--max-in-flight", str(slots), "--routing", routing)
+        try:
+            before = [decode_distinct(b) for b in backends]
+            wall = asyncio.run(send_prompts(proxy, prompts, 64, max_tokens))
+            after = [decode_distinct(b) for b in backends]
+        finally:
+            proc.terminate()
+            proc.wait(30)
+        loads, fwd, tok = (sum(a[i] - b[i] for a, b in zip(after, before)) for i in range(3))
+        split = "/".join(f"{a[1] - b[1]:,.0f}" for a, b in zip(after, before))
+        print(f"{routing:>12}: {loads / max(fwd, 1):6.2f} distinct experts per layer per decode forward at "
+              f"{tok * moe_layers / max(fwd, 1):.1f} tokens per forward ({loads:,.0f} loads over {fwd:,.0f} "
+              f"layer-forwards, {split} per replica), wall {wall:.1f} s")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", help="vLLM URL (default: start a tiny-MoE vLLM CPU server)")
@@ -233,17 +271,24 @@ def main() -> None:
     parser.add_argument("--skip-overhead", action="store_true", help="part 2 only")
     parser.add_argument("--engine-side", action="store_true",
                         help="part 2: also admission inside vLLM (a second server with our --scheduler-cls)")
+    parser.add_argument("--replicas", type=int, default=1, choices=(1, 2),
+                        help="2: start a second vLLM server; part 1 adds a proxy fronting both, part 2 compares "
+                             "the routings over both (needs no --backend)")
     parser.add_argument("--no-pin", dest="pin", action="store_false",
                         help="run backend, proxy and clients on all CPUs (default: split the CPUs)")
     args = parser.parse_args()
     backend_cpus, client_cpus = split_cpus() if args.pin else (os.sched_getaffinity(0),) * 2
-    server = engine = None
+    server = engine = second = None
+    if args.replicas == 2 and args.backend:
+        parser.error("--replicas 2 starts both servers itself; leave out --backend")
     if not args.backend:
         from proxy.embedded import start_embedded_backend
 
         os.sched_setaffinity(0, backend_cpus)  # vLLM's processes inherit it
         server = start_embedded_backend(args.model_dir, max_num_seqs=64)
         args.backend = server.url
+        if args.replicas == 2:
+            second = start_embedded_backend(args.model_dir, max_num_seqs=64)
     if args.engine_side:
         from devtools.server import start
         from proxy.embedded import ensure_tiny_model
@@ -260,12 +305,16 @@ def main() -> None:
         if not args.skip_overhead:
             for encoder in args.overhead_encoders.split(","):
                 overhead(args.backend, [int(c) for c in args.concurrency.split(",")], args.requests_per_client,
-                         args.rounds, encoder.strip(), prompts)
+                         args.rounds, encoder.strip(), prompts, second.url if second else None)
         prompts = prompts[: args.prompts]
-        admission(args.backend, prompts, args.slots, args.max_tokens, args.moe_layers, args.encoder,
-                  engine.url if engine else None)
+        if second is not None:
+            replicas_run([args.backend, second.url], prompts, args.slots, args.max_tokens, args.moe_layers,
+                         args.encoder)
+        else:
+            admission(args.backend, prompts, args.slots, args.max_tokens, args.moe_layers, args.encoder,
+                      engine.url if engine else None)
     finally:
-        for s in (server, engine):
+        for s in (server, engine, second):
             if s is not None:
                 s.stop()
 
