@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import errno
 import os
+import signal
 import socket
 import sys
 import time
@@ -76,6 +77,10 @@ def run(args: argparse.Namespace) -> int:
         problem = _port_problem("127.0.0.1", args.backend_port, "--backend-port")
     if problem:
         return _fail(problem)
+    # SIGTERM (docker stop, systemd, kill) stops like Ctrl-C: uvicorn re-raises the signal after its
+    # graceful shutdown, and with the default handler the process died there, leaving the embedded vLLM
+    # (its own process group) running
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     server = None
     if settings.backend_url:
         for url in settings.backend_urls:  # each replica

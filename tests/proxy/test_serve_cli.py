@@ -37,9 +37,10 @@ def test_embedded_default_serves_and_shuts_down_cleanly(tiny_moe_dir, tmp_path):
         backend = re.search(r"vLLM backend ready at (http://\S+)", text).group(1)
         assert backend == f"http://127.0.0.1:{backend_port}"
     finally:
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signal.SIGTERM)  # what docker stop and systemd send; Ctrl-C (SIGINT) takes the same path
         proc.wait(60)
     assert proc.returncode == 0, log.read_text()
+    assert "stopping the embedded vLLM backend" in log.read_text()
     assert not _ok(backend + "/health"), "the embedded vLLM outlived `cohort serve`"
     assert "nanobind" not in log.read_text() and "Loading weights" not in log.read_text()  # a quiet Ctrl-C
 
