@@ -73,13 +73,13 @@ class Proxy:
         """Where a request that takes no slot goes (/v1/embeddings, /tokenize, ...): a healthy replica."""
         return self.backend if self.replicas.size == 1 else self.replicas.any_client()
 
-    async def watch_replicas(self, every_s: float = HEALTH_EVERY_S) -> None:
+    async def watch_replicas(self, every_s: float | None = None) -> None:
         """With several replicas: probe them every `every_s` (a replica that stops answering goes out,
         one that answers again comes back); a single backend is never taken out."""
         if self.replicas.size < 2:
             return
         while True:
-            await asyncio.sleep(every_s)
+            await asyncio.sleep(every_s or HEALTH_EVERY_S)
             try:
                 await self.replicas.check()
             except Exception:  # a bug here must not stop the checks

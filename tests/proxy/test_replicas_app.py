@@ -240,3 +240,36 @@ def test_serve_takes_backend_repeated_and_routing():
                                             r"least-loaded, affinity, got 'nearest'"):
         load_settings(flag_overrides(parser.parse_args(["--routing", "nearest"]), cli._FLAGS), environ={},
                       flags=cli._FLAGS)
+
+
+def test_the_running_proxy_checks_its_replicas_in_the_background(monkeypatch):
+    """`cohort serve` as it runs (uvicorn, lifespan): a replica that is down is taken out, and back in once
+    it answers, by the periodic health checks alone (no request, no /health call)."""
+    import proxy.app
+    from devtools.server import free_port
+    from tests.proxy.servers import ProxyThread
+
+    monkeypatch.setattr(proxy.app, "HEALTH_EVERY_S", 0.05)
+
+    async def until(condition):
+        for _ in range(600):  # a guard against hanging (30 s), not a timing
+            if condition():
+                return
+            await asyncio.sleep(0.05)
+        raise AssertionError("condition never held")
+
+    async def main():
+        down_port, down = free_url()
+        async with local_backend(replica("a", [])) as a:
+            settings = Settings(backend_url=f"{a},{down}", port=free_port(), encoder="none")
+            with ProxyThread(settings) as running:
+                healthy = running.server.config.app.state.proxy.replicas.router.healthy
+                await until(lambda: healthy.tolist() == [True, False])
+                server = RawTestServer(replica("b", []), host="127.0.0.1", port=down_port)
+                await server.start_server()
+                try:
+                    await until(lambda: healthy.tolist() == [True, True])
+                finally:
+                    await server.close()
+
+    asyncio.run(main())
