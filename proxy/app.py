@@ -63,7 +63,7 @@ class Proxy:
         profiler = Profiler(predictor.predict, self.metrics.profile_seconds) if predictor else None
         self.gate = AdmissionGate(profiler, self.metrics, replicas=self.replicas)
         self.authorize = Authorizer(settings.api_keys)  # called with a request's headers
-        self.upstream = Upstream(self.gate, self.backend, self.metrics, settings.keepalive_s)
+        self.upstream = Upstream(self.gate, self.metrics, settings.keepalive_s)
 
     async def close(self) -> None:
         self.gate.close()

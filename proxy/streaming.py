@@ -5,7 +5,9 @@ A streaming request waits for its turn up to `keepalive_s` before answering. Adm
 code; otherwise it answers 200 at once and sends SSE comments (`: queued`) until admitted, and a
 later error arrives as an SSE `data: {"error": ...}` event, as vLLM itself reports errors mid-stream.
 Whatever happens (finish, error, client disconnect) `close()` runs once: it closes the backend
-connection, which makes vLLM abort the request, and frees the admission slot.
+connection, which makes vLLM abort the request, and frees the admission slot. With several
+replicas the stream opens on the admission's replica; one that refuses the connection passes the
+request to another (it never got it); one that dies mid-stream ends it with an SSE error event.
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ from typing import AsyncIterator, Awaitable, TypeVar
 
 from starlette.responses import StreamingResponse
 
-from proxy.backend import BackendClient
 from proxy.admission import AdmissionGate
 from proxy.errors import BackendUnreachable, ProxyError
 from proxy.metrics import ProxyMetrics
@@ -46,10 +47,10 @@ class _ClosingStreamingResponse(StreamingResponse):
 
 @dataclass(frozen=True)
 class Upstream:
-    """What a relay uses: the dispatcher (`gate`), the backend, the metrics, the keep-alive interval."""
+    """What a relay uses: the dispatcher (`gate`, whose admissions name their replica's client), the
+    metrics, the keep-alive interval."""
 
     gate: AdmissionGate
-    backend: BackendClient
     metrics: ProxyMetrics
     keepalive_s: float
 
