@@ -7,8 +7,8 @@ proxy, alternating, at 1, 16 and 64 concurrent clients; prints latency p50/p99 a
 each, and the added p50/p99; then the same for streams (max_tokens=8) timed to their first chunk,
 at up to 16 clients. Once per encoder of --overhead-encoders (default: none, i.e. first come first
 served, and the default encoder ""): with an encoder every request carries a distinct prompt of
-mixed.jsonl (the same bodies go direct), so each is embedded and profiled on arrival, as in
-service. The proxy admits up to 256 at once, above the clients, so no request waits for a slot:
+mixed.jsonl (the same bodies go direct) and the proxy's embedding cache is off, so each is
+embedded and profiled on arrival. The proxy admits up to 256 at once, above the clients, so no request waits for a slot:
 the added latency is the proxy's own work (relay, embedding, admission).
 CPUs: the embedded backend runs on the first half of this process's CPUs, the proxy and the
 load generator on the other half, as a proxy would run beside (not on) an inference server's
@@ -119,12 +119,13 @@ def healthy(url: str) -> bool:
         return False
 
 
-def start_proxy(backend: str, *flags: str) -> tuple[subprocess.Popen, str]:
-    """`cohort serve` in front of `backend` (several replicas: a comma list, one --backend each)."""
+def start_proxy(backend: str, *flags: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
+    """`cohort serve` in front of `backend` (several replicas: a comma list, one --backend each), with
+    `env` added to this process's environment."""
     port = free_port()
     backends = [a for url in backend.split(",") for a in ("--backend", url)]
     cmd = [sys.executable, "-m", "cohort.cli", "serve", *backends, "--port", str(port), *flags]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **(env or {})})
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -141,7 +142,9 @@ def overhead(backend: str, concurrency: list[int], per_client: int, rounds: int,
     `replica`, also a proxy fronting `backend` and `replica` ("proxy2")."""
     procs, proxies = [], {}
     for name, backends in [("proxy", backend)] + ([("proxy2", f"{backend},{replica}")] if replica else []):
-        proc, proxies[name] = start_proxy(backends, "--encoder", encoder, "--max-in-flight", "256")
+        # the embedding cache off: each load restarts at the first prompt, and every request should pay
+        proc, proxies[name] = start_proxy(backends, "--encoder", encoder, "--max-in-flight", "256",
+                                          env={"COHORT_ENCODER_CACHE": "0"})
         procs.append(proc)
     texts = None if encoder == "none" else prompts
     try:
@@ -269,6 +272,7 @@ def main() -> None:
     parser.add_argument("--heldout", action="store_true", help="only the held-out prompts of mixed.jsonl (traces.split): "
                         "what no encoder, profile head or trained MoE saw")
     parser.add_argument("--skip-overhead", action="store_true", help="part 2 only")
+    parser.add_argument("--skip-admission", action="store_true", help="part 1 only")
     parser.add_argument("--engine-side", action="store_true",
                         help="part 2: also admission inside vLLM (a second server with our --scheduler-cls)")
     parser.add_argument("--replicas", type=int, default=1, choices=(1, 2),
@@ -307,7 +311,9 @@ def main() -> None:
                 overhead(args.backend, [int(c) for c in args.concurrency.split(",")], args.requests_per_client,
                          args.rounds, encoder.strip(), prompts, second.url if second else None)
         prompts = prompts[: args.prompts]
-        if second is not None:
+        if args.skip_admission:
+            pass
+        elif second is not None:
             replicas_run([args.backend, second.url], prompts, args.slots, args.max_tokens, args.moe_layers,
                          args.encoder)
         else:
