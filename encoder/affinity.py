@@ -115,6 +115,30 @@ class ReplicaRouter:
             self._place(key, r)
             out.append((key, r))
 
+    def place_at_once(self, key: Hashable, vector: np.ndarray | None) -> int | None:
+        """A request that arrives while nobody waits and a slot is free: placed now, on the replica with the
+        most free slots, exactly as `add` + `admit` would place it, without the pool's bookkeeping (the
+        proxy's common case: a slot free, nothing to reorder). Returns the replica, or None when the
+        request must go through `add` (a queue, round-robin, slack placement, or the first vector, which
+        fixes the pool's vector size)."""
+        if self.routing == "round-robin" or self.slack is not None or self.waiting() or key in self.placed:
+            return None
+        free = self.free()  # [R]
+        r = int(np.argmax(free))
+        if free[r] <= 0:
+            return None
+        held = None
+        if vector is not None and self.routing == "affinity":
+            vector = np.asarray(vector, np.float32).ravel()  # [F]
+            if self.pool.size is None:
+                return None
+            if vector.shape[0] == self.pool.size:  # another size counts as no vector, as in the pool
+                held = vector
+                self._resident_for(r).admit(held)
+        self.placed[key] = (r, held)
+        self.busy[r] += 1
+        return r
+
     def hold(self, key: Hashable, replica: int) -> None:
         """A slot of `replica` taken outside the waiting pool (background work that no waiting request
         wanted it for); `release(key)` frees it."""

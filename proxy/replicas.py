@@ -203,6 +203,9 @@ class ReplicaSet:
     async def _wait(self, ticket: _Ticket) -> Lease:
         if not self.router.healthy.any():
             raise _none_healthy()
+        replica = self.router.place_at_once(ticket, ticket.vector)  # a slot free and nobody waiting
+        if replica is not None:
+            return Lease(replica, self.clients[replica], self.clock() - ticket.arrived, ticket)
         self.router.add(ticket, ticket.vector, ticket.arrived)
         self._waiting.add(ticket)
         self._pump()
@@ -217,6 +220,8 @@ class ReplicaSet:
             raise
 
     def _pump(self) -> None:
+        if not self._background and not self.router.waiting():
+            return  # nobody to admit
         now, admitted = self.clock(), True
         while admitted:
             admitted = False

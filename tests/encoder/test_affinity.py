@@ -150,3 +150,55 @@ def test_with_slack_a_request_that_needs_no_queue_goes_where_it_fits_among_the_l
     assert router.admit(0.0) == [("a", 0), ("b", 1), ("b2", 0 if slack is None else 1)]
     router.add("x", B2, now=1.0)  # x fits replica 1 (B, B), which holds one more than replica 0 (A)
     assert router.admit(1.0) == [("x", where)]
+
+
+def _held(resident) -> tuple[int, np.ndarray]:
+    return (0, np.zeros(1)) if resident is None or resident.count == 0 else (resident.count, resident.log_idle)
+
+
+@pytest.mark.parametrize("routing", ["affinity", "least-loaded"])
+def test_place_at_once_places_exactly_as_add_then_admit(routing):
+    """Random arrivals and departures on two routers: one takes every shortcut it is offered, the other
+    always goes through the pool; placements, busy slots and resident sets stay identical."""
+    rng = np.random.default_rng(1)
+    shortcuts = 0
+    for trial in range(60):
+        slots = rng.integers(1, 4, size=int(rng.integers(1, 4))).tolist()
+        fast, slow = ReplicaRouter(slots, routing), ReplicaRouter(slots, routing)
+        live = []
+        for step in range(30):
+            placed = None
+            if live and rng.random() < 0.4:  # a departure
+                key = live.pop(int(rng.integers(0, len(live))))
+                assert fast.release(key) == slow.release(key), trial
+            else:  # an arrival: a profile, none, or one of another size (counts as none)
+                kind = rng.random()
+                vector = (None if kind < 0.2 else rng.random(4).astype(np.float32) if kind < 0.3
+                          else (rng.random(8) * (rng.random(8) < 0.4)).astype(np.float32))
+                placed = fast.place_at_once(step, vector)
+                if placed is None:
+                    fast.add(step, vector, now=float(step))
+                else:
+                    shortcuts += 1
+                slow.add(step, vector, now=float(step))
+            got, want = fast.admit(float(step)), slow.admit(float(step))
+            if placed is not None and got == []:
+                got = [(step, placed)]
+            assert sorted(got) == sorted(want), (trial, step)
+            live += [key for key, _ in want]
+            assert fast.busy.tolist() == slow.busy.tolist() and fast.waiting() == slow.waiting(), trial
+            for r in range(len(slots)):
+                a, b = (_held(router.resident(r)) for router in (fast, slow))  # None: nothing held yet
+                assert a[0] == b[0] and np.allclose(a[1], b[1]), (trial, r)
+    assert shortcuts > 100  # the shortcut was taken, with and without vectors
+    assert ReplicaRouter([1, 1], "round-robin").place_at_once("k", None) is None
+
+
+def test_place_at_once_waits_behind_a_queue_and_when_full():
+    router = ReplicaRouter([1], "affinity")
+    assert router.place_at_once("first", None) == 0
+    assert router.place_at_once("second", None) is None  # no free slot
+    router.add("second", None, now=0.0)
+    router.release("first")
+    assert router.place_at_once("third", None) is None  # "second" waits: it goes first
+    assert router.admit(0.0) == [("second", 0)]
