@@ -26,25 +26,28 @@ import re
 from typing import Iterable, Mapping
 
 from proxy.errors import Unauthorized
-from proxy.settings import Settings, SettingsError
 
 ANONYMOUS = ""  # the owner of everything on an open proxy (and of records from before owners)
 TENANT = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 
+class KeyListError(ValueError):
+    """The configured keys are unusable (proxy.settings turns it into a SettingsError naming --api-key)."""
+
+
 def key_owners(entries: Iterable[str]) -> dict[bytes, str]:
-    """sha256(key) -> owner for the configured `--api-key` entries; SettingsError names a bad entry."""
+    """sha256(key) -> owner for the configured `--api-key` entries; KeyListError says what is wrong."""
     owners: dict[bytes, str] = {}
     for entry in entries:
         key, sep, tenant = entry.rpartition("=")
         if not (sep and TENANT.fullmatch(tenant)):
             key, tenant = entry, ""
         if not key.strip():
-            raise _bad_keys("has an empty key, which would let anyone in; give each --api-key as KEY or KEY=TENANT")
+            raise KeyListError("has an empty key, which would let anyone in; give each --api-key as KEY or KEY=TENANT")
         digest = _digest(key.strip().encode())
         owner = f"tenant:{tenant}" if tenant else "key:" + digest.hex()
         if owners.setdefault(digest, owner) != owner:
-            raise _bad_keys(f"gives one key for two tenants ({owners[digest]!r} and {owner!r}); give each --api-key once")
+            raise KeyListError(f"gives one key for two tenants ({owners[digest]!r} and {owner!r}); give each --api-key once")
     return owners
 
 
@@ -77,10 +80,6 @@ class Authorizer:
         return True
 
 
-def _bad_keys(detail: str) -> SettingsError:
-    return SettingsError(f"api_keys (env COHORT_API_KEYS) {detail}", field="api_keys", detail=detail)
-
-
 def _digest(key: bytes) -> bytes:
     return hashlib.sha256(key).digest()
 
@@ -98,9 +97,10 @@ def bearer(key: str) -> dict[str, str]:
     return {"authorization": f"Bearer {key}"} if key else {}
 
 
-def backend_headers(settings: Settings, client: Mapping[str, str] | None = None) -> dict[str, str]:
+def backend_headers(settings, client: Mapping[str, str] | None = None) -> dict[str, str]:
     """Headers for the backend: the configured backend key, else the client's own Authorization when the
-    proxy itself takes no keys; and the client's x-request-id."""
+    proxy itself takes no keys; and the client's x-request-id. `settings`: the proxy.settings.Settings
+    (not imported: settings imports this module to check the keys)."""
     client = client or {}
     headers = bearer(settings.backend_api_key)
     if not settings.backend_api_key and not settings.api_keys and "authorization" in client:

@@ -73,9 +73,12 @@ class Settings:
 
     def __post_init__(self) -> None:
         from backend.policy import PolicyError, parse_policy
-        from proxy.auth import key_owners
+        from proxy.auth import KeyListError, key_owners
 
-        key_owners(self.api_keys)  # an empty key, or one key for two tenants: SettingsError naming --api-key
+        try:
+            key_owners(self.api_keys)  # an empty key, or one key for two tenants
+        except KeyListError as exc:
+            raise _bad("api_keys", str(exc)) from None
         if self.protect_metrics and not self.api_keys:
             raise _bad("protect_metrics", "needs at least one --api-key (COHORT_API_KEYS): without keys "
                                           "nothing protects /metrics")
