@@ -181,7 +181,11 @@ class _Collected:
 
 def _connect(ray) -> bool:
     """Join the running Ray (this process's, or RAY_ADDRESS's cluster), else start a local one; True if started here."""
-    ray.data.DataContext.get_current().enable_progress_bars = False  # the CLI has its own bar
+    context = ray.data.DataContext.get_current()
+    context.enable_progress_bars = False  # the CLI has its own bar
+    # blocks leave in the plan's order (Ray Data may otherwise reorder them, e.g. under load), so a block that
+    # stops the run comes after every block before it and what finished before it is committed
+    context.execution_options.preserve_order = True
     logging.getLogger("ray.data").setLevel(logging.ERROR)  # its per-run INFO lines; failures still raise here
     if ray.is_initialized():
         return False

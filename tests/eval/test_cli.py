@@ -1,6 +1,7 @@
 """`cohort eval` end to end on a small trace file written by the test."""
 
 import json
+import re
 
 import pytest
 
@@ -153,4 +154,6 @@ def test_embedding_shows_progress_on_stderr_unless_no_progress(quiet):
     if quiet:
         assert "embedding" not in done.stderr and "Loading weights" not in done.stderr, done.stderr
     else:
-        assert "embedding: 100%" in done.stderr, done.stderr  # tqdm's bar, prompts embedded out of all
+        # tqdm's bar, prompts embedded out of all (the bar clears itself at the end: its last refresh may be
+        # short of 100% when the embedding is fast)
+        assert re.search(r"embedding: +\d+%.*\| *\d+/400 ", done.stderr), done.stderr
