@@ -11,35 +11,28 @@ import math
 from pathlib import Path
 
 
-def positive_int(text: str) -> int:
+def _number(text: str, convert, ok, expected: str, shown=lambda text, value: repr(text)):
+    """`convert(text)` when `ok(value)`; else the argparse error "expected <expected>, got ..."."""
     try:
-        value = int(text)
+        value = convert(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+    if not ok(value):
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {shown(text, value)}")
     return value
+
+
+def positive_int(text: str) -> int:
+    return _number(text, int, lambda v: v >= 1, "a positive integer", shown=lambda text, value: str(value))
 
 
 def nonnegative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
-    if not (math.isfinite(value) and value >= 0):
-        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
-    return value
+    return _number(text, float, lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0")
 
 
 def share(text: str) -> float:
     """A fraction in (0, 1]."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}")
-    return value
+    return _number(text, float, lambda v: 0 < v <= 1, "a number in (0, 1]")
 
 
 def int_list(text: str) -> list[int]:
