@@ -39,6 +39,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also fit the expert-profile head (embedding -> per-layer expert frequencies) on the "
                              "training side and save it beside the encoder (yes, default); no; or only fit the head for "
                              "the --base encoder, saving it in --output, without fine-tuning")
+    parser.add_argument("--student", choices=("static",),
+                        help="instead of fine-tuning, distil the --base encoder (e.g. a folder from `cohort train`) "
+                             "into a static student: microseconds per prompt, the profile head fitted on it "
+                             "(train.static_student)")
 
 
 def _int_from(low: int):
@@ -90,6 +94,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.profile_head == "only":
         return _profile_head(ts, args.base, args.output, config)
+    if args.student:
+        return _student(ts, args, config)
     print(f"training on {len(ts)} requests of {args.traces} (holdout {config.holdout:.0%}), base {args.base}")
     try:
         result = train_encoder(ts, args.base, args.output, config, resume=args.resume, progress=not args.no_progress)
@@ -102,6 +108,24 @@ def run(args: argparse.Namespace) -> int:
         print(f"held-out Spearman(cosine, {config.target}) on {name.replace('_', ' ')}: "
               f"{result.spearman_before[name]:.3f} before, {result.spearman_after[name]:.3f} after")
     return _profile_head(ts, str(result.output), result.output, config) if args.profile_head == "yes" else 0
+
+
+def _student(ts, args: argparse.Namespace, config: TrainConfig) -> int:
+    """Distil --base into a static student on the training side of the split; fit its profile head."""
+    from traces.split import split_requests
+    from train.static_student import StudentConfig, distil_student
+
+    train_idx, _ = split_requests(len(ts), config.holdout, config.seed, groups=ts.texts)
+    print(f"distilling {args.base} into a static student on {len(train_idx)} training requests of {args.traces}")
+    try:
+        path, report = distil_student(args.base, [str(t) for t in ts.texts[train_idx]], args.output,
+                                      StudentConfig(seed=config.seed))
+    except (OSError, ValueError) as exc:
+        print(f"cohort train: error: {exc}")
+        return 2
+    print(f"saved the static student to {path} ({report['with_windows']} texts with windows; "
+          f"validation cosine to the teacher {report['validation_cosine']:.3f})")
+    return _profile_head(ts, str(path), path, config)
 
 
 def _profile_head(ts, encoder: str, output, config: TrainConfig) -> int:
