@@ -1,6 +1,6 @@
 """Encoder candidates side by side: prompts per CPU-second and planning quality, in one run; the default by rule.
 
-    python benchmarks/bench_encoder.py --finetuned DIR [--finetuned-static DIR] [--candidate NAME=SPEC ...]
+    python benchmarks/bench_encoder.py --finetuned DIR [--finetuned-static DIR] [--student DIR] [--candidate NAME=SPEC ...]
                                        [--slots 16,32] [--seeds 5]
 
 A candidate SPEC is an `--encoder` value (folder, hub name, `static`, `onnx`, `onnx:FOLDER`, or empty
@@ -8,7 +8,8 @@ for the packaged MiniLM) with optional `@N` for inputs cut to their first N toke
 `onnx-ft-32=onnx:/tmp/ft@32`. Without --candidate: the packaged MiniLM at 128 tokens (the proxy's
 --encoder-max-seq-len), 64 and 32, and on ONNX int8 at 128 and 32; the fine-tuned MiniLM of
 --finetuned as saved (64 tokens), at 128 and 32, and on ONNX int8 at 64 and 32; the distilled
-static model and the fine-tuned one of --finetuned-static (all tokens). The fine-tuned folders
+static model and the fine-tuned one of --finetuned-static (all tokens); the static student of
+--student (`cohort train --student static`). The fine-tuned folders
 come from `cohort train` (hours of CPU: not rebuilt here).
 
 1. Speed, on the held-out prompts (distinct texts, cache off): prompts per CPU-second and per
@@ -71,7 +72,7 @@ def _default_candidates(args) -> list[str]:
     else:
         print("no --finetuned folder: the fine-tuned MiniLM candidates (and the quality reference) are left out")
     out += ["static=static"] + ([f"static-ft={args.finetuned_static}"] if args.finetuned_static else [])
-    return out
+    return out + ([f"student={args.student}"] if args.student else [])
 
 
 def speed(candidates: dict, texts: list[str], repeats: int) -> dict[str, float]:
@@ -218,6 +219,7 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--traces", default=str(DATA))
     p.add_argument("--finetuned", help="folder of the fine-tuned MiniLM with its profile head (cohort train)")
     p.add_argument("--finetuned-static", help="folder of the fine-tuned static encoder with its profile head")
+    p.add_argument("--student", help="folder of the static student of the fine-tuned MiniLM (cohort train --student static)")
     p.add_argument("--candidate", action="append", help="NAME=SPEC (see the module docstring); repeatable")
     p.add_argument("--reference", default="minilm-ft", help="the candidate whose saving sets the quality bar")
     p.add_argument("--slots", default="16,32")
