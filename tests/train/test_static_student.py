@@ -48,6 +48,10 @@ def test_the_student_recovers_token_vectors_whose_mean_is_the_target_direction()
     before = np.stack([idle[i].mean(0) for i in ids])
     assert ((before * targets).sum(1) / np.linalg.norm(before, axis=1)).mean() < 0.5  # all at the mean: far off
     np.testing.assert_allclose(weights[vocab - 1], targets[parents[~_validation(parents)]].mean(0), rtol=1e-5, atol=1e-6)
+    start = rng.normal(size=(vocab, dim))  # a given start (the teacher's token-alone embeddings in the product)
+    started, _ = fit_student(ids, targets, parents, vocab, StudentConfig(steps=50, learning_rate=0.05), start)
+    np.testing.assert_allclose(started[vocab - 1], start[vocab - 1], rtol=1e-6)  # never used: stays where it started
+    assert not np.allclose(started[0], start[0])
 
 
 def _validation(parents, share=0.1, seed=0):
