@@ -44,8 +44,7 @@ def static_model_dir(source: str, *, dims: int = DEFAULT_DIMS, root: Path | None
 def distill(source: str, out: Path, *, dims: int = DEFAULT_DIMS) -> Path:
     """Distil `source` (folder or hub name) into a StaticEmbedding sentence-transformers folder `out`.
 
-    Written to a scratch folder beside `out` and renamed into place, so `out` is complete or absent.
-    """
+    Written to a scratch folder beside `out` and renamed into place, so `out` is complete or absent."""
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.sentence_transformer.modules import StaticEmbedding
 
@@ -54,9 +53,23 @@ def distill(source: str, out: Path, *, dims: int = DEFAULT_DIMS) -> Path:
     except ImportError as exc:
         raise RuntimeError("the static encoder is distilled with model2vec: pip install 'model2vec>=0.10' "
                            "'skeletoken>=0.6,<0.7' (or reinstall moe-cohort)") from exc
+    return _save(SentenceTransformer(modules=[static], device="cpu"), out)
+
+
+def save_static(tokenizer, weights, out: Path) -> Path:
+    """Save a StaticEmbedding of a fast `tokenizer` (tokenizers.Tokenizer) and token vectors
+    `weights` [V, D] as a sentence-transformers folder `out` (e.g. train.static_student's)."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import StaticEmbedding
+
+    return _save(SentenceTransformer(modules=[StaticEmbedding(tokenizer, embedding_weights=weights)], device="cpu"), out)
+
+
+def _save(model, out: Path) -> Path:
+    """Write `model` to a scratch folder beside `out` and rename it into place: `out` is complete or absent."""
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".static-", dir=out.parent) as tmp:
-        SentenceTransformer(modules=[static], device="cpu").save(tmp)
+        model.save(tmp)
         shutil.rmtree(out, ignore_errors=True)  # an incomplete earlier attempt
         os.replace(tmp, out)
         os.makedirs(tmp)  # TemporaryDirectory removes what it made

@@ -31,12 +31,9 @@ from __future__ import annotations
 
 import logging
 import random
-import shutil
-import tempfile
-import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Literal, Sequence
 
 import numpy as np
 
@@ -50,10 +47,10 @@ class StudentConfig:
     windows: int = 6  # random windows per text
     steps: int = 200  # full-batch Adam steps (the best on the validation texts is kept)
     learning_rate: float = 0.005
-    pull: float = 0.1  # weight of the pull toward the teacher's mean embedding
+    pull: float = 0.1  # weight of the pull of every token vector toward its start
     validation: float = 0.1  # share of texts (with their windows) that pick the step
     seed: int = 0
-    start: str = "tokens"  # "tokens": each vocabulary token embedded alone by the teacher (Model2Vec's start); "mean"
+    start: Literal["tokens", "mean"] = "tokens"  # "tokens": each vocabulary token embedded alone by the teacher (Model2Vec's start); "mean"
 
 
 def with_windows(texts: Sequence[str], offsets: Sequence[Sequence[tuple[int, int]]], windows: int,
@@ -117,11 +114,12 @@ def _bags(ids: list[list[int]], rows: np.ndarray):
     return flat, offsets
 
 
-def distil_student(teacher: str, texts: Sequence[str], output: str | Path, config: StudentConfig = StudentConfig(),
-                   embed: Callable[[Sequence[str]], np.ndarray] | None = None) -> tuple[Path, dict]:
+def distil_student(teacher: str, texts: Sequence[str], output: str | Path,
+                   config: StudentConfig = StudentConfig()) -> tuple[Path, dict]:
     """Fit a static student of the sentence-transformers `teacher` (a folder) on `texts` (the training
     side only) and save it to `output`; returns the folder and a small report."""
     from encoder.embedding import Embedder
+    from encoder.static import save_static
 
     model = Embedder(teacher)
     tokenizer = model._fast_tokenizer()
@@ -130,30 +128,17 @@ def distil_student(teacher: str, texts: Sequence[str], output: str | Path, confi
     tokenizer = type(tokenizer).from_str(tokenizer.to_str())  # a copy: truncation and padding change below
     tokenizer.no_padding()
     tokenizer.no_truncation()
-    spans = [e.offsets for e in tokenizer.encode_batch(list(texts), add_special_tokens=False)]
-    rows, parents = with_windows(list(dict.fromkeys(texts)), spans, config.windows, config.seed)
+    texts = list(dict.fromkeys(texts))  # distinct, in order
+    spans = [e.offsets for e in tokenizer.encode_batch(texts, add_special_tokens=False)]
+    rows, parents = with_windows(texts, spans, config.windows, config.seed)
     log.info("static student: %d texts with windows; embedding them with the teacher", len(rows))
-    targets = (embed or model.encode)(rows)  # [M, D]
+    targets = model.encode(rows)  # [M, D]
     limit = model._max_tokens()
     if limit:
         tokenizer.enable_truncation(int(limit))  # the student reads what the teacher reads
     ids = [e.ids for e in tokenizer.encode_batch(rows, add_special_tokens=False)]
     vocab = tokenizer.get_vocab_size()
-    start = (embed or model.encode)([tokenizer.id_to_token(i) or "" for i in range(vocab)]) if config.start == "tokens" else None
+    start = model.encode([tokenizer.id_to_token(i) or "" for i in range(vocab)]) if config.start == "tokens" else None
     weights, val_cos = fit_student(ids, targets, parents, vocab, config, start)  # start: [V, D] unit rows
-    path = _save(tokenizer, weights, Path(output))
-    return path, {"texts": len(set(texts)), "with_windows": len(rows), "validation_cosine": round(val_cos, 4)}
-
-
-def _save(tokenizer, weights: np.ndarray, output: Path) -> Path:
-    """Write the StaticEmbedding folder to a scratch folder beside `output`, then rename it into place."""
-    from sentence_transformers import SentenceTransformer
-    from sentence_transformers.sentence_transformer.modules import StaticEmbedding
-
-    output.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=".student-", dir=output.parent) as tmp:
-        SentenceTransformer(modules=[StaticEmbedding(tokenizer, embedding_weights=weights)], device="cpu").save(tmp)
-        shutil.rmtree(output, ignore_errors=True)
-        os.replace(tmp, output)
-        os.makedirs(tmp)  # TemporaryDirectory removes what it made
-    return output
+    path = save_static(tokenizer, weights, Path(output))
+    return path, {"texts": len(texts), "with_windows": len(rows), "validation_cosine": round(val_cos, 4)}
