@@ -46,12 +46,13 @@ PredictFn = Callable[[Sequence[str]], list]
 @dataclass(frozen=True, eq=False)
 class Admission:
     admission_id: str  # the admission's sequence number (X-Cohort-Admission)
-    queue_s: float
+    queue_s: float  # arrival to admission: the profile's prediction, then the wait for a slot
     profile: list[int] | None = None  # compact, for vllm_xargs.moe_profile
     flat: np.ndarray | None = field(default=None, repr=False)  # [L*E] or [D], the predicted vector
     lease: object = field(default=None, repr=False)  # proxy.replicas.Lease: the replica's slot
     arrived: float = 0.0
     ticket_profile: tuple | None = field(default=None, repr=False)  # (flat, compact) as predicted, for failover
+    wait_s: float = 0.0  # the wait for a slot alone (queue_s less the prediction)
 
     @property
     def client(self):
@@ -182,17 +183,19 @@ class AdmissionGate:
 
     async def _acquire(self, profile: tuple | None, arrived: float) -> Admission:
         flat, compact = profile if profile is not None else (None, None)
+        asked = self.clock()
         try:
             lease = await self.replicas.acquire(flat, arrived)
         except BaseException:  # cancelled (a slot granted meanwhile is given back) or no healthy replica
             self.metrics.waiting.dec()
             self._in_flight_changed()
             raise
+        now = self.clock()
         self.metrics.waiting.dec()
-        self.metrics.queue_seconds.observe(self.clock() - arrived)
+        self.metrics.queue_seconds.observe(now - arrived)
         self._in_flight_changed()
-        return Admission(f"a{next(self._ids)}", self.clock() - arrived, compact, flat, lease=lease,
-                         arrived=arrived, ticket_profile=profile)
+        return Admission(f"a{next(self._ids)}", now - arrived, compact, flat, lease=lease,
+                         arrived=arrived, ticket_profile=profile, wait_s=now - asked)
 
     def _in_flight_changed(self) -> None:
         self.metrics.in_flight.set(self.replicas.in_flight())

@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import gc
 import logging
+import time
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -33,7 +34,8 @@ from proxy.fastpath import FastPath
 from proxy.metrics import ProxyMetrics
 from proxy.middleware import RequestContext, access_log
 from proxy.profiles import Predictor, make_predictor
-from proxy.protocol import ProxyRequest, Route, check_size, cohort_headers, parse_request, read_body, with_profile
+from proxy.protocol import (ProxyRequest, Route, check_size, cohort_headers, own_seconds, parse_request, read_body,
+                            with_profile)
 from proxy.relay import add_relay_routes
 from proxy.replicas import ReplicaSet
 from proxy.settings import Settings, load_settings
@@ -101,27 +103,34 @@ class Proxy:
     async def generate(self, request: Request, preq: ProxyRequest) -> Response:
         """Admit `preq`, send it to the backend, relay the answer (streamed or whole)."""
         headers = backend_headers(self.settings, request.headers)
+        started = request.scope.get("state", {}).get("started")  # proxy.middleware
         if preq.stream:
-            return await StreamRelay(self.upstream, preq, PATHS[preq.route], headers).start()
+            return await StreamRelay(self.upstream, preq, PATHS[preq.route], headers, started).start()
         answered = await unless_client_leaves(self._forward(preq, PATHS[preq.route], headers), request.receive)
         if answered is None:  # the client left: the backend request was cancelled, which made vLLM abort it
             self.metrics.requests.labels(preq.route, str(CLIENT_CLOSED)).inc()
             return Response(status_code=CLIENT_CLOSED)
-        admission, answer = answered
+        admission, answer, backend_s = answered
         self.metrics.requests.labels(preq.route, str(answer.status_code)).inc()
-        return Response(answer.content, status_code=answer.status_code, headers=cohort_headers(admission),
-                        media_type=answer.content_type)
+        own = own_seconds(started, admission, backend_s)
+        if own is not None:
+            self.metrics.own_seconds.labels(preq.route).observe(own)
+        return Response(answer.content, status_code=answer.status_code,
+                        headers=cohort_headers(admission, backend_s, own), media_type=answer.content_type)
 
     async def _forward(self, preq: ProxyRequest, path: str, headers: dict[str, str]):
-        admission = await self.gate.admit(preq.text, preq.policy)
+        """(admission, the backend's answer, seconds at the backend) of `preq`, failed over once refused."""
+        admission, backend_s = await self.gate.admit(preq.text, preq.policy), 0.0
         try:  # released exactly once: answered, failed, or cancelled because the client left
             while True:
+                sent = time.perf_counter()
                 try:
                     with self.metrics.backend_seconds.labels(preq.route).time():
                         answer = await admission.client.request("POST", path, json=with_profile(preq.body, admission),
                                                                 headers={**headers, **cohort_key_header(admission)})
-                    return admission, answer
+                    return admission, answer, backend_s + time.perf_counter() - sent
                 except BackendUnreachable as exc:
+                    backend_s += time.perf_counter() - sent
                     if not self.gate.refused(admission, exc):  # it may have reached the backend: never resent
                         raise
                     refused, admission = admission, None

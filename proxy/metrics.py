@@ -5,6 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+OWN_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1)
 
 
 class ProxyMetrics:
@@ -17,6 +18,9 @@ class ProxyMetrics:
                                          buckets=LATENCY_BUCKETS, registry=r)
         self.profile_seconds = Histogram("cohort_profile_seconds", "Embedding + profile prediction time per group of arrivals",
                                          buckets=LATENCY_BUCKETS, registry=r)
+        self.own_seconds = Histogram("cohort_proxy_seconds", "The proxy's own time per request: arrival to response "
+                                     "headers, less the wait for a slot and the backend's time", ["route"],
+                                     buckets=OWN_BUCKETS, registry=r)
         self.in_flight = Gauge("cohort_in_flight", "Requests at the backend now", registry=r)
         self.waiting = Gauge("cohort_waiting", "Requests being profiled or waiting for a backend slot", registry=r)
 

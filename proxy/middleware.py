@@ -60,8 +60,8 @@ class RequestContext:
         if not sent:  # the backend gets the id the client sees (proxy/auth.py forwards the header)
             scope["headers"] = [(k, v) for k, v in scope["headers"] if k.lower() != b"x-request-id"]
             scope["headers"].append((b"x-request-id", request_id.encode()))
-        scope.setdefault("state", {})["request_id"] = request_id
         start, status = time.perf_counter(), [0]
+        scope.setdefault("state", {}).update(request_id=request_id, started=start)  # started: for Server-Timing
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":

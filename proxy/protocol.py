@@ -10,6 +10,7 @@ canonical form.
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Literal, Mapping
 
@@ -37,9 +38,23 @@ class ProxyRequest:
             return ""
 
 
-def cohort_headers(admission) -> dict[str, str]:
-    """The X-Cohort-* response headers: the admission's sequence number, how long the request queued."""
-    return {"x-cohort-admission": admission.admission_id, "x-cohort-queue-ms": f"{admission.queue_s * 1000:.1f}"}
+def cohort_headers(admission, backend_s: float | None = None, own_s: float | None = None) -> dict[str, str]:
+    """The X-Cohort-* response headers: the admission's sequence number, how long the request queued;
+    with `own_s`, a Server-Timing header (W3C): the proxy's own time, the wait for a slot, the backend's."""
+    headers = {"x-cohort-admission": admission.admission_id, "x-cohort-queue-ms": f"{admission.queue_s * 1000:.1f}"}
+    if own_s is not None:
+        headers["server-timing"] = (f"proxy;dur={own_s * 1000:.3f}, queue;dur={admission.wait_s * 1000:.3f}, "
+                                    f"backend;dur={(backend_s or 0.0) * 1000:.3f}")
+    return headers
+
+
+def own_seconds(started: float | None, admission, backend_s: float) -> float | None:
+    """The proxy's own time for a request so far: from its arrival (`started`, perf_counter, set by
+    proxy.middleware) to now, less its wait for a backend slot and the backend's time; None without
+    `started`. It includes the body read, parsing, the encoder and the event loop's queue."""
+    if started is None:
+        return None
+    return max(0.0, time.perf_counter() - started - admission.wait_s - backend_s)
 
 
 def with_profile(body: dict, admission) -> dict:

@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Awaitable, TypeVar
 
@@ -25,7 +26,7 @@ from proxy.admission import AdmissionGate
 from proxy.errors import BackendUnreachable, ProxyError
 from proxy.metrics import ProxyMetrics
 from proxy.cohort_key import cohort_key_header
-from proxy.protocol import ProxyRequest, cohort_headers, with_profile
+from proxy.protocol import ProxyRequest, cohort_headers, own_seconds, with_profile
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -56,8 +57,12 @@ class Upstream:
 
 
 class StreamRelay:
-    def __init__(self, upstream: Upstream, preq: ProxyRequest, path: str, headers: dict[str, str]) -> None:
-        self.up, self.preq, self.path, self.headers = upstream, preq, path, headers
+    """`started`: when the request arrived (perf_counter, proxy.middleware), for the Server-Timing header."""
+
+    def __init__(self, upstream: Upstream, preq: ProxyRequest, path: str, headers: dict[str, str],
+                 started: float | None = None) -> None:
+        self.up, self.preq, self.path, self.headers, self.started = upstream, preq, path, headers, started
+        self._backend_s = 0.0  # the backend's time to answer the stream's status line (every replica tried)
         self._admit = asyncio.ensure_future(upstream.gate.admit(preq.text, preq.policy))
         self._admission = None  # the slot held (the admission, or the one a refused replica's failover gave)
         self._opening = False  # from here on `_admission` is the slot held (None while between replicas)
@@ -75,7 +80,11 @@ class StreamRelay:
         except BaseException:
             await self.close()
             raise
-        return _ClosingStreamingResponse(self._relay(), self.close, headers=cohort_headers(self._admission))
+        own = own_seconds(self.started, self._admission, self._backend_s)
+        if own is not None:
+            self.up.metrics.own_seconds.labels(self.preq.route).observe(own)
+        return _ClosingStreamingResponse(self._relay(), self.close,
+                                         headers=cohort_headers(self._admission, self._backend_s, own))
 
     async def _open(self) -> None:
         """Open the stream on the admission's replica; one that refuses the connection (it never got the
@@ -86,15 +95,18 @@ class StreamRelay:
             body = with_profile(self.preq.body, admission)
             headers = {**self.headers, **cohort_key_header(admission)}
             stream = admission.client.stream(self.path, json=body, headers=headers)
+            sent = time.perf_counter()
             try:
                 self._response = await stream.__aenter__()  # raises on a backend error status
                 break
             except BackendUnreachable as exc:
+                self._backend_s += time.perf_counter() - sent
                 if not self.up.gate.refused(admission, exc):
                     raise
                 self._admission = None
                 self.up.gate.release(admission)
                 self._admission = await self.up.gate.readmit(admission)
+        self._backend_s += time.perf_counter() - sent
         self._stream = stream
         self.up.metrics.requests.labels(self.preq.route, str(self._response.status)).inc()
 

@@ -1,6 +1,7 @@
 """The proxy's online admission: slots, the waiting pool, the rule, fairness, background work, profiles."""
 
 import asyncio
+import time
 
 import numpy as np
 import pytest
@@ -164,3 +165,22 @@ def test_the_profiler_batches_what_arrives_together_and_survives_a_failure():
         assert await p.profile("boom") is None  # FCFS for these, nothing lost
         p.close()
     run(main())
+
+
+def test_the_wait_for_a_slot_excludes_the_profile_prediction():
+    def slow_predict(texts):
+        time.sleep(0.1)
+        return predict(texts)
+
+    async def main():
+        g = AdmissionGate(Profiler(slow_predict), ProxyMetrics(), max_in_flight=1)
+        first = await g.admit("a1")
+        second = asyncio.ensure_future(g.admit("b1"))
+        await asyncio.sleep(0.3)  # predicted after 0.1 s, then waits for the slot
+        g.release(first)
+        second = await asyncio.wait_for(second, 5)
+        return first, second
+
+    first, second = run(main())
+    assert first.queue_s >= 0.1 and first.wait_s < 0.05  # predicted, then admitted at once
+    assert second.queue_s >= 0.3 and 0.15 <= second.wait_s <= second.queue_s - 0.1
