@@ -9,12 +9,18 @@ at up to 16 clients. Once per encoder of --overhead-encoders (default: none, i.e
 served, and the default encoder ""): with an encoder every request carries a distinct prompt of
 mixed.jsonl (the same bodies go direct) and the proxy's embedding cache is off, so each is
 embedded and profiled on arrival. The proxy admits up to 256 at once, above the clients, so no request waits for a slot:
-the added latency is the proxy's own work (relay, embedding, admission).
-CPUs: the embedded backend runs on the first half of this process's CPUs, the proxy and the
-load generator on the other half, as a proxy would run beside (not on) an inference server's
-cores. Without that split, on a 2-core machine vLLM's API server and engine core, the proxy and
-the clients all compete for two cores, and the "added" latency measures that contention rather
-than the proxy (--no-pin shows it).
+the added latency is the proxy's own work (relay, embedding, admission). Beside it: the CPU per
+request of the load generator and of the proxy process, and the proxy's own time per request as
+its Server-Timing header reports it (arrival to answer headers, less the backend's time: free of
+the backend's run-to-run noise, which on one vLLM CPU core is larger than the proxy's work).
+CPUs: the embedded backend runs on the first half of this process's CPUs and the proxy on the
+other half, as a proxy runs beside (not on) an inference server's cores. `--load-on backend`
+(default) puts the load generator with the backend, so the proxy has its half to itself, as in
+production where clients are remote; the load generator's CPU then slows the backend equally in
+both paths. `--load-on proxy` puts it with the proxy: at 64 clients vLLM answers a step's requests
+at once, and the proxy and the clients then take turns on one core for each of them, which adds
+64 x (proxy + client CPU per request) to every round trip; that measures the shared core as much
+as the proxy. Without a split (--no-pin) everything competes for all cores.
 Part 2, admission at saturation: the same prompts (../shared/data/prompts/mixed.jsonl) through the
 proxy first come first served (encoder none) and by admission (--encoder, default the packaged
 MiniLM), 64 concurrent clients and --slots requests in flight (the backend's max_num_seqs), so
@@ -63,45 +69,52 @@ def mixed_prompts(heldout: bool) -> list[str]:
     return [texts[i] for i in split_requests(len(texts), groups=texts)[1]] if heldout else texts
 
 
-async def post(http: aiohttp.ClientSession, url: str, body: dict) -> float:
-    """Send `body`, read the whole answer; seconds until the first chunk of it arrived."""
+async def post(http: aiohttp.ClientSession, url: str, body: dict, own: list[float] | None = None) -> float:
+    """Send `body`, read the whole answer; seconds until the first chunk of it arrived. The proxy's own
+    seconds from its Server-Timing header go to `own`, when it sends one."""
     t = time.perf_counter()
     first = None
     async with http.post(url, json=body) as resp:
         resp.raise_for_status()
+        timing = re.search(r"proxy;dur=([0-9.]+)", resp.headers.get("server-timing", ""))
+        if timing and own is not None:
+            own.append(float(timing.group(1)) / 1000)
         async for _ in resp.content.iter_any():
             first = first or time.perf_counter() - t
     return first
 
 
-async def client_loop(http: aiohttp.ClientSession, url: str, bodies, n: int, latencies: list[float]) -> None:
+async def client_loop(http: aiohttp.ClientSession, url: str, bodies, n: int, latencies: list[float],
+                      own: list[float] | None = None) -> None:
     """n requests one after another, each with the next of `bodies` (an iterator shared by the clients);
     a latency each: whole answer, or first chunk of a stream."""
     for _ in range(n):
         body = next(bodies)
         t = time.perf_counter()
-        first = await post(http, url, body)
+        first = await post(http, url, body, own)
         latencies.append(first if body.get("stream") else time.perf_counter() - t)
 
 
 async def load(url: str, clients: int, per_client: int, stream: bool = False,
-               prompts: list[str] | None = None) -> tuple[np.ndarray, float]:
-    """Latencies [clients * per_client] in seconds and requests per second. A streamed request
-    (8 tokens) is timed to its first chunk (time to first token), a plain one (1 token) to its end.
-    The prompt is "hi", or the next of `prompts` (cycled) for each request."""
+               prompts: list[str] | None = None) -> tuple[np.ndarray, float, np.ndarray]:
+    """Latencies [clients * per_client] in seconds, requests per second, and the proxy's own seconds
+    per request (Server-Timing; empty for vLLM). A streamed request (8 tokens) is timed to its first
+    chunk (time to first token), a plain one (1 token) to its end. The prompt is "hi", or the next
+    of `prompts` (cycled) for each request."""
     # the body vLLM gets either way: the proxy would add this policy field to a body without it
     body = {"model": "tiny", "max_tokens": 8 if stream else 1, "vllm_xargs": {"moe_routing": "topk"}}
     if stream:
         body.update(stream=True, ignore_eos=True)
     bodies = ({**body, "prompt": p} for p in itertools.cycle(prompts or ["hi"]))
     latencies: list[float] = []
+    own: list[float] = []
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=clients)) as http:
         warm: list[float] = []  # the connection pool, the server and the proxy at this concurrency
         await asyncio.gather(*(client_loop(http, url, bodies, 3, warm) for _ in range(clients)))
         t = time.perf_counter()
-        await asyncio.gather(*(client_loop(http, url, bodies, per_client, latencies) for _ in range(clients)))
+        await asyncio.gather(*(client_loop(http, url, bodies, per_client, latencies, own) for _ in range(clients)))
         wall = time.perf_counter() - t
-    return np.array(latencies), len(latencies) / wall
+    return np.array(latencies), len(latencies) / wall, np.array(own)
 
 
 def split_cpus() -> tuple[set[int], set[int]]:
@@ -119,13 +132,18 @@ def healthy(url: str) -> bool:
         return False
 
 
+PROXY_CPUS: set[int] | None = None  # where `cohort serve` runs (main() sets it); None: where this process runs
+
+
 def start_proxy(backend: str, *flags: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
     """`cohort serve` in front of `backend` (several replicas: a comma list, one --backend each), with
-    `env` added to this process's environment."""
+    `env` added to this process's environment, on PROXY_CPUS."""
     port = free_port()
     backends = [a for url in backend.split(",") for a in ("--backend", url)]
     cmd = [sys.executable, "-m", "cohort.cli", "serve", *backends, "--port", str(port), *flags]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **(env or {})})
+    pin = (lambda: os.sched_setaffinity(0, PROXY_CPUS)) if PROXY_CPUS else None
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **(env or {})},
+                            preexec_fn=pin)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -143,9 +161,10 @@ def overhead(backend: str, concurrency: list[int], per_client: int, rounds: int,
     procs, proxies = [], {}
     for name, backends in [("proxy", backend)] + ([("proxy2", f"{backend},{replica}")] if replica else []):
         # the embedding cache off: each load restarts at the first prompt, and every request should pay
-        proc, proxies[name] = start_proxy(backends, "--encoder", encoder, "--max-in-flight", "256",
-                                          env={"COHORT_ENCODER_CACHE": "0"})
+        proc, url = start_proxy(backends, "--encoder", encoder, "--max-in-flight", "256",
+                                env={"COHORT_ENCODER_CACHE": "0"})
         procs.append(proc)
+        proxies[name] = (url, proc.pid)
     texts = None if encoder == "none" else prompts
     try:
         print(f"encoder {encoder or 'default'!r}; whole answers (max_tokens=1):")
@@ -158,21 +177,37 @@ def overhead(backend: str, concurrency: list[int], per_client: int, rounds: int,
             proc.wait(30)
 
 
-def compare(backend: str, proxies: dict[str, str], concurrency: list[int], per_client: int, rounds: int, *,
-            stream: bool, prompts: list[str] | None = None) -> None:
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process `pid` so far (/proc; its threads included)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def compare(backend: str, proxies: dict[str, tuple[str, int]], concurrency: list[int], per_client: int, rounds: int,
+            *, stream: bool, prompts: list[str] | None = None) -> None:
     """`rounds` direct and proxied runs, alternating, at each concurrency (the machine drifts: one
-    of each in a row would compare two moments); a table of p50/p99/throughput and each proxy's difference."""
-    print(f"{'clients':>7} {'path':>6} {'p50 ms':>8} {'p99 ms':>8} {'req/s':>8}")
+    of each in a row would compare two moments); a table of p50/p99/throughput, the CPU per request
+    of the load generator and of the proxy process, and each proxy's difference. `proxies`: name ->
+    (url, pid)."""
+    print(f"{'clients':>7} {'path':>6} {'p50 ms':>8} {'p99 ms':>8} {'req/s':>8}  CPU ms/request: clients, proxy;"
+          f" the proxy's own ms (Server-Timing) p50 / p99")
     for c in concurrency:
         rows = {}
-        for name, url in [("direct", backend), *proxies.items()] * rounds:
-            lat, rps = asyncio.run(load(url + "/v1/completions", c, per_client, stream, prompts))
-            rows.setdefault(name, []).append((lat, rps))
+        for name, (url, pid) in [("direct", (backend, None)), *proxies.items()] * rounds:
+            cpu = (time.process_time(), cpu_seconds(pid) if pid else 0.0)
+            lat, rps, own = asyncio.run(load(url + "/v1/completions", c, per_client, stream, prompts))
+            used = (time.process_time() - cpu[0], (cpu_seconds(pid) - cpu[1]) if pid else 0.0)
+            rows.setdefault(name, []).append((lat, rps, own, *(u / (len(lat) + 3 * c) * 1000 for u in used)))
         stats = {}
         for name, runs in rows.items():
-            lat = np.concatenate([r[0] for r in runs]) * 1000
+            lat, own = (np.concatenate([r[i] for r in runs]) * 1000 for i in (0, 2))
             stats[name] = (np.percentile(lat, 50), np.percentile(lat, 99), np.mean([r[1] for r in runs]))
-            print(f"{c:>7} {name:>6} {stats[name][0]:>8.2f} {stats[name][1]:>8.2f} {stats[name][2]:>8.1f}")
+            client_ms, proxy_ms = np.mean([r[3] for r in runs]), np.mean([r[4] for r in runs])
+            extra = f", {proxy_ms:.2f}" if name != "direct" else ""
+            if len(own):
+                extra += f";  {np.percentile(own, 50):.2f} / {np.percentile(own, 99):.2f}"
+            print(f"{c:>7} {name:>6} {stats[name][0]:>8.2f} {stats[name][1]:>8.2f} {stats[name][2]:>8.1f}  "
+                  f"{client_ms:.2f}{extra}")
         for name in proxies:
             label = "added" if name == "proxy" else f"+{name}"
             print(f"{c:>7} {label:>6} {stats[name][0] - stats['direct'][0]:>8.2f} "
@@ -278,10 +313,15 @@ def main() -> None:
     parser.add_argument("--replicas", type=int, default=1, choices=(1, 2),
                         help="2: start a second vLLM server; part 1 adds a proxy fronting both, part 2 compares "
                              "the routings over both (needs no --backend)")
+    parser.add_argument("--load-on", choices=("backend", "proxy"), default="backend",
+                        help="the load generator's CPUs: the backend's half (the proxy's half is its own, as with "
+                             "remote clients) or the proxy's half (default %(default)s)")
     parser.add_argument("--no-pin", dest="pin", action="store_false",
                         help="run backend, proxy and clients on all CPUs (default: split the CPUs)")
     args = parser.parse_args()
-    backend_cpus, client_cpus = split_cpus() if args.pin else (os.sched_getaffinity(0),) * 2
+    global PROXY_CPUS
+    backend_cpus, PROXY_CPUS = split_cpus() if args.pin else (os.sched_getaffinity(0),) * 2
+    client_cpus = backend_cpus if args.load_on == "backend" else PROXY_CPUS
     server = engine = second = None
     if args.replicas == 2 and args.backend:
         parser.error("--replicas 2 starts both servers itself; leave out --backend")
@@ -300,11 +340,11 @@ def main() -> None:
         os.sched_setaffinity(0, backend_cpus)
         engine = start(ensure_tiny_model(args.model_dir), max_num_seqs=args.slots,
                        extra_args=["--scheduler-cls", "backend.scheduler.ExpertAwareScheduler"])
-    os.sched_setaffinity(0, client_cpus)  # the clients, and the proxy processes started from here
+    os.sched_setaffinity(0, client_cpus)  # the load generator
     try:
         where = f"backend on CPUs {sorted(backend_cpus)}, " if server else ""
         print(f"backend {args.backend}; proxy = `cohort serve` in its own process; {os.cpu_count()} CPUs: "
-              f"{where}proxy and clients on CPUs {sorted(client_cpus)}")
+              f"{where}proxy on CPUs {sorted(PROXY_CPUS)}, load generator on CPUs {sorted(client_cpus)}")
         prompts = mixed_prompts(args.heldout)
         if not args.skip_overhead:
             for encoder in args.overhead_encoders.split(","):
