@@ -20,7 +20,7 @@ Here texts are de-duplicated, tokenised once to get exact token lengths, sorted 
 into batches of at most `batch_tokens` padded tokens (many short texts per batch, few long ones).
 The features of every batch still come from the model's own `preprocess`, so the embeddings equal
 those of `encode` up to float rounding (benchmarks/bench_encoder.py checks it). Static models pad
-nothing (an EmbeddingBag over concatenated token ids), so their texts go in large plain chunks.
+nothing (mean-pooled token vectors): they are computed here in numpy from the token ids, a text at a time.
 An ONNX folder is fed the token ids of the fast tokenizer directly, one text per call. Long texts
 are first cut to a character prefix with the same first max_seq_len tokens (encoder.clip).
 """
@@ -120,6 +120,8 @@ class Embedder:
 
             self.model = SentenceTransformer(self.source, device=device)
         self.static = not self.onnx and type(self.model[0]).__name__ == "StaticEmbedding"
+        # a static model alone (mean-pooled token vectors, no module after): its [V, D] table, for _static_forward
+        self._table = self.model[0].embedding.weight.detach().cpu().numpy() if self.static and len(self.model) == 1 else None
         if max_seq_len is not None:
             self._truncate(max_seq_len)
         self._clipper = Clipper.of(self._fast_tokenizer(), self._max_tokens())  # None: texts go in whole
@@ -190,8 +192,10 @@ class Embedder:
         """Embeddings [N, D] of `texts`; `ids` (their token ids, when the caller has them) spare a tokenizer pass."""
         unique, first, inverse = np.unique(np.asarray(list(texts), dtype=object), return_index=True, return_inverse=True)
         ids = None if ids is None else [ids[i] for i in first]  # [U] id lists
+        if self._table is not None:
+            return self._static_forward(ids if ids is not None else self.token_ids(list(unique)))[inverse.reshape(-1)]
         out = np.zeros((len(unique), self.dim), dtype=np.float32)  # [U, D]
-        if self.static:
+        if self.static:  # with modules after the embeddings
             batches = np.array_split(np.arange(len(unique)), -(-len(unique) // 4096))
         elif self.onnx:  # one text per call: int8 scales come from the whole call's activations (see encoder.onnx)
             ids = ids if ids is not None else self.token_ids(list(unique))
@@ -214,6 +218,15 @@ class Embedder:
             features = {k: v.to(self.model.device) if hasattr(v, "to") else v for k, v in features.items()}
             emb = self.model(features)["sentence_embedding"]  # [b, D]
             return torch.nn.functional.normalize(emb.float(), p=2, dim=1).cpu().numpy()
+
+    def _static_forward(self, ids: list[list[int]]) -> np.ndarray:
+        """Unit embeddings [b, D] of a static model: the mean of each text's token vectors, as its
+        EmbeddingBag computes it, in numpy (a few microseconds a text; torch's call alone costs more)."""
+        out = np.zeros((len(ids), self._table.shape[1]), dtype=np.float32)  # [b, D]; a text without tokens stays 0
+        for row, one in zip(out, ids):
+            if one:
+                row[:] = self._table[one].mean(axis=0)
+        return out / np.maximum(np.linalg.norm(out, axis=1, keepdims=True), 1e-12)
 
     def token_ids(self, texts: list[str]) -> list[list[int]]:
         """The ids the model sees for each text (truncated to the model's maximum sequence length)."""

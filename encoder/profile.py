@@ -42,10 +42,14 @@ class ProfileHead:
     top_k: int
     alpha: float = 0.0  # the ridge penalty it was fitted with (for the record)
     memory_x: np.ndarray | None = None  # [M, D] float32 unit embeddings of the training requests
-    memory_y: np.ndarray | None = None  # [M, L*E] float16 their expert profiles
+    memory_y: np.ndarray | None = None  # [M, L*E] their expert profiles, float16 values (saved so) held as float32
     neighbours: int = 10
     temperature: float = 20.0
     mix: float = 0.0  # weight of the neighbour part (0: ridge only)
+
+    def __post_init__(self) -> None:
+        if self.memory_y is not None:  # numpy converts float16 slowly: once here, not per request (~70 us)
+            object.__setattr__(self, "memory_y", np.asarray(self.memory_y, dtype=np.float32))
 
     @property
     def dim(self) -> int:
@@ -69,7 +73,7 @@ class ProfileHead:
         idx = np.argpartition(-sim, k - 1, axis=1)[:, :k]  # [N, k] nearest training requests
         w = np.exp(self.temperature * (np.take_along_axis(sim, idx, axis=1) - sim.max(axis=1, keepdims=True)))
         w /= w.sum(axis=1, keepdims=True)  # [N, k]
-        return np.einsum("nk,nkf->nf", w, self.memory_y[idx].astype(np.float32))
+        return np.matmul(w[:, None, :], self.memory_y[idx])[:, 0]  # [N, 1, k] @ [N, k, L*E]
 
     def save(self, folder: str | Path) -> Path:
         """Write the head to FOLDER/expert_profile_head.npz (no pickles) and return the path."""

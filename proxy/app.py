@@ -147,7 +147,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     if not settings.backend_urls:
         raise ValueError("settings.backend_url is empty; pass --backend URL (or run `cohort serve` without it "
                          "to start the embedded vLLM backend)")
-    proxy = Proxy(settings, make_predictor(settings))
+    proxy = Proxy(settings, make_predictor(settings, threads=settings.encoder_threads))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -32,6 +32,8 @@ _FLAGS = {
     "--default-policy": ("default_policy", str, "routing policy when a request has no X-MoE-Routing header"),
     "--encoder": ("encoder", str, "encoder name or path (a folder from `cohort train` brings its profile head); "
                                   "'static' is fast; 'none': first come, first served (default: the packaged MiniLM)"),
+    "--encoder-threads": ("encoder_threads", int, "CPU threads the encoder may use (torch, BLAS, tokenizer); 1 "
+                                                   "leaves the other cores to the engine"),
     "--backend-api-key": ("backend_api_key", str, "API key to send to the backend"),
     "--request-timeout-s": ("request_timeout_s", float, "backend timeout per request"),
     "--max-body-bytes": ("max_body_bytes", int, "largest request body accepted"),
@@ -182,8 +184,10 @@ def _serve(settings: Settings) -> None:
     import uvicorn
 
     from proxy.app import create_app
+    from proxy.profiles import limit_threads
 
-    app = create_app(settings)
+    app = create_app(settings)  # loads the encoder
+    limit_threads(settings.encoder_threads)
     print(f"moe-cohort proxy on http://{settings.host}:{settings.port}/v1 -> {settings.backend_url} "
           f"({settings.max_in_flight} in flight{' per replica, routing ' + settings.routing if len(settings.backend_urls) > 1 else ''}, "
           f"policy {settings.default_policy}); "

@@ -54,6 +54,9 @@ class Settings:
     encoder: str = ""  # encoder name or path ("" = the offline default, "none" = no prediction, first come first served)
     encoder_max_seq_len: int = 128
     encoder_cache: int = 10_000  # embeddings kept by text hash (repeated prompts are not embedded again); 0: off
+    # CPU threads `cohort serve`'s encoder and profile head may use (torch, BLAS, the tokenizer): 1 keeps
+    # them beside the event loop on one core, off the engine's cores and out of each other's way
+    encoder_threads: int = 1
     api_keys: tuple[str, ...] = ()  # proxy keys clients must send as `Authorization: Bearer`; empty = open
     backend_api_key: str = ""  # key sent to the backend; empty = forward the client's (when the proxy has no keys)
     request_timeout_s: float = 600.0
@@ -97,7 +100,7 @@ class Settings:
             raise _bad("routing", f"must be one of {', '.join(ROUTINGS)}, got {self.routing!r}")
         if not 1 <= self.port <= 65535:
             raise _bad("port", f"must be a TCP port in 1..65535, got {self.port}")
-        for name in ("max_in_flight", "max_body_bytes", "encoder_max_seq_len", "max_file_bytes"):
+        for name in ("max_in_flight", "max_body_bytes", "encoder_max_seq_len", "max_file_bytes", "encoder_threads"):
             if getattr(self, name) < 1:
                 raise _bad(name, f"must be >= 1, got {getattr(self, name)}")
         for name in ("max_queue_ms", "keepalive_s", "request_timeout_s", "connect_timeout_s", "encoder_cache",

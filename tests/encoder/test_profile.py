@@ -72,4 +72,6 @@ def test_the_neighbour_part_is_the_softmax_weighted_mean_of_the_nearest_profiles
         want = np.clip(0.6 * (x[i] @ base.weight + base.bias) + 0.4 * knn, 0, 1).reshape(2, 5)
         np.testing.assert_allclose(head.predict(x)[i], want, rtol=1e-4, atol=1e-5)
     head.save(tmp_path)
-    np.testing.assert_allclose(load_profile_head(tmp_path).predict(x), head.predict(x), rtol=1e-6)
+    loaded = load_profile_head(tmp_path)
+    np.testing.assert_allclose(loaded.predict(x), head.predict(x), rtol=1e-6)
+    assert loaded.memory_y.dtype == np.float32  # saved as float16, converted once (not per request)

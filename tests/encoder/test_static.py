@@ -31,7 +31,7 @@ def test_the_name_static_is_the_cached_distillation_of_the_packaged_model(tmp_pa
     assert path.startswith(str(tmp_path)) and made == [(resolve_model(None), 256)]
 
 
-def test_static_embeddings_track_meaning_and_equal_plain_encode(static_dir):
+def test_static_embeddings_track_meaning_and_equal_plain_encode(static_dir, monkeypatch):
     e = Embedder(static_dir)
     x = e.encode(TEXTS)  # [N, 64]
     assert e.static and x.shape == (len(TEXTS), 64) and x.dtype == np.float32
@@ -39,6 +39,10 @@ def test_static_embeddings_track_meaning_and_equal_plain_encode(static_dir):
     assert x[0] @ x[1] > x[0] @ x[2]  # paraphrases closer than unrelated
     plain = e.model.encode(TEXTS, normalize_embeddings=True, convert_to_numpy=True)
     np.testing.assert_allclose(x, plain, atol=1e-6)
+    # computed in numpy, not by the model: equal to its EmbeddingBag, a text without tokens included (zeros)
+    monkeypatch.setattr(e, "_forward", lambda texts: pytest.fail("a static model alone needs no torch forward"))
+    odd = ["", "  ", TEXTS[1], TEXTS[0]]
+    np.testing.assert_allclose(e.encode(odd), np.concatenate([np.zeros((2, 64)), plain[[1, 0]]]), atol=1e-6)
 
 
 def test_short_inputs_truncate_only_long_texts(static_dir):

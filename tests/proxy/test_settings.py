@@ -13,6 +13,7 @@ def test_environment_then_flags():
 @pytest.mark.parametrize("env, message", [
     ({"COHORT_PORT": "eighty"}, "COHORT_PORT='eighty': expected int"),
     ({"COHORT_MAX_IN_FLIGHT": "0"}, r"max_in_flight \(env COHORT_MAX_IN_FLIGHT\) must be >= 1, got 0"),
+    ({"COHORT_ENCODER_THREADS": "0"}, r"encoder_threads \(env COHORT_ENCODER_THREADS\) must be >= 1, got 0"),
     ({"COHORT_LOG_PROMPTS": "maybe"}, "expected bool"),
     ({"COHORT_BACKEND_URL": "http://127.0.0.1:8000,ftp://x"}, r"got 'ftp://x'"),
     ({"COHORT_BACKEND_URL": "notaurl"}, r"backend_url \(env COHORT_BACKEND_URL\) must be an http:// or https:// URL "
