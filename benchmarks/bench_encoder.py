@@ -162,12 +162,28 @@ def quality(candidates: dict, ts, train_idx, held_idx, args) -> dict[str, dict[i
     for slots in _ints(args.slots):
         rows = evaluate_continuous(tokens, slots, policies, lengths, cost, held.num_layers, seeds=args.seeds)["plans"]
         print(f"S = {slots}: reference saving {rows[REFERENCE]['saving']:.2%} ({args.seeds} seeds)")
+        per_seed = {name: np.array(rows[f"text-profile-{name}"]["saving_per_seed"]) for name in candidates}  # [seeds]
         for name in candidates:
             r = rows[f"text-profile-{name}"]
             savings[name][slots] = r["saving"]
-            print(f"  {name:<14} continuous saving {r['saving']:6.2%} (std {r['saving_std']:.2%}), {r['capture']:.0%} of the reference")
+            versus = ""
+            if args.reference in per_seed and name != args.reference:
+                ratio, lo, hi = paired_ratio(per_seed[name], per_seed[args.reference])
+                versus = f"; {ratio:.0%} of {args.reference}'s (95% interval over seeds {lo:.0%}-{hi:.0%})"
+            print(f"  {name:<14} continuous saving {r['saving']:6.2%} (std {r['saving_std']:.2%}), "
+                  f"{r['capture']:.0%} of the reference{versus}")
     _static_capture(held, statics)
     return savings
+
+
+def paired_ratio(saving: np.ndarray, reference: np.ndarray, draws: int = 4000) -> tuple[float, float, float]:
+    """mean(saving) / mean(reference) over the same seeds [S], with a 95% bootstrap interval that
+    resamples seeds (both candidates replay the same arrivals and lengths per seed, so they move together)."""
+    rng = np.random.default_rng(0)
+    picks = rng.integers(0, len(saving), size=(draws, len(saving)))  # [draws, S]
+    ratios = saving[picks].mean(axis=1) / np.maximum(reference[picks].mean(axis=1), 1e-12)  # [draws]
+    lo, hi = np.percentile(ratios, [2.5, 97.5])
+    return float(saving.mean() / reference.mean()), float(lo), float(hi)
 
 
 def _static_capture(held, statics: dict) -> None:

@@ -116,7 +116,7 @@ def summary_row(runs: list[list[Replay]], randoms: list[list[Replay]], cost: Cos
     moe = per_seed(lambda r: cost.moe_us(r.steps, r.resident, r.loads, num_layers) / r.tokens, runs)
     steps = per_seed(lambda r: r.steps.sum() / r.tokens, runs)
     return {"loads_per_token": float(lpt.mean()), "saving": float(saving.mean()), "saving_std": float(saving.std()),
-            "moe_us_per_token": float(moe.mean()), "steps_per_token": float(steps.mean()),
+            "saving_per_seed": saving.tolist(), "moe_us_per_token": float(moe.mean()), "steps_per_token": float(steps.mean()),
             "max_queue_steps": int(max(r.start.max() for group in runs for r in group))}
 
 

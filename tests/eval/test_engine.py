@@ -35,6 +35,7 @@ def test_rows_are_paired_by_seed_and_the_reference_captures_all_of_itself():
     savings = [1 - a / b for a, b in zip(ref, rnd)]
     assert rows["reference"]["saving"] == pytest.approx(np.mean(savings))
     assert rows["reference"]["saving_std"] == pytest.approx(np.std(savings))
+    assert rows["reference"]["saving_per_seed"] == pytest.approx(savings)  # in seed order, for paired comparisons
     json.dumps(out)
 
 
