@@ -20,7 +20,9 @@ come from `cohort train` (hours of CPU: not rebuilt here).
 2. Quality, on held-out requests only (traces.split): each candidate's profile head (the one its
    folder holds from `cohort train` when its inputs are not cut, else a head fitted here on the
    training side with its own embeddings) drives admission in the continuous replay (S slots,
-   lognormal lengths, seeds) against random; the static B = 16 plan's capture as a side figure.
+   lognormal lengths, seeds) against random; beside each, its saving as a share of `--reference`'s
+   with a 95% bootstrap interval over seeds (the candidates replay the same seeds, so the pair's
+   ratio is far tighter than either saving's spread); the static B = 16 plan's capture as a side figure.
 3. The rule: the default is the fastest candidate (1 thread, per CPU-second) that reaches 20x plain
    encode with a continuous saving, at every S, within 5% (relative) of the fine-tuned MiniLM's
    (`--reference`). Speeds from one run on a shared machine: compare the ratios, not the absolutes.
