@@ -121,23 +121,35 @@ class ReplicaRouter:
         proxy's common case: a slot free, nothing to reorder). Returns the replica, or None when the
         request must go through `add` (a queue, round-robin, slack placement, or the first vector, which
         fixes the pool's vector size)."""
-        if self.routing == "round-robin" or self.slack is not None or self.waiting() or key in self.placed:
+        if not self.places_at_once() or key in self.placed:
             return None
-        free = self.free()  # [R]
-        r = int(np.argmax(free))
-        if free[r] <= 0:
-            return None
-        held = None
-        if vector is not None and self.routing == "affinity":
-            vector = np.asarray(vector, np.float32).ravel()  # [F]
-            if self.pool.size is None:
-                return None
-            if vector.shape[0] == self.pool.size:  # another size counts as no vector, as in the pool
-                held = vector
-                self._resident_for(r).admit(held)
-        self.placed[key] = (r, held)
+        r = int(np.argmax(self.free()))
+        self.placed[key] = (r, None)
         self.busy[r] += 1
+        if vector is not None:
+            self.assign(key, vector)
         return r
+
+    def places_at_once(self) -> bool:
+        """Whether a request arriving now is placed at once (`place_at_once`): a shared pool, nobody
+        waiting, a free slot on a healthy replica."""
+        return (self.routing != "round-robin" and self.slack is None and not self.waiting()
+                and self.free().max(initial=0) > 0)
+
+    def assign(self, key: Hashable, vector: np.ndarray) -> bool:
+        """The vector of a request placed without one (the proxy forwards a request that finds a free slot
+        while its profile is still being predicted): it joins its replica's resident set now, as if placed
+        with it, and leaves it on `release`. False, and nothing done, when `key` is not placed (released
+        already) or holds a vector, the routing is not affinity, or the vector has another size."""
+        if self.routing != "affinity" or key not in self.placed or self.placed[key][1] is not None:
+            return False
+        held = self.pool.fit(vector)  # [F]; another size counts as no vector, as in the pool
+        if held is None:
+            return False
+        r = self.placed[key][0]
+        self._resident_for(r).admit(held)
+        self.placed[key] = (r, held)
+        return True
 
     def hold(self, key: Hashable, replica: int) -> None:
         """A slot of `replica` taken outside the waiting pool (background work that no waiting request

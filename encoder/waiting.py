@@ -115,14 +115,17 @@ class WaitingPool:
         longest = int(np.argmax(waited))
         return longest if waited[longest] >= max_wait else None
 
-    def _store(self, row: int, vector: np.ndarray | None) -> bool:
-        if vector is None:
-            return False
+    def fit(self, vector: np.ndarray) -> np.ndarray | None:
+        """`vector` flat [size] float32 when it has the pool's vector size (the first vector fixes it), else None."""
         vector = np.asarray(vector, np.float32).ravel()
         if self.size is None:
             self.size = vector.shape[0]
             self.matrix = np.zeros((len(self.keys), self.size), np.float32)
-        if vector.shape[0] != self.size:
+        return vector if vector.shape[0] == self.size else None
+
+    def _store(self, row: int, vector: np.ndarray | None) -> bool:
+        vector = None if vector is None else self.fit(vector)
+        if vector is None:
             return False
         self.matrix[row] = vector
         return True

@@ -156,10 +156,12 @@ def _held(resident) -> tuple[int, np.ndarray]:
     return (0, np.zeros(1)) if resident is None or resident.count == 0 else (resident.count, resident.log_idle)
 
 
+@pytest.mark.parametrize("late", [False, True])
 @pytest.mark.parametrize("routing", ["affinity", "least-loaded"])
-def test_place_at_once_places_exactly_as_add_then_admit(routing):
+def test_place_at_once_places_exactly_as_add_then_admit(routing, late):
     """Random arrivals and departures on two routers: one takes every shortcut it is offered, the other
-    always goes through the pool; placements, busy slots and resident sets stay identical."""
+    always goes through the pool; placements, busy slots and resident sets stay identical. `late`: the
+    shortcut places without the vector, and `assign` gives it right after (the proxy's late profile)."""
     rng = np.random.default_rng(1)
     shortcuts = 0
     for trial in range(60):
@@ -175,7 +177,9 @@ def test_place_at_once_places_exactly_as_add_then_admit(routing):
                 kind = rng.random()
                 vector = (None if kind < 0.2 else rng.random(4).astype(np.float32) if kind < 0.3
                           else (rng.random(8) * (rng.random(8) < 0.4)).astype(np.float32))
-                placed = fast.place_at_once(step, vector)
+                placed = fast.place_at_once(step, None if late else vector)
+                if placed is not None and late and vector is not None:
+                    fast.assign(step, vector)
                 if placed is None:
                     fast.add(step, vector, now=float(step))
                 else:
@@ -192,6 +196,20 @@ def test_place_at_once_places_exactly_as_add_then_admit(routing):
                 assert a[0] == b[0] and np.allclose(a[1], b[1]), (trial, r)
     assert shortcuts > 100  # the shortcut was taken, with and without vectors
     assert ReplicaRouter([1, 1], "round-robin").place_at_once("k", None) is None
+
+
+def test_assign_gives_a_placed_request_its_vector_once():
+    router = ReplicaRouter([3], "affinity")
+    a, b = np.array([1.0, 1.0, 0.0, 0.0], np.float32), np.array([0.0, 0.0, 1.0, 1.0], np.float32)
+    router.place_at_once("x", None), router.place_at_once("y", a), router.place_at_once("w", None)
+    assert router.assign("x", b) and router.resident(0).count == 2
+    assert not router.assign("x", a) and not router.assign("y", b)  # each holds its vector already
+    assert not router.assign("w", np.ones(3)) and router.resident(0).count == 2  # another size counts as none
+    router.release("x")
+    assert router.resident(0).count == 1 and not router.assign("x", b)  # released: nothing to join
+    least = ReplicaRouter([1], "least-loaded")
+    least.place_at_once("z", None)
+    assert not least.assign("z", a) and least.resident(0) is None  # only affinity keeps resident sets
 
 
 def test_place_at_once_waits_behind_a_queue_and_when_full():

@@ -1,6 +1,7 @@
 """The proxy's online admission: slots, the waiting pool, the rule, fairness, background work, profiles."""
 
 import asyncio
+import threading
 import time
 
 import numpy as np
@@ -184,3 +185,51 @@ def test_the_wait_for_a_slot_excludes_the_profile_prediction():
     first, second = run(main())
     assert first.queue_s >= 0.1 and first.wait_s < 0.05  # predicted, then admitted at once
     assert second.queue_s >= 0.3 and 0.15 <= second.wait_s <= second.queue_s - 0.1
+
+
+def blocked_gate(capacity):
+    """A gate that admits a request finding a free slot at once (profile_first=False), and a predictor
+    that answers only once `go` is set."""
+    go = threading.Event()
+
+    def slow_predict(texts):
+        assert go.wait(10), "the test never let the prediction finish"
+        return predict(texts)
+
+    return AdmissionGate(Profiler(slow_predict), ProxyMetrics(), max_in_flight=capacity, profile_first=False), go
+
+
+def test_a_request_that_finds_a_free_slot_goes_before_its_profile_which_joins_later():
+    async def main():
+        g, go = blocked_gate(2)
+        first = await asyncio.wait_for(g.admit("a1"), 2)  # the prediction is still blocked
+        assert first.profile is None and (g._resident is None or g._resident.count == 0)
+        go.set()
+        await until(lambda: g._resident is not None and g._resident.count == 1)  # a1's profile joined
+        g.release(first)
+        assert g._resident.count == 0
+        early = await g.admit("b1")
+        g.release(early)  # finished before its profile came
+        await until(lambda: not g._late)
+        assert g._resident.count == 0 and g._in_flight == 0
+    run(main())
+
+
+def test_a_late_profile_steers_the_next_choice_and_a_waiting_request_waits_for_its_own():
+    async def main():
+        g, go = blocked_gate(2)
+        go.set()
+        resident, other = await g.admit("a1"), await g.admit("b1")  # both at once; profiles follow
+        await until(lambda: g._resident is not None and g._resident.count == 2)
+        waiting = {"b2": asyncio.ensure_future(g.admit("b2"))}
+        await until(pooled(g, 1))
+        waiting["a2"] = asyncio.ensure_future(g.admit("a2"))  # arrival order: b2 first
+        await until(pooled(g, 2))
+        g.release(other)  # a1 stays resident, known only from its late profile: a2 fits it
+        await until(waiting["a2"].done)
+        assert not waiting["b2"].done() and waiting["a2"].result().profile == [7]  # predicted before it waited
+        g.release(resident)
+        g.release(waiting["a2"].result())
+        await until(waiting["b2"].done)
+        g.release(waiting["b2"].result())
+    run(main())
