@@ -253,7 +253,7 @@ def admission(backend: str, prompts: list[str], slots: int, max_tokens: int, moe
     runs = [("fcfs", backend, ["--encoder", "none", "--max-in-flight", str(slots)]),
             ("proxy", backend, [*enc, "--max-in-flight", str(slots)])]
     if engine_backend:
-        runs.append(("engine", engine_backend, [*enc, "--max-in-flight", "256", "--engine-profiles"]))
+        runs.append(("engine", engine_backend, [*enc, "--max-in-flight", "256", "--forward-profiles"]))
     for name, backend, extra in runs:
         proc, proxy = start_proxy(backend, *extra)
         try:

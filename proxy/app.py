@@ -63,7 +63,7 @@ class Proxy:
                                    max_queue_s=settings.max_queue_ms / 1000,
                                    **({"resident_factory": predictor.resident_factory} if predictor else {}))
         profiler = Profiler(predictor.predict, self.metrics.profile_seconds) if predictor else None
-        self.gate = AdmissionGate(profiler, self.metrics, replicas=self.replicas, profile_first=settings.engine_profiles)
+        self.gate = AdmissionGate(profiler, self.metrics, replicas=self.replicas, profile_first=settings.forward_profiles)
         self.authorize = Authorizer(settings.api_keys)  # called with a request's headers
         self.upstream = Upstream(self.gate, self.metrics, settings.keepalive_s)
 

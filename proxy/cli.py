@@ -51,10 +51,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", dest="api_keys", action="append", help="accept this proxy API key (repeatable; "
                         "env COHORT_API_KEYS=k1,k2; default: none, the proxy is open)")
     parser.add_argument("--log-prompts", action="store_true", default=None, help="log prompt texts (off: they are user data)")
-    parser.add_argument("--engine-profiles", action="store_true", default=None, help="every request waits for its "
-                        "predicted profile and carries it (vllm_xargs.moe_profile) for an engine running "
-                        "backend.scheduler.ExpertAwareScheduler (default: a request that finds a free slot goes at once; "
-                        "env COHORT_ENGINE_PROFILES)")
+    parser.add_argument("--forward-profiles", action="store_true", default=None, help="every request waits for its "
+                        "prediction and carries it: vllm_xargs.moe_profile for an engine running "
+                        "backend.scheduler.ExpertAwareScheduler, x-cohort-key for a router such as llm-d's (default: "
+                        "a request that finds a free slot goes at once, without them; env COHORT_FORWARD_PROFILES)")
     parser.add_argument("--protect-metrics", action="store_true", default=None, help="/metrics needs an --api-key and "
                         "/health shows callers without one only its status (env COHORT_PROTECT_METRICS)")
     parser.add_argument("--model-dir", help="tiny MoE folder for the embedded backend, built there if missing "
@@ -70,7 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     overrides = flag_overrides(args, _FLAGS)
     overrides.update(api_keys=tuple(args.api_keys) if args.api_keys else None, log_prompts=args.log_prompts,
-                     protect_metrics=args.protect_metrics, engine_profiles=args.engine_profiles)
+                     protect_metrics=args.protect_metrics, forward_profiles=args.forward_profiles)
     try:
         settings = load_settings(overrides, config=args.config, flags=_FLAGS)
     except SettingsError as exc:

@@ -57,9 +57,10 @@ class Settings:
     # CPU threads `cohort serve`'s encoder and profile head may use (torch, BLAS, the tokenizer): 1 keeps
     # them beside the event loop on one core, off the engine's cores and out of each other's way
     encoder_threads: int = 1
-    # every request waits for its predicted profile and carries it as vllm_xargs.moe_profile, for an engine
-    # running backend.scheduler.ExpertAwareScheduler; off: a request that finds a free slot goes at once
-    engine_profiles: bool = False
+    # every request waits for its prediction and carries it: vllm_xargs.moe_profile for an engine running
+    # backend.scheduler.ExpertAwareScheduler, x-cohort-key for a router (llm-d); off: a request that finds
+    # a free slot goes at once, without them
+    forward_profiles: bool = False
     api_keys: tuple[str, ...] = ()  # proxy keys clients must send as `Authorization: Bearer`; empty = open
     backend_api_key: str = ""  # key sent to the backend; empty = forward the client's (when the proxy has no keys)
     request_timeout_s: float = 600.0
