@@ -119,8 +119,8 @@ class ReplicaRouter:
         """A request that arrives while nobody waits and a slot is free: placed now, on the replica with the
         most free slots, exactly as `add` + `admit` would place it, without the pool's bookkeeping (the
         proxy's common case: a slot free, nothing to reorder). Returns the replica, or None when the
-        request must go through `add` (a queue, round-robin, slack placement, or the first vector, which
-        fixes the pool's vector size)."""
+        request must go through `add` (a queue, round-robin, slack placement). A vector may also come
+        later (`assign`)."""
         if not self.places_at_once() or key in self.placed:
             return None
         r = int(np.argmax(self.free()))

@@ -15,8 +15,9 @@ scheduler (`backend.scheduler`) can reorder its own queue too. Without, a reques
 free slot with nobody waiting is admitted at once (there is nothing to choose, and a burst of
 arrivals would otherwise wait for the whole burst's prediction: 10 ms p50 at 16 clients with the
 static student, bench_proxy), and its profile joins its replica's resident set when predicted, so
-later choices still count its experts; a request that has to wait is predicted first, as before. Background work (the Batch API's jobs) shares the slots through
-`admit_background()` but only gets one that no waiting request wants. Nothing here knows HTTP: a
+later choices still count its experts; a request that has to wait is predicted first, as before.
+Background work (the Batch API's jobs) shares the slots through `admit_background()` but only
+gets one that no waiting request wants. Nothing here knows HTTP: a
 caller awaits `admit()`, talks to the backend, then calls `release(admission)`.
 
 The slots are a `proxy.replicas.ReplicaSet`: one backend is a set of one replica, several backends
