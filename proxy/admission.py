@@ -43,6 +43,8 @@ from encoder.admission import ResidentExperts
 
 log = logging.getLogger(__name__)
 
+LATE_PROFILE_S = 0.02  # how long a request admitted at once waits before its profile is predicted
+
 # texts -> per text (vector, compact profile or None) or None; the vector is a flat predicted
 # profile [L*E] (with a profile head) or a unit embedding [D] (nearest-embedding admission)
 PredictFn = Callable[[Sequence[str]], list]
@@ -153,7 +155,10 @@ class AdmissionGate:
 
     async def _profile_later(self, admission: Admission, text: str) -> None:
         """Predict the profile of a request admitted without it; it joins its replica's resident set
-        unless the request has finished meanwhile."""
+        unless the request has finished meanwhile. Only after `LATE_PROFILE_S`: a burst of arrivals is
+        taken in first and predicted after, in larger batches (bench_proxy, static student, 64 clients:
+        the proxy's own time p50 7.9 -> 3.6-4.4 ms); the resident set learns of it a little later."""
+        await asyncio.sleep(LATE_PROFILE_S)
         profile = await self.profiler.profile(text)  # None when the encoder failed
         if profile is not None:
             self.replicas.router.assign(admission.lease.ticket, profile[0])

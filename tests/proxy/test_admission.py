@@ -233,3 +233,23 @@ def test_a_late_profile_steers_the_next_choice_and_a_waiting_request_waits_for_i
         await until(waiting["b2"].done)
         g.release(waiting["b2"].result())
     run(main())
+
+
+def test_a_late_profile_is_predicted_only_after_the_burst(monkeypatch):
+    import proxy.admission
+
+    monkeypatch.setattr(proxy.admission, "LATE_PROFILE_S", 0.3)
+    asked = []
+
+    def counting_predict(texts):
+        asked.append(len(texts))
+        return predict(texts)
+
+    async def main():
+        g = AdmissionGate(Profiler(counting_predict), ProxyMetrics(), max_in_flight=4, profile_first=False)
+        admitted = [await g.admit(t) for t in ("a1", "b1")]
+        await asyncio.sleep(0.1)
+        assert asked == [] and all(a.profile is None for a in admitted)  # admitted, not predicted yet
+        await until(lambda: g._resident is not None and g._resident.count == 2)
+        assert sum(asked) == 2
+    run(main())
