@@ -34,7 +34,7 @@ from proxy.fastpath import FastPath
 from proxy.metrics import ProxyMetrics
 from proxy.middleware import RequestContext, access_log
 from proxy.profiles import Predictor, make_predictor
-from proxy.protocol import (ProxyRequest, Route, check_size, cohort_headers, own_seconds, parse_request, read_body,
+from proxy.protocol import (ProxyRequest, Route, check_size, cohort_headers, parse_request, read_body,
                             with_profile)
 from proxy.relay import add_relay_routes
 from proxy.replicas import ReplicaSet
@@ -112,9 +112,7 @@ class Proxy:
             return Response(status_code=CLIENT_CLOSED)
         admission, answer, backend_s = answered
         self.metrics.requests.labels(preq.route, str(answer.status_code)).inc()
-        own = own_seconds(started, admission, backend_s)
-        if own is not None:
-            self.metrics.own_seconds.labels(preq.route).observe(own)
+        own = self.metrics.own_time(preq.route, started, admission, backend_s)
         return Response(answer.content, status_code=answer.status_code,
                         headers=cohort_headers(admission, backend_s, own), media_type=answer.content_type)
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from proxy.protocol import own_seconds
+
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 OWN_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1)
 
@@ -23,6 +25,13 @@ class ProxyMetrics:
                                      buckets=OWN_BUCKETS, registry=r)
         self.in_flight = Gauge("cohort_in_flight", "Requests at the backend now", registry=r)
         self.waiting = Gauge("cohort_waiting", "Requests being profiled or waiting for a backend slot", registry=r)
+
+    def own_time(self, route: str, started: float | None, admission, backend_s: float) -> float | None:
+        """The proxy's own seconds for a request so far (proxy.protocol.own_seconds), observed under `route`."""
+        own = own_seconds(started, admission, backend_s)
+        if own is not None:
+            self.own_seconds.labels(route).observe(own)
+        return own
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

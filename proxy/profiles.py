@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -57,8 +58,6 @@ def limit_threads(threads: int) -> None:
     after its encoder loaded: a request is embedded alone or in a small batch, where more threads
     gain little and their spinning takes the event loop's core (measured with the static student on
     one core: 1.8 ms of CPU per request with the default pools, 0.75 ms with one thread)."""
-    import sys
-
     from threadpoolctl import threadpool_limits
 
     os.environ["TOKENIZERS_PARALLELISM"] = "true" if threads > 1 else "false"

@@ -26,7 +26,7 @@ from proxy.admission import AdmissionGate
 from proxy.errors import BackendUnreachable, ProxyError
 from proxy.metrics import ProxyMetrics
 from proxy.cohort_key import cohort_key_header
-from proxy.protocol import ProxyRequest, cohort_headers, own_seconds, with_profile
+from proxy.protocol import ProxyRequest, cohort_headers, with_profile
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -80,9 +80,7 @@ class StreamRelay:
         except BaseException:
             await self.close()
             raise
-        own = own_seconds(self.started, self._admission, self._backend_s)
-        if own is not None:
-            self.up.metrics.own_seconds.labels(self.preq.route).observe(own)
+        own = self.up.metrics.own_time(self.preq.route, self.started, self._admission, self._backend_s)
         return _ClosingStreamingResponse(self._relay(), self.close,
                                          headers=cohort_headers(self._admission, self._backend_s, own))
 
