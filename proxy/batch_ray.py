@@ -12,10 +12,15 @@ Who does what:
   pool of one actor per replica. For a block, an actor leases a free replica (a ray.util.queue.Queue
   of replica indexes, so no replica has two blocks at once) and sends the block's requests in order,
   `concurrency` at a time, with the local runner's own code (`run_batch` over the block: the same
-  retries and the same output lines); finished blocks stream back as they end;
+  retries and the same output lines); finished blocks stream back as they end, in any order;
 - the driver is the journal's one writer (proxy/journal.py), so resume is the local runner's: a line
   is finished when its journal entry is on disk; a block that was out when a run stopped is sent
   again by the next run and its lines appear once in the results.
+- a replica that stays unreachable stops the run: its actor raises a stop flag (a second Queue), every
+  block that has not started yet is skipped, the blocks already out finish, and the driver commits
+  every finished block before it raises RunAborted. Ray Data runs an actor's blocks out of order
+  (`allow_out_of_order_execution`), so the block that stopped is not always after those that finished:
+  the driver drains them all instead of stopping at the first block that stopped.
 
 Ray is started here (a local instance) unless this process is already connected, or RAY_ADDRESS
 names a cluster (then `ray.init()` joins it). Prompts are user data: nothing here logs them.
@@ -42,6 +47,7 @@ BLOCK_BATCHES = 8  # a block holds this many `concurrency`-sized batches of the 
 ACTOR_CPUS = 0.25  # an actor only waits on HTTP; a fraction of a CPU lets several share a core
 LEASE_TIMEOUT_S = 600.0
 _ABORT = -1  # the `line` of the row that says a block stopped (its `data`: why)
+_SKIPPED = -2  # the `line` of the row that says a block was not sent: the run had stopped
 
 
 def backend_urls(settings: Settings) -> list[str]:
@@ -103,10 +109,11 @@ def _commit(journal: Journal, records: list[Record]) -> None:
 
 def _send_blocks(ray, order: Sequence[BatchRequest], urls: list[str], config: RunConfig, settings: Settings,
                  block_rows: int):
-    """The records of each finished block, as blocks finish; RunAborted after the records of a block that stopped."""
+    """The records of each finished block, as blocks finish; RunAborted once every block has come back if one
+    stopped (the records of every block that finished, before or after it, have been yielded)."""
     from ray.util.queue import Queue
 
-    leases = Queue()
+    leases, stop = Queue(), Queue()  # free replica indexes; non-empty once a block stopped the run
     for index in range(len(urls)):
         leases.put(index)
     rows = [{"line": r.line, "custom_id": r.custom_id, "url": r.url, "body": json.dumps(r.body), "policy": r.policy}
@@ -114,28 +121,37 @@ def _send_blocks(ray, order: Sequence[BatchRequest], urls: list[str], config: Ru
     ds = ray.data.from_items(rows, override_num_blocks=-(-len(rows) // block_rows))
     sent = ds.map_batches(_SendBlock, batch_size=block_rows, batch_format="numpy", num_cpus=ACTOR_CPUS,
                           compute=ray.data.ActorPoolStrategy(size=len(urls)),
-                          fn_constructor_kwargs={"urls": urls, "config": config, "leases": leases,
+                          fn_constructor_kwargs={"urls": urls, "config": config, "leases": leases, "stop": stop,
                                                  "timeout_s": settings.request_timeout_s,
                                                  "connect_timeout_s": settings.connect_timeout_s})
     blocks = iter(sent.iter_batches(batch_size=None, batch_format="numpy"))
+    why: list[str] = []  # the reasons blocks stopped, as they came back
     try:
         for block in blocks:
-            yield [Record(int(line), str(kind), json.loads(data))
-                   for line, kind, data in zip(block["line"], block["kind"], block["data"]) if line != _ABORT]
-            stopped = [str(data) for line, data in zip(block["line"], block["data"]) if line == _ABORT]
-            if stopped:
-                raise RunAborted(stopped[0])
+            records, stopped = read_block(block)
+            yield records
+            why += stopped
     except ray.exceptions.RayError as exc:  # a worker or actor died: what finished is committed
         raise RunAborted(f"Ray Data stopped: {type(exc).__name__}: {str(exc).splitlines()[0]}") from exc
     finally:
-        blocks.close()  # stops Ray Data's executor now: blocks still out are abandoned (a rerun sends them)
+        blocks.close()  # stops Ray Data's executor now if the caller left early: blocks still out are abandoned
+    if why:
+        raise RunAborted(why[0])
+
+
+def read_block(block: dict) -> tuple[list[Record], list[str]]:
+    """A block's rows back from `_SendBlock`: its records, and why it stopped ([] if it did not, or was skipped)."""
+    lines, kinds, data = block["line"], block["kind"], block["data"]
+    records = [Record(int(line), str(kind), json.loads(d)) for line, kind, d in zip(lines, kinds, data) if line >= 0]
+    return records, [str(d) for line, d in zip(lines, data) if line == _ABORT]
 
 
 class _SendBlock:
     """A Ray Data actor: sends one block at a time to a leased replica, in the block's order."""
 
-    def __init__(self, urls: list[str], config: RunConfig, leases, timeout_s: float, connect_timeout_s: float) -> None:
-        self.urls, self.config, self.leases = urls, config, leases
+    def __init__(self, urls: list[str], config: RunConfig, leases, stop, timeout_s: float,
+                 connect_timeout_s: float) -> None:
+        self.urls, self.config, self.leases, self.stop = urls, config, leases, stop
         self.timeouts = {"timeout_s": timeout_s, "connect_timeout_s": connect_timeout_s}
 
     def __call__(self, block: dict) -> dict:
@@ -144,11 +160,14 @@ class _SendBlock:
                     zip(block["line"], block["custom_id"], block["url"], block["body"], block["policy"])]
         index = self.leases.get(timeout=LEASE_TIMEOUT_S)
         try:
+            if not self.stop.empty():  # another block stopped the run: this one is left for the rerun
+                return {"line": [_SKIPPED], "kind": ["errors"], "data": [""]}
             records, stopped = asyncio.run(self._send(self.urls[index], requests))
         finally:
             self.leases.put(index)
         rows = [(r.line, r.kind, json.dumps(r.data, ensure_ascii=False)) for r in records]
         if stopped:
+            self.stop.put(stopped)
             rows.append((_ABORT, "errors", stopped))
         return {"line": [r[0] for r in rows], "kind": [r[1] for r in rows], "data": [r[2] for r in rows]}
 
@@ -183,9 +202,6 @@ def _connect(ray) -> bool:
     """Join the running Ray (this process's, or RAY_ADDRESS's cluster), else start a local one; True if started here."""
     context = ray.data.DataContext.get_current()
     context.enable_progress_bars = False  # the CLI has its own bar
-    # blocks leave in the plan's order (Ray Data may otherwise reorder them, e.g. under load), so a block that
-    # stops the run comes after every block before it and what finished before it is committed
-    context.execution_options.preserve_order = True
     logging.getLogger("ray.data").setLevel(logging.ERROR)  # its per-run INFO lines; failures still raise here
     if ray.is_initialized():
         return False

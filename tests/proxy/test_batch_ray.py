@@ -109,24 +109,67 @@ def test_blocks_follow_the_admission_plan_of_dry_run(local_ray, tmp_path, capsys
     assert pairs(replica.seen) == pairs(planned)
 
 
+def ids(prompts):
+    return sorted(f"c{m[1:]}" for m in prompts)
+
+
 def test_a_replica_that_dies_mid_run_then_the_rerun_finishes_every_line_once(local_ray, tmp_path, capsys):
     src = write(tmp_path / "in.jsonl", chat_lines(24))
     out = tmp_path / "out.jsonl"
     args = ["--input", str(src), "--output", str(out), "--encoder", "none", "--concurrency", "1", "--max-retries", "0"]
-    replica = Replica(answer_first=10)  # block 1 breaks after its 2nd request
+    replica = Replica(answer_first=10)  # the 11th request it is sent breaks (block 1's 3rd, if the blocks go in order)
     assert run_cli([replica], args) == 1
     err = capsys.readouterr().err
     assert "cannot reach the backend" in err and "run the same command again to finish the rest" in err
     first = results(out)
-    assert [r["custom_id"] for r in first] == [f"c{i}" for i in range(10)]  # block 0 and block 1's answered two
+    # every answer the replica gave is kept, whichever order Ray ran the blocks in (it may run a later one first)
+    assert len(first) == 10 and sorted(r["custom_id"] for r in first) == ids(replica.seen)
 
-    replica.answer_first, replica.seen = None, []
+    kept, replica.answer_first, replica.seen = ids(replica.seen), None, []
     assert run_cli([replica], args) == 0, capsys.readouterr().err
     final = results(out)
     assert sorted(r["custom_id"] for r in final) == sorted(f"c{i}" for i in range(24)) and len(final) == 24
     assert final[:10] == first  # kept, not redone
-    assert sorted(replica.seen) == sorted(f"m{i}" for i in range(10, 24))  # only the rest was sent again
+    assert sorted(ids(replica.seen) + kept) == sorted(f"c{i}" for i in range(24))  # only the rest was sent again
     assert results(tmp_path / "out.errors.jsonl") == []
+
+
+def test_a_dead_replica_stops_the_run_and_the_blocks_out_elsewhere_are_kept(local_ray, tmp_path, capsys):
+    src = write(tmp_path / "in.jsonl", chat_lines(48))
+    out = tmp_path / "out.jsonl"
+    args = ["--input", str(src), "--output", str(out), "--encoder", "none", "--concurrency", "1", "--max-retries", "0"]
+    dead, slow = Replica(answer_first=0), Replica(delay_s=0.1)  # a block at `dead` stops at once, `slow`'s take 0.8 s
+    assert run_cli([dead, slow], args) == 1
+    assert "cannot reach the backend" in capsys.readouterr().err
+    first = results(out)
+    # the block `slow` had out when `dead` stopped the run came back after the stop, and is kept
+    assert sorted(r["custom_id"] for r in first) == ids(slow.seen)
+    assert len(slow.seen) < 48  # blocks not started when the run stopped were not sent
+
+    answered, dead.answer_first, slow.seen = ids(slow.seen), None, []
+    assert run_cli([dead, slow], args) == 0, capsys.readouterr().err
+    final = results(out)
+    assert sorted(r["custom_id"] for r in final) == sorted(f"c{i}" for i in range(48)) and len(final) == 48
+    assert sorted(ids(dead.seen + slow.seen) + answered) == sorted(f"c{i}" for i in range(48))  # each sent once
+
+
+def test_a_block_is_skipped_once_the_run_stopped_and_a_stopping_block_raises_the_flag(local_ray):
+    from ray.util.queue import Queue
+
+    from proxy.batch_core import RunConfig
+    from proxy.batch_ray import _SendBlock, read_block
+
+    block = {"line": [3], "custom_id": ["c3"], "url": ["/v1/chat/completions"], "policy": [""],
+             "body": [json.dumps(json.loads(request_line("c3", "m3"))["body"])]}
+    leases, stop = Queue(), Queue()
+    leases.put(0)
+    nobody = "http://127.0.0.1:9"  # nothing listens: the block stops at its first request
+    send = _SendBlock([nobody], RunConfig(concurrency=1, max_retries=0), leases, stop, timeout_s=5,
+                      connect_timeout_s=1)
+    records, why = read_block(send(block))
+    assert records == [] and len(why) == 1 and "cannot reach the backend" in why[0]
+    assert stop.qsize() == 1 and leases.qsize() == 1  # the flag is up, the lease back
+    assert read_block(send(block)) == ([], [])  # skipped: nothing sent, no second reason
 
 
 def test_ray_missing_is_one_line_and_exit_2(tmp_path):
