@@ -31,7 +31,8 @@ _FLAGS = {
     "--max-in-flight": ("max_in_flight", int, "requests at the backend (each replica) at once: its max_num_seqs"),
     "--default-policy": ("default_policy", str, "routing policy when a request has no X-MoE-Routing header"),
     "--encoder": ("encoder", str, "encoder name or path (a folder from `cohort train` brings its profile head); "
-                                  "'static' is fast; 'none': first come, first served (default: the packaged MiniLM)"),
+                                  "'all-MiniLM-L6-v2' the packaged MiniLM; 'none': first come, first served (default: "
+                                  "static, distilled from the packaged MiniLM once, ~1 min)"),
     "--encoder-threads": ("encoder_threads", int, "CPU threads the encoder may use (torch, BLAS, tokenizer); 1 "
                                                    "leaves the other cores to the engine"),
     "--backend-api-key": ("backend_api_key", str, "API key to send to the backend"),

@@ -51,7 +51,10 @@ class Settings:
     max_queue_ms: float = 30_000.0  # fairness bound: a request that has waited this long is admitted first
     max_in_flight: int = 256  # requests at the backend at once: its max_num_seqs (vLLM's default 256)
     default_policy: str = "topk"  # routing policy when a request has no X-MoE-Routing header
-    encoder: str = ""  # encoder name or path ("" = the offline default, "none" = no prediction, first come first served)
+    # encoder name or path: "static" (the default: a model2vec distillation of the packaged MiniLM, built once,
+    # ~100x its speed and as good a plan without a profile head, benchmarks/bench_encoder.py --as-served),
+    # "" = the packaged all-MiniLM-L6-v2, "none" = no prediction, first come first served
+    encoder: str = "static"
     encoder_max_seq_len: int = 128
     encoder_cache: int = 10_000  # embeddings kept by text hash (repeated prompts are not embedded again); 0: off
     # CPU threads `cohort serve`'s encoder and profile head may use (torch, BLAS, the tokenizer): 1 keeps
