@@ -5,7 +5,7 @@ the front of its waiting queue and popping it once it fits. `ExpertAwareQueue` i
 whole request-queue contract of vLLM's `RequestQueue` (add, pop, peek, prepend, remove, bool,
 len, iter), but its front is chosen, not fixed: among the waiting requests that carry a
 predicted expert profile, the one expected to add the fewest experts per step to the running
-set, by the rule of `encoder.waiting.WaitingPool` (which the proxy's pool uses too: fairness
+set, by the rule of `admission.waiting.WaitingPool` (which the proxy's pool uses too: fairness
 bound first, FCFS for requests without a profile). The rest of vLLM's semantics are kept:
 
 - requests put back at the front (preempted ones, ones skipped in a scheduling pass) stay in
@@ -29,9 +29,9 @@ from typing import Any
 
 import numpy as np
 
-from encoder.admission import ResidentExperts
-from encoder.profile import COMPACT_TOP, expand
-from encoder.waiting import WaitingPool, resident_size
+from moe_cohort.admission.resident import ResidentExperts
+from moe_cohort.encoder.profile import COMPACT_TOP, expand
+from moe_cohort.admission.waiting import WaitingPool, resident_size
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from backend.policy import Policy, PolicyError, TopK, parse_policy
+from moe_cohort.backend.policy import Policy, PolicyError, TopK, parse_policy
 
 ROUTING_KEY = "moe_routing"
 RECORD_KEY = "moe_record"

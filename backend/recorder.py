@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from traces.format import TraceSet, expert_dtype, save_traces
+from moe_cohort.traces.format import TraceSet, expert_dtype, save_traces
 
 log = logging.getLogger(__name__)
 

@@ -35,14 +35,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from backend.engine_state import RequestOptions, Step, request_options
-from backend.distinct import distinct_experts
-from backend.metrics import ExpertLoadMetrics
-from backend.policy import Policy, PolicyError, TopK
-from backend.recorder import TraceRecorder
-from backend.selection import select_experts_mixed
-from backend.routing_tables import TableMode
-from backend.selection.step_tables import StepTables
+from moe_cohort.backend.engine_state import RequestOptions, Step, request_options
+from moe_cohort.backend.distinct import distinct_experts
+from moe_cohort.backend.metrics import ExpertLoadMetrics
+from moe_cohort.backend.policy import Policy, PolicyError, TopK
+from moe_cohort.backend.recorder import TraceRecorder
+from moe_cohort.backend.selection import select_experts_mixed
+from moe_cohort.backend.routing_tables import TableMode
+from moe_cohort.backend.selection.step_tables import StepTables
 
 log = logging.getLogger(__name__)
 

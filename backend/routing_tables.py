@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import torch
 
-from backend.engine_state import Step
-from backend.policy import Policy
-from backend.selection.moe_spec import static_ranking
-from backend.selection.step_tables import StepTables, capture_error
+from moe_cohort.backend.engine_state import Step
+from moe_cohort.backend.policy import Policy
+from moe_cohort.backend.selection.moe_spec import static_ranking
+from moe_cohort.backend.selection.step_tables import StepTables, capture_error
 
 
 class TableMode:

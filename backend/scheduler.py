@@ -1,7 +1,7 @@
 """vLLM schedulers that admit waiting requests by predicted experts (`--scheduler-cls`).
 
-    vllm serve MODEL --scheduler-cls backend.scheduler.ExpertAwareScheduler
-    vllm serve MODEL --scheduler-cls backend.scheduler.ExpertAwareAsyncScheduler --async-scheduling
+    vllm serve MODEL --scheduler-cls moe_cohort.backend.scheduler.ExpertAwareScheduler
+    vllm serve MODEL --scheduler-cls moe_cohort.backend.scheduler.ExpertAwareAsyncScheduler --async-scheduling
 
 vLLM's own scheduler (FCFS) is kept whole: running requests, preemption, chunked prefill, the
 KV budget and skipped requests all work as in vLLM. Only its waiting queue is replaced by
@@ -26,8 +26,8 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.request_queue import RequestQueue, SchedulingPolicy
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from backend.admission_queue import ExpertAwareQueue
-from backend.vllm_plugin import ENV_ALLOW, check_vllm_version
+from moe_cohort.backend.admission_queue import ExpertAwareQueue
+from moe_cohort.backend.vllm_plugin import ENV_ALLOW, check_vllm_version
 
 log = logging.getLogger(__name__)
 

@@ -40,11 +40,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from backend.engine_state import RECORD_KEY, ROUTING_KEY, build_step, request_options
-from backend.metrics import ExpertLoadMetrics, setup_serving_process, worker_directory
-from backend.policy import Policy, PolicyError, TopK
-from backend.routing_hook import HookConfig, LayerInfo, RoutingHook
-from backend.selection.step_tables import capture_error
+from moe_cohort.backend.engine_state import RECORD_KEY, ROUTING_KEY, build_step, request_options
+from moe_cohort.backend.metrics import ExpertLoadMetrics, setup_serving_process, worker_directory
+from moe_cohort.backend.policy import Policy, PolicyError, TopK
+from moe_cohort.backend.routing_hook import HookConfig, LayerInfo, RoutingHook
+from moe_cohort.backend.selection.step_tables import capture_error
 
 log = logging.getLogger(__name__)
 

@@ -47,7 +47,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from backend.policy import Policy, PolicyError, parse_policy
+from moe_cohort.backend.policy import Policy, PolicyError, parse_policy
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ class PluginConfig:
 
 
 def _env_flag(env, name: str, default: bool) -> bool:
-    from backend.engine_state import parse_flag
+    from moe_cohort.backend.engine_state import parse_flag
 
     if name not in env:
         return default
@@ -144,7 +144,7 @@ def _use_vllm_logging() -> None:
     """Inside vLLM, log this package's messages like vLLM's own (vLLM configures only `vllm`)."""
     import vllm.envs
 
-    ours = logging.getLogger("backend")
+    ours = logging.getLogger("moe_cohort.backend")
     if ours.handlers:
         return
     ours.addHandler(_ToVllmLogger())
@@ -162,7 +162,7 @@ def register() -> None:
     config = PluginConfig.from_env()
     check_vllm_version(vllm.__version__, allow_untested=_env_flag(os.environ, ENV_ALLOW, False))
     _use_vllm_logging()
-    from backend import vllm_patches
+    from moe_cohort.backend import vllm_patches
 
     vllm_patches.install(config)
     _registered = True

@@ -26,11 +26,11 @@ from threadpoolctl import threadpool_limits
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from backend.admission_queue import ExpertAwareQueue  # noqa: E402
-from encoder.admission import ResidentExperts  # noqa: E402
-from encoder.profile import compact, expand  # noqa: E402
-from proxy.admission import AdmissionGate, Profiler  # noqa: E402
-from proxy.metrics import ProxyMetrics  # noqa: E402
+from moe_cohort.backend.admission_queue import ExpertAwareQueue  # noqa: E402
+from moe_cohort.admission.resident import ResidentExperts  # noqa: E402
+from moe_cohort.encoder.profile import compact, expand  # noqa: E402
+from moe_cohort.proxy.admission import AdmissionGate, Profiler  # noqa: E402
+from moe_cohort.proxy.metrics import ProxyMetrics  # noqa: E402
 
 
 def profiles(n: int, layers: int, experts: int, top_k: int, rng) -> list[np.ndarray]:

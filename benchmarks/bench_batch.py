@@ -14,7 +14,7 @@ context are left out). Three orders of the same file, against one backend, in on
 
 Two ways of sending, each reading the plugin's counters on the backend's /metrics before and after:
 
-1. `cohort batch run` (proxy.batch_run.run_batch): one request per line, B = concurrency = the
+1. `cohort batch run` (proxy.batch.run.run_batch): one request per line, B = concurrency = the
    backend's max_num_seqs, a freed slot goes to the order's next request. Wall time, and distinct
    experts per MoE layer per pure decode step. On a small, busy CPU host the engine is often starved
    (the API server cannot feed a model this fast), so the number of requests that share a decode step
@@ -44,23 +44,23 @@ import tempfile
 import time
 from pathlib import Path
 
-from encoder.plans import chunk
-from proxy.backend import BackendClient
-from proxy.batch_core import RunConfig
-from proxy.batch_order import make_order, simulated_order
-from proxy.batch_run import run_batch
-from proxy.batchfile import read_batch_file
-from proxy.expert_loads import ExpertLoads, parse_expert_loads
-from proxy.journal import Journal, JournalPaths
-from proxy.profiles import Predictor, make_predictor
-from proxy.settings import Settings
+from moe_cohort.encoder.plans import chunk
+from moe_cohort.proxy.backend import BackendClient
+from moe_cohort.proxy.batch.core import RunConfig
+from moe_cohort.proxy.batch.order import make_order, simulated_order
+from moe_cohort.proxy.batch.run import run_batch
+from moe_cohort.proxy.batch.format import read_batch_file
+from moe_cohort.proxy.expert_loads import ExpertLoads, parse_expert_loads
+from moe_cohort.proxy.batch.journal import Journal, JournalPaths
+from moe_cohort.proxy.profiles import Predictor, make_predictor
+from moe_cohort.proxy.settings import Settings
 
 PROMPTS = Path(__file__).resolve().parents[1] / "../shared/data/prompts/mixed.jsonl"
 
 
 def mixed_prompts(heldout: bool) -> list[str]:
     """The prompt texts of mixed.jsonl in file order; with `heldout`, only the project split's held-out side."""
-    from traces.split import split_requests
+    from moe_cohort.traces.split import split_requests
 
     texts = [json.loads(line)["text"] for line in PROMPTS.read_text().splitlines() if line.strip()]
     return [texts[i] for i in split_requests(len(texts), groups=texts)[1]] if heldout else texts
@@ -225,8 +225,8 @@ def main() -> None:
     args = parser.parse_args()
     server = None
     if not args.backend:
-        from devtools.server import start
-        from proxy.embedded import ensure_tiny_model
+        from moe_cohort.proxy.vllm_server import start
+        from moe_cohort.proxy.embedded import ensure_tiny_model
 
         server = start(ensure_tiny_model(args.model_dir), max_num_seqs=args.batch_size,
                        extra_args=["--no-enable-prefix-caching"])

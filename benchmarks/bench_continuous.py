@@ -31,18 +31,18 @@ from threadpoolctl import threadpool_limits
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from encoder.admission import ResidentExperts  # noqa: E402
-from encoder.profile import load_profile_head  # noqa: E402
-from eval.cost import parse_cost_model  # noqa: E402
-from eval.engine import REFERENCE, evaluate_continuous, lengths_from_spec  # noqa: E402
-from eval.engine_cli import text_policies  # noqa: E402
-from eval.policies import fixed_order, by_profile  # noqa: E402
-from eval.replay import decode_profiles, decode_tokens  # noqa: E402
-from eval.report import format_engine_table  # noqa: E402
-from traces.importers import load_traces  # noqa: E402
-from traces.split import heldout_split  # noqa: E402
-from train.profile_head import fit_profile_head  # noqa: E402
-from train.targets import profiles  # noqa: E402
+from moe_cohort.admission.resident import ResidentExperts  # noqa: E402
+from moe_cohort.encoder.profile import load_profile_head  # noqa: E402
+from moe_cohort.eval.cost import parse_cost_model  # noqa: E402
+from moe_cohort.eval.engine import REFERENCE, evaluate_continuous, lengths_from_spec  # noqa: E402
+from moe_cohort.eval.engine_cli import text_policies  # noqa: E402
+from moe_cohort.eval.policies import fixed_order, by_profile  # noqa: E402
+from moe_cohort.eval.replay import decode_profiles, decode_tokens  # noqa: E402
+from moe_cohort.eval.report import format_engine_table  # noqa: E402
+from moe_cohort.traces.importers import load_traces  # noqa: E402
+from moe_cohort.traces.split import heldout_split  # noqa: E402
+from moe_cohort.train.profile_head import fit_profile_head  # noqa: E402
+from moe_cohort.train.targets import profiles  # noqa: E402
 
 DATA = ROOT.parent / "shared" / "data" / "deepseek-v2-lite-puffin"
 
@@ -79,7 +79,7 @@ def main() -> None:
 
 
 def _run(held, tokens, slots, text, cost, lengths, seeds, max_wait=None) -> dict:
-    from encoder.planner import plan_batches
+    from moe_cohort.encoder.planner import plan_batches
 
     x_plan = text[list(text)[-1]][0]
     policies = {"arrival": fixed_order(np.arange(len(held))), "plan": fixed_order(np.concatenate(plan_batches(x_plan, slots)))}
@@ -127,7 +127,7 @@ def _admission_cost(head, layers: int, experts: int, pool: int = 1000, resident:
 
 def _embeddings(texts, encoder: str | None, cache: Path) -> np.ndarray:
     """Embeddings [N, D] of `texts`, cached by encoder and texts."""
-    from encoder import embed_texts
+    from moe_cohort.encoder import embed_texts
 
     key = hashlib.sha1((str(Path(encoder).resolve()) if encoder else "base").encode() + "\0".join(texts).encode())
     path = cache / f"emb-{key.hexdigest()[:16]}.npy"

@@ -51,8 +51,8 @@ SPEED_TARGET, QUALITY_TOLERANCE = 20.0, 0.05
 
 def main() -> None:
     args = _parse()
-    from traces.importers import load_traces
-    from traces.split import heldout_split
+    from moe_cohort.traces.importers import load_traces
+    from moe_cohort.traces.split import heldout_split
 
     ts = load_traces(args.traces)
     train_idx, held_idx = heldout_split(ts)
@@ -85,7 +85,7 @@ def speed(candidates: dict, texts: list[str], repeats: int) -> dict[str, float]:
     """Prompts per CPU-second at 1 thread as multiples of plain encode, by candidate."""
     import torch
 
-    from encoder.embedding import Embedder
+    from moe_cohort.encoder.embedding import Embedder
 
     ratios = {}
     print(f"speed (held-out prompts, cache off, best of {repeats}): prompts per CPU-second | per wall-second")
@@ -119,7 +119,7 @@ def _rate(fn, n: int, repeats: int) -> tuple[float, float]:
 
 def _cache_hits(texts: list[str], cut: int = 32) -> None:
     """A text seen before (text key), and new texts that share their first `cut` tokens with one seen (token key)."""
-    from encoder.embedding import Embedder
+    from moe_cohort.encoder.embedding import Embedder
 
     e = Embedder("static", max_seq_len=cut, cache_size=4 * len(texts))
     e.encode(texts)
@@ -138,15 +138,15 @@ def _cache_hits(texts: list[str], cut: int = 32) -> None:
 
 def quality(candidates: dict, ts, train_idx, held_idx, args) -> dict[str, dict[int, float]]:
     """Continuous saving by candidate and S, on the held-out requests."""
-    from encoder.embedding import Embedder, resolve_model
-    from encoder.profile import load_profile_head
-    from eval.cost import parse_cost_model
-    from eval.engine import REFERENCE, evaluate_continuous, lengths_from_spec
-    from eval.engine_cli import text_policies
-    from eval.policies import by_profile
-    from eval.replay import decode_profiles, decode_tokens
-    from train.profile_head import fit_profile_head
-    from train.targets import profiles
+    from moe_cohort.encoder.embedding import Embedder, resolve_model
+    from moe_cohort.encoder.profile import load_profile_head
+    from moe_cohort.eval.cost import parse_cost_model
+    from moe_cohort.eval.engine import REFERENCE, evaluate_continuous, lengths_from_spec
+    from moe_cohort.eval.engine_cli import text_policies
+    from moe_cohort.eval.policies import by_profile
+    from moe_cohort.eval.replay import decode_profiles, decode_tokens
+    from moe_cohort.train.profile_head import fit_profile_head
+    from moe_cohort.train.targets import profiles
 
     prof = profiles(ts)  # [N, L, E]
     fit_idx = train_idx[prof[train_idx].sum(axis=(1, 2)) > 0]
@@ -196,8 +196,8 @@ def paired_ratio(saving: np.ndarray, reference: np.ndarray, draws: int = 4000) -
 
 
 def _static_capture(held, statics: dict) -> None:
-    from encoder.planner import plan_batches
-    from eval.metrics import evaluate
+    from moe_cohort.encoder.planner import plan_batches
+    from moe_cohort.eval.metrics import evaluate
 
     planners = {name: (lambda ts_, b, x=x: plan_batches(x, b)) for name, x in statics.items()}
     rows = evaluate(held, 16, seeds=5, planners=planners)["plans"]

@@ -13,10 +13,10 @@ import time
 
 import numpy as np
 
-from eval.oracle import greedy_oracle
-from eval.plans import random_plan
-from traces.importers import load_traces
-from traces.loads import expert_masks, plan_loads
+from moe_cohort.eval.oracle import greedy_oracle
+from moe_cohort.eval.plans import random_plan
+from moe_cohort.traces.importers import load_traces
+from moe_cohort.traces.loads import expert_masks, plan_loads
 
 
 def main() -> None:

@@ -30,14 +30,14 @@ import numpy as np
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from encoder.baselines import kmeans_sort_chunk  # noqa: E402
-from encoder.ordering import consecutive_similarity  # noqa: E402
-from encoder.planner import PlannerConfig, plan_batches  # noqa: E402
-from eval.oracle import greedy_oracle  # noqa: E402
-from encoder.plans import chunk, validate_plan  # noqa: E402
-from eval.plans import random_plan  # noqa: E402
-from traces.importers import load_traces  # noqa: E402
-from traces.loads import ExpertMasks, expert_masks, plan_loads  # noqa: E402
+from moe_cohort.encoder.baselines import kmeans_sort_chunk  # noqa: E402
+from moe_cohort.encoder.ordering import consecutive_similarity  # noqa: E402
+from moe_cohort.encoder.planner import PlannerConfig, plan_batches  # noqa: E402
+from moe_cohort.eval.oracle import greedy_oracle  # noqa: E402
+from moe_cohort.encoder.plans import chunk, validate_plan  # noqa: E402
+from moe_cohort.eval.plans import random_plan  # noqa: E402
+from moe_cohort.traces.importers import load_traces  # noqa: E402
+from moe_cohort.traces.loads import ExpertMasks, expert_masks, plan_loads  # noqa: E402
 
 DEFAULT_TRACES = Path(__file__).resolve().parents[1] / "../shared/data/deepseek-v2-lite-puffin"
 SEEDS = (0, 1, 2)
@@ -76,7 +76,7 @@ def main() -> None:
 def _embeddings(ts, args) -> np.ndarray:
     if args.embeddings and args.embeddings.exists():
         return np.load(args.embeddings)
-    from encoder import embed_texts
+    from moe_cohort.encoder import embed_texts
 
     start = time.perf_counter()
     x = embed_texts(list(ts.texts), encoder=args.encoder, progress=True)
@@ -161,7 +161,7 @@ def _dephased_table(ts, x: np.ndarray, sizes, decode_steps: int) -> None:
 
 def _dephased_masks(ts, decode_steps: int) -> ExpertMasks:
     """Decode proxy whose step t uses prompt token 1 + ((t + phase) mod (n - 1)), phase random per request."""
-    from traces.loads import token_masks
+    from moe_cohort.traces.loads import token_masks
 
     tok = token_masks(ts.experts, ts.num_experts)  # [T, L, W]
     tok = np.concatenate([tok, np.zeros((1,) + tok.shape[1:], np.uint64)])  # row T: no token

@@ -56,14 +56,14 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 
-from devtools.server import free_port
+from moe_cohort.proxy.vllm_server import free_port
 
 PROMPTS = Path(__file__).resolve().parents[1] / "../shared/data/prompts/mixed.jsonl"
 
 
 def mixed_prompts(heldout: bool) -> list[str]:
     """The prompt texts of mixed.jsonl in file order; with `heldout`, only the project split's held-out side."""
-    from traces.split import split_requests
+    from moe_cohort.traces.split import split_requests
 
     texts = [json.loads(line)["text"] for line in PROMPTS.read_text().splitlines() if line.strip()]
     return [texts[i] for i in split_requests(len(texts), groups=texts)[1]] if heldout else texts
@@ -142,7 +142,7 @@ def start_proxy(backend: str, *flags: str, env: dict[str, str] | None = None) ->
     `env` added to this process's environment, on PROXY_CPUS."""
     port = free_port()
     backends = [a for url in backend.split(",") for a in ("--backend", url)]
-    cmd = [sys.executable, "-m", "cohort.cli", "serve", *backends, "--port", str(port), *flags]
+    cmd = [sys.executable, "-m", "moe_cohort.cli", "serve", *backends, "--port", str(port), *flags]
     pin = (lambda: os.sched_setaffinity(0, PROXY_CPUS)) if PROXY_CPUS else None
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **(env or {})},
                             preexec_fn=pin)
@@ -328,7 +328,7 @@ def main() -> None:
     if args.replicas == 2 and args.backend:
         parser.error("--replicas 2 starts both servers itself; leave out --backend")
     if not args.backend:
-        from proxy.embedded import start_embedded_backend
+        from moe_cohort.proxy.embedded import start_embedded_backend
 
         os.sched_setaffinity(0, backend_cpus)  # vLLM's processes inherit it
         server = start_embedded_backend(args.model_dir, max_num_seqs=64)
@@ -336,12 +336,12 @@ def main() -> None:
         if args.replicas == 2:
             second = start_embedded_backend(args.model_dir, max_num_seqs=64)
     if args.engine_side:
-        from devtools.server import start
-        from proxy.embedded import ensure_tiny_model
+        from moe_cohort.proxy.vllm_server import start
+        from moe_cohort.proxy.embedded import ensure_tiny_model
 
         os.sched_setaffinity(0, backend_cpus)
         engine = start(ensure_tiny_model(args.model_dir), max_num_seqs=args.slots,
-                       extra_args=["--scheduler-cls", "backend.scheduler.ExpertAwareScheduler"])
+                       extra_args=["--scheduler-cls", "moe_cohort.backend.scheduler.ExpertAwareScheduler"])
     os.sched_setaffinity(0, client_cpus)  # the load generator
     try:
         where = f"backend on CPUs {sorted(backend_cpus)}, " if server else ""

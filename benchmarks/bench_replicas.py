@@ -5,7 +5,7 @@
 
 The held-out side of the project's one split (traces.split) is replayed through R replicas of S
 slots (eval.replicas), lognormal output lengths (mean 64, sigma 1), 5 seeds, all requests
-arriving at step 0 (saturation), for these routings (encoder.affinity):
+arriving at step 0 (saturation), for these routings (admission.router):
 
     random              least-loaded in a random arrival order (the yardstick of every saving)
     round-robin         trace order, request i to replica i mod R, FCFS per replica
@@ -30,7 +30,7 @@ arrives when, so read these tables against least-loaded, which the summary line 
 rows show what placing on arrival does:
 
     affinity-placed     a request that needs no queue goes to the replica it fits best among those
-                        within --slack residents of the least loaded (encoder.affinity's slack)
+                        within --slack residents of the least loaded (admission.router's slack)
     packed              the same slack with one identical profile for every request: the control
                         that packs requests together without knowing them
 """
@@ -48,13 +48,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.bench_continuous import _embeddings  # noqa: E402
-from encoder.profile import load_profile_head  # noqa: E402
-from eval.cost import parse_cost_model  # noqa: E402
-from eval.engine import lengths_from_spec  # noqa: E402
-from eval.replay import decode_profiles, decode_tokens  # noqa: E402
-from eval.replicas import Routing, evaluate_with_single, format_replica_table, poisson_arrivals  # noqa: E402
-from traces.importers import load_traces  # noqa: E402
-from traces.split import heldout_split  # noqa: E402
+from moe_cohort.encoder.profile import load_profile_head  # noqa: E402
+from moe_cohort.eval.cost import parse_cost_model  # noqa: E402
+from moe_cohort.eval.engine import lengths_from_spec  # noqa: E402
+from moe_cohort.eval.replay import decode_profiles, decode_tokens  # noqa: E402
+from moe_cohort.eval.replicas import Routing, evaluate_with_single, format_replica_table, poisson_arrivals  # noqa: E402
+from moe_cohort.traces.importers import load_traces  # noqa: E402
+from moe_cohort.traces.split import heldout_split  # noqa: E402
 
 DATA = ROOT.parent / "shared" / "data" / "deepseek-v2-lite-puffin"
 
@@ -116,8 +116,8 @@ def _predicted_profiles(ts, train_idx, held_idx, finetuned: str | None, cache: P
     x = _embeddings(ts.texts, finetuned, cache)  # [N, D]
     head = load_profile_head(finetuned) if finetuned else None
     if head is None:
-        from train.profile_head import fit_profile_head
-        from train.targets import profiles
+        from moe_cohort.train.profile_head import fit_profile_head
+        from moe_cohort.train.targets import profiles
 
         prof = profiles(ts)  # [N, L, E]
         fit = train_idx[prof[train_idx].sum(axis=(1, 2)) > 0]

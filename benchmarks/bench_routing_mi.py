@@ -22,9 +22,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from devtools.corpus import CorpusArgs, build_corpus  # noqa: E402
-from devtools.routing_mi import chat_prompt, model_category_mi  # noqa: E402
-from devtools.tiny_moe import TinyMoeArgs, build_config, build_model, make_tiny_moe  # noqa: E402
+from moe_cohort.devtools.corpus import CorpusArgs, build_corpus  # noqa: E402
+from moe_cohort.devtools.routing_mi import chat_prompt, model_category_mi  # noqa: E402
+from moe_cohort.devtools.tiny_moe import TinyMoeArgs, build_config, build_model, make_tiny_moe  # noqa: E402
 
 
 def capped(docs, label, per_label: int):

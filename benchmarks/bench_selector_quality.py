@@ -25,9 +25,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from backend.selection import select_experts  # noqa: E402
-from devtools.corpus import CorpusArgs, build_corpus  # noqa: E402
-from devtools.routing_mi import chat_prompt  # noqa: E402
+from moe_cohort.backend.selection import select_experts  # noqa: E402
+from moe_cohort.devtools.corpus import CorpusArgs, build_corpus  # noqa: E402
+from moe_cohort.devtools.routing_mi import chat_prompt  # noqa: E402
 
 POLICIES = ["topk", "xshare;m=16", "xshare;m=24", "xshare;m=32", "oea;k0=1", "oea;k0=2", "oea;k0=3",
             "lynx-lat;drop=4", "lynx-lat;drop=8", "lynx-lat;drop=16", "moe-spec;budget=16", "moe-spec;budget=24",

@@ -30,9 +30,9 @@ import time
 import torch
 from torch.distributions import Dirichlet
 
-from backend.policy import parse_policy
-from backend.selection import SELECTORS, select_experts
-from backend.selection.base import context_for
+from moe_cohort.backend.policy import parse_policy
+from moe_cohort.backend.selection import SELECTORS, select_experts
+from moe_cohort.backend.selection.base import context_for
 from benchmarks.bench_selectors_cuda import bench_cuda, over_configs, report_target
 
 TOP_K, SPEC_LEN, GPUS = 8, 4, 8

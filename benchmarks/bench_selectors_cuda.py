@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
-from backend.policy import parse_policy
-from backend.selection import SELECTORS, select_experts, select_topk
-from backend.selection.base import context_for
+from moe_cohort.backend.policy import parse_policy
+from moe_cohort.backend.selection import SELECTORS, select_experts, select_topk
+from moe_cohort.backend.selection.base import context_for
 
 CALLS_PER_GRAPH, REPLAYS, ROUNDS = 10, 20, 5
 

@@ -31,14 +31,14 @@ from pathlib import Path
 
 import numpy as np
 
-from encoder.embedding import DEFAULT_MODEL, Embedder
-from encoder.planner import plan_batches
-from eval.metrics import evaluate
-from traces.importers import load_traces
-from traces.loads import expert_masks
-from train.correlation import cosine_spearman
-from train.finetune import REPORT_FILE, TrainConfig, train_encoder
-from train.targets import profiles
+from moe_cohort.encoder.embedding import DEFAULT_MODEL, Embedder
+from moe_cohort.encoder.planner import plan_batches
+from moe_cohort.eval.metrics import evaluate
+from moe_cohort.traces.importers import load_traces
+from moe_cohort.traces.loads import expert_masks
+from moe_cohort.train.correlation import cosine_spearman
+from moe_cohort.train.finetune import REPORT_FILE, TrainConfig, train_encoder
+from moe_cohort.train.targets import profiles
 
 
 def main() -> None:

@@ -64,7 +64,7 @@ def child(args) -> None:
     """Run the rounds of one engine session; print one JSON line per round."""
     from vllm import LLM, SamplingParams
 
-    from backend.policy import parse_policy
+    from moe_cohort.backend.policy import parse_policy
 
     llm = LLM(model=str(args.model), dtype=args.dtype, enforce_eager=True, max_model_len=1024,
               max_num_seqs=max(16, args.requests), seed=0)
@@ -151,7 +151,7 @@ def main() -> None:
         return child(args)
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from devtools.tiny_moe import make_tiny_moe
+    from moe_cohort.devtools.tiny_moe import make_tiny_moe
 
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model or make_tiny_moe(Path(tmp) / "tiny-moe")

@@ -29,11 +29,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from devtools.corpus import DEFAULT_PROMPTS, read_prompts, split_prompts  # noqa: E402
-from devtools.routing_mi import category_mi, chat_prompt  # noqa: E402
-from devtools.server import start  # noqa: E402
-from traces.format import TraceSet, load_trace_file, save_traces  # noqa: E402
-from traces.importers import load_traces  # noqa: E402
+from moe_cohort.devtools.corpus import DEFAULT_PROMPTS, read_prompts, split_prompts  # noqa: E402
+from moe_cohort.devtools.routing_mi import category_mi, chat_prompt  # noqa: E402
+from moe_cohort.proxy.vllm_server import start  # noqa: E402
+from moe_cohort.traces.format import TraceSet, load_trace_file, save_traces  # noqa: E402
+from moe_cohort.traces.importers import load_traces  # noqa: E402
 
 log = logging.getLogger("record_traces")
 

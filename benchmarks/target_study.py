@@ -27,11 +27,11 @@ import time
 import numpy as np
 from scipy.stats import pearsonr, spearmanr
 
-from eval.metrics import evaluate
-from traces.importers import load_traces
-from traces.loads import expert_masks
-from train.pairs import split_requests
-from train.targets import TARGETS, profiles, target_matrix
+from moe_cohort.eval.metrics import evaluate
+from moe_cohort.traces.importers import load_traces
+from moe_cohort.traces.loads import expert_masks
+from moe_cohort.train.pairs import split_requests
+from moe_cohort.train.targets import TARGETS, profiles, target_matrix
 
 NEAR = 10
 

@@ -62,13 +62,13 @@ def quiet_loading_bars() -> None:
 
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "serve": ("proxy.cli", "run the OpenAI-compatible proxy in front of vLLM (or an embedded tiny-MoE vLLM)"),
-    "batch": ("proxy.batch_cli", "run an OpenAI Batch file through vLLM, planned up front and resumable after a crash"),
-    "eval": ("eval.cli", "compare batching plans on expert traces against random and an oracle"),
-    "traces": ("traces.cli", "inspect, import and convert expert-trace files"),
-    "plan": ("encoder.cli", "turn prompts (JSONL) into expert-coherent batches from their text alone"),
-    "train": ("train.cli", "fine-tune a sentence encoder so that cosine similarity tracks expert overlap"),
-    "make-tiny-moe": ("devtools.cli_tiny_moe", "write a tiny random MoE model (Qwen3-MoE, Mixtral, OLMoE) for tests"),
+    "serve": ("moe_cohort.proxy.cli", "run the OpenAI-compatible proxy in front of vLLM (or an embedded tiny-MoE vLLM)"),
+    "batch": ("moe_cohort.proxy.batch.cli", "run an OpenAI Batch file through vLLM, planned up front and resumable after a crash"),
+    "eval": ("moe_cohort.eval.cli", "compare batching plans on expert traces against random and an oracle"),
+    "traces": ("moe_cohort.traces.cli", "inspect, import and convert expert-trace files"),
+    "plan": ("moe_cohort.encoder.cli", "turn prompts (JSONL) into expert-coherent batches from their text alone"),
+    "train": ("moe_cohort.train.cli", "fine-tune a sentence encoder so that cosine similarity tracks expert overlap"),
+    "make-tiny-moe": ("moe_cohort.devtools.cli_tiny_moe", "write a tiny random MoE model (Qwen3-MoE, Mixtral, OLMoE) for tests"),
 }
 
 

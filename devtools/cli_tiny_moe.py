@@ -10,7 +10,7 @@ import argparse
 import dataclasses
 import json
 
-from devtools.tiny_moe import ARCHITECTURES, TinyMoeArgs, make_tiny_moe
+from moe_cohort.devtools.tiny_moe import ARCHITECTURES, TinyMoeArgs, make_tiny_moe
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
 def _run_trained(args: argparse.Namespace) -> int:
     import logging
 
-    from devtools.train_moe import RECIPES, train_tiny_moe
+    from moe_cohort.devtools.train_moe import RECIPES, train_tiny_moe
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     out = train_tiny_moe(args.out_dir, RECIPES[args.recipe], cache_dir=args.cache_dir, use_cache=not args.no_cache)

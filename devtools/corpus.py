@@ -26,7 +26,7 @@ import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from traces.split import split_requests
+from moe_cohort.traces.split import split_requests
 
 log = logging.getLogger(__name__)
 

@@ -34,8 +34,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from devtools.corpus import KINDS, Corpus, CorpusArgs, Doc, build_corpus
-from devtools.tiny_moe import TinyMoeArgs, build_config, build_tokenizer, write_model_dir
+from moe_cohort.devtools.corpus import KINDS, Corpus, CorpusArgs, Doc, build_corpus
+from moe_cohort.devtools.tiny_moe import TinyMoeArgs, build_config, build_tokenizer, write_model_dir
 
 log = logging.getLogger(__name__)
 

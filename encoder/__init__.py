@@ -14,7 +14,7 @@ import numpy as np
 def embed_texts(texts: Sequence[str], *, encoder: str | None = None, max_seq_len: int | None = None,
                 progress: bool = False) -> np.ndarray:
     """L2-normalised float32 embeddings [N, D] of `texts` with the encoder `encoder` (default: packaged MiniLM)."""
-    from encoder.embedding import Embedder
+    from moe_cohort.encoder.embedding import Embedder
 
     return Embedder(encoder, max_seq_len=max_seq_len).encode(list(texts), progress=progress)
 
@@ -26,7 +26,7 @@ def encoder_plan(texts: Sequence[str], batch_size: int, *, encoder: str | None =
     Embeds with `encoder` (a local folder, a hub name, or None for the packaged all-MiniLM-L6-v2) and
     runs `encoder.planner.plan_batches` with its defaults. See encoder.plans.Plan.
     """
-    from encoder.planner import plan_batches
+    from moe_cohort.encoder.planner import plan_batches
 
     x = embed_texts(texts, encoder=encoder, max_seq_len=max_seq_len, progress=progress)  # [N, D]
     return plan_batches(x, batch_size, seed=seed)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import faiss
 import numpy as np
 
-from encoder.partition import single_thread
+from moe_cohort.encoder.partition import single_thread
 
 
 def kmeans_sort_chunk(x: np.ndarray, batch_size: int, *, num_clusters: int | None = None, seed: int = 0) -> list[np.ndarray]:

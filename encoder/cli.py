@@ -17,8 +17,8 @@ import sys
 import time
 from pathlib import Path
 
-from encoder.inputs import InputError, PlanInput, parse_lines
-from encoder.plans import write_plan_file
+from moe_cohort.encoder.inputs import InputError, PlanInput, parse_lines
+from moe_cohort.encoder.plans import write_plan_file
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +55,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"skipped {len(rejects)} invalid line(s) -> {rejects_path}", file=sys.stderr)
     if not items:
         return _fail(f"{args.input}: no valid requests to plan")
-    from encoder import embed_texts
-    from encoder.planner import plan_batches
+    from moe_cohort.encoder import embed_texts
+    from moe_cohort.encoder.planner import plan_batches
 
     start = time.perf_counter()
     x = embed_texts([it.text for it in items], encoder=args.encoder, max_seq_len=args.max_seq_len,
@@ -79,7 +79,7 @@ def _unwritable(output: Path) -> str | None:
 
 
 def _unknown_encoder(name: str | None) -> str | None:
-    from encoder.embedding import EncoderNotFound, check_available, resolve_model
+    from moe_cohort.encoder.embedding import EncoderNotFound, check_available, resolve_model
 
     try:
         check_available(resolve_model(name)) if name != "static" else None  # `static` is built on first use

@@ -52,11 +52,11 @@ def resolve_model(name: str | os.PathLike | None) -> str:
     """Where to load the model from: a local folder, the bundled package's folder, the distilled
     static model's cache folder (`static`), or a hub name."""
     if str(name) == "static":
-        from encoder.static import static_model_dir
+        from moe_cohort.encoder.static import static_model_dir
 
         return str(static_model_dir(resolve_model(None)))
     if str(name) == "onnx" or str(name).startswith("onnx:"):
-        from encoder.onnx import onnx_model_dir
+        from moe_cohort.encoder.onnx import onnx_model_dir
 
         inner = resolve_model(str(name)[5:] or None)
         check_available(inner)
@@ -107,8 +107,8 @@ class Embedder:
     def __init__(self, model: str | os.PathLike | None = None, *, max_seq_len: int | None = None,
                  device: str = "cpu", batch_tokens: int = 2048, max_batch: int = 64, cache_size: int = 0,
                  threads: int | None = None):
-        from encoder.clip import Clipper
-        from encoder.onnx import OnnxSentenceModel, is_onnx_dir
+        from moe_cohort.encoder.clip import Clipper
+        from moe_cohort.encoder.onnx import OnnxSentenceModel, is_onnx_dir
 
         self.source = resolve_model(model)
         check_available(self.source)

@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass
 from typing import Iterable, Iterator
 
-from encoder.text import RequestTextError, request_text
+from moe_cohort.encoder.text import RequestTextError, request_text
 
 
 class InputError(ValueError):

@@ -34,7 +34,7 @@ from typing import Sequence
 
 import numpy as np
 
-from encoder.static import cache_root
+from moe_cohort.encoder.static import cache_root
 
 log = logging.getLogger(__name__)
 

@@ -27,11 +27,11 @@ from typing import Literal
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from encoder.growth import density_order, greedy_growth
-from encoder.ordering import arrange_members, centroids, chain_order
-from encoder.partition import balanced_cells
-from encoder.plans import Plan
-from encoder.swaps import SwapSearch
+from moe_cohort.encoder.growth import density_order, greedy_growth
+from moe_cohort.encoder.ordering import arrange_members, centroids, chain_order
+from moe_cohort.encoder.partition import balanced_cells
+from moe_cohort.encoder.plans import Plan
+from moe_cohort.encoder.swaps import SwapSearch
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 The head maps an encoder embedding x [D] to u [L, E], the predicted fraction of the request's
 decode tokens that pick expert e at MoE layer l (rows sum to about top_k), which is what
-encoder.admission.ResidentExperts needs to admit by expected new experts from text alone.
+admission.resident.ResidentExperts needs to admit by expected new experts from text alone.
 It is a ridge regression blended with the profiles of the nearest training requests (fitted by
 train.profile_head on the training side of traces.split), saved as `expert_profile_head.npz`
 in the encoder's folder, so `--encoder FOLDER` finds both.

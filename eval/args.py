@@ -62,7 +62,7 @@ def encoder_problem(encoder: str | None) -> str | None:
     """An --encoder folder that does not exist or a hub model that is neither cached nor reachable."""
     if (encoder or "").lower() in ("none", "static"):
         return None
-    from encoder.embedding import EncoderNotFound, check_available, resolve_model
+    from moe_cohort.encoder.embedding import EncoderNotFound, check_available, resolve_model
 
     try:
         check_available(resolve_model(encoder or None))
@@ -73,7 +73,7 @@ def encoder_problem(encoder: str | None) -> str | None:
 
 def engine_problem(args: argparse.Namespace) -> str | None:
     """What is wrong with the continuous engine's --cost-model, --moe-share/--non-moe-us or --lengths."""
-    from eval.cost import parse_cost_model
+    from moe_cohort.eval.cost import parse_cost_model
 
     try:
         parse_cost_model(args.cost_model, args.non_moe_us, args.moe_share)

@@ -6,14 +6,14 @@ import argparse
 import json
 import sys
 
-from encoder.plans import PlanError, read_plan_file
-from eval.args import encoder_problem, engine_problem, int_list, path_problem, positive_int
-from eval.engine_cli import add_engine_arguments, heldout_traces, run_engine
-from eval.metrics import evaluate
-from eval.report import format_table, write_report
-from traces.format import TraceFormatError
-from traces.importers import load_traces
-from traces.loads import DEFAULT_DECODE_STEPS, expert_masks
+from moe_cohort.encoder.plans import PlanError, read_plan_file
+from moe_cohort.eval.args import encoder_problem, engine_problem, int_list, path_problem, positive_int
+from moe_cohort.eval.engine_cli import add_engine_arguments, heldout_traces, run_engine
+from moe_cohort.eval.metrics import evaluate
+from moe_cohort.eval.report import format_table, write_report
+from moe_cohort.traces.format import TraceFormatError
+from moe_cohort.traces.importers import load_traces
+from moe_cohort.traces.loads import DEFAULT_DECODE_STEPS, expert_masks
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -68,8 +68,8 @@ def _encoder_planner(ts, encoder: str | None, *, progress: bool) -> dict:
     """{"encoder": planner} over the traces' texts, embedded once; {} without texts or with 'none'."""
     if (encoder or "").lower() == "none" or ts.texts is None or not any(t.strip() for t in ts.texts):
         return {}
-    from encoder import embed_texts
-    from encoder.planner import plan_batches
+    from moe_cohort.encoder import embed_texts
+    from moe_cohort.encoder.planner import plan_batches
 
     x = embed_texts(list(ts.texts), encoder=encoder, progress=progress)  # [N, D]
     return {"encoder": lambda _ts, batch_size: plan_batches(x, batch_size)}

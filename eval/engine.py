@@ -27,9 +27,9 @@ from typing import Callable, Mapping
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from eval.cost import CostModel
-from eval.policies import PolicyFactory, random_order
-from eval.replay import DecodeTokens, Replay, replay
+from moe_cohort.eval.cost import CostModel
+from moe_cohort.eval.policies import PolicyFactory, random_order
+from moe_cohort.eval.replay import DecodeTokens, Replay, replay
 
 log = logging.getLogger(__name__)
 

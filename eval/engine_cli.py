@@ -7,7 +7,7 @@ Policies, in the order of the output (random is always first):
     text-nearest     nearest embedding to the resident set (the --encoder's embeddings)
     text-profile     fewest expected new experts by the profile head saved with the encoder
                      (`cohort train` writes it beside the fine-tuned encoder)
-    text-profile-lead  the same, scored against a typical resident set (encoder.admission)
+    text-profile-lead  the same, scored against a typical resident set (admission.resident)
     reference        fewest expected new experts by the traces' own profiles (issue 13, 2c)
 
 With --replicas R: R replicas of S slots behind a router instead (eval.replicas; --routing picks
@@ -23,14 +23,14 @@ from pathlib import Path
 
 import numpy as np
 
-from encoder.plans import Plan
-from eval.args import nonnegative_float, positive_int, share
-from eval.cost import DEFAULT_COST_MODEL, PRESETS, parse_cost_model
-from eval.engine import DEFAULT_MEAN_LENGTH, REFERENCE, evaluate_continuous, lengths_from_spec
-from eval.policies import PolicyFactory, by_embedding, by_profile, fixed_order
-from eval.replay import DecodeTokens, decode_profiles, decode_tokens
-from traces.format import TraceSet
-from traces.split import heldout_split
+from moe_cohort.encoder.plans import Plan
+from moe_cohort.eval.args import nonnegative_float, positive_int, share
+from moe_cohort.eval.cost import DEFAULT_COST_MODEL, PRESETS, parse_cost_model
+from moe_cohort.eval.engine import DEFAULT_MEAN_LENGTH, REFERENCE, evaluate_continuous, lengths_from_spec
+from moe_cohort.eval.policies import PolicyFactory, by_embedding, by_profile, fixed_order
+from moe_cohort.eval.replay import DecodeTokens, decode_profiles, decode_tokens
+from moe_cohort.traces.format import TraceSet
+from moe_cohort.traces.split import heldout_split
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ def run_continuous(args: argparse.Namespace, ts: TraceSet, plan: Plan | None, te
 
 def run_replicas(args: argparse.Namespace, ts: TraceSet, text: tuple) -> dict:
     """R = args.replicas replicas of S = args.slots (eval.replicas) for --routing, with one engine of R*S for reference."""
-    from eval.replicas import evaluate_with_single, routings_for
+    from moe_cohort.eval.replicas import evaluate_with_single, routings_for
 
     tokens = decode_tokens(ts, args.decode)
     x, head = text
@@ -100,7 +100,7 @@ def continuous_policies(ts: TraceSet, tokens: DecodeTokens, slots: int, *, x: np
     """The policies of the module docstring that the inputs allow (text ones need x [N, D])."""
     out: dict[str, PolicyFactory] = {"arrival": fixed_order(np.arange(len(ts)))}
     if plan is None and x is not None:
-        from encoder.planner import plan_batches
+        from moe_cohort.encoder.planner import plan_batches
 
         plan = plan_batches(x, batch_size or slots)
     if plan is not None:
@@ -132,8 +132,8 @@ def text_side(ts: TraceSet, encoder: str | None, *, progress: bool = False):
     """(embeddings [N, D], profile head or None) from --encoder; (None, None) without texts or with 'none'."""
     if (encoder or "").lower() == "none" or ts.texts is None or not any(t.strip() for t in ts.texts):
         return None, None
-    from encoder import embed_texts
-    from encoder.profile import load_profile_head
+    from moe_cohort.encoder import embed_texts
+    from moe_cohort.encoder.profile import load_profile_head
 
     head = load_profile_head(encoder) if encoder and Path(encoder).is_dir() else None
     if head is None:
@@ -145,10 +145,10 @@ def run_engine(args: argparse.Namespace) -> int:
     """The CLI's continuous mode: print the table (or JSON), and with --report the sweep over S."""
     import json
 
-    from encoder.plans import PlanError, read_plan_file
-    from eval.report import format_engine_table
-    from traces.format import TraceFormatError
-    from traces.importers import load_traces
+    from moe_cohort.encoder.plans import PlanError, read_plan_file
+    from moe_cohort.eval.report import format_engine_table
+    from moe_cohort.traces.format import TraceFormatError
+    from moe_cohort.traces.importers import load_traces
 
     if args.replicas is not None and args.report:
         print("cohort eval: error: --report draws one engine against S; leave it out with --replicas", file=sys.stderr)
@@ -162,7 +162,7 @@ def run_engine(args: argparse.Namespace) -> int:
         print(f"cohort eval: error: {exc}", file=sys.stderr)
         return 2
     if args.replicas is not None:
-        from eval.replicas import format_replica_table
+        from moe_cohort.eval.replicas import format_replica_table
 
         print(json.dumps(result, indent=2) if args.json else format_replica_table(result))
         return 0
@@ -175,17 +175,17 @@ def run_engine(args: argparse.Namespace) -> int:
 
 def engine_report(args: argparse.Namespace, ts: TraceSet, text: tuple, result: dict) -> list[Path]:
     """Replays and static evaluations at every S of --sweep, drawn by eval.report.write_engine_report."""
-    from eval.cost import static_moe_us_per_token
-    from eval.metrics import evaluate
-    from eval.report import write_engine_report
-    from traces.loads import expert_masks
+    from moe_cohort.eval.cost import static_moe_us_per_token
+    from moe_cohort.eval.metrics import evaluate
+    from moe_cohort.eval.report import write_engine_report
+    from moe_cohort.traces.loads import expert_masks
 
     sizes = sorted({*args.sweep, args.slots})  # --sweep: a list of ints (eval.args.int_list)
     masks = expert_masks(ts, decode_steps=args.mean_length, decode=args.decode)
     cost = parse_cost_model(args.cost_model, args.non_moe_us, args.moe_share)
     planners = {}
     if text[0] is not None:
-        from encoder.planner import plan_batches
+        from moe_cohort.encoder.planner import plan_batches
 
         planners["encoder"] = lambda _ts, b: plan_batches(text[0], b)
     static, continuous = [], []

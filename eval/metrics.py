@@ -12,11 +12,11 @@ from typing import Callable, Mapping
 
 import numpy as np
 
-from eval.oracle import greedy_oracle
-from encoder.plans import Plan, arrival_plan, validate_plan
-from eval.plans import category_plan, random_plan
-from traces.format import TraceSet
-from traces.loads import ExpertMasks, expert_masks, plan_loads
+from moe_cohort.eval.oracle import greedy_oracle
+from moe_cohort.encoder.plans import Plan, arrival_plan, validate_plan
+from moe_cohort.eval.plans import category_plan, random_plan
+from moe_cohort.traces.format import TraceSet
+from moe_cohort.traces.loads import ExpertMasks, expert_masks, plan_loads
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from encoder.plans import Plan
+from moe_cohort.encoder.plans import Plan
 
 
 def greedy_oracle(rows: np.ndarray, batch_size: int) -> Plan:

@@ -6,7 +6,7 @@ from typing import Sequence
 
 import numpy as np
 
-from encoder.plans import Plan, chunk
+from moe_cohort.encoder.plans import Plan, chunk
 
 
 def random_plan(num_requests: int, batch_size: int, seed: int) -> Plan:

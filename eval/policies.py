@@ -1,11 +1,11 @@
-"""Admission policies as the engine replay drives them (eval.replay.Policy), over encoder.admission.
+"""Admission policies as the engine replay drives them (eval.replay.Policy), over admission.resident.
 
 Every policy is built fresh per replay by a factory `seed -> Policy`:
 
 - order policies: a fixed admission order (random, arrival, a static plan's batches one after
   another); the next waiting request in that order takes the slot;
 - `ProfilePolicy`: fewest expected new experts given the residents' expert profiles
-  (encoder.admission.ResidentExperts). With the traces' own profiles it is the reference (issue
+  (admission.resident.ResidentExperts). With the traces' own profiles it is the reference (issue
   13, 2c); with profiles predicted from text (encoder.profile.ProfileHead) it is a text policy;
 - `EmbeddingPolicy`: nearest embedding to the resident set (text only).
 """
@@ -16,8 +16,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from encoder.admission import ResidentEmbedding, ResidentExperts
-from eval.replay import Policy
+from moe_cohort.admission.resident import ResidentEmbedding, ResidentExperts
+from moe_cohort.eval.replay import Policy
 
 PolicyFactory = Callable[[int], Policy]
 

@@ -21,9 +21,9 @@ from typing import Protocol
 
 import numpy as np
 
-from encoder.admission import oldest_overdue
-from traces.format import TraceSet
-from traces.loads import popcount_sum, token_masks
+from moe_cohort.admission.resident import oldest_overdue
+from moe_cohort.traces.format import TraceSet
+from moe_cohort.traces.loads import popcount_sum, token_masks
 
 
 @dataclass(frozen=True)

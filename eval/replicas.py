@@ -1,9 +1,9 @@
-"""Replay of R continuous-batching replicas (data parallel) behind one router (encoder.affinity).
+"""Replay of R continuous-batching replicas (data parallel) behind one router (admission.router).
 
 The execution model and decode tokens of eval.replay, per replica: replica r keeps up to S
 requests resident, each emits one token per step, and a step of replica r loads, per MoE layer,
 the distinct experts of r's own residents. All replicas step together; a freed slot is filled at
-once by the router (`encoder.affinity.ReplicaRouter`: round-robin, least-loaded or affinity).
+once by the router (`admission.router.ReplicaRouter`: round-robin, least-loaded or affinity).
 Loads per generated token are summed over every replica's steps, and so is the modelled MoE time
 (eval.cost, per replica step at that replica's tokens): the GPU time of all replicas together.
 
@@ -24,11 +24,11 @@ from typing import Callable, Mapping
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from encoder.admission import ResidentEmbedding, ResidentExperts
-from encoder.affinity import ReplicaRouter
-from eval.cost import CostModel
-from eval.engine import Lengths, non_moe_us_per_step, summary_row
-from eval.replay import DecodeTokens, Replay, span_loads
+from moe_cohort.admission.resident import ResidentEmbedding, ResidentExperts
+from moe_cohort.admission.router import ReplicaRouter
+from moe_cohort.eval.cost import CostModel
+from moe_cohort.eval.engine import Lengths, non_moe_us_per_step, summary_row
+from moe_cohort.eval.replay import DecodeTokens, Replay, span_loads
 
 log = logging.getLogger(__name__)
 BOUNDED = ("least-loaded", "affinity")  # routings that share one pool: no replica idles while another queues
@@ -36,7 +36,7 @@ BOUNDED = ("least-loaded", "affinity")  # routings that share one pool: no repli
 
 @dataclass(frozen=True)
 class ReplicaReplay(Replay):
-    """eval.replay.Replay's spans (one per replica and span of steps) plus where and how evenly requests ran."""
+    """moe_cohort.eval.replay.Replay's spans (one per replica and span of steps) plus where and how evenly requests ran."""
 
     replica: np.ndarray  # [N] the replica that served each request
     violations: int  # steps in which some replica had a free slot while a request waited
@@ -45,11 +45,11 @@ class ReplicaReplay(Replay):
 
 @dataclass(frozen=True)
 class Routing:
-    """How requests reach the replicas: a routing of encoder.affinity and what it fits requests by."""
+    """How requests reach the replicas: a routing of admission.router and what it fits requests by."""
 
     routing: str  # "round-robin", "least-loaded" or "affinity"
     vectors: np.ndarray | None = None  # [N, F] flat expert profiles [L*E], or embeddings [D] (affinity)
-    contrast: float = 0.0  # affinity: fit relative to the other replicas (encoder.affinity)
+    contrast: float = 0.0  # affinity: fit relative to the other replicas (admission.router)
     embedding: bool = False  # vectors are embeddings (nearest-embedding fit), not expert profiles
     slack: int | None = None  # affinity: with no queue, place by fit within this many residents of the least loaded
     shuffle: bool = False  # requests arrive in a random order of the seed (the random baseline), else trace order

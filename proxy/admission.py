@@ -4,7 +4,7 @@ vLLM keeps up to max_num_seqs requests resident and replaces a finished one at o
 can only act while requests wait for a slot. So the proxy holds at most `max_in_flight` requests
 (the backend's max_num_seqs) at the backend, and when a slot frees it admits, from one waiting
 pool, the request expected to add the fewest experts per step to those in flight
-(`encoder.waiting.WaitingPool`: fairness bound `max_queue_s` first, FCFS for requests without a
+(`admission.waiting.WaitingPool`: fairness bound `max_queue_s` first, FCFS for requests without a
 profile). When a slot is free nobody waits: there is nothing to reorder.
 
 Each request's expert profile is predicted once, on arrival, by a `Profiler` (encoder embedding
@@ -22,7 +22,7 @@ caller awaits `admit()`, talks to the backend, then calls `release(admission)`.
 
 The slots are a `proxy.replicas.ReplicaSet`: one backend is a set of one replica, several backends
 (`--backend` repeated) a set of R, each with `max_in_flight` slots, routed by `--routing`
-(encoder.affinity.ReplicaRouter; "affinity" is this module's rule applied per replica). An
+(admission.router.ReplicaRouter; "affinity" is this module's rule applied per replica). An
 admission names its replica (`admission.client`); `failover()` moves a request whose connection a
 replica refused (it never got it) to another one.
 """
@@ -39,7 +39,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from encoder.admission import ResidentExperts
+from moe_cohort.admission.resident import ResidentExperts
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +130,7 @@ class AdmissionGate:
 
     def __post_init__(self) -> None:
         if self.replicas is None:
-            from proxy.replicas import ReplicaSet
+            from moe_cohort.proxy.replicas import ReplicaSet
 
             self.replicas = ReplicaSet([None], [self.max_in_flight], "affinity", max_queue_s=self.max_queue_s,
                                        clock=self.clock, resident_factory=self.resident_factory)

@@ -3,7 +3,7 @@
     POST /v1/chat/completions, POST /v1/completions   admitted by predicted experts, sent with a policy
     GET  /v1/models, /v1/embeddings, /v1/responses...  relayed from the backend (proxy/relay.py)
     GET  /health, GET /metrics                         proxy + backend health, Prometheus text
-    /v1/files, /v1/batches                             the OpenAI Batch API (proxy/batch_api.py)
+    /v1/files, /v1/batches                             the OpenAI Batch API (proxy/batch/api.py)
 
 `create_app(settings)` builds everything once: the settings, the backend client, the encoder
 and profile head (the predictor), the admission gate and the metrics. Every request gets a request id
@@ -23,23 +23,23 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from proxy.auth import Authorizer, backend_headers
-from proxy.cohort_key import cohort_key_header
-from proxy.backend import BackendClient
-from proxy.batch_api import add_batch_api
-from proxy.batch_jobs import BatchJobs
-from proxy.admission import AdmissionGate, Profiler
-from proxy.errors import BackendStatusError, BackendUnreachable, ProxyError
-from proxy.fastpath import FastPath
-from proxy.metrics import ProxyMetrics
-from proxy.middleware import RequestContext, access_log
-from proxy.profiles import Predictor, make_predictor
-from proxy.protocol import (ProxyRequest, Route, check_size, cohort_headers, parse_request, read_body,
+from moe_cohort.proxy.auth import Authorizer, backend_headers
+from moe_cohort.proxy.cohort_key import cohort_key_header
+from moe_cohort.proxy.backend import BackendClient
+from moe_cohort.proxy.batch.api import add_batch_api
+from moe_cohort.proxy.batch.jobs import BatchJobs
+from moe_cohort.proxy.admission import AdmissionGate, Profiler
+from moe_cohort.proxy.errors import BackendStatusError, BackendUnreachable, ProxyError
+from moe_cohort.proxy.fastpath import FastPath
+from moe_cohort.proxy.metrics import ProxyMetrics
+from moe_cohort.proxy.middleware import RequestContext, access_log
+from moe_cohort.proxy.profiles import Predictor, make_predictor
+from moe_cohort.proxy.protocol import (ProxyRequest, Route, check_size, cohort_headers, parse_request, read_body,
                             with_profile)
-from proxy.relay import add_relay_routes
-from proxy.replicas import ReplicaSet
-from proxy.settings import Settings, load_settings
-from proxy.streaming import StreamRelay, Upstream, unless_client_leaves
+from moe_cohort.proxy.relay import add_relay_routes
+from moe_cohort.proxy.replicas import ReplicaSet
+from moe_cohort.proxy.settings import Settings, load_settings
+from moe_cohort.proxy.streaming import StreamRelay, Upstream, unless_client_leaves
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from proxy.settings import Settings, SettingsError, add_setting_flags, flag_overrides, load_settings
+from moe_cohort.proxy.settings import Settings, SettingsError, add_setting_flags, flag_overrides, load_settings
 
 # flag -> Settings field; defaults live in Settings (and COHORT_* variables), not here
 _FLAGS = {
@@ -54,7 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-prompts", action="store_true", default=None, help="log prompt texts (off: they are user data)")
     parser.add_argument("--forward-profiles", action="store_true", default=None, help="every request waits for its "
                         "prediction and carries it: vllm_xargs.moe_profile for an engine running "
-                        "backend.scheduler.ExpertAwareScheduler, x-cohort-key for a router such as llm-d's (default: "
+                        "moe_cohort.backend.scheduler.ExpertAwareScheduler, x-cohort-key for a router such as llm-d's (default: "
                         "a request that finds a free slot goes at once, without them; env COHORT_FORWARD_PROFILES)")
     parser.add_argument("--protect-metrics", action="store_true", default=None, help="/metrics needs an --api-key and "
                         "/health shows callers without one only its status (env COHORT_PROTECT_METRICS)")
@@ -76,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
         settings = load_settings(overrides, config=args.config, flags=_FLAGS)
     except SettingsError as exc:
         return _fail(str(exc))
-    from proxy.profiles import encoder_problem
+    from moe_cohort.proxy.profiles import encoder_problem
 
     problem = (encoder_problem(settings) or _port_problem(settings.host, settings.port, "--port (env COHORT_PORT)")
                or _data_dir_problem(settings.data_dir))
@@ -170,8 +170,8 @@ def _data_dir_problem(data_dir: str) -> str | None:
 
 
 def _start_embedded(settings: Settings, model_dir: str | None, port: int | None, *, explicit_in_flight: bool):
-    from devtools.server import stay_off_worker_cpus
-    from proxy.embedded import ensure_tiny_model, start_embedded_backend
+    from moe_cohort.proxy.vllm_server import stay_off_worker_cpus
+    from moe_cohort.proxy.embedded import ensure_tiny_model, start_embedded_backend
 
     max_num_seqs = settings.max_in_flight if explicit_in_flight else 16
     path = ensure_tiny_model(model_dir)
@@ -188,8 +188,8 @@ def _start_embedded(settings: Settings, model_dir: str | None, port: int | None,
 def _serve(settings: Settings) -> None:
     import uvicorn
 
-    from proxy.app import create_app
-    from proxy.profiles import limit_threads
+    from moe_cohort.proxy.app import create_app
+    from moe_cohort.proxy.profiles import limit_threads
 
     app = create_app(settings)  # loads the encoder
     limit_threads(settings.encoder_threads)

@@ -10,7 +10,7 @@ import logging
 import os
 from pathlib import Path
 
-from devtools.server import VllmServer, start
+from moe_cohort.proxy.vllm_server import VllmServer, start
 
 log = logging.getLogger(__name__)
 
@@ -24,7 +24,7 @@ def ensure_tiny_model(model_dir: str | Path | None = None) -> Path:
     """The tiny MoE's folder, built there first if it holds no model yet."""
     model_dir = Path(model_dir) if model_dir else default_model_dir()
     if not (model_dir / "config.json").exists():
-        from devtools.tiny_moe import make_tiny_moe
+        from moe_cohort.devtools.tiny_moe import make_tiny_moe
 
         log.info("building the tiny MoE in %s", model_dir)
         make_tiny_moe(model_dir)

@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from proxy.errors import ProxyError
+from moe_cohort.proxy.errors import ProxyError
 
 Handler = Callable[[Request], Awaitable[Response]]
 ErrorAnswer = Callable[[Request, ProxyError, str], Response]  # (request, error, metrics route label)

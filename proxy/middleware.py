@@ -7,7 +7,7 @@ client disconnects from the routes):
 - the request id is the client's `x-request-id` when it is sane (1-128 characters of letters, digits and
   `-_.:/+=@`), else a new `req-<hex>`; it is written back into the request's headers (so the backend gets
   it, proxy/auth.py `backend_headers`) and onto every response, errors included;
-- one line per request on the `proxy.access` logger: method, path, status, duration in ms, request id;
+- one line per request on the `moe_cohort.proxy.access` logger: method, path, status, duration in ms, request id;
   never a body or a query string (prompts are user data); 499 when the client left before an answer;
 - an exception that no handler turned into a response becomes a 500 in the OpenAI error shape naming
   the request id, logged with its traceback.
@@ -25,7 +25,7 @@ from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 log = logging.getLogger(__name__)
-access_log = logging.getLogger("proxy.access")
+access_log = logging.getLogger("moe_cohort.proxy.access")
 
 REQUEST_ID = "x-request-id"
 _SANE_ID = re.compile(r"[A-Za-z0-9._:/+=@-]{1,128}")

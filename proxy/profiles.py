@@ -9,7 +9,7 @@ head, admission falls back to the nearest embedding (`ResidentEmbedding`). `--en
 no prediction, first come, first served.
 
 Pure of asyncio and HTTP: the online gate (proxy/admission.py) runs `predict` in a worker
-thread; a batch run (proxy/batch_order.py) calls it once over the whole file.
+thread; a batch run (proxy/batch/order.py) calls it once over the whole file.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import threading
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from encoder.admission import ResidentEmbedding, ResidentExperts
-from proxy.settings import Settings
+from moe_cohort.admission.resident import ResidentEmbedding, ResidentExperts
+from moe_cohort.proxy.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ def encoder_problem(settings: Settings) -> str | None:
     any work; None when it will load. `static` is distilled on first use."""
     if settings.encoder.lower() in ("none", "static"):
         return None
-    from encoder.embedding import EncoderNotFound, check_available, resolve_model
+    from moe_cohort.encoder.embedding import EncoderNotFound, check_available, resolve_model
 
     try:
         check_available(resolve_model(settings.encoder or None))
@@ -71,8 +71,8 @@ def make_predictor(settings: Settings, threads: int | None = None) -> Predictor 
     encoder's threads (default: one per core; torch's are set by `limit_threads`)."""
     if settings.encoder.lower() == "none":
         return None
-    from encoder.embedding import Embedder
-    from encoder.profile import load_profile_head
+    from moe_cohort.encoder.embedding import Embedder
+    from moe_cohort.encoder.profile import load_profile_head
 
     embedder = Embedder(settings.encoder or None, max_seq_len=settings.encoder_max_seq_len,
                         cache_size=settings.encoder_cache, threads=threads)
@@ -86,7 +86,7 @@ def make_predictor(settings: Settings, threads: int | None = None) -> Predictor 
             x = embedder.encode(list(texts))  # [N, D] float32, L2-normalised
         if head is None:
             return [(row, None) for row in x]
-        from encoder.profile import compact
+        from moe_cohort.encoder.profile import compact
 
         return [(p.ravel(), compact(p)) for p in head.predict(x)]  # [L*E], L * top ints
 

@@ -14,9 +14,9 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Literal, Mapping
 
-from backend.policy import PolicyError, parse_policy
-from encoder.text import RequestTextError, request_text
-from proxy.errors import InvalidRequest, PayloadTooLarge
+from moe_cohort.backend.policy import PolicyError, parse_policy
+from moe_cohort.encoder.text import RequestTextError, request_text
+from moe_cohort.proxy.errors import InvalidRequest, PayloadTooLarge
 
 Route = Literal["chat", "completion", "responses"]
 POLICY_HEADER = "x-moe-routing"

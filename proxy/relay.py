@@ -19,9 +19,9 @@ import json
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from proxy.auth import backend_headers
-from proxy.errors import InvalidRequest, NotFound
-from proxy.protocol import ProxyRequest, json_object
+from moe_cohort.proxy.auth import backend_headers
+from moe_cohort.proxy.errors import InvalidRequest, NotFound
+from moe_cohort.proxy.protocol import ProxyRequest, json_object
 
 POST_ROUTES = ("/v1/embeddings", "/tokenize", "/detokenize")
 

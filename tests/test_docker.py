@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from cohort.cli import SUBCOMMANDS, ArgumentParser
-from proxy.settings import ENV_PREFIX, Settings
+from moe_cohort.cli import SUBCOMMANDS, ArgumentParser
+from moe_cohort.proxy.settings import ENV_PREFIX, Settings
 
 yaml = pytest.importorskip("yaml")
 

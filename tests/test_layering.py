@@ -1,11 +1,14 @@
 """Layering: the floors of DESIGN.md and the purity of the algorithm modules, from the code's imports.
 
 Every `import` statement of our packages is read from the source (module level or inside a
-function, so lazy imports count too). Floors: traces/ and encoder/ are the ground (they import no
-other package of ours), backend/, train/ and eval/ stand on them, devtools/ on those, proxy/ on
-top, cohort/ (the command) above all; a package imports only packages on lower floors. The pure
-modules (traces/, encoder/, eval/, train/, backend/selection/) import no web framework, no HTTP
-client and no vLLM, and import each other in no circle.
+function, so lazy imports count too). Our packages install under one namespace: folder `proxy/` is
+`moe_cohort.proxy`, `cohort/` is `moe_cohort` itself (pyproject.toml maps them). Floors: traces/,
+admission/ and encoder/ are the ground (they import no other package of ours), backend/, train/ and
+eval/ stand on them, devtools/ on those, proxy/ on top, cohort/ (the command) above all; a package
+imports only packages on lower floors. The pure modules (traces/, admission/, encoder/, eval/,
+train/, backend/selection/) import no web framework, no HTTP client and no vLLM, and import each
+other in no circle. No code imports one of our folders by its bare name (`import proxy`): installed,
+only `moe_cohort` exists.
 """
 
 from __future__ import annotations
@@ -19,21 +22,33 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-FLOORS = {"traces": 0, "encoder": 0, "backend": 1, "train": 1, "eval": 1, "devtools": 2, "proxy": 3, "cohort": 4}
-PURE = ("traces", "encoder", "eval", "train", "backend.selection")
+NS = "moe_cohort"
+FLOORS = {"traces": 0, "admission": 0, "encoder": 0, "backend": 1, "train": 1, "eval": 1, "devtools": 2, "proxy": 3,
+          "cohort": 4}
+PURE = tuple(f"{NS}.{p}" for p in ("traces", "admission", "encoder", "eval", "train", "backend.selection"))
 FORBIDDEN_IN_PURE = ("vllm", "fastapi", "starlette", "uvicorn", "aiohttp", "httpx", "requests", "urllib3", "flask",
                      "urllib.request", "http.client", "http.server")
 HEAVY = ["torch", "sentence_transformers", "transformers", "vllm", "httpx", "fastapi", "starlette", "aiohttp", "requests"]
 
 
 def modules(root: Path = ROOT) -> dict[str, Path]:
-    """Every module of our packages: dotted name -> file."""
+    """Every module of our packages: dotted name as installed (moe_cohort.proxy.app) -> file (proxy/app.py)."""
     found = {}
     for package in FLOORS:
         for path in sorted((root / package).rglob("*.py")):
-            parts = path.relative_to(root).with_suffix("").parts
+            parts = list(path.relative_to(root).with_suffix("").parts)
+            parts = [NS] if parts[0] == "cohort" and len(parts) == 1 else [NS, *parts[1:]] if parts[0] == "cohort" \
+                else [NS, *parts]
             found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return found
+
+
+def package_of(name: str) -> str | None:
+    """The folder (floor key) of an installed module name: moe_cohort.proxy.app -> proxy, moe_cohort.cli -> cohort."""
+    parts = name.split(".")
+    if parts[0] != NS:
+        return None
+    return parts[1] if len(parts) > 1 and parts[1] in FLOORS and parts[1] != "cohort" else "cohort"
 
 
 def imports(path: Path, known: dict[str, Path]) -> set[str]:
@@ -58,11 +73,22 @@ def floor_breaches(known: dict[str, Path]) -> list[str]:
     """'a.b -> c.d' for every import of a package on the same or a higher floor than the importer's."""
     out = []
     for name, path in known.items():
-        own = name.split(".")[0]
+        own = package_of(name)
         for target in imports(path, known):
-            other = target.split(".")[0]
-            if other in FLOORS and other != own and FLOORS[other] >= FLOORS[own]:
+            other = package_of(target)
+            if other is not None and other != own and FLOORS[other] >= FLOORS[own]:
                 out.append(f"{name} -> {target}")
+    return sorted(out)
+
+
+def bare_imports(known: dict[str, Path], tests: Path = ROOT / "tests") -> list[str]:
+    """'file -> name' for every import of one of our folders by its bare name, in the packages and the tests."""
+    files = [*known.values(), *sorted(tests.rglob("*.py"))]
+    out = []
+    for path in files:
+        for target in imports(path, known):
+            if target.split(".")[0] in FLOORS:
+                out.append(f"{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path} -> {target}")
     return sorted(out)
 
 
@@ -111,8 +137,12 @@ def known() -> dict[str, Path]:
 
 
 def test_every_package_imports_only_lower_floors(known):
-    assert {"traces.format", "encoder.planner", "backend.selection", "devtools.server", "proxy.app"} <= known.keys()
+    assert {"moe_cohort.traces.format", "moe_cohort.encoder.planner", "moe_cohort.backend.selection", "moe_cohort.proxy.vllm_server", "moe_cohort.proxy.app"} <= known.keys()
     assert floor_breaches(known) == []
+
+
+def test_our_packages_are_imported_through_the_namespace_only(known):
+    assert bare_imports(known) == []
 
 
 def test_pure_modules_import_no_web_framework_http_client_or_vllm(known):
@@ -133,21 +163,37 @@ def _package(root: Path, files: dict[str, str]) -> dict[str, Path]:
 def test_the_checks_see_a_forbidden_import_once_added(tmp_path):
     """Each rule goes red on one bad import, lazy ones included."""
     known = _package(tmp_path, {
-        "traces/__init__.py": "", "traces/format.py": "def load():\n    from eval import report\n",
+        "traces/__init__.py": "", "traces/format.py": "def load():\n    from moe_cohort.eval import report\n",
         "eval/__init__.py": "", "eval/report.py": "import numpy\n",
-        "encoder/__init__.py": "", "encoder/a.py": "from encoder import b\n", "encoder/b.py": "import encoder.a\n",
+        "encoder/__init__.py": "", "encoder/a.py": "from moe_cohort.encoder import b\n",
+        "encoder/b.py": "import moe_cohort.encoder.a\n",
         "backend/selection/__init__.py": "", "backend/selection/x.py": "from vllm.model_executor import layers\n",
         "proxy/__init__.py": "", "proxy/app.py": "from backend.selection import x\n"})
-    assert floor_breaches(known) == ["traces.format -> eval.report"]
-    assert impure_imports(known) == ["backend.selection.x -> vllm.model_executor"]
-    assert circles(known, PURE) == [["encoder.a", "encoder.b"]]
+    assert floor_breaches(known) == ["moe_cohort.traces.format -> moe_cohort.eval.report"]
+    assert impure_imports(known) == ["moe_cohort.backend.selection.x -> vllm.model_executor"]
+    assert circles(known, PURE) == [["moe_cohort.encoder.a", "moe_cohort.encoder.b"]]
+    assert bare_imports(known, tmp_path / "tests") == [f"{tmp_path / 'proxy/app.py'} -> backend.selection"]
 
 
 def test_planner_modules_stay_pure():
     """Planning needs numpy and FAISS only: no torch, no web framework, no HTTP client, no vLLM (at run time,
     imports of imports included)."""
-    code = ("import sys, json; import encoder, encoder.planner, encoder.baselines, encoder.inputs, encoder.text, "
-            "encoder.cli; print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in %r)))" % (HEAVY,))
+    code = ("import sys, json; import moe_cohort.encoder, moe_cohort.encoder.planner, moe_cohort.encoder.baselines, "
+            "moe_cohort.encoder.inputs, moe_cohort.encoder.text, moe_cohort.encoder.cli; print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in %r)))" % (HEAVY,))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout) == []
+
+
+@pytest.mark.integration
+def test_the_built_wheel_installs_one_top_level_name(tmp_path):
+    """A wheel of this checkout puts `moe_cohort` (and its dist-info) in site-packages, no generic name beside it."""
+    import zipfile
+
+    build = [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--wheel-dir", str(tmp_path), str(ROOT)]
+    done = subprocess.run(build, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    (wheel,) = tmp_path.glob("moe_cohort-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")} == {NS}
+    assert {f"{NS}/cli.py", f"{NS}/admission/waiting.py", f"{NS}/proxy/batch/core.py", f"{NS}/backend/selection/__init__.py"} <= set(names)

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import numpy as np
 
-from traces.format import TraceFormatError, TraceSet, save_traces
-from traces.importers import load_traces
+from moe_cohort.traces.format import TraceFormatError, TraceSet, save_traces
+from moe_cohort.traces.importers import load_traces
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

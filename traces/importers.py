@@ -20,8 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-from traces.format import FORMAT_NAME, TraceFormatError, TraceSet, expert_dtype, load_trace_file
-from traces.merge import load_trace_dir
+from moe_cohort.traces.format import FORMAT_NAME, TraceFormatError, TraceSet, expert_dtype, load_trace_file
+from moe_cohort.traces.merge import load_trace_dir
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +31,7 @@ SAMPLE = "sample"
 def load_traces(path: str | Path, *, num_experts: int | None = None) -> TraceSet:
     """Load traces from any supported layout; `num_experts` overrides the inferred count for imports."""
     if str(path) == SAMPLE and not Path(path).exists():
-        from traces.synthetic import synthetic_traces
+        from moe_cohort.traces.synthetic import synthetic_traces
 
         return synthetic_traces()
     path = Path(path)

@@ -26,7 +26,7 @@ from typing import Literal, Sequence
 
 import numpy as np
 
-from traces.format import TraceSet
+from moe_cohort.traces.format import TraceSet
 
 DEFAULT_DECODE_STEPS = 64
 DecodeMode = Literal["auto", "real", "proxy"]

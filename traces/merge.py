@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from traces.format import TraceFormatError, TraceSet, load_trace_file
+from moe_cohort.traces.format import TraceFormatError, TraceSet, load_trace_file
 
 log = logging.getLogger(__name__)
 

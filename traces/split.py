@@ -15,7 +15,7 @@ from typing import Sequence
 
 import numpy as np
 
-from traces.format import TraceSet
+from moe_cohort.traces.format import TraceSet
 
 DEFAULT_HOLDOUT = 0.2
 DEFAULT_SEED = 0

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from traces.format import TraceSet, expert_dtype
+from moe_cohort.traces.format import TraceSet, expert_dtype
 
 TOPICS = {
     "math": "sum product integer equation solve fraction percent total divide multiply",

@@ -6,11 +6,11 @@ import argparse
 import os
 from pathlib import Path
 
-from encoder.embedding import DEFAULT_MODEL
-from traces.format import TraceFormatError
-from traces.importers import load_traces
-from train.targets import DEFAULT_TARGET, TARGETS
-from train.finetune import LOSSES, TrainConfig, TrainDataError, check_traces, check_output, train_encoder
+from moe_cohort.encoder.embedding import DEFAULT_MODEL
+from moe_cohort.traces.format import TraceFormatError
+from moe_cohort.traces.importers import load_traces
+from moe_cohort.train.targets import DEFAULT_TARGET, TARGETS
+from moe_cohort.train.finetune import LOSSES, TrainConfig, TrainDataError, check_traces, check_output, train_encoder
 
 _DEFAULTS = TrainConfig()
 
@@ -112,8 +112,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _student(ts, args: argparse.Namespace, config: TrainConfig) -> int:
     """Distil --base into a static student on the training side of the split; fit its profile head."""
-    from traces.split import split_requests
-    from train.static_student import StudentConfig, distil_student
+    from moe_cohort.traces.split import split_requests
+    from moe_cohort.train.static_student import StudentConfig, distil_student
 
     train_idx, _ = split_requests(len(ts), config.holdout, config.seed, groups=ts.texts)
     print(f"distilling {args.base} into a static student on {len(train_idx)} training requests of {args.traces}")
@@ -130,8 +130,8 @@ def _student(ts, args: argparse.Namespace, config: TrainConfig) -> int:
 
 def _profile_head(ts, encoder: str, output, config: TrainConfig) -> int:
     """Fit the expert-profile head on `encoder`'s embeddings of the training side; save it in `output`."""
-    from encoder.embedding import Embedder
-    from train.profile_head import train_profile_head
+    from moe_cohort.encoder.embedding import Embedder
+    from moe_cohort.train.profile_head import train_profile_head
 
     try:
         embedder = Embedder(encoder)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 from scipy.stats import spearmanr
 
-from train.targets import DEFAULT_TARGET, pair_targets
+from moe_cohort.train.targets import DEFAULT_TARGET, pair_targets
 
 
 def cosine_spearman(embeddings: np.ndarray, prof: np.ndarray, top_k: int, kind: str = DEFAULT_TARGET,

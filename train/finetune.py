@@ -33,11 +33,11 @@ from typing import Any
 
 import numpy as np
 
-from traces.format import TraceSet
-from train.correlation import cosine_spearman
-from traces.split import split_requests
-from train.pairs import PairSet, sample_pairs
-from train.targets import DEFAULT_TARGET, TARGETS, counted_tokens, profiles
+from moe_cohort.traces.format import TraceSet
+from moe_cohort.train.correlation import cosine_spearman
+from moe_cohort.traces.split import split_requests
+from moe_cohort.train.pairs import PairSet, sample_pairs
+from moe_cohort.train.targets import DEFAULT_TARGET, TARGETS, counted_tokens, profiles
 
 log = logging.getLogger(__name__)
 
@@ -204,7 +204,7 @@ def _load_base(base: Any):
     import torch
     from sentence_transformers import SentenceTransformer
 
-    from encoder.embedding import resolve_model
+    from moe_cohort.encoder.embedding import resolve_model
 
     return SentenceTransformer(resolve_model(str(base)), device="cuda" if torch.cuda.is_available() else "cpu")
 

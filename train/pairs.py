@@ -23,8 +23,8 @@ import logging
 from dataclasses import dataclass
 import numpy as np
 
-from traces.split import split_requests  # noqa: F401  (the one split lives in traces.split; re-exported for old callers)
-from train.targets import DEFAULT_TARGET, Target, pair_targets, target_block
+from moe_cohort.traces.split import split_requests  # noqa: F401  (the one split lives in traces.split; re-exported for old callers)
+from moe_cohort.train.targets import DEFAULT_TARGET, Target, pair_targets, target_block
 
 log = logging.getLogger(__name__)
 

@@ -20,10 +20,10 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from encoder.profile import ProfileHead
-from traces.format import TraceSet
-from traces.split import split_requests
-from train.targets import profiles
+from moe_cohort.encoder.profile import ProfileHead
+from moe_cohort.traces.format import TraceSet
+from moe_cohort.traces.split import split_requests
+from moe_cohort.train.targets import profiles
 
 log = logging.getLogger(__name__)
 

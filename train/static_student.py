@@ -127,8 +127,8 @@ def distil_student(teacher: str, texts: Sequence[str], output: str | Path,
                    config: StudentConfig = StudentConfig()) -> tuple[Path, dict]:
     """Fit a static student of the sentence-transformers `teacher` (a folder) on `texts` (the training
     side only) and save it to `output`; returns the folder and a small report."""
-    from encoder.embedding import Embedder
-    from encoder.static import save_static
+    from moe_cohort.encoder.embedding import Embedder
+    from moe_cohort.encoder.static import save_static
 
     model = Embedder(teacher)
     tokenizer = model._fast_tokenizer()

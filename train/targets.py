@@ -44,7 +44,7 @@ from typing import Literal
 
 import numpy as np
 
-from traces.format import TraceSet
+from moe_cohort.traces.format import TraceSet
 
 Target = Literal["overlap", "weighted_jaccard", "jaccard"]
 TARGETS: tuple[str, ...] = ("overlap", "weighted_jaccard", "jaccard")

@@ -17,10 +17,10 @@ per-request policies need no re-capture or re-compile. The torch selectors stay 
 the reference. No vLLM import; Triton is imported only when a kernel first runs.
 """
 
-from backend.selection import lynx, moe_spec, oea, xshare  # noqa: F401  (register selectors)
-from backend.selection.base import SELECTORS, gate_scores, select_topk
-from backend.selection.dispatch import select_experts, select_experts_mixed
-from backend.selection.moe_spec import load_calibration
+from moe_cohort.backend.selection import lynx, moe_spec, oea, xshare  # noqa: F401  (register selectors)
+from moe_cohort.backend.selection.base import SELECTORS, gate_scores, select_topk
+from moe_cohort.backend.selection.dispatch import select_experts, select_experts_mixed
+from moe_cohort.backend.selection.moe_spec import load_calibration
 
 __all__ = [
     "SELECTORS", "gate_scores", "load_calibration", "select_experts", "select_experts_mixed",

@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from backend.policy import Policy
+from moe_cohort.backend.policy import Policy
 
 Selector = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 SELECTORS: dict[str, Selector] = {}

@@ -8,9 +8,9 @@ from collections.abc import Sequence
 
 import torch
 
-from backend.policy import Policy, TopK, parse_policy
-from backend.selection import fused
-from backend.selection.base import SCORINGS, SELECTORS, check_spans, context_for
+from moe_cohort.backend.policy import Policy, TopK, parse_policy
+from moe_cohort.backend.selection import fused
+from moe_cohort.backend.selection.base import SCORINGS, SELECTORS, check_spans, context_for
 
 Span = tuple[int, int]
 

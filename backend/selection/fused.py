@@ -21,8 +21,8 @@ from collections.abc import Sequence
 
 import torch
 
-from backend.policy import Policy
-from backend.selection.table import NCOL, RoutingTables, build_tables
+from moe_cohort.backend.policy import Policy
+from moe_cohort.backend.selection.table import NCOL, RoutingTables, build_tables
 
 
 def interpreting() -> bool:
@@ -42,7 +42,7 @@ def available(tensor: torch.Tensor) -> bool:
 
 @functools.cache
 def _kernels():
-    from backend.selection import triton_kernels
+    from moe_cohort.backend.selection import triton_kernels
 
     return triton_kernels
 
@@ -113,7 +113,7 @@ def _cached_tables(policy: Policy, num_tokens: int, num_experts: int, top_k: int
                    device: torch.device) -> RoutingTables:
     static = None
     if getattr(policy, "rank", None) == "static":
-        from backend.selection.moe_spec import static_ranking
+        from moe_cohort.backend.selection.moe_spec import static_ranking
 
         static = static_ranking(policy.calib, layer, num_experts)
     return build_tables(num_tokens, num_experts, top_k, [policy], None, spans, [static], groups, device)

@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import torch
 
-from backend.policy import LynxAcc, LynxLat
-from backend.selection.base import gate_scores, register, route_within
-from backend.selection.sets import expert_votes, lex_rank
+from moe_cohort.backend.policy import LynxAcc, LynxLat
+from moe_cohort.backend.selection.base import gate_scores, register, route_within
+from moe_cohort.backend.selection.sets import expert_votes, lex_rank
 
 
 def lynx_kept(scores: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, drop: int,

@@ -30,9 +30,9 @@ from pathlib import Path
 
 import torch
 
-from backend.policy import MoESpec
-from backend.selection.base import compact, gate_scores, register, route_within
-from backend.selection.sets import expert_mask, lex_rank
+from moe_cohort.backend.policy import MoESpec
+from moe_cohort.backend.selection.base import compact, gate_scores, register, route_within
+from moe_cohort.backend.selection.sets import expert_mask, lex_rank
 
 logger = logging.getLogger(__name__)
 

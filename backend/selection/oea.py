@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import torch
 
-from backend.policy import OEA
-from backend.selection.base import compact, gate_scores, register
-from backend.selection.sets import expert_mask
+from moe_cohort.backend.policy import OEA
+from moe_cohort.backend.selection.base import compact, gate_scores, register
+from moe_cohort.backend.selection.sets import expert_mask
 
 
 def baseline_sizes(weights: torch.Tensor, top_k: int, k0: int, p: float | None) -> torch.Tensor:

@@ -20,10 +20,10 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from backend.policy import OEA, MoESpec, Policy, TopK, XShareSpec
-from backend.selection import fused
-from backend.selection.table import NCOL, RoutingTables, encode
-from backend.selection.table_torch import route_tables
+from moe_cohort.backend.policy import OEA, MoESpec, Policy, TopK, XShareSpec
+from moe_cohort.backend.selection import fused
+from moe_cohort.backend.selection.table import NCOL, RoutingTables, encode
+from moe_cohort.backend.selection.table_torch import route_tables
 
 SpanPolicy = tuple[int, int, Policy]  # rows [start, end) and their effective policy
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from backend.policy import OEA, LynxAcc, LynxLat, MoESpec, Policy, TopK, XShare, XShareEP, XShareSpec
+from moe_cohort.backend.policy import OEA, LynxAcc, LynxLat, MoESpec, Policy, TopK, XShare, XShareEP, XShareSpec
 
 # kinds (column KIND)
 KEEP, XSHARE, XSHARE_SPEC, XSHARE_EP, OEA_KIND, LYNX, MOE_SPEC = range(7)

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from backend.selection.base import finish, gate_scores
-from backend.selection.table import (
+from moe_cohort.backend.selection.base import finish, gate_scores
+from moe_cohort.backend.selection.table import (
     BUDGET, CONF, DROP, K0, KEEP, KIND, LYNX, M, MAXP, MG, MOE_SPEC, MR, OEA_KIND, P,
     RANK, SUBST, TAU, XSHARE, XSHARE_EP, XSHARE_SPEC, RoutingTables,
 )

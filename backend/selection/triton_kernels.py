@@ -22,7 +22,7 @@ go to the lower expert index everywhere.
 import triton
 import triton.language as tl
 
-from backend.selection.triton_sets import (  # noqa: F401  (constexpr globals the kernels read)
+from moe_cohort.backend.selection.triton_sets import (  # noqa: F401  (constexpr globals the kernels read)
     _CONF, _K0, _KEEP, _KIND, _MAXP, _MOE_SPEC, _MR, _OEA_KIND, _P, _SUBST, _XSHARE_SPEC, AGG, LOADED,
     NSTAT, NUM_STATS, PROT, VOTES, WARM, WSUM, _pair_rank, _slot_set,
 )

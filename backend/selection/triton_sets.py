@@ -7,7 +7,7 @@ kind dispatch mirrors `backend.selection.table_torch.slot_sets`.
 import triton
 import triton.language as tl
 
-from backend.selection import table as tb
+from moe_cohort.backend.selection import table as tb
 
 NUM_STATS = 6  # stats rows per slot and block (the launcher sizes its scratch with it)
 NSTAT = tl.constexpr(NUM_STATS)

@@ -20,9 +20,9 @@ from collections.abc import Sequence
 
 import torch
 
-from backend.policy import XShare, XShareEP, XShareSpec
-from backend.selection.base import gate_scores, register, request_ids, route_within
-from backend.selection.sets import ensure_nonempty, fill_to_budget, lex_rank, warmup_mask
+from moe_cohort.backend.policy import XShare, XShareEP, XShareSpec
+from moe_cohort.backend.selection.base import gate_scores, register, request_ids, route_within
+from moe_cohort.backend.selection.sets import ensure_nonempty, fill_to_budget, lex_rank, warmup_mask
 
 
 def xshare_set(scores: torch.Tensor, k0: int, m: int | None, tau: float | None) -> torch.Tensor:

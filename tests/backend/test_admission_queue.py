@@ -7,8 +7,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from backend.admission_queue import ExpertAwareQueue, decode_profile
-from encoder.profile import COMPACT_TOP, compact
+from moe_cohort.backend.admission_queue import ExpertAwareQueue, decode_profile
+from moe_cohort.encoder.profile import COMPACT_TOP, compact
 
 E = COMPACT_TOP + 4  # experts per layer in these tests
 

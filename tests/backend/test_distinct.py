@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from backend.distinct import distinct_experts
+from moe_cohort.backend.distinct import distinct_experts
 
 
 @pytest.mark.parametrize("g", [1, 4])

@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 
-from backend.engine_state import (DECODE, MIXED, PREFILL, RequestOptions, build_step, parse_flag,
+from moe_cohort.backend.engine_state import (DECODE, MIXED, PREFILL, RequestOptions, build_step, parse_flag,
                                   request_options)
-from backend.policy import PolicyError, TopK, parse_policy
+from moe_cohort.backend.policy import PolicyError, TopK, parse_policy
 
 XSHARE = parse_policy("xshare;m=4;k0=1")  # changes prefill too
 LYNX = parse_policy("lynx-lat;drop=2")  # decode only

@@ -8,7 +8,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from backend.metrics import ExpertLoadMetrics, SnapshotCollector
+from moe_cohort.backend.metrics import ExpertLoadMetrics, SnapshotCollector
 
 
 def _observe(metrics: ExpertLoadMetrics) -> None:
@@ -133,7 +133,7 @@ def test_snapshots_are_rate_limited_unless_forced(tmp_path):
 
 @pytest.mark.parametrize("env", [{}, {"PROMETHEUS_MULTIPROC_DIR": "/x"}, {"COHORT_METRICS_DIR": "/y"}])
 def test_worker_directory_prefers_vllm_multiprocess_dir(monkeypatch, env):
-    from backend.metrics import worker_directory
+    from moe_cohort.backend.metrics import worker_directory
 
     monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
     monkeypatch.delenv("COHORT_METRICS_DIR", raising=False)

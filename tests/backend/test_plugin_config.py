@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from backend.policy import PolicyError, TopK, parse_policy
-from backend.vllm_plugin import PluginConfig, UnsupportedVllmError, check_vllm_version
+from moe_cohort.backend.policy import PolicyError, TopK, parse_policy
+from moe_cohort.backend.vllm_plugin import PluginConfig, UnsupportedVllmError, check_vllm_version
 
 
 def test_config_defaults():
@@ -46,8 +46,8 @@ def test_unsupported_versions_raise_a_clear_error(version):
 
 def test_engine_side_modules_do_not_import_vllm():
     """Layering: only backend.vllm_plugin's lazily loaded backend.vllm_patches imports vLLM."""
-    modules = ["backend.vllm_plugin", "backend.routing_hook", "backend.engine_state", "backend.metrics",
-               "backend.recorder", "devtools.server", "devtools.tiny_moe", "backend.policy", "backend.selection"]
+    modules = ["moe_cohort.backend.vllm_plugin", "moe_cohort.backend.routing_hook", "moe_cohort.backend.engine_state", "moe_cohort.backend.metrics",
+               "moe_cohort.backend.recorder", "moe_cohort.proxy.vllm_server", "moe_cohort.devtools.tiny_moe", "moe_cohort.backend.policy", "moe_cohort.backend.selection"]
     code = (f"import sys, importlib; [importlib.import_module(m) for m in {modules!r}]; "
             "bad = sorted(m for m in sys.modules if m == 'vllm' or m.startswith('vllm.')); "
             "print(bad); sys.exit(1 if bad else 0)")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from backend.policy import (
+from moe_cohort.backend.policy import (
     OEA, POLICY_NAMES, LynxLat, MoESpec, PolicyError, TopK, XShare, format_policy, parse_policy,
 )
 

@@ -2,9 +2,9 @@
 
 import numpy as np
 
-from backend.recorder import TraceRecorder
-from traces.format import load_trace_file
-from traces.importers import load_traces
+from moe_cohort.backend.recorder import TraceRecorder
+from moe_cohort.traces.format import load_trace_file
+from moe_cohort.traces.importers import load_traces
 
 L, K, E = 3, 2, 8
 

@@ -9,12 +9,12 @@ import logging
 import pytest
 import torch
 
-from backend.engine_state import RequestOptions, build_step
-from backend.metrics import ExpertLoadMetrics
-from backend.policy import TopK, parse_policy
-from backend.routing_hook import HookConfig, LayerInfo, RoutingHook
-from backend.selection import select_experts_mixed, select_topk
-from traces.importers import load_traces
+from moe_cohort.backend.engine_state import RequestOptions, build_step
+from moe_cohort.backend.metrics import ExpertLoadMetrics
+from moe_cohort.backend.policy import TopK, parse_policy
+from moe_cohort.backend.routing_hook import HookConfig, LayerInfo, RoutingHook
+from moe_cohort.backend.selection import select_experts_mixed, select_topk
+from moe_cohort.traces.importers import load_traces
 
 E, K, LAYERS = 16, 4, 3
 LYNX = parse_policy("lynx-lat;drop=6")  # decode only

@@ -10,12 +10,12 @@ import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
-from backend.engine_state import RequestOptions, build_step
-from backend.metrics import ExpertLoadMetrics
-from backend.policy import TopK, parse_policy
-from backend.routing_hook import HookConfig, LayerInfo, RoutingHook
-from backend.selection import select_topk
-from backend.selection.step_tables import StepTables, capture_error
+from moe_cohort.backend.engine_state import RequestOptions, build_step
+from moe_cohort.backend.metrics import ExpertLoadMetrics
+from moe_cohort.backend.policy import TopK, parse_policy
+from moe_cohort.backend.routing_hook import HookConfig, LayerInfo, RoutingHook
+from moe_cohort.backend.selection import select_topk
+from moe_cohort.backend.selection.step_tables import StepTables, capture_error
 
 E, K, LAYERS = 16, 4, 3
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -137,7 +137,7 @@ def test_capture_errors_name_the_setting_that_fixes_them():
 
 
 def test_table_mode_records_what_the_engine_used(tmp_path):
-    from traces.importers import load_traces
+    from moe_cohort.traces.importers import load_traces
 
     hook = RoutingHook(HookConfig(graph_tables=True, max_tokens=32, trace_dir=tmp_path), None)
     for layer in range(LAYERS):

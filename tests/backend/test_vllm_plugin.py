@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from backend.policy import parse_policy
+from moe_cohort.backend.policy import parse_policy
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                 reason="vLLM is not installed (pip install -e '.[cpu]' on CPU, '.[vllm]' on GPU)")
@@ -37,7 +37,7 @@ POLICIES = [None, "topk", "xshare;m=4;k0=1", "oea;k0=1", LYNX, "lynx-acc;drop=4"
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from devtools.tiny_moe import make_tiny_moe
+    from moe_cohort.devtools.tiny_moe import make_tiny_moe
 
     return make_tiny_moe(tmp_path_factory.mktemp("tiny-moe"))
 
@@ -49,7 +49,7 @@ def trace_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model_dir, trace_dir, tmp_path_factory):
-    from devtools import server as vllm_server
+    from moe_cohort.devtools import server as vllm_server
 
     if not any(ep.name == "moe_cohort" for ep in entry_points(group="vllm.general_plugins")):
         pytest.fail("the moe_cohort vLLM plugin entry point is not installed; run `pip install -e .`")
@@ -212,7 +212,7 @@ def _topk_sets(logits: torch.Tensor, k: int) -> np.ndarray:
 
 def _trace_for(trace_dir, request_id, timeout=30.0):
     """The recorded trace of one request; the engine writes it one step after the response."""
-    from traces.importers import load_traces  # the project's trace reader
+    from moe_cohort.traces.importers import load_traces  # the project's trace reader
 
     deadline = time.monotonic() + timeout
     while not (paths := list(trace_dir.glob(f"cmpl-{request_id}-*.npz"))) and time.monotonic() < deadline:

@@ -2,9 +2,9 @@
 
 import json
 
-from devtools.corpus import CorpusArgs, build_corpus, prompt_kind, read_prompts, split_prompts
-from devtools.train_moe import training_texts
-from traces.split import split_requests
+from moe_cohort.devtools.corpus import CorpusArgs, build_corpus, prompt_kind, read_prompts, split_prompts
+from moe_cohort.devtools.train_moe import training_texts
+from moe_cohort.traces.split import split_requests
 
 
 def _prompt_file(tmp_path, n=60):

@@ -6,8 +6,8 @@ import json
 import pytest
 import torch
 
-from devtools.tiny_moe import TinyMoeArgs, make_tiny_moe
-from cohort.cli import main
+from moe_cohort.devtools.tiny_moe import TinyMoeArgs, make_tiny_moe
+from moe_cohort.cli import main
 
 transformers = pytest.importorskip("transformers")
 

@@ -10,12 +10,12 @@ import pytest
 transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
 
-from cohort.cli import main  # noqa: E402
-from devtools import train_moe  # noqa: E402
-from devtools.corpus import CorpusArgs, build_corpus  # noqa: E402
-from devtools.routing_mi import chat_prompt, model_category_mi  # noqa: E402
-from devtools.tiny_moe import TinyMoeArgs, build_config, build_model  # noqa: E402
-from devtools.train_moe import RECIPES, TrainArgs, train_tiny_moe  # noqa: E402
+from moe_cohort.cli import main  # noqa: E402
+from moe_cohort.devtools import train_moe  # noqa: E402
+from moe_cohort.devtools.corpus import CorpusArgs, build_corpus  # noqa: E402
+from moe_cohort.devtools.routing_mi import chat_prompt, model_category_mi  # noqa: E402
+from moe_cohort.devtools.tiny_moe import TinyMoeArgs, build_config, build_model  # noqa: E402
+from moe_cohort.devtools.train_moe import RECIPES, TrainArgs, train_tiny_moe  # noqa: E402
 
 MICRO = TrainArgs(model=TinyMoeArgs(hidden_size=32, num_layers=1, num_heads=1, num_kv_heads=1, num_experts=8, top_k=2,
                                     moe_intermediate_size=16, vocab_size=300, router_scale=1.0),

@@ -3,8 +3,8 @@ import json
 import numpy as np
 import pytest
 
-from cohort.cli import main
-from encoder.plans import read_plan_file, validate_plan
+from moe_cohort.cli import main
+from moe_cohort.encoder.plans import read_plan_file, validate_plan
 
 
 def batch_line(cid, content):
@@ -70,7 +70,7 @@ def test_plans_good_lines_and_rejects_bad_ones(tmp_path, capsys, minilm_dir):
 
 
 def test_encoder_plan_api(minilm_dir):
-    from encoder import encoder_plan
+    from moe_cohort.encoder import encoder_plan
 
     texts = [f"Question {i} about {TOPICS[i % 4]}" for i in range(12)]
     plan = encoder_plan(texts, 3, encoder=minilm_dir)

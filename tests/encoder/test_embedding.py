@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("sentence_transformers")
 
-from encoder.embedding import Embedder, resolve_model  # noqa: E402
+from moe_cohort.encoder.embedding import Embedder, resolve_model  # noqa: E402
 
 TEXTS = [
     "How do I sort a list of dictionaries by a key in Python?",
@@ -91,7 +91,7 @@ def test_loads_a_local_folder_with_the_hub_unreachable(tmp_path):
 def test_unknown_encoders_fail_at_once_saying_what_to_use(name, message, monkeypatch):
     import huggingface_hub.constants
 
-    from encoder.embedding import EncoderNotFound, check_available
+    from moe_cohort.encoder.embedding import EncoderNotFound, check_available
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # read at import: set it for this test
 
@@ -103,7 +103,7 @@ def test_unknown_encoders_fail_at_once_saying_what_to_use(name, message, monkeyp
 def test_an_unreachable_hub_fails_fast_when_online(monkeypatch):
     import huggingface_hub.constants
 
-    from encoder import embedding
+    from moe_cohort.encoder import embedding
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(embedding, "HUB_HOST", ("127.0.0.1", 9))  # discard port: connection refused at once
@@ -133,7 +133,7 @@ def test_clipped_texts_keep_their_first_tokens(minilm_dir, max_tokens):
     """A long text is cut to a prefix only where the model's input (its first max_tokens tokens) stays the same."""
     from tokenizers import Tokenizer
 
-    from encoder.clip import CHARS_PER_TOKEN, Clipper
+    from moe_cohort.encoder.clip import CHARS_PER_TOKEN, Clipper
 
     full = Tokenizer.from_file(str(Path(minilm_dir) / "tokenizer.json"))
     full.no_padding()

@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from encoder.inputs import InputError, parse_line, parse_lines
+from moe_cohort.encoder.inputs import InputError, parse_line, parse_lines
 
 
 def batch_line(cid, content):

@@ -7,9 +7,9 @@ import pytest
 pytest.importorskip("onnxruntime")
 pytest.importorskip("sentence_transformers")
 
-from encoder.embedding import Embedder, EncoderNotFound, resolve_model  # noqa: E402
-from encoder.onnx import export, is_onnx_dir, onnx_model_dir  # noqa: E402
-from encoder.profile import ProfileHead, load_profile_head  # noqa: E402
+from moe_cohort.encoder.embedding import Embedder, EncoderNotFound, resolve_model  # noqa: E402
+from moe_cohort.encoder.onnx import export, is_onnx_dir, onnx_model_dir  # noqa: E402
+from moe_cohort.encoder.profile import ProfileHead, load_profile_head  # noqa: E402
 
 TEXTS = ["How do I sort a list of dictionaries by a key in Python?", "hi", "What is the best pizza in Naples?",
          "Explain the proof that there are infinitely many primes. " * 12, "Écris un poème sur la mer.",

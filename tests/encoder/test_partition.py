@@ -1,9 +1,9 @@
 import numpy as np
 import pytest
 
-from encoder.growth import density_order
-from encoder.ordering import chain_order, consecutive_similarity
-from encoder.partition import balanced_cells
+from moe_cohort.encoder.growth import density_order
+from moe_cohort.encoder.ordering import chain_order, consecutive_similarity
+from moe_cohort.encoder.partition import balanced_cells
 from tests.encoder.conftest import planted, unit
 
 
@@ -48,7 +48,7 @@ def test_consecutive_similarity_prefers_the_chain():
     rng = np.random.default_rng(2)
     x = unit(rng.normal(size=(160, 6)))
     batches = [np.arange(i, i + 8) for i in range(0, 160, 8)]
-    from encoder.ordering import centroids
+    from moe_cohort.encoder.ordering import centroids
 
     chained = [batches[i] for i in chain_order(centroids(x, batches))]
     assert consecutive_similarity(x, chained) > consecutive_similarity(x, batches)
@@ -56,7 +56,7 @@ def test_consecutive_similarity_prefers_the_chain():
 
 def test_arrange_members_puts_the_seams_together():
     """Members most like the previous batch come first, those most like the next batch last."""
-    from encoder.ordering import arrange_members
+    from moe_cohort.encoder.ordering import arrange_members
 
     t = np.linspace(0, np.pi / 2, 12)  # three batches of four along an arc
     x = unit(np.stack([np.cos(t), np.sin(t)], axis=1))

@@ -3,10 +3,10 @@ import itertools
 import numpy as np
 import pytest
 
-from encoder.baselines import kmeans_sort_chunk
-from encoder.planner import PlannerConfig, plan_batches
-from encoder.swaps import within_similarity
-from encoder.plans import validate_plan
+from moe_cohort.encoder.baselines import kmeans_sort_chunk
+from moe_cohort.encoder.planner import PlannerConfig, plan_batches
+from moe_cohort.encoder.swaps import within_similarity
+from moe_cohort.encoder.plans import validate_plan
 from tests.encoder.conftest import planted, unit
 
 CONFIGS = {

@@ -1,11 +1,11 @@
-"""encoder.plans: the plan invariants, the arrival chunker, and the one plan-file format."""
+"""moe_cohort.encoder.plans: the plan invariants, the arrival chunker, and the one plan-file format."""
 
 import json
 
 import numpy as np
 import pytest
 
-from encoder.plans import PlanError, arrival_plan, chunk, read_plan_file, validate_plan, write_plan_file
+from moe_cohort.encoder.plans import PlanError, arrival_plan, chunk, read_plan_file, validate_plan, write_plan_file
 
 
 def test_arrival_plan_cuts_in_order_with_a_short_last_batch():

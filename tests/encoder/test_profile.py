@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from encoder.profile import ProfileHead, compact, expand, load_profile_head
+from moe_cohort.encoder.profile import ProfileHead, compact, expand, load_profile_head
 
 
 def _head(dim=4, layers=2, experts=5, seed=0):

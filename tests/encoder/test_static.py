@@ -5,8 +5,8 @@ import pytest
 
 pytest.importorskip("model2vec")
 
-from encoder.embedding import Embedder, resolve_model  # noqa: E402
-from encoder.static import static_model_dir  # noqa: E402
+from moe_cohort.encoder.embedding import Embedder, resolve_model  # noqa: E402
+from moe_cohort.encoder.static import static_model_dir  # noqa: E402
 
 TEXTS = ["How do I sort a list of dictionaries by a key in Python?", "Python: sort list of dicts by value",
          "What is the best pizza in Naples?", "Explain why primes never end. " * 40, "hi"]
@@ -26,7 +26,7 @@ def test_distilled_once_and_reused(static_dir, minilm_dir):
 def test_the_name_static_is_the_cached_distillation_of_the_packaged_model(tmp_path, monkeypatch):
     made = []
     monkeypatch.setenv("COHORT_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr("encoder.static.distill", lambda source, out, dims: made.append((source, dims)) or out)
+    monkeypatch.setattr("moe_cohort.encoder.static.distill", lambda source, out, dims: made.append((source, dims)) or out)
     path = resolve_model("static")
     assert path.startswith(str(tmp_path)) and made == [(resolve_model(None), 256)]
 

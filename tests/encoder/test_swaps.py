@@ -3,8 +3,8 @@ import itertools
 import numpy as np
 import pytest
 
-from encoder.growth import greedy_growth
-from encoder.swaps import SwapSearch, within_similarity
+from moe_cohort.encoder.growth import greedy_growth
+from moe_cohort.encoder.swaps import SwapSearch, within_similarity
 from tests.encoder.conftest import unit
 
 

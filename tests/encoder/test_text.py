@@ -1,6 +1,6 @@
 import pytest
 
-from encoder.text import RequestTextError, request_text
+from moe_cohort.encoder.text import RequestTextError, request_text
 
 
 def test_strings_and_plain_bodies():

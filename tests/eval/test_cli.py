@@ -5,9 +5,9 @@ import re
 
 import pytest
 
-from cohort.cli import main
+from moe_cohort.cli import main
 from tests.conftest import random_traces
-from traces.format import save_traces
+from moe_cohort.traces.format import save_traces
 
 
 @pytest.fixture
@@ -76,7 +76,7 @@ def test_random_decode_phase_is_accepted(trace_file, capsys):
 
 
 def test_continuous_engine_json_keeps_the_plans_shape_and_the_report_draws_both_engines(tmp_path, capsys):
-    from traces.synthetic import synthetic_traces
+    from moe_cohort.traces.synthetic import synthetic_traces
 
     path = save_traces(tmp_path / "s.npz", synthetic_traces(90, num_experts=16, num_layers=3, top_k=2, seed=1))
     assert main(["eval", "--traces", str(path), "--engine", "continuous", "--slots", "4", "--json", "--encoder", "none",
@@ -146,7 +146,7 @@ def test_embedding_shows_progress_on_stderr_unless_no_progress(quiet):
     import subprocess
     import sys
 
-    args = [sys.executable, "-m", "cohort.cli", "eval", "--traces", "sample", "--batch-size", "16", "--json",
+    args = [sys.executable, "-m", "moe_cohort.cli", "eval", "--traces", "sample", "--batch-size", "16", "--json",
             *(["--no-progress"] if quiet else [])]
     done = subprocess.run(args, capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert done.returncode == 0, done.stderr

@@ -5,11 +5,11 @@ import json
 import numpy as np
 import pytest
 
-from eval.cost import PRESETS, CostModel, parse_cost_model
-from eval.engine import evaluate_continuous, lengths_from_spec, lognormal_lengths, read_lengths
-from eval.policies import by_profile, fixed_order, random_order
-from eval.replay import decode_profiles, decode_tokens, replay
-from traces.synthetic import synthetic_traces
+from moe_cohort.eval.cost import PRESETS, CostModel, parse_cost_model
+from moe_cohort.eval.engine import evaluate_continuous, lengths_from_spec, lognormal_lengths, read_lengths
+from moe_cohort.eval.policies import by_profile, fixed_order, random_order
+from moe_cohort.eval.replay import decode_profiles, decode_tokens, replay
+from moe_cohort.traces.synthetic import synthetic_traces
 
 COST = CostModel("t", 10.0, 40.0, 2.0, moe_share=0.5)
 
@@ -91,9 +91,9 @@ def test_lengths_fixed_lognormal_and_files(tmp_path):
 
 
 def test_the_cli_builds_every_policy_the_inputs_allow_and_text_profiles_come_from_the_head():
-    from eval.engine_cli import continuous_policies
-    from train.profile_head import fit_profile_head
-    from train.targets import profiles
+    from moe_cohort.eval.engine_cli import continuous_policies
+    from moe_cohort.train.profile_head import fit_profile_head
+    from moe_cohort.train.targets import profiles
 
     ts, tok, prof = _setup(80)
     x = np.random.default_rng(0).normal(size=(len(ts), 6)).astype(np.float32)

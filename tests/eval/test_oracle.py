@@ -3,10 +3,10 @@
 import numpy as np
 import pytest
 
-from eval.oracle import greedy_oracle
-from encoder.plans import validate_plan
+from moe_cohort.eval.oracle import greedy_oracle
+from moe_cohort.encoder.plans import validate_plan
 from tests.conftest import random_traces
-from traces.loads import expert_masks
+from moe_cohort.traces.loads import expert_masks
 
 
 def forward_sets(ts, masks):

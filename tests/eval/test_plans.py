@@ -1,7 +1,7 @@
 import numpy as np
 
-from encoder.plans import validate_plan
-from eval.plans import category_plan, random_plan
+from moe_cohort.encoder.plans import validate_plan
+from moe_cohort.eval.plans import category_plan, random_plan
 
 
 def test_baseline_plans_place_every_request_once():

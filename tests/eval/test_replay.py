@@ -3,10 +3,10 @@
 import numpy as np
 import pytest
 
-from eval.policies import EmbeddingPolicy, OrderPolicy, ProfilePolicy
-from eval.replay import decode_profiles, decode_tokens, replay
+from moe_cohort.eval.policies import EmbeddingPolicy, OrderPolicy, ProfilePolicy
+from moe_cohort.eval.replay import decode_profiles, decode_tokens, replay
 from tests.conftest import random_traces
-from train.targets import profiles
+from moe_cohort.train.targets import profiles
 
 
 def _token_sets(ts, r, t, mode):

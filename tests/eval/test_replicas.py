@@ -1,20 +1,20 @@
-"""eval.replicas: R replicas behind a router, against a hand computation, a step-by-step brute force and eval.replay."""
+"""moe_cohort.eval.replicas: R replicas behind a router, against a hand computation, a step-by-step brute force and eval.replay."""
 
 import json
 
 import numpy as np
 import pytest
 
-from encoder.admission import ResidentExperts
-from encoder.affinity import ReplicaRouter
-from encoder.waiting import WaitingPool
-from eval.cost import PRESETS
-from eval.engine import lengths_from_spec
-from eval.policies import OrderPolicy
-from eval.replay import decode_profiles, decode_tokens, replay
-from eval.replicas import Routing, evaluate_replicas, format_replica_table, replay_replicas
+from moe_cohort.admission.resident import ResidentExperts
+from moe_cohort.admission.router import ReplicaRouter
+from moe_cohort.admission.waiting import WaitingPool
+from moe_cohort.eval.cost import PRESETS
+from moe_cohort.eval.engine import lengths_from_spec
+from moe_cohort.eval.policies import OrderPolicy
+from moe_cohort.eval.replay import decode_profiles, decode_tokens, replay
+from moe_cohort.eval.replicas import Routing, evaluate_replicas, format_replica_table, replay_replicas
 from tests.conftest import random_traces
-from traces.format import TraceSet
+from moe_cohort.traces.format import TraceSet
 
 
 def _traces(sets, num_experts=8):
@@ -99,7 +99,7 @@ def test_replay_matches_the_step_by_step_replicas(routing, slots):
 
 
 class _PoolPolicy:
-    """eval.replay.Policy over the pool rule the router uses (WaitingPool, one resident set)."""
+    """moe_cohort.eval.replay.Policy over the pool rule the router uses (WaitingPool, one resident set)."""
 
     def __init__(self, vectors):
         self.vectors, self.pool, self.seen = vectors, WaitingPool(), set()
@@ -174,9 +174,9 @@ def test_evaluate_replicas_rows():
 
 
 def test_cohort_eval_replicas_json_and_table(tmp_path, capsys):
-    from cohort.cli import main
-    from traces.format import save_traces
-    from traces.synthetic import synthetic_traces
+    from moe_cohort.cli import main
+    from moe_cohort.traces.format import save_traces
+    from moe_cohort.traces.synthetic import synthetic_traces
 
     path = save_traces(tmp_path / "s.npz", synthetic_traces(60, num_experts=16, num_layers=3, top_k=2, seed=1))
     base = ["eval", "--traces", str(path), "--engine", "continuous", "--slots", "3", "--replicas", "2", "--encoder",
@@ -194,8 +194,8 @@ def test_cohort_eval_replicas_json_and_table(tmp_path, capsys):
 @pytest.mark.parametrize("extra, flag", [(["--replicas", "0"], "--replicas"), (["--routing", "hash"], "--routing"),
                                          (["--replicas", "2", "--report", "{tmp}/r"], "--report")])
 def test_cohort_eval_replicas_rejects_bad_arguments_in_one_line(tmp_path, capsys, extra, flag):
-    from cohort.cli import main
-    from traces.format import save_traces
+    from moe_cohort.cli import main
+    from moe_cohort.traces.format import save_traces
 
     path = save_traces(tmp_path / "t.npz", random_traces(10, seed=1))
     args = ["eval", "--traces", str(path), "--engine", "continuous", "--encoder", "none",
@@ -209,7 +209,7 @@ def test_cohort_eval_replicas_rejects_bad_arguments_in_one_line(tmp_path, capsys
 
 
 def test_arrival_times_go_to_the_requests_in_arrival_order():
-    from eval.replicas import poisson_arrivals
+    from moe_cohort.eval.replicas import poisson_arrivals
 
     times = poisson_arrivals(400, 0.5, seed=3)
     assert times[0] == 0 and (np.diff(times) >= 0).all() and abs(times[-1] / 399 - 2.0) < 0.3  # mean gap 1 / rate

@@ -15,8 +15,8 @@ import uvicorn
 from aiohttp import web
 from aiohttp.test_utils import RawTestServer
 
-from proxy.app import create_app
-from proxy.settings import Settings
+from moe_cohort.proxy.app import create_app
+from moe_cohort.proxy.settings import Settings
 
 
 @contextlib.asynccontextmanager

@@ -7,8 +7,8 @@ import time
 import numpy as np
 import pytest
 
-from proxy.admission import AdmissionGate, Profiler
-from proxy.metrics import ProxyMetrics
+from moe_cohort.proxy.admission import AdmissionGate, Profiler
+from moe_cohort.proxy.metrics import ProxyMetrics
 
 A, B = np.array([1.0, 1.0, 0.0, 0.0]), np.array([0.0, 0.0, 1.0, 1.0])  # [L*E] profiles of two kinds
 PROFILES = {"a1": A, "a2": A, "a3": A, "b1": B, "b2": B}
@@ -236,7 +236,7 @@ def test_a_late_profile_steers_the_next_choice_and_a_waiting_request_waits_for_i
 
 
 def test_a_late_profile_is_predicted_only_after_the_burst(monkeypatch):
-    import proxy.admission
+    import moe_cohort.proxy.admission
 
     monkeypatch.setattr(proxy.admission, "LATE_PROFILE_S", 0.3)
     asked = []

@@ -10,8 +10,8 @@ import socket
 import pytest
 from aiohttp import web
 
-from proxy.backend import BackendClient
-from proxy.errors import BackendStatusError, BackendUnreachable
+from moe_cohort.proxy.backend import BackendClient
+from moe_cohort.proxy.errors import BackendStatusError, BackendUnreachable
 from tests.proxy.servers import answer, local_backend
 
 
@@ -104,7 +104,7 @@ RETRY_LOG = "the backend did not receive the request, retrying once"
 
 
 def test_refused_connect_is_retried_exactly_once_then_unreachable(caplog):
-    from devtools.server import free_port
+    from moe_cohort.proxy.vllm_server import free_port
 
     async def main():
         client = BackendClient(f"http://127.0.0.1:{free_port()}")  # nothing listens there
@@ -115,7 +115,7 @@ def test_refused_connect_is_retried_exactly_once_then_unreachable(caplog):
         finally:
             await client.close()
 
-    with caplog.at_level(logging.WARNING, logger="proxy.backend"):
+    with caplog.at_level(logging.WARNING, logger="moe_cohort.proxy.backend"):
         error = asyncio.run(main())
     assert "cannot reach the backend" in error.message
     assert sum(RETRY_LOG in r.getMessage() for r in caplog.records) == 1
@@ -147,7 +147,7 @@ def test_a_request_the_backend_may_have_started_is_never_retried(how, caplog):
             finally:
                 await client.close()
 
-    with caplog.at_level(logging.WARNING, logger="proxy.backend"):
+    with caplog.at_level(logging.WARNING, logger="moe_cohort.proxy.backend"):
         asyncio.run(main())
     assert received == [b'{"prompt": "x"}', b'{"prompt": "y"}']  # each request reached the backend once
     assert not any(RETRY_LOG in r.getMessage() for r in caplog.records)
@@ -156,7 +156,7 @@ def test_a_request_the_backend_may_have_started_is_never_retried(how, caplog):
 def test_a_refused_connect_succeeds_when_the_backend_comes_up_before_the_retry():
     """The port starts listening (the kernel queues the retry's connection) as the retry is logged; the
     server then answers it: the caller gets the answer, not a 502."""
-    from devtools.server import free_port
+    from moe_cohort.proxy.vllm_server import free_port
 
     port, listening = free_port(), socket.socket()
 
@@ -181,9 +181,9 @@ def test_a_refused_connect_succeeds_when_the_backend_comes_up_before_the_retry()
             await runner.cleanup()
 
     handler = OpenThePort()
-    logging.getLogger("proxy.backend").addHandler(handler)
+    logging.getLogger("moe_cohort.proxy.backend").addHandler(handler)
     try:
         assert asyncio.run(main()) == b'{"path": "/v1/completions"}'
     finally:
-        logging.getLogger("proxy.backend").removeHandler(handler)
+        logging.getLogger("moe_cohort.proxy.backend").removeHandler(handler)
         listening.close()

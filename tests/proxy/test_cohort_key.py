@@ -9,10 +9,10 @@ import openai
 import pytest
 from aiohttp import web
 
-from proxy.admission import Admission
-from proxy.app import create_app
-from proxy.cohort_key import HEADER, cohort_key, cohort_key_header
-from proxy.settings import Settings
+from moe_cohort.proxy.admission import Admission
+from moe_cohort.proxy.app import create_app
+from moe_cohort.proxy.cohort_key import HEADER, cohort_key, cohort_key_header
+from moe_cohort.proxy.settings import Settings
 from tests.proxy.servers import answer, body_of, local_backend
 
 OK_BODY = {"id": "x", "object": "chat.completion", "created": 0, "model": "tiny",

@@ -12,8 +12,8 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from devtools.server import free_port
-from proxy.settings import Settings
+from moe_cohort.proxy.vllm_server import free_port
+from moe_cohort.proxy.settings import Settings
 from tests.proxy.servers import ProxyThread
 
 MESSAGES = [{"role": "user", "content": "Write a poem about the sea"}]
@@ -70,7 +70,7 @@ def test_concurrent_requests_each_get_their_own_admission(proxy):
 
 
 def test_the_backend_accepts_a_forwarded_expert_profile(vllm_server):
-    from encoder.profile import compact
+    from moe_cohort.encoder.profile import compact
 
     profile = compact(np.eye(4, 16))  # [L=4, E=16] what the proxy forwards for the engine-side scheduler
     answer = httpx.post(vllm_server.url + "/v1/completions", timeout=60,

@@ -12,9 +12,9 @@ import openai
 import pytest
 from aiohttp import web
 
-from devtools.server import free_port
-from proxy.app import create_app
-from proxy.settings import Settings
+from moe_cohort.proxy.vllm_server import free_port
+from moe_cohort.proxy.app import create_app
+from moe_cohort.proxy.settings import Settings
 from tests.proxy.servers import ProxyThread, answer, body_of, local_backend
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}

@@ -8,8 +8,8 @@ from starlette.applications import Starlette
 from starlette.responses import JSONResponse, PlainTextResponse
 from starlette.routing import Route
 
-from proxy.errors import InvalidRequest, ProxyError
-from proxy.fastpath import FastPath
+from moe_cohort.proxy.errors import InvalidRequest, ProxyError
+from moe_cohort.proxy.fastpath import FastPath
 from tests.proxy.test_failures import CHAT, ok, proxy_client
 
 

@@ -20,17 +20,17 @@ def test_the_default_encoder_is_the_static_distillation_of_the_packaged_model(tm
     import numpy as np
     from tokenizers import Tokenizer
 
-    from encoder.embedding import resolve_model
-    from encoder.static import save_static
-    from proxy.profiles import make_predictor
-    from proxy.settings import Settings
+    from moe_cohort.encoder.embedding import resolve_model
+    from moe_cohort.encoder.static import save_static
+    from moe_cohort.proxy.profiles import make_predictor
+    from moe_cohort.proxy.settings import Settings
 
     packaged = resolve_model(None)
     tokenizer = Tokenizer.from_file(str(Path(packaged) / "tokenizer.json"))
     weights = np.random.default_rng(0).standard_normal((tokenizer.get_vocab_size(), 8)).astype(np.float32)  # [V, 8]
     small = save_static(tokenizer, weights, tmp_path / "static")  # stands in for the ~1 min distillation
     asked = []
-    monkeypatch.setattr("encoder.static.static_model_dir", lambda source, **kw: asked.append(source) or small)
+    monkeypatch.setattr("moe_cohort.encoder.static.static_model_dir", lambda source, **kw: asked.append(source) or small)
     predictor = make_predictor(Settings())
     assert asked == [packaged]  # distilled from the packaged MiniLM (once: then from the cache)
     (vector, profile), = predictor.predict(["How do I sort a list in Python?"])

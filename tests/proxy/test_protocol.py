@@ -2,8 +2,8 @@ import json
 
 import pytest
 
-from proxy.errors import InvalidRequest, PayloadTooLarge
-from proxy.protocol import check_size, parse_request
+from moe_cohort.proxy.errors import InvalidRequest, PayloadTooLarge
+from moe_cohort.proxy.protocol import check_size, parse_request
 
 
 def parse(body, route="chat", headers=None, default="topk", max_bytes=10_000):

@@ -1,4 +1,4 @@
-"""proxy.replicas.ReplicaSet against throwaway local servers: capacity, affinity, failover only before the
+"""moe_cohort.proxy.replicas.ReplicaSet against throwaway local servers: capacity, affinity, failover only before the
 backend accepted a request, health checks, no replica left, and merged /v1/models."""
 
 import asyncio
@@ -7,9 +7,9 @@ import socket
 import numpy as np
 import pytest
 
-from proxy.backend import BackendClient
-from proxy.errors import BackendUnreachable
-from proxy.replicas import ReplicaSet
+from moe_cohort.proxy.backend import BackendClient
+from moe_cohort.proxy.errors import BackendUnreachable
+from moe_cohort.proxy.replicas import ReplicaSet
 from tests.proxy.servers import answer, drop, local_backend
 
 A, B = np.array([1.0, 1.0, 0, 0]), np.array([0, 0, 1.0, 1.0])

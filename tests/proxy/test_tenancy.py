@@ -14,15 +14,15 @@ import httpx
 import openai
 import pytest
 
-import proxy.auth
-from devtools.server import free_port
-from proxy.app import create_app
-from proxy.auth import Authorizer
-from proxy.batch_store import BatchStore
-from proxy.errors import Unauthorized
-from proxy.settings import Settings, SettingsError
+import moe_cohort.proxy.auth
+from moe_cohort.proxy.vllm_server import free_port
+from moe_cohort.proxy.app import create_app
+from moe_cohort.proxy.auth import Authorizer
+from moe_cohort.proxy.batch.store import BatchStore
+from moe_cohort.proxy.errors import Unauthorized
+from moe_cohort.proxy.settings import Settings, SettingsError
 from tests.proxy.servers import ProxyThread
-from tests.proxy.test_batch_api import jsonl, request_line, settings, wait_for
+from tests.proxy.batch.test_api import jsonl, request_line, settings, wait_for
 
 ALICE, BOB = "sk-alice-7f3c9a", "sk-bob-12d4e8"
 
@@ -190,7 +190,7 @@ def test_unauthenticated_paths_do_not_reach_the_metrics(tmp_path):
     (["--api-key", "k=team-a", "--api-key", "k=team-b"], "gives one key for two tenants"),
 ])
 def test_serve_refuses_bad_security_flags_in_one_line(flags, message):
-    done = subprocess.run([sys.executable, "-m", "cohort.cli", "serve", "--backend", "http://127.0.0.1:9",
+    done = subprocess.run([sys.executable, "-m", "moe_cohort.cli", "serve", "--backend", "http://127.0.0.1:9",
                            "--encoder", "none", *flags], capture_output=True, text=True, timeout=120)
     said = (done.stdout + done.stderr).strip()
     assert done.returncode == 2 and message in said and len(said.splitlines()) == 1, said

@@ -1,7 +1,7 @@
 import json
 
-from cohort.cli import main
-from traces.importers import load_traces
+from moe_cohort.cli import main
+from moe_cohort.traces.importers import load_traces
 
 
 def test_import_then_info(tmp_path, capsys):

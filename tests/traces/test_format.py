@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import random_traces
-from traces.format import TraceFormatError, TraceSet, load_trace_file, save_traces
+from moe_cohort.traces.format import TraceFormatError, TraceSet, load_trace_file, save_traces
 
 
 def test_round_trip_keeps_every_array(tmp_path, small_traces):

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 from tests.conftest import random_traces
-from traces.format import TraceFormatError
-from traces.importers import import_jsonl, load_traces
+from moe_cohort.traces.format import TraceFormatError
+from moe_cohort.traces.importers import import_jsonl, load_traces
 
 
 def _write_prompt_trace_dir(path, ts):

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import random_traces
-from traces.loads import batch_loads, expert_masks, plan_loads, token_masks
+from moe_cohort.traces.loads import batch_loads, expert_masks, plan_loads, token_masks
 
 
 def brute_force_loads(ts, batch, decode_steps, mode):

@@ -5,12 +5,12 @@ import re
 import numpy as np
 import pytest
 
-import train.finetune
-from cohort.cli import main
+import moe_cohort.train.finetune
+from moe_cohort.cli import main
 from tests.conftest import random_traces
-from traces.format import TraceFormatError, save_traces
-from traces.importers import load_traces
-from traces.merge import load_trace_dir, merge_traces
+from moe_cohort.traces.format import TraceFormatError, save_traces
+from moe_cohort.traces.importers import load_traces
+from moe_cohort.traces.merge import load_trace_dir, merge_traces
 
 
 def _recorded_folder(path, ts, policies=("topk",)):

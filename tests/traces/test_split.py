@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from traces.split import heldout_split, split_requests
-from traces.synthetic import synthetic_traces
+from moe_cohort.traces.split import heldout_split, split_requests
+from moe_cohort.traces.synthetic import synthetic_traces
 
 
 @pytest.mark.parametrize("n,holdout", [(2, 0.2), (10, 0.2), (101, 0.3), (50, 0.0)])

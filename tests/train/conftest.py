@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from traces.synthetic import TOPICS
+from moe_cohort.traces.synthetic import TOPICS
 
 
 def build_tiny_model(folder, seed: int = 0):

@@ -5,10 +5,10 @@ import json
 import numpy as np
 import pytest
 
-import train.finetune
-from cohort.cli import main
-from traces.format import save_traces
-from traces.synthetic import synthetic_traces
+import moe_cohort.train.finetune
+from moe_cohort.cli import main
+from moe_cohort.traces.format import save_traces
+from moe_cohort.traces.synthetic import synthetic_traces
 
 
 @pytest.fixture
@@ -74,7 +74,7 @@ def test_a_base_model_that_cannot_be_found_is_a_clear_error(tmp_path, capsys, mo
 
 
 def test_a_run_saves_the_profile_head_beside_the_encoder_and_only_fits_a_head_on_request(tmp_path, capsys, tiny_model_dir):
-    from encoder.profile import load_profile_head
+    from moe_cohort.encoder.profile import load_profile_head
 
     ts = synthetic_traces(60, seed=1)
     path = save_traces(tmp_path / "t.npz", ts)
@@ -86,7 +86,7 @@ def test_a_run_saves_the_profile_head_beside_the_encoder_and_only_fits_a_head_on
     assert head.weight.shape == (32, ts.num_layers * ts.num_experts)
     code, out = run(capsys, "--traces", path, "--base", tiny_model_dir, "--output", tmp_path / "h", "--profile-head", "only")
     assert code == 0 and load_profile_head(tmp_path / "h") is not None and not (tmp_path / "h" / "training.json").exists()
-    from encoder.embedding import Embedder
+    from moe_cohort.encoder.embedding import Embedder
 
     assert Embedder(tmp_path / "h").dim == 32  # the base encoder is saved beside its head: --encoder h finds both
     code, out = run(capsys, "--traces", path, "--base", tiny_model_dir, "--output", tmp_path / "n", "--max-pairs", "64",

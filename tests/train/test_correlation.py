@@ -4,8 +4,8 @@ import numpy as np
 from scipy.stats import spearmanr
 
 from tests.conftest import random_traces
-from train.correlation import cosine_spearman
-from train.targets import pair_targets, profiles
+from moe_cohort.train.correlation import cosine_spearman
+from moe_cohort.train.targets import pair_targets, profiles
 
 
 def test_cosine_spearman_matches_a_loop_over_pairs():

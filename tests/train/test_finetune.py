@@ -5,8 +5,8 @@ import json
 import numpy as np
 import pytest
 
-from traces.synthetic import synthetic_traces
-from train.finetune import PAIRS_FILE, REPORT_FILE, TrainConfig, TrainDataError, check_traces, train_encoder
+from moe_cohort.traces.synthetic import synthetic_traces
+from moe_cohort.train.finetune import PAIRS_FILE, REPORT_FILE, TrainConfig, TrainDataError, check_traces, train_encoder
 
 CONFIG = TrainConfig(epochs=2, max_pairs=192, batch_size=32, learning_rate=3e-3, holdout=0.25, save_steps=1000, seed=0)
 
@@ -43,7 +43,7 @@ def test_the_saved_folder_reloads_and_embeds_identically(trained, tiny_model_dir
 
 
 def test_the_planners_embedder_loads_the_saved_folder(trained):
-    from encoder.embedding import Embedder
+    from moe_cohort.encoder.embedding import Embedder
 
     ts, out, _ = trained
     texts = ts.texts[:10].tolist()

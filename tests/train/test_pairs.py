@@ -4,11 +4,11 @@ import numpy as np
 import pytest
 
 from tests.conftest import random_traces
-from traces.synthetic import synthetic_traces
-from train.finetune import TrainConfig, build_pairs
-from traces.split import split_requests
-from train.pairs import HARD, NEAR, RANDOM, hard_negative_pairs, near_pairs, random_pairs, sample_pairs
-from train.targets import pair_targets, profiles, target_matrix
+from moe_cohort.traces.synthetic import synthetic_traces
+from moe_cohort.train.finetune import TrainConfig, build_pairs
+from moe_cohort.traces.split import split_requests
+from moe_cohort.train.pairs import HARD, NEAR, RANDOM, hard_negative_pairs, near_pairs, random_pairs, sample_pairs
+from moe_cohort.train.targets import pair_targets, profiles, target_matrix
 
 
 def test_pairs_are_built_from_training_requests_only():

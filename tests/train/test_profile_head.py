@@ -2,11 +2,11 @@
 
 import numpy as np
 
-from encoder.profile import load_profile_head
-from traces.split import split_requests
-from traces.synthetic import synthetic_traces
-from train.profile_head import _loo_error, fit_profile_head, train_profile_head
-from train.targets import profiles
+from moe_cohort.encoder.profile import load_profile_head
+from moe_cohort.traces.split import split_requests
+from moe_cohort.traces.synthetic import synthetic_traces
+from moe_cohort.train.profile_head import _loo_error, fit_profile_head, train_profile_head
+from moe_cohort.train.targets import profiles
 
 
 def _ridge(x, y, alpha):

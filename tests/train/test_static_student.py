@@ -3,10 +3,10 @@
 import numpy as np
 import pytest
 
-from cohort.cli import main
-from traces.format import save_traces
-from traces.synthetic import synthetic_traces
-from train.static_student import StudentConfig, fit_student, with_windows
+from moe_cohort.cli import main
+from moe_cohort.traces.format import save_traces
+from moe_cohort.traces.synthetic import synthetic_traces
+from moe_cohort.train.static_student import StudentConfig, fit_student, with_windows
 
 
 def _spans(text):
@@ -59,8 +59,8 @@ def _validation(parents, share=0.1, seed=0):
 
 
 def test_cohort_train_student_saves_a_static_folder_with_its_head(tmp_path, capsys, tiny_model_dir):
-    from encoder.embedding import Embedder
-    from encoder.profile import load_profile_head
+    from moe_cohort.encoder.embedding import Embedder
+    from moe_cohort.encoder.profile import load_profile_head
 
     ts = synthetic_traces(60, seed=1)
     path = save_traces(tmp_path / "t.npz", ts)

@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 
 from tests.conftest import random_traces
-from traces.loads import batch_loads, expert_masks
-from traces.format import TraceSet
-from train.targets import TARGETS, counted_tokens, pair_targets, profiles, target_block, target_matrix
+from moe_cohort.traces.loads import batch_loads, expert_masks
+from moe_cohort.traces.format import TraceSet
+from moe_cohort.train.targets import TARGETS, counted_tokens, pair_targets, profiles, target_block, target_matrix
 
 
 def brute_profile(ts, i, tokens):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from backend.policy import OEA, LynxAcc, LynxLat, MoESpec, Policy, XShare, XShareEP, XShareSpec
+from moe_cohort.backend.policy import OEA, LynxAcc, LynxLat, MoESpec, Policy, XShare, XShareEP, XShareSpec
 
 
 def ranking(row: list[float]) -> list[int]:
@@ -205,7 +205,7 @@ def assert_matches_reference(logits: torch.Tensor, top_k: int, policy: Policy, *
                              scoring: str = "softmax", renormalize: bool = True,
                              **context) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the registered selector and compare it with the brute-force reference."""
-    from backend.selection import SELECTORS, gate_scores
+    from moe_cohort.backend.selection import SELECTORS, gate_scores
 
     static = context.pop("static", None)  # reference counts for moe-spec;rank=static
     weights, ids = SELECTORS[policy.name](logits, top_k, policy, scoring=scoring,

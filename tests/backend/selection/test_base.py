@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from backend.selection import SELECTORS, gate_scores, select_experts
-from backend.selection.base import compact, request_ids, route_within
-from backend.selection.sets import fill_to_budget, lex_rank
+from moe_cohort.backend.selection import SELECTORS, gate_scores, select_experts
+from moe_cohort.backend.selection.base import compact, request_ids, route_within
+from moe_cohort.backend.selection.sets import fill_to_budget, lex_rank
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -77,5 +77,5 @@ def test_lex_rank_orders_candidates_by_keys_then_index_within_groups():
 
 
 def test_registry_covers_every_policy_name():
-    from backend.policy import POLICY_NAMES
+    from moe_cohort.backend.policy import POLICY_NAMES
     assert set(SELECTORS) == set(POLICY_NAMES)

@@ -13,10 +13,10 @@ import os
 import pytest
 import torch
 
-from backend.policy import parse_policy
-from backend.selection import SELECTORS, select_experts, select_experts_mixed
-from backend.selection.base import context_for
-from backend.selection.moe_spec import moe_spec_route
+from moe_cohort.backend.policy import parse_policy
+from moe_cohort.backend.selection import SELECTORS, select_experts, select_experts_mixed
+from moe_cohort.backend.selection.base import context_for
+from moe_cohort.backend.selection.moe_spec import moe_spec_route
 
 POLICIES = [
     "topk", "xshare;m=6;k0=1", "xshare;tau=0.5;k0=0", "xshare-spec;m=8;mr=4;k0=1",

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from backend.policy import PolicyError, parse_policy
-from backend.selection import select_experts, select_experts_mixed
+from moe_cohort.backend.policy import PolicyError, parse_policy
+from moe_cohort.backend.selection import select_experts, select_experts_mixed
 
 
 def _logits(tokens=20, experts=32, seed=0):
@@ -90,8 +90,8 @@ def test_mixed_prefill_and_errors():
 
 
 def test_selectors_reject_misspelt_keywords():
-    from backend.selection import SELECTORS
-    from backend.selection.base import context_for
+    from moe_cohort.backend.selection import SELECTORS
+    from moe_cohort.backend.selection.base import context_for
 
     logits, policy = _logits(), parse_policy("xshare;m=6")
     with pytest.raises(TypeError):

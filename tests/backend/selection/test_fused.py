@@ -11,10 +11,10 @@ import importlib.util
 import pytest
 import torch
 
-from backend.policy import parse_policy
-from backend.selection import gate_scores
-from backend.selection.table import build_tables
-from backend.selection.table_torch import route_tables
+from moe_cohort.backend.policy import parse_policy
+from moe_cohort.backend.selection import gate_scores
+from moe_cohort.backend.selection.table import build_tables
+from moe_cohort.backend.selection.table_torch import route_tables
 from tests.backend.selection.reference import REFERENCES, expected_outputs, random_batches
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -22,7 +22,7 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
 def _fused(*args, **kwargs):
-    from backend.selection.fused import route_fused
+    from moe_cohort.backend.selection.fused import route_fused
 
     return route_fused(*args, **kwargs)
 
@@ -137,7 +137,7 @@ def test_model_sized_batches_match_torch_twin(num_tokens, num_experts):
 
 @pytest.mark.skipif(not HAS_TRITON, reason="no triton")
 def test_select_fused_takes_groups_as_a_list_or_a_tensor():
-    from backend.selection.fused import select_fused
+    from moe_cohort.backend.selection.fused import select_fused
 
     logits = torch.randn(10, 16, generator=torch.Generator().manual_seed(6)).to(DEVICE)
     policy, groups = parse_policy("xshare-ep;mg=1;k0=0"), [e // 4 for e in range(16)]

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from backend.policy import PolicyError, parse_policy
-from backend.selection import gate_scores, select_experts
+from moe_cohort.backend.policy import PolicyError, parse_policy
+from moe_cohort.backend.selection import gate_scores, select_experts
 
 POLICIES = [
     "topk", "xshare;m=8;k0=1", "xshare;m=2;k0=0", "xshare;tau=2.0;k0=0",

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from backend.policy import parse_policy
-from backend.selection import select_experts
+from moe_cohort.backend.policy import parse_policy
+from moe_cohort.backend.selection import select_experts
 from tests.backend.selection.reference import assert_matches_reference, random_batches
 
 LYNX = ["lynx-lat;drop=0", "lynx-lat;drop=1", "lynx-lat;drop=3", "lynx-lat;drop=100",

@@ -5,8 +5,8 @@ import json
 import pytest
 import torch
 
-from backend.policy import parse_policy
-from backend.selection import select_experts
+from moe_cohort.backend.policy import parse_policy
+from moe_cohort.backend.selection import select_experts
 from tests.backend.selection.reference import assert_matches_reference, random_batches
 
 ROUTER = ["moe-spec;budget=1", "moe-spec;budget=3", "moe-spec;budget=64",

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from backend.policy import PolicyError, parse_policy
-from backend.selection import select_experts
+from moe_cohort.backend.policy import PolicyError, parse_policy
+from moe_cohort.backend.selection import select_experts
 from tests.backend.selection.reference import assert_matches_reference, random_batches
 
 OEA = ["oea;k0=1", "oea;k0=2", "oea;k0=4", "oea;k0=0;p=0.5", "oea;k0=1;p=0.7",

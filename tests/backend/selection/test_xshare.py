@@ -5,8 +5,8 @@ import zlib
 import pytest
 import torch
 
-from backend.policy import PolicyError, parse_policy
-from backend.selection import select_experts
+from moe_cohort.backend.policy import PolicyError, parse_policy
+from moe_cohort.backend.selection import select_experts
 from tests.backend.selection.reference import assert_matches_reference, random_batches
 
 XSHARE = [

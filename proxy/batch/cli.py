@@ -16,7 +16,7 @@ import asyncio
 import sys
 from pathlib import Path
 
-from proxy.settings import Settings, SettingsError, add_setting_flags, flag_overrides, load_settings
+from moe_cohort.proxy.settings import Settings, SettingsError, add_setting_flags, flag_overrides, load_settings
 
 # flag -> Settings field (defaults live in Settings and COHORT_* variables)
 _FLAGS = {
@@ -45,7 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run_parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     run_parser.add_argument("--engine", choices=("local", "ray"), default="local",
                             help="local: this process sends; ray: Ray Data sends, to every --backend "
-                                 "(comma-separated replicas), see proxy/batch_ray.py")
+                                 "(comma-separated replicas), see proxy/batch/ray.py")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -58,12 +58,12 @@ def run(args: argparse.Namespace) -> int:
         return _fail(str(exc))
     if not settings.backend_url and not args.dry_run:
         return _fail("no backend: pass --backend URL (a vLLM server) or set COHORT_BACKEND_URL")
-    from proxy.profiles import encoder_problem
+    from moe_cohort.proxy.profiles import encoder_problem
 
     problem = encoder_problem(settings) or (_ray_problem() if args.engine == "ray" else _one_backend(settings))
     if problem:
         return _fail(problem)
-    from proxy.batchfile import read_batch_file
+    from moe_cohort.proxy.batch.format import read_batch_file
 
     try:
         batch = read_batch_file(args.input, default_policy=settings.default_policy, max_line_bytes=settings.max_body_bytes)
@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if not batch.requests and not batch.errors:
         return _fail(f"{args.input} has no requests")
-    from proxy.profiles import make_predictor
+    from moe_cohort.proxy.profiles import make_predictor
 
     predictor = make_predictor(settings)
     if args.dry_run:
@@ -83,8 +83,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _dry_run(args, settings: Settings, batch, predictor) -> int:
-    from proxy.batch_order import make_order, simulated_order
-    from proxy.batch_run import write_plan
+    from moe_cohort.proxy.batch.order import make_order, simulated_order
+    from moe_cohort.proxy.batch.run import write_plan
 
     concurrency = settings.batch_in_flight
     order = simulated_order(batch.requests, make_order(batch.requests, predictor), concurrency)
@@ -99,8 +99,8 @@ def _dry_run(args, settings: Settings, batch, predictor) -> int:
 
 
 def _execute(args, settings: Settings, batch, predictor) -> int:
-    from proxy.batch_run import RunAborted
-    from proxy.journal import Journal, JournalError, JournalPaths
+    from moe_cohort.proxy.batch.run import RunAborted
+    from moe_cohort.proxy.batch.journal import Journal, JournalError, JournalPaths
 
     paths = JournalPaths.for_output(args.output, args.errors)
     try:
@@ -121,9 +121,9 @@ def _execute(args, settings: Settings, batch, predictor) -> int:
 
 
 async def _run(settings: Settings, batch, journal, predictor, *, progress: bool, skip_invalid: bool):
-    from proxy.backend import BackendClient
-    from proxy.batch_core import RunConfig
-    from proxy.batch_run import run_batch
+    from moe_cohort.proxy.backend import BackendClient
+    from moe_cohort.proxy.batch.core import RunConfig
+    from moe_cohort.proxy.batch.run import run_batch
 
     backend = BackendClient.from_settings(settings)
     finished = sum(1 for r in batch.requests if r.line in journal.done)
@@ -136,7 +136,7 @@ async def _run(settings: Settings, batch, journal, predictor, *, progress: bool,
 
 
 def _run_ray(settings: Settings, batch, journal, predictor, *, progress: bool, skip_invalid: bool):
-    from proxy.batch_ray import run_batch_ray
+    from moe_cohort.proxy.batch.ray import run_batch_ray
 
     finished = sum(1 for r in batch.requests if r.line in journal.done)
     with _ProgressBar(len(batch.requests), finished, enabled=progress) as bar:
@@ -151,7 +151,7 @@ def _one_backend(settings: Settings) -> str | None:
 
 
 def _ray_problem() -> str | None:
-    from proxy.batch_ray import ray_problem
+    from moe_cohort.proxy.batch.ray import ray_problem
 
     return ray_problem()
 

@@ -1,17 +1,17 @@
 """A Batch API batch's files: its input (read, validated, pinned by hash), and its journal and results
 in `<data_dir>/batches/<batch id>/` (output.jsonl, errors.jsonl, output.jsonl.journal), registered as
-batch_output files when the batch closes. The jobs (proxy/batch_jobs.py) decide when; this says how.
+batch_output files when the batch closes. The jobs (proxy/batch/jobs.py) decide when; this says how.
 """
 
 from __future__ import annotations
 
 import asyncio
 
-from proxy.batch_job import Job
-from proxy.batch_store import BatchStore
-from proxy.batchfile import URLS, BatchFile, read_batch_file
-from proxy.journal import Journal, JournalPaths
-from proxy.settings import Settings
+from moe_cohort.proxy.batch.job import Job
+from moe_cohort.proxy.batch.store import BatchStore
+from moe_cohort.proxy.batch.format import URLS, BatchFile, read_batch_file
+from moe_cohort.proxy.batch.journal import Journal, JournalPaths
+from moe_cohort.proxy.settings import Settings
 
 MAX_ERRORS_KEPT = 100  # validation errors stored on a failed batch
 

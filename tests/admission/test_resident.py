@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from encoder.admission import ResidentEmbedding, ResidentExperts, oldest_overdue
+from moe_cohort.admission.resident import ResidentEmbedding, ResidentExperts, oldest_overdue
 
 
 def _profiles(n, layers=3, experts=8, seed=0):

@@ -10,9 +10,9 @@ import sys
 import pytest
 from aiohttp import web
 
-from cohort.cli import main
+from moe_cohort.cli import main
 from tests.proxy.servers import answer, body_of, drop, local_backend
-from tests.proxy.test_batch_cli import request_line, results, write
+from tests.proxy.batch.test_cli import request_line, results, write
 
 ray = pytest.importorskip("ray")
 
@@ -156,8 +156,8 @@ def test_a_dead_replica_stops_the_run_and_the_blocks_out_elsewhere_are_kept(loca
 def test_a_block_is_skipped_once_the_run_stopped_and_a_stopping_block_raises_the_flag(local_ray):
     from ray.util.queue import Queue
 
-    from proxy.batch_core import RunConfig
-    from proxy.batch_ray import _SendBlock, read_block
+    from moe_cohort.proxy.batch.core import RunConfig
+    from moe_cohort.proxy.batch.ray import _SendBlock, read_block
 
     block = {"line": [3], "custom_id": ["c3"], "url": ["/v1/chat/completions"], "policy": [""],
              "body": [json.dumps(json.loads(request_line("c3", "m3"))["body"])]}

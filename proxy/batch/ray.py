@@ -5,7 +5,7 @@
 
 Who does what:
 - the driver (this process) validates the file, opens the journal and computes the sending order as
-  the local runner's `--dry-run` plan does (proxy/batch_order.py: admission by predicted experts,
+  the local runner's `--dry-run` plan does (proxy/batch/order.py: admission by predicted experts,
   `concurrency` at a time; file order with --encoder none), leaving out lines an earlier run finished;
 - Ray Data holds the ordered requests as a Dataset cut into contiguous blocks of `block_rows` rows
   (a run of the plan, so alike requests travel together) and maps every block with `_SendBlock`, a
@@ -13,7 +13,7 @@ Who does what:
   of replica indexes, so no replica has two blocks at once) and sends the block's requests in order,
   `concurrency` at a time, with the local runner's own code (`run_batch` over the block: the same
   retries and the same output lines); finished blocks stream back as they end, in any order;
-- the driver is the journal's one writer (proxy/journal.py), so resume is the local runner's: a line
+- the driver is the journal's one writer (proxy/batch/journal.py), so resume is the local runner's: a line
   is finished when its journal entry is on disk; a block that was out when a run stopped is sent
   again by the next run and its lines appear once in the results.
 - a replica that stays unreachable stops the run: its actor raises a stop flag (a second Queue), every
@@ -35,11 +35,11 @@ import logging
 import os
 from typing import Callable, Sequence
 
-from proxy.batch_core import BatchCore, RunConfig, RunStats, invalid_records
-from proxy.batch_run import RunAborted
-from proxy.batchfile import BatchFile, BatchRequest
-from proxy.journal import Journal, JournalError, Record
-from proxy.settings import Settings
+from moe_cohort.proxy.batch.core import BatchCore, RunConfig, RunStats, invalid_records
+from moe_cohort.proxy.batch.run import RunAborted
+from moe_cohort.proxy.batch.format import BatchFile, BatchRequest
+from moe_cohort.proxy.batch.journal import Journal, JournalError, Record
+from moe_cohort.proxy.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -66,13 +66,13 @@ def ray_problem() -> str | None:
 
 def run_batch_ray(settings: Settings, batch: BatchFile, journal: Journal, predictor, *, skip_invalid: bool = True,
                   on_progress: Callable[[RunStats], None] | None = None, block_rows: int | None = None) -> RunStats:
-    """Finish every line of `batch` that `journal` has not, as `proxy.batch_run.run_batch` does (invalid
+    """Finish every line of `batch` that `journal` has not, as `proxy.batch.run.run_batch` does (invalid
     ones into the error file with `skip_invalid`), the valid ones sent by Ray Data. Raises RunAborted
     when a replica stays unreachable (what finished is committed)."""
     import ray
     import ray.data
 
-    from proxy.batch_order import make_order, simulated_order
+    from moe_cohort.proxy.batch.order import make_order, simulated_order
 
     if skip_invalid:
         journal.commit(invalid_records(batch, journal.done))
@@ -173,8 +173,8 @@ class _SendBlock:
 
     async def _send(self, url: str, requests: list[BatchRequest]) -> tuple[list[Record], str | None]:
         """The block through the local runner (file order: the block is already in admission order)."""
-        from proxy.backend import BackendClient
-        from proxy.batch_run import run_batch
+        from moe_cohort.proxy.backend import BackendClient
+        from moe_cohort.proxy.batch.run import run_batch
 
         kept = _Collected()
         backend = BackendClient(url, **self.timeouts)
@@ -212,8 +212,8 @@ def _connect(ray) -> bool:
 
 def _expert_loads(urls: list[str]):
     """The replicas' summed expert-load counters (proxy/expert_loads.py); None if one has none."""
-    from proxy.backend import BackendClient
-    from proxy.expert_loads import ExpertLoads, fetch_expert_loads
+    from moe_cohort.proxy.backend import BackendClient
+    from moe_cohort.proxy.expert_loads import ExpertLoads, fetch_expert_loads
 
     async def read():
         clients = [BackendClient(u, timeout_s=10) for u in urls]

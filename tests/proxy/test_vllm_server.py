@@ -1,4 +1,4 @@
-"""devtools.server: a vLLM server that cannot start is reported with its log, and nothing is left
+"""moe_cohort.proxy.vllm_server: a vLLM server that cannot start is reported with its log, and nothing is left
 running; the CPUs of vLLM's CPU worker, and moving a process off them."""
 
 import importlib.util
@@ -7,7 +7,7 @@ import os
 import psutil
 import pytest
 
-from devtools.server import ServerError, _cpu_list, free_port, start, stay_off_worker_cpus
+from moe_cohort.proxy.vllm_server import ServerError, _cpu_list, free_port, start, stay_off_worker_cpus
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
 

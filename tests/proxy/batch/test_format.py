@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from proxy.batchfile import read_batch_file, result_line
-from proxy.journal import Journal, JournalError, JournalPaths, Record
+from moe_cohort.proxy.batch.format import read_batch_file, result_line
+from moe_cohort.proxy.batch.journal import Journal, JournalError, JournalPaths, Record
 
 
 def line(cid, content="hi", url="/v1/chat/completions", **extra):
@@ -169,7 +169,7 @@ def test_failed_commit_rolls_back(tmp_path, monkeypatch):
 
 
 def test_result_line_schema_and_backend_error_message():
-    from proxy.batchfile import BatchRequest
+    from moe_cohort.proxy.batch.format import BatchRequest
 
     req = BatchRequest(1, "x", "/v1/completions", {}, "topk", "")
     ok = result_line(req, "req_1", 200, {"id": "cmpl", "choices": []})

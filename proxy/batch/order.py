@@ -2,7 +2,7 @@
 
 A batch run keeps `concurrency` requests (the backend's max_num_seqs) at the backend; whenever one
 finishes, the next is chosen from everything still waiting. `ExpertOrder` chooses as the proxy's
-online admission does (`encoder.waiting.WaitingPool`): the waiting request expected to add the
+online admission does (`admission.waiting.WaitingPool`): the waiting request expected to add the
 fewest experts per step to the requests out now (predicted profiles, or nearest embedding
 without a profile head), among the first `window` waiting ones in file order, so the choice
 stays cheap, and the pool's memory bounded, on files of any size. An order is pure (no I/O, no asyncio): `BatchCore` calls `pick`
@@ -16,9 +16,9 @@ from typing import Callable, Protocol, Sequence
 
 import numpy as np
 
-from encoder.waiting import WaitingPool
-from proxy.batchfile import BatchRequest
-from proxy.profiles import Predictor
+from moe_cohort.admission.waiting import WaitingPool
+from moe_cohort.proxy.batch.format import BatchRequest
+from moe_cohort.proxy.profiles import Predictor
 
 DEFAULT_WINDOW = 1024
 

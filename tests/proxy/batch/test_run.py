@@ -10,16 +10,16 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from encoder.admission import ResidentExperts
-from encoder.plans import read_plan_file
-from proxy.admission import AdmissionGate
-from proxy.backend import BackendClient
-from proxy.batch_core import RunConfig
-from proxy.batch_run import RunAborted, run_batch, write_plan
-from proxy.batchfile import read_batch_file
-from proxy.journal import Journal, JournalPaths
-from proxy.metrics import ProxyMetrics
-from proxy.profiles import Predictor
+from moe_cohort.admission.resident import ResidentExperts
+from moe_cohort.encoder.plans import read_plan_file
+from moe_cohort.proxy.admission import AdmissionGate
+from moe_cohort.proxy.backend import BackendClient
+from moe_cohort.proxy.batch.core import RunConfig
+from moe_cohort.proxy.batch.run import RunAborted, run_batch, write_plan
+from moe_cohort.proxy.batch.format import read_batch_file
+from moe_cohort.proxy.batch.journal import Journal, JournalPaths
+from moe_cohort.proxy.metrics import ProxyMetrics
+from moe_cohort.proxy.profiles import Predictor
 from tests.proxy.servers import answer, body_of, drop, local_backend
 
 OK = {"id": "cmpl", "object": "text_completion", "choices": [{"index": 0, "text": "ok"}],

@@ -6,7 +6,7 @@ In order:
    waiting request it goes, and no request that arrived after it is chosen before it;
 3. with nobody resident (who has a profile), the oldest: there is nothing to fit yet;
 4. else, among the requests that arrived before the first profile-less one, the one the resident
-   set picks: with predicted profiles (`encoder.admission.ResidentExperts`) the fewest expected
+   set picks: with predicted profiles (`admission.resident.ResidentExperts`) the fewest expected
    new experts per step; with embeddings only (`ResidentEmbedding`) the nearest to the resident
    set. Ties go to the earliest arrival.
 
@@ -25,7 +25,7 @@ from functools import cache
 import numpy as np
 from threadpoolctl import ThreadpoolController
 
-from encoder.admission import ResidentEmbedding, ResidentExperts
+from moe_cohort.admission.resident import ResidentEmbedding, ResidentExperts
 
 Resident = ResidentExperts | ResidentEmbedding
 _LAST = np.iinfo(np.int64).max

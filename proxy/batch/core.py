@@ -1,8 +1,8 @@
 """The decisions of a batch run, without I/O: what to send next, what to make of an answer, when to stop.
 
 Shaped like nano-vllm's scheduler. `BatchCore` holds the waiting requests in file order, asks its
-`Order` (proxy/batch_order.py: file order, or admission by predicted experts) which one goes next,
-and answers the driver (proxy/batch_run.py), which does the sending, the sleeping and the writing:
+`Order` (proxy/batch/order.py: file order, or admission by predicted experts) which one goes next,
+and answers the driver (proxy/batch/run.py), which does the sending, the sleeping and the writing:
 
     schedule(now)          Send(request, request_id) while fewer than `concurrency` requests are out;
                            None when all slots are taken; Stop.DONE when every request was handed
@@ -28,11 +28,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from proxy.batch_order import FileOrder, Order
-from proxy.batchfile import BatchFile, BatchRequest, failure_line, new_id, result_line
-from proxy.expert_loads import ExpertLoads
-from proxy.journal import Record
-from proxy.settings import Settings
+from moe_cohort.proxy.batch.order import FileOrder, Order
+from moe_cohort.proxy.batch.format import BatchFile, BatchRequest, failure_line, new_id, result_line
+from moe_cohort.proxy.expert_loads import ExpertLoads
+from moe_cohort.proxy.batch.journal import Record
+from moe_cohort.proxy.settings import Settings
 
 EXPIRED_MESSAGE = "This request could not be executed before the completion window expired."
 

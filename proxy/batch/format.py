@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO, Iterator, Mapping
 
-from encoder.inputs import InputError, load_record
-from proxy.errors import ProxyError
-from proxy.protocol import Route, prepare_body
+from moe_cohort.encoder.inputs import InputError, load_record
+from moe_cohort.proxy.errors import ProxyError
+from moe_cohort.proxy.protocol import Route, prepare_body
 
 URLS: dict[str, Route] = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
 
@@ -61,7 +61,7 @@ class BatchFile:
 
     @property
     def journal_meta(self) -> dict:
-        """What a journal of this file pins (proxy/journal.py): a journal only resumes the file it started with."""
+        """What a journal of this file pins (proxy/batch/journal.py): a journal only resumes the file it started with."""
         return {"input_sha256": self.sha256, "input_bytes": self.size}
 
 

@@ -5,8 +5,8 @@
     cancelling  -> cancelled | failed
     finalizing  -> completed | expired | failed
 
-`Job.move` is the only way a status changes; proxy/batch_jobs.py persists each move with a
-compare-and-set (proxy/batch_store.py), so the record in memory and the row in SQLite go together
+`Job.move` is the only way a status changes; proxy/batch/jobs.py persists each move with a
+compare-and-set (proxy/batch/store.py), so the record in memory and the row in SQLite go together
 and the state machine is walked here, never by re-reading the database. One Job exists per running
 batch; it holds the batch's one journal from its first use to the end of the job.
 """
@@ -16,8 +16,8 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-from proxy.batchfile import BatchFile
-from proxy.journal import Journal
+from moe_cohort.proxy.batch.format import BatchFile
+from moe_cohort.proxy.batch.journal import Journal
 
 TRANSITIONS: dict[str, frozenset[str]] = {
     "validating": frozenset({"in_progress", "failed", "cancelling"}),

@@ -3,7 +3,7 @@
     <data_dir>/cohort.sqlite3              tables `files` and `batches` (schema below)
     <data_dir>/files/<file id>             uploaded files, as uploaded
     <data_dir>/batches/<batch id>/         a batch's run: output.jsonl, errors.jsonl, output.jsonl.journal
-                                           (proxy/journal.py); output and error files are registered in
+                                           (proxy/batch/journal.py); output and error files are registered in
                                            `files` with purpose batch_output and served from here
 
 A batch record holds the OpenAI Batch object's fields; `to_batch`/`to_file` render the objects the

@@ -1,6 +1,6 @@
 """The Batch API's jobs: validate, wait for the turn, run, finalize; resumed after a restart.
 
-Life of a batch (the OpenAI Batch statuses; the table of changes is proxy/batch_job.py's):
+Life of a batch (the OpenAI Batch statuses; the table of changes is proxy/batch/job.py's):
 
     validating ─┬─> failed                          a bad line fails the batch: errors name the lines
                 └─> in_progress ──> finalizing ──> completed
@@ -10,7 +10,7 @@ Life of a batch (the OpenAI Batch statuses; the table of changes is proxy/batch_
 
 Every batch is one asyncio task over one `Job`. Batches run one at a time (`_turn`), because two
 files dispatched together would mix their planned batches at the backend. Running is
-`proxy.batch_run.run_batch` with a journal in the batch's folder, the same code as `cohort batch
+`proxy.batch.run.run_batch` with a journal in the batch's folder, the same code as `cohort batch
 run`: a restarted proxy starts a job again for every batch still validating, in_progress,
 finalizing or cancelling, and the journal skips what was finished. While the backend is unreachable
 a batch stays in_progress and retries with backoff. With `gate` (the proxy's dispatcher) a batch's
@@ -30,15 +30,15 @@ import logging
 import time
 from typing import Callable
 
-from proxy.batch_core import RunConfig, RunStats, expired_records
-from proxy.batch_folder import BatchFolder, validation_errors
-from proxy.batch_job import CANCELLABLE, Job
-from proxy.batch_run import RunAborted, Stopped, raise_when_set, run_batch
-from proxy.batch_store import BatchStore
-from proxy.batchfile import BatchFile, new_id
-from proxy.errors import InvalidRequest, NotFound
-from proxy.journal import Journal
-from proxy.settings import Settings
+from moe_cohort.proxy.batch.core import RunConfig, RunStats, expired_records
+from moe_cohort.proxy.batch.folder import BatchFolder, validation_errors
+from moe_cohort.proxy.batch.job import CANCELLABLE, Job
+from moe_cohort.proxy.batch.run import RunAborted, Stopped, raise_when_set, run_batch
+from moe_cohort.proxy.batch.store import BatchStore
+from moe_cohort.proxy.batch.format import BatchFile, new_id
+from moe_cohort.proxy.errors import InvalidRequest, NotFound
+from moe_cohort.proxy.batch.journal import Journal
+from moe_cohort.proxy.settings import Settings
 
 log = logging.getLogger(__name__)
 

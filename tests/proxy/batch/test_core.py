@@ -6,9 +6,9 @@ import random
 
 import pytest
 
-from proxy.batch_core import (Abort, Answered, BatchCore, Finish, Retry, RunConfig, RunStats, Send, Stop, TimedOut,
+from moe_cohort.proxy.batch.core import (Abort, Answered, BatchCore, Finish, Retry, RunConfig, RunStats, Send, Stop, TimedOut,
                               Unreachable, expired_records, invalid_records)
-from proxy.batchfile import read_batch_file
+from moe_cohort.proxy.batch.format import read_batch_file
 
 OK = {"object": "text_completion", "usage": {"prompt_tokens": 3, "completion_tokens": 2}}
 CONFIG = RunConfig(concurrency=2, max_retries=2, backoff_s=1.0, max_backoff_s=1.5)
@@ -139,7 +139,7 @@ def test_invalid_and_expired_lines_become_error_records_once(tmp_path):
 @pytest.mark.parametrize("key, field, value", [("concurrency", "batch_concurrency", 7), ("api_key", "backend_api_key", "k"),
                                               ("concurrency", "max_in_flight", 9)])
 def test_run_config_comes_from_the_settings(key, field, value):
-    from proxy.settings import Settings
+    from moe_cohort.proxy.settings import Settings
 
     settings = Settings(**{field: value})
     assert getattr(RunConfig.from_settings(settings), key) == value
@@ -150,7 +150,7 @@ def test_the_core_loads_no_event_loop_and_no_http_client():
     import subprocess
     import sys
 
-    code = ("import sys, proxy.batch_core; print(sorted({m.split('.')[0] for m in sys.modules} & "
+    code = ("import sys, proxy.batch.core; print(sorted({m.split('.')[0] for m in sys.modules} & "
             "{'asyncio', 'aiohttp', 'httpx', 'fastapi', 'starlette', 'uvicorn'}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

@@ -5,14 +5,14 @@ Batch API's jobs and benchmarks/bench_batch.py.
 2. invalid lines (when skipped) go to the error file first, once;
 3. the remaining requests are sent with at most `concurrency` (the backend's max_num_seqs) at the
    backend; a slot that frees goes at once to the waiting request that best fits the requests out
-   now (proxy/batch_order.py: admission by the predictor's expert profiles, predicted once for the
+   now (proxy/batch/order.py: admission by the predictor's expert profiles, predicted once for the
    whole file, or file order without a predictor), so the backend stays full and its resident set
    stays alike. With `gate` (the proxy's online admission, proxy/admission.py) each request also
    takes a background slot, so batch work only uses backend capacity that interactive requests
    leave free, on the replica the gate gives the slot on (`cohort serve` with several --backend);
-4. retries, backoff and what fails a request: proxy/batch_core.py decides; an unreachable backend
+4. retries, backoff and what fails a request: proxy/batch/core.py decides; an unreachable backend
    (after the retries) stops the run with RunAborted, and a rerun resumes;
-5. finished requests are committed to the journal (proxy/journal.py) in groups by one writer.
+5. finished requests are committed to the journal (proxy/batch/journal.py) in groups by one writer.
 
 The decisions are BatchCore's; here is only the I/O, in one asyncio.TaskGroup: a dispatcher that asks
 the core for the next request whenever a slot frees, one task per request out (send; on Retry, sleep
@@ -34,18 +34,18 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from encoder.plans import chunk, write_plan_file
-from proxy.auth import bearer
-from proxy.backend import BackendClient
-from proxy.admission import AdmissionGate
-from proxy.batch_core import (Abort, Answered, BatchCore, Outcome, Retry, RunConfig, RunStats, Send, Stop, TimedOut,
+from moe_cohort.encoder.plans import chunk, write_plan_file
+from moe_cohort.proxy.auth import bearer
+from moe_cohort.proxy.backend import BackendClient
+from moe_cohort.proxy.admission import AdmissionGate
+from moe_cohort.proxy.batch.core import (Abort, Answered, BatchCore, Outcome, Retry, RunConfig, RunStats, Send, Stop, TimedOut,
                               Unreachable, invalid_records)
-from proxy.batch_order import make_order
-from proxy.batchfile import BatchFile, BatchRequest
-from proxy.errors import BackendStatusError, BackendTimeout, BackendUnreachable
-from proxy.expert_loads import ExpertLoads, fetch_expert_loads
-from proxy.journal import Journal, JournalError, Record
-from proxy.profiles import Predictor
+from moe_cohort.proxy.batch.order import make_order
+from moe_cohort.proxy.batch.format import BatchFile, BatchRequest
+from moe_cohort.proxy.errors import BackendStatusError, BackendTimeout, BackendUnreachable
+from moe_cohort.proxy.expert_loads import ExpertLoads, fetch_expert_loads
+from moe_cohort.proxy.batch.journal import Journal, JournalError, Record
+from moe_cohort.proxy.profiles import Predictor
 
 log = logging.getLogger(__name__)
 

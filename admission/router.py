@@ -7,10 +7,10 @@ caller adds waiting requests, asks `admit(now)` which request takes which free s
 releases a request when it finishes. The engine replay (eval.replicas) and a proxy in front of
 several backends drive the same object. Routings:
 
-- "affinity": one shared waiting pool (encoder.waiting.WaitingPool). When replica r has a free
+- "affinity": one shared waiting pool (admission.waiting.WaitingPool). When replica r has a free
   slot it admits, by the pool's one rule, the waiting request that best fits r's own resident set
   (fairness bound first, FCFS for requests without a vector, then the fewest expected new experts
-  per step for r: encoder.admission.ResidentExperts). With `contrast` > 0 the fit is relative,
+  per step for r: admission.resident.ResidentExperts). With `contrast` > 0 the fit is relative,
   a region of profile space per replica that follows the residents: r prefers the request that
   fits r better than it fits the best other replica, score_r(c) - contrast * min_r' score_r'(c)
   (measured at 0.1 to 1.0: no better than plain affinity, within the spread over seeds; off by default).
@@ -38,8 +38,8 @@ from collections.abc import Callable, Hashable, Sequence
 
 import numpy as np
 
-from encoder.admission import ResidentEmbedding, ResidentExperts
-from encoder.waiting import Resident, WaitingPool, resident_size
+from moe_cohort.admission.resident import ResidentEmbedding, ResidentExperts
+from moe_cohort.admission.waiting import Resident, WaitingPool, resident_size
 
 ROUTINGS = ("round-robin", "least-loaded", "affinity")
 ResidentFactory = Callable[[int], Resident]  # vector size -> an empty resident set

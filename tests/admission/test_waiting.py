@@ -1,10 +1,10 @@
-"""encoder.waiting.WaitingPool against a brute-force reading of its rules."""
+"""moe_cohort.admission.waiting.WaitingPool against a brute-force reading of its rules."""
 
 import numpy as np
 import pytest
 
-from encoder.admission import ResidentEmbedding, ResidentExperts
-from encoder.waiting import WaitingPool
+from moe_cohort.admission.resident import ResidentEmbedding, ResidentExperts
+from moe_cohort.admission.waiting import WaitingPool
 
 
 def brute_force(waited, profiles, residents, max_wait):

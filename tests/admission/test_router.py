@@ -1,9 +1,9 @@
-"""encoder.affinity.ReplicaRouter: the three routings against hand-made cases and brute force, and the load bound."""
+"""moe_cohort.admission.router.ReplicaRouter: the three routings against hand-made cases and brute force, and the load bound."""
 
 import numpy as np
 import pytest
 
-from encoder.affinity import ROUTINGS, ReplicaRouter
+from moe_cohort.admission.router import ROUTINGS, ReplicaRouter
 
 A, B = np.array([1.0, 1.0, 0, 0, 0, 0]), np.array([0, 0, 0, 0, 1.0, 1.0])  # two experts each, disjoint
 A2, B2 = np.array([1.0, 0, 1.0, 0, 0, 0]), np.array([0, 0, 0, 1.0, 0, 1.0])  # one new expert next to A / B

@@ -4,10 +4,10 @@ import json
 
 import numpy as np
 
-from encoder.admission import ResidentEmbedding, ResidentExperts
-from proxy.batch_order import ExpertOrder, FileOrder, make_order, simulated_order
-from proxy.batchfile import read_batch_file
-from proxy.profiles import Predictor
+from moe_cohort.admission.resident import ResidentEmbedding, ResidentExperts
+from moe_cohort.proxy.batch.order import ExpertOrder, FileOrder, make_order, simulated_order
+from moe_cohort.proxy.batch.format import read_batch_file
+from moe_cohort.proxy.profiles import Predictor
 
 
 def parsed(tmp_path, prompts):

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from cohort.cli import main
+from moe_cohort.cli import main
 
 
 def request_line(cid, content, max_tokens=4, url="/v1/chat/completions"):
@@ -39,7 +39,7 @@ def test_kill_9_mid_run_then_rerun_finishes_without_loss_or_duplicates(vllm_serv
                                                      url="/v1/completions" if i % 2 else "/v1/chat/completions")
                                         for i in range(n)])
     out = tmp_path / "out.jsonl"
-    cmd = [sys.executable, "-m", "cohort.cli", "batch", "run", "--input", str(src), "--output", str(out),
+    cmd = [sys.executable, "-m", "moe_cohort.cli", "batch", "run", "--input", str(src), "--output", str(out),
            "--backend", vllm_server.url, "--encoder", "none", "--concurrency", "1", "--no-progress"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     journal = tmp_path / "out.jsonl.journal"

@@ -9,10 +9,10 @@ import httpx
 import openai
 import pytest
 
-from devtools.server import free_port
-from proxy.app import create_app
-from proxy.batch_store import BatchStore
-from proxy.settings import Settings
+from moe_cohort.proxy.vllm_server import free_port
+from moe_cohort.proxy.app import create_app
+from moe_cohort.proxy.batch.store import BatchStore
+from moe_cohort.proxy.settings import Settings
 from tests.proxy.servers import ProxyThread
 
 
