@@ -30,12 +30,11 @@ from typing import Any
 import numpy as np
 
 from moe_cohort.admission.resident import ResidentExperts
-from moe_cohort.encoder.profile import COMPACT_TOP, expand
 from moe_cohort.admission.waiting import WaitingPool, resident_size
+from moe_cohort.admission.wire import PROFILE_KEY
+from moe_cohort.encoder.profile import COMPACT_TOP, expand
 
 log = logging.getLogger(__name__)
-
-PROFILE_KEY = "moe_profile"
 
 
 def decode_profile(value: Any, num_experts: int) -> np.ndarray | None:

@@ -20,10 +20,9 @@ from typing import NamedTuple
 
 import numpy as np
 
+from moe_cohort.admission.wire import RECORD_KEY, ROUTING_KEY
 from moe_cohort.backend.policy import Policy, PolicyError, TopK, parse_policy
 
-ROUTING_KEY = "moe_routing"
-RECORD_KEY = "moe_record"
 PREFILL, DECODE, MIXED = "prefill", "decode", "mixed"
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 

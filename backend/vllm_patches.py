@@ -40,7 +40,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moe_cohort.backend.engine_state import RECORD_KEY, ROUTING_KEY, build_step, request_options
+from moe_cohort.admission.wire import RECORD_KEY, ROUTING_KEY
+from moe_cohort.backend.engine_state import build_step, request_options
 from moe_cohort.backend.metrics import ExpertLoadMetrics, setup_serving_process, worker_directory
 from moe_cohort.backend.policy import Policy, PolicyError, TopK
 from moe_cohort.backend.routing_hook import HookConfig, LayerInfo, RoutingHook

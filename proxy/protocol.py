@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Literal, Mapping
 
+from moe_cohort.admission.wire import PROFILE_KEY, ROUTING_KEY
 from moe_cohort.backend.policy import PolicyError, parse_policy
 from moe_cohort.encoder.text import RequestTextError, request_text
 from moe_cohort.proxy.errors import InvalidRequest, PayloadTooLarge
@@ -62,7 +63,7 @@ def with_profile(body: dict, admission) -> dict:
     engine that reorders its own queue, backend/scheduler.py), or unchanged without one."""
     if admission.profile is None:
         return body
-    return {**body, "vllm_xargs": {**(body.get("vllm_xargs") or {}), "moe_profile": admission.profile}}
+    return {**body, "vllm_xargs": {**(body.get("vllm_xargs") or {}), PROFILE_KEY: admission.profile}}
 
 
 def check_size(content_length: str | None, max_bytes: int) -> None:
@@ -102,7 +103,7 @@ def prepare_body(body: dict, route: Route, headers: Mapping[str, str], *, defaul
     _check_fields(body, route)
     policy = _policy(body, headers, default_policy)
     xargs = body.get("vllm_xargs") or {}
-    body["vllm_xargs"] = {**xargs, "moe_routing": policy}
+    body["vllm_xargs"] = {**xargs, ROUTING_KEY: policy}
     return ProxyRequest(route=route, body=body, stream=bool(body.get("stream", False)), policy=policy)
 
 
@@ -147,7 +148,7 @@ def _is_prompt(prompt) -> bool:
 def _policy(body: dict, headers: Mapping[str, str], default_policy: str) -> str:
     """The request's canonical policy: the header, else vllm_xargs.moe_routing, else the server's default;
     an error names where the bad value came from."""
-    sent = (body.get("vllm_xargs") or {}).get("moe_routing")
+    sent = (body.get("vllm_xargs") or {}).get(ROUTING_KEY)
     text, source = ((headers[POLICY_HEADER], "X-MoE-Routing") if headers.get(POLICY_HEADER)
                     else (sent, "vllm_xargs.moe_routing") if sent not in (None, "")
                     else (default_policy, "the server's --default-policy"))

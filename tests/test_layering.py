@@ -188,9 +188,16 @@ def test_planner_modules_stay_pure():
 @pytest.mark.integration
 def test_the_built_wheel_installs_one_top_level_name(tmp_path):
     """A wheel of this checkout puts `moe_cohort` (and its dist-info) in site-packages, no generic name beside it."""
+    import shutil
     import zipfile
 
-    build = [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--wheel-dir", str(tmp_path), str(ROOT)]
+    src = tmp_path / "src"  # pip builds in the source tree (build/, *.egg-info): a copy keeps the checkout clean
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    for package in FLOORS:
+        shutil.copytree(ROOT / package, src / package, ignore=shutil.ignore_patterns("__pycache__"))
+    build = [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--wheel-dir", str(tmp_path), str(src)]
     done = subprocess.run(build, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     (wheel,) = tmp_path.glob("moe_cohort-*.whl")
