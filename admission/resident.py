@@ -13,10 +13,6 @@ an engine-side scheduler:
   u_c . m new experts per step in expectation. `pick` admits the candidate with the fewest.
   The state is the sum over residents of -log(1 - u_r) (additive: admit adds, release
   subtracts), so one pick over a pool of n is one [n, L*E] x [L*E] product.
-  With `lead` > 0 the score is u_c . (m - lead * m_pool): fit now minus how well c would fit a
-  typical resident set (m_pool, that of the pool's mean profile), so a request that fits
-  anything well (concentrated, popular experts) does not jump ahead of one that fits *this* set
-  unusually well and would fit later ones badly.
 - `ResidentEmbedding`: the nearest embedding to the resident set (largest cosine with the sum of
   the residents' unit embeddings), for when only the text encoder is at hand.
 - `oldest_overdue`: the fairness bound; a request that has waited `max_wait` (steps in the
@@ -33,12 +29,10 @@ _CLIP = 1e-3  # u is clipped to [0, 1 - _CLIP]: an always-used expert must not m
 class ResidentExperts:
     """Resident per-layer expert frequencies, with admit/release, and the expected-new-experts rule."""
 
-    def __init__(self, num_layers: int, num_experts: int, *, lead: float = 0.0, pool_mean: np.ndarray | None = None):
+    def __init__(self, num_layers: int, num_experts: int):
         self.shape = (num_layers, num_experts)
         self.log_idle = np.zeros(num_layers * num_experts, dtype=np.float64)  # [L*E] sum_r -log(1 - u_r)
         self.count = 0
-        self.lead = float(lead)
-        self.typical = None if pool_mean is None else self._typical(pool_mean)  # [L*E] or None
 
     def admit(self, profile: np.ndarray) -> None:
         """Add a resident with expert frequencies `profile` [L, E] (or flat [L*E])."""
@@ -59,25 +53,13 @@ class ResidentExperts:
         idle[idle < 1e-30] = 0.0
         return idle
 
-    def expected_new(self, profiles: np.ndarray) -> np.ndarray:  # [n]
+    def scores(self, profiles: np.ndarray) -> np.ndarray:  # [n], lower is better
         """Expected experts per step that each candidate of `profiles` [n, L, E] adds to the resident set."""
         return _flat(profiles) @ self.idle().astype(np.float32)
-
-    def scores(self, profiles: np.ndarray) -> np.ndarray:  # [n], lower is better
-        """The rule's score: expected new experts, minus `lead` times the same against a typical set."""
-        weight = self.idle()
-        if self.lead and self.typical is not None and self.count:
-            weight = weight - self.lead * self.typical[min(self.count, len(self.typical) - 1)]
-        return _flat(profiles) @ weight.astype(np.float32)
 
     def pick(self, profiles: np.ndarray, allowed: np.ndarray | None = None) -> int:
         """Index (into `profiles` [n, L, E]) of the best candidate; `allowed` [n] bool masks the others."""
         return _argbest(self.scores(profiles), allowed, lower=True)
-
-    def _typical(self, pool_mean: np.ndarray, most: int = 256) -> np.ndarray:  # [most, L*E]
-        """Idle probabilities of c residents with the pool's mean profile, for c = 0..most-1."""
-        per = _neg_log_miss(pool_mean)  # [L*E]
-        return np.exp(-np.arange(most)[:, None] * per[None, :])
 
 
 class ResidentEmbedding:

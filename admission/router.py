@@ -10,16 +10,7 @@ several backends drive the same object. Routings:
 - "affinity": one shared waiting pool (admission.waiting.WaitingPool). When replica r has a free
   slot it admits, by the pool's one rule, the waiting request that best fits r's own resident set
   (fairness bound first, FCFS for requests without a vector, then the fewest expected new experts
-  per step for r: admission.resident.ResidentExperts). With `contrast` > 0 the fit is relative,
-  a region of profile space per replica that follows the residents: r prefers the request that
-  fits r better than it fits the best other replica, score_r(c) - contrast * min_r' score_r'(c)
-  (measured at 0.1 to 1.0: no better than plain affinity, within the spread over seeds; off by default).
-  With `slack` set, a request that needs no queue (the pool holds no more requests than there are
-  free slots, so every one of them gets in now) is placed instead: the oldest first, each on the
-  replica where it adds the fewest expected new experts among those with a free slot and at most
-  `slack` more residents than the least loaded of them. Measured (bench_replicas --load): under
-  partial load nearly all of what it saves comes from packing requests together, which the same
-  slack with identical profiles saves too, so it is off by default.
+  per step for r: admission.resident.ResidentExperts).
 - "least-loaded": the same shared pool, first come first served (fairness bound first).
 - "round-robin": bound on arrival: the i-th request goes to the queue of replica i mod R (the
   healthy ones); each replica serves its own queue first come first served.
@@ -38,7 +29,7 @@ from collections.abc import Callable, Hashable, Sequence
 
 import numpy as np
 
-from moe_cohort.admission.resident import ResidentEmbedding, ResidentExperts
+from moe_cohort.admission.resident import ResidentExperts
 from moe_cohort.admission.waiting import Resident, WaitingPool, resident_size
 
 ROUTINGS = ("round-robin", "least-loaded", "affinity")
@@ -49,13 +40,12 @@ class ReplicaRouter:
     """R replicas' free slots, resident sets and health, and the waiting requests; see the module docstring."""
 
     def __init__(self, slots: Sequence[int], routing: str = "affinity", *, max_wait: float | None = None,
-                 resident_factory: ResidentFactory = lambda size: ResidentExperts(1, size), contrast: float = 0.0,
-                 slack: int | None = None):
+                 resident_factory: ResidentFactory = lambda size: ResidentExperts(1, size)):
         if routing not in ROUTINGS:
             raise ValueError(f"routing must be one of {', '.join(ROUTINGS)}, got {routing!r}")
         if len(slots) < 1 or min(slots) < 1:
             raise ValueError(f"every replica needs >= 1 slot, got {list(slots)}")
-        self.routing, self.max_wait, self.contrast, self.slack = routing, max_wait, float(contrast), slack
+        self.routing, self.max_wait = routing, max_wait
         self.capacity = np.asarray(slots, np.int64)  # [R]
         self.busy = np.zeros(len(slots), np.int64)  # [R] admitted, not yet released
         self.healthy = np.ones(len(slots), bool)  # [R] a replica that is down admits nothing
@@ -106,12 +96,8 @@ class ReplicaRouter:
             free = np.where([self._has_candidate(r) for r in range(self.replicas)], self.free(), 0)  # [R]
             if free.max(initial=0) <= 0:
                 return out
-            if self.slack is not None and self.routing == "affinity" and len(self.pool) <= free.sum():
-                key = self.pool.pick(None, now, self.max_wait)  # no queue: everyone gets in, oldest first,
-                r = self._fitting_replica(key, free)  # each to the replica it fits among the least loaded
-            else:
-                r = int(np.argmax(free))  # most free slots first, ties to the lowest index
-                key = self._choose(r, now)
+            r = int(np.argmax(free))  # most free slots first, ties to the lowest index
+            key = self._choose(r, now)
             self._place(key, r)
             out.append((key, r))
 
@@ -119,7 +105,7 @@ class ReplicaRouter:
         """A request that arrives while nobody waits and a slot is free: placed now, on the replica with the
         most free slots, exactly as `add` + `admit` would place it, without the pool's bookkeeping (the
         proxy's common case: a slot free, nothing to reorder). Returns the replica, or None when the
-        request must go through `add` (a queue, round-robin, slack placement). A vector may also come
+        request must go through `add` (a queue, round-robin). A vector may also come
         later (`assign`)."""
         if not self.places_at_once() or key in self.placed:
             return None
@@ -133,7 +119,7 @@ class ReplicaRouter:
     def places_at_once(self) -> bool:
         """Whether a request arriving now is placed at once (`place_at_once`): a shared pool, nobody
         waiting, a free slot on a healthy replica."""
-        return (self.routing != "round-robin" and self.slack is None and not self.waiting()
+        return (self.routing != "round-robin" and not self.waiting()
                 and self.free().max(initial=0) > 0)
 
     def assign(self, key: Hashable, vector: np.ndarray) -> bool:
@@ -195,24 +181,7 @@ class ReplicaRouter:
         if self.routing == "round-robin":
             return self.queues[r].popleft()
         resident = self._resident_for(r) if self.routing == "affinity" else None
-        if resident is not None and self.contrast > 0 and isinstance(resident, ResidentExperts):
-            resident = _Contrast(resident, self._others(r), self.contrast)
         return self.pool.pick(resident, now, self.max_wait)
-
-    def _fitting_replica(self, key: Hashable, free: np.ndarray) -> int:
-        """Among replicas with a free slot and at most `slack` more residents than the least loaded of them,
-        the one where `key` adds the fewest expected new experts (ties: most free, then the lowest index)."""
-        load = np.where(free > 0, self.busy, np.iinfo(np.int64).max)  # [R]
-        allowed = load <= load.min() + self.slack  # [R]
-        row = self.pool.rows[key]
-        fit = np.zeros(self.replicas)  # [R] lower is better
-        if self.pool.profiled[row]:
-            vector = self.pool.matrix[row][None]  # [1, F]
-            for r in np.flatnonzero(allowed):
-                resident = self._resident_for(int(r))
-                score = float(resident.scores(vector)[0])
-                fit[r] = -score if isinstance(resident, ResidentEmbedding) else score
-        return int(np.lexsort((np.arange(self.replicas), -free, np.where(allowed, fit, np.inf)))[0])
 
     def _place(self, key: Hashable, r: int) -> None:
         if self.routing == "round-robin":
@@ -235,23 +204,3 @@ class ReplicaRouter:
         if self._residents[r] is None or resident_size(self._residents[r]) != size:
             self._residents[r] = self._factory(size)
         return self._residents[r]
-
-    def _others(self, r: int) -> list[Resident]:
-        return [res for i, res in enumerate(self._residents)
-                if i != r and self.healthy[i] and res is not None and res.count > 0]
-
-
-class _Contrast(ResidentExperts):
-    """Replica r's resident set as WaitingPool sees it, scored relative to the others (module docstring)."""
-
-    def __init__(self, own: ResidentExperts, others: list[Resident], weight: float):  # a view: no state of its own
-        self.shape = own.shape  # counts every resident: an empty replica seeds itself away from the others
-        self.count = own.count + sum(o.count for o in others)
-        self.own, self.others, self.weight = own, others, weight
-
-    def scores(self, profiles: np.ndarray) -> np.ndarray:  # [n], lower is better
-        s = self.own.scores(profiles)
-        if not self.others:
-            return s
-        elsewhere = np.min([o.scores(profiles) for o in self.others], axis=0)  # [n] best fit on another replica
-        return s - self.weight * elsewhere

@@ -7,7 +7,7 @@ the fine-tuned encoder (`cohort train`, which trains on the training side of the
 and both profile heads see training requests only. The held-out requests are then replayed
 through S slots with lognormal output lengths (mean 64, sigma 1), 5 seeds, for: random,
 arrival, the static plan order (fine-tuned encoder, B = S), every text policy (nearest
-embedding, profile head, profile head with lead) for the base and the fine-tuned encoder, and
+embedding, profile head) for the base and the fine-tuned encoder, and
 the reference that knows the traces. The profile heads: the one saved in FOLDER by `cohort
 train` when present, else fitted here on the training side; the base encoder's is always
 fitted here. Embeddings are cached in --cache (outside the repository).

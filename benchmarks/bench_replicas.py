@@ -14,8 +14,6 @@ arriving at step 0 (saturation), for these routings (admission.router):
                         expected new experts for THAT replica, by the profiles the fine-tuned
                         encoder's profile head predicts from text (`cohort train` saved it beside
                         the encoder; else fitted here on the training side)
-    affinity-regions    the same, relative to the other replicas (contrast --contrast): a region
-                        of profile space per replica that follows its residents
     affinity-reference  affinity by the traces' own profiles (the yardstick of capture)
 
 and, for reference, one engine of R*S slots with the same admission (single-affinity) and the
@@ -26,13 +24,7 @@ a request waited (0 by construction for least-loaded and affinity, which the rep
 --load L > 0 replays the same requests arriving as a Poisson process of L * R * S / 64 requests
 per step instead (L = 1: as many arrivals as the replicas finish, on average), where a queue is
 rare and pool admission has little to choose from (the random row then also moves which request
-arrives when, so read these tables against least-loaded, which the summary line does); two more
-rows show what placing on arrival does:
-
-    affinity-placed     a request that needs no queue goes to the replica it fits best among those
-                        within --slack residents of the least loaded (admission.router's slack)
-    packed              the same slack with one identical profile for every request: the control
-                        that packs requests together without knowing them
+arrives when, so read these tables against least-loaded, which the summary line does).
 """
 
 from __future__ import annotations
@@ -73,10 +65,7 @@ def main() -> None:
           f"{args.seeds} seeds\n")
     routings = {"round-robin": Routing("round-robin"), "least-loaded": Routing("least-loaded"),
                 "affinity": Routing("affinity", predicted),
-                "affinity-regions": Routing("affinity", predicted, contrast=args.contrast),
                 "affinity-reference": Routing("affinity", own)}
-    placing = {"affinity-placed": Routing("affinity", predicted, slack=args.slack),
-               "packed": Routing("affinity", np.tile(predicted.mean(axis=0), (len(held), 1)), slack=args.slack)}
     for load in _floats(args.load):
         print(f"== {'all requests arrive at step 0 (saturation)' if load == 0 else f'Poisson arrivals, load {load:g}'}\n")
         summary = []
@@ -84,8 +73,7 @@ def main() -> None:
             for s in _ints(args.slots):
                 begin = time.perf_counter()
                 arrivals = None if load == 0 else (lambda seed, rate=load * r * s / 64: poisson_arrivals(len(held), rate, seed))
-                rows = routings if load == 0 else {**routings, **placing}
-                result = evaluate_with_single(tokens, r, s, rows, lengths, cost, held.num_layers, seeds=args.seeds,
+                result = evaluate_with_single(tokens, r, s, routings, lengths, cost, held.num_layers, seeds=args.seeds,
                                               arrivals=arrivals)
                 print(format_replica_table(result) + f"\n({time.perf_counter() - begin:.1f} s)\n")
                 summary.append(result)
@@ -102,12 +90,11 @@ def _targets(results: list[dict], load: float) -> None:
         if load > 0:
             vs = lambda name: 1 - rows[name]["loads_per_token"] / rows["least-loaded"]["loads_per_token"]  # noqa: E731
             print(f"{head} loads/token saved vs least-loaded at the same arrivals: " +
-                  ", ".join(f"{n} {vs(n):.2%}" for n in ("affinity", "affinity-placed", "packed", "affinity-reference")))
+                  ", ".join(f"{n} {vs(n):.2%}" for n in ("affinity", "affinity-reference")))
             continue
         aff, single = rows["affinity"], rows[f"single-affinity (1x{total})"]
         print(f"{head} affinity {aff['saving']:.2%} (std {aff['saving_std']:.2%}) vs one engine of {total} slots "
-              f"{single['saving']:.2%} -> more: {aff['saving'] > single['saving']}; regions "
-              f"{rows['affinity-regions']['saving']:.2%}; idle-while-queued steps: affinity {aff['violations']}, "
+              f"{single['saving']:.2%} -> more: {aff['saving'] > single['saving']}; idle-while-queued steps: affinity {aff['violations']}, "
               f"least-loaded {rows['least-loaded']['violations']}, round-robin {rows['round-robin']['violations']}")
 
 
@@ -144,9 +131,7 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--seeds", type=int, default=5)
     p.add_argument("--lengths", default="lognormal")
     p.add_argument("--cost-model", default="deepseek-v2-lite")
-    p.add_argument("--contrast", type=float, default=0.25, help="affinity-regions: weight of the best fit elsewhere")
     p.add_argument("--load", default="0", help="0: all at step 0; L > 0: Poisson arrivals at L x capacity (a list)")
-    p.add_argument("--slack", type=int, default=4, help="affinity-placed and packed: residents over the least loaded")
     p.add_argument("--cache", default="/tmp/cohort-bench-cache", help="embedding cache (outside the repository)")
     return p.parse_args()
 

@@ -7,7 +7,6 @@ Policies, in the order of the output (random is always first):
     text-nearest     nearest embedding to the resident set (the --encoder's embeddings)
     text-profile     fewest expected new experts by the profile head saved with the encoder
                      (`cohort train` writes it beside the fine-tuned encoder)
-    text-profile-lead  the same, scored against a typical resident set (admission.resident)
     reference        fewest expected new experts by the traces' own profiles (issue 13, 2c)
 
 With --replicas R: R replicas of S slots behind a router instead (eval.replicas; --routing picks
@@ -33,9 +32,6 @@ from moe_cohort.traces.format import TraceSet
 from moe_cohort.traces.split import heldout_split
 
 log = logging.getLogger(__name__)
-
-DEFAULT_LEAD = 0.5
-
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine", choices=("static", "continuous"), default="static",
@@ -111,13 +107,12 @@ def continuous_policies(ts: TraceSet, tokens: DecodeTokens, slots: int, *, x: np
     return out
 
 
-def text_policies(suffix: str, x: np.ndarray, head=None, lead: float = DEFAULT_LEAD) -> dict[str, PolicyFactory]:
-    """text-nearest{suffix}, and with a profile head text-profile{suffix} and text-profile-lead{suffix}."""
+def text_policies(suffix: str, x: np.ndarray, head=None) -> dict[str, PolicyFactory]:
+    """text-nearest{suffix}, and with a profile head text-profile{suffix}."""
     out = {f"text-nearest{suffix}": by_embedding(x)}
     if head is not None:
         predicted = head.predict(x)  # [N, L, E]
         out[f"text-profile{suffix}"] = by_profile(predicted)
-        out[f"text-profile-lead{suffix}"] = by_profile(predicted, lead)
     return out
 
 

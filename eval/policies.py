@@ -43,10 +43,10 @@ class OrderPolicy:
 class ProfilePolicy:
     """Fewest expected new experts per step, from per-request expert profiles [N, L, E]."""
 
-    def __init__(self, profiles: np.ndarray, lead: float = 0.0):
+    def __init__(self, profiles: np.ndarray):
         n, layers, experts = profiles.shape
         self.flat = np.ascontiguousarray(profiles.reshape(n, -1), dtype=np.float32)  # [N, L*E]
-        self.state = ResidentExperts(layers, experts, lead=lead, pool_mean=profiles.mean(axis=0))
+        self.state = ResidentExperts(layers, experts)
 
     def choose(self, waiting: np.ndarray) -> int:
         return self.state.pick(self.flat, waiting)
@@ -84,8 +84,8 @@ def fixed_order(order: Sequence[int]) -> PolicyFactory:
     return lambda seed: OrderPolicy(order)
 
 
-def by_profile(profiles: np.ndarray, lead: float = 0.0) -> PolicyFactory:
-    return lambda seed: ProfilePolicy(profiles, lead)
+def by_profile(profiles: np.ndarray) -> PolicyFactory:
+    return lambda seed: ProfilePolicy(profiles)
 
 
 def by_embedding(x: np.ndarray) -> PolicyFactory:

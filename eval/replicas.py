@@ -49,9 +49,7 @@ class Routing:
 
     routing: str  # "round-robin", "least-loaded" or "affinity"
     vectors: np.ndarray | None = None  # [N, F] flat expert profiles [L*E], or embeddings [D] (affinity)
-    contrast: float = 0.0  # affinity: fit relative to the other replicas (admission.router)
     embedding: bool = False  # vectors are embeddings (nearest-embedding fit), not expert profiles
-    slack: int | None = None  # affinity: with no queue, place by fit within this many residents of the least loaded
     shuffle: bool = False  # requests arrive in a random order of the seed (the random baseline), else trace order
 
     def run(self, tokens: DecodeTokens, lengths: np.ndarray, slots: list[int], seed: int = 0,
@@ -66,8 +64,7 @@ class Routing:
         if self.embedding:  # unit rows, as ResidentEmbedding scores them
             norms = np.linalg.norm(vectors, axis=1, keepdims=True)
             vectors, factory = vectors / np.where(norms > 0, norms, 1.0), ResidentEmbedding
-        router = ReplicaRouter(slots, self.routing, max_wait=max_wait, resident_factory=factory, contrast=self.contrast,
-                               slack=self.slack)
+        router = ReplicaRouter(slots, self.routing, max_wait=max_wait, resident_factory=factory)
         return replay_replicas(tokens, lengths, router, vectors=vectors, order=order, arrivals=arrivals)
 
 
@@ -180,7 +177,7 @@ def evaluate_with_single(tokens: DecodeTokens, replicas: int, slots: int, routin
     """evaluate_replicas, plus for reference one engine of R*S slots admitting by the same affinity rows:
     rows "single-<name> (1xRS)", each saving against that engine's own random order."""
     result = evaluate_replicas(tokens, replicas, slots, routings, lengths, cost, num_layers, **options)
-    alike = {k: v for k, v in routings.items() if v.routing == "affinity" and not v.contrast and v.slack is None}
+    alike = {k: v for k, v in routings.items() if v.routing == "affinity"}
     if replicas > 1 and alike:
         single = evaluate_replicas(tokens, 1, replicas * slots, alike, lengths, cost, num_layers, **options)
         for name, row in single["plans"].items():

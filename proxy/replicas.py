@@ -79,10 +79,6 @@ class ReplicaSet:
         self._background: list[_Ticket] = []  # waiting background work, oldest first
         self._turn = 0
 
-    @classmethod
-    def from_urls(cls, urls: Sequence[str], capacities: Sequence[int], routing: str = "affinity", **options) -> "ReplicaSet":
-        return cls([BackendClient(u) for u in urls], capacities, routing, **options)
-
     async def close(self) -> None:
         await asyncio.gather(*(c.close() for c in self.clients))
 

@@ -50,11 +50,6 @@ _ABORT = -1  # the `line` of the row that says a block stopped (its `data`: why)
 _SKIPPED = -2  # the `line` of the row that says a block was not sent: the run had stopped
 
 
-def backend_urls(settings: Settings) -> list[str]:
-    """The replicas named by --backend / COHORT_BACKEND_URL (comma-separated)."""
-    return [u.strip() for u in settings.backend_url.split(",") if u.strip()]
-
-
 def ray_problem() -> str | None:
     """Why --engine ray cannot run in this environment (None: it can)."""
     try:
@@ -77,7 +72,7 @@ def run_batch_ray(settings: Settings, batch: BatchFile, journal: Journal, predic
     if skip_invalid:
         journal.commit(invalid_records(batch, journal.done))
     config = RunConfig.from_settings(settings, metrics_interval_s=0)
-    urls = backend_urls(settings)
+    urls = list(settings.backend_urls)
     pending = [r for r in batch.requests if r.line not in journal.done]
     stats = RunStats(total=len(batch.requests), finished_before=len(batch.requests) - len(pending))
     if not pending:

@@ -30,7 +30,7 @@ def test_expected_new_experts_follow_admits_and_releases():
     for r in (0, 1, 2, 3):
         state.admit(p[r])
     state.release(p[1])
-    got = state.expected_new(p[4:])
+    got = state.scores(p[4:])
     want = [_brute_expected_new([p[0], p[2], p[3]], c) for c in p[4:]]
     np.testing.assert_allclose(got, want, rtol=1e-5)
 
@@ -51,21 +51,7 @@ def test_an_empty_resident_set_counts_every_expert_of_the_candidate_as_new():
     state = ResidentExperts(3, 8)
     state.admit(p[0])
     state.release(p[0])
-    np.testing.assert_allclose(state.expected_new(p), p.sum(axis=(1, 2)), rtol=1e-6)
-
-
-def test_lead_prefers_the_candidate_that_fits_this_set_better_than_a_typical_one():
-    # candidate 1 uses the resident's experts; candidate 2 uses popular experts that fit any set
-    layers, experts = 1, 6
-    resident = np.array([[[0.9, 0.9, 0, 0, 0, 0]]], np.float32)
-    cands = np.array([[[0.9, 0.9, 0, 0, 0, 0]], [[0.5, 0.5, 0, 0, 0.9, 0.2]], [[0, 0, 0.95, 0.95, 0, 0]]], np.float32)
-    pool_mean = np.array([[0, 0, 0.95, 0.95, 0, 0]], np.float32)
-    plain, lead = ResidentExperts(layers, experts), ResidentExperts(layers, experts, lead=1.0, pool_mean=pool_mean)
-    for s in (plain, lead):
-        s.admit(resident[0])
-    assert plain.pick(cands) == 0
-    weight = plain.idle() - lead.typical[1]
-    np.testing.assert_allclose(lead.scores(cands), cands.reshape(3, -1) @ weight, rtol=1e-5)
+    np.testing.assert_allclose(state.scores(p), p.sum(axis=(1, 2)), rtol=1e-6)
 
 
 def test_nearest_embedding_picks_the_largest_cosine_with_the_resident_sum():

@@ -99,7 +99,7 @@ def test_the_cli_builds_every_policy_the_inputs_allow_and_text_profiles_come_fro
     x = np.random.default_rng(0).normal(size=(len(ts), 6)).astype(np.float32)
     head = fit_profile_head(x, profiles(ts), ts.top_k)
     names = list(continuous_policies(ts, tok, 4, x=x, head=head))
-    assert names == ["arrival", "plan", "text-nearest", "text-profile", "text-profile-lead", "reference"]
+    assert names == ["arrival", "plan", "text-nearest", "text-profile", "reference"]
     assert list(continuous_policies(ts, tok, 4)) == ["arrival", "reference"]
     policy = continuous_policies(ts, tok, 4, x=x, head=head)["text-profile"](0)
     np.testing.assert_allclose(policy.flat, head.predict(x).reshape(len(ts), -1))

@@ -30,21 +30,19 @@ def _traces(sets, num_experts=8):
 HAND = [{0, 1}, {0, 1}, {4, 5}, {4, 5}, {0, 2}, {4, 6}]
 
 
-@pytest.mark.parametrize("routing,contrast,loads", [
+@pytest.mark.parametrize("routing,loads", [
     # rr: replica 0 runs a0 b0 then a2, replica 1 a1 b1 then b2: (4 + 4) x 2 steps + (2 + 2) x 2 = 24
-    ("round-robin", 0.0, 24),
+    ("round-robin", 24),
     # one FCFS queue, the emptier replica first: the same pairs as round-robin
-    ("least-loaded", 0.0, 24),
+    ("least-loaded", 24),
     # seeds a0 and a1 (the oldest), then a2 joins a0 ({0,1,2}: 3) and b0 joins a1 (4): 7 x 2 + (2 + 2) x 2 = 22
-    ("affinity", 0.0, 22),
-    # replica 1 seeds away from a0 (b0), a1 joins a0, b1 joins b0: (2 + 2) x 2 + (2 + 2) x 2 = 16
-    ("affinity", 1.0, 16),
+    ("affinity", 22),
 ])
-def test_two_replicas_of_two_slots_by_hand(routing, contrast, loads):
+def test_two_replicas_of_two_slots_by_hand(routing, loads):
     ts = _traces(HAND)
     tok = decode_tokens(ts, "proxy")
     prof = decode_profiles(tok, ts).reshape(len(ts), -1)
-    got = Routing(routing, prof, contrast=contrast).run(tok, np.full(6, 2), [2, 2])
+    got = Routing(routing, prof).run(tok, np.full(6, 2), [2, 2])
     assert (int(got.loads.sum()), got.tokens, got.makespan, got.violations) == (loads, 12, 4, 0)
 
 
