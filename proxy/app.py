@@ -31,6 +31,7 @@ from moe_cohort.proxy.batch.jobs import BatchJobs
 from moe_cohort.proxy.admission import AdmissionGate, Profiler
 from moe_cohort.proxy.errors import BackendStatusError, BackendUnreachable, ProxyError
 from moe_cohort.proxy.fastpath import FastPath
+from moe_cohort.proxy.http_limits import HeadLimits
 from moe_cohort.proxy.metrics import ProxyMetrics
 from moe_cohort.proxy.middleware import RequestContext, access_log
 from moe_cohort.proxy.profiles import Predictor, make_predictor
@@ -203,7 +204,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             proxy.authorize(request.headers)
         return Response(proxy.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    app.add_middleware(RequestContext)  # added last, so outermost: around the fast path too
+    # added last, so outermost: around the fast path too
+    app.add_middleware(RequestContext, limits=HeadLimits(settings.max_header_bytes, settings.max_headers))
     return app
 
 

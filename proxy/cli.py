@@ -38,6 +38,9 @@ _FLAGS = {
     "--backend-api-key": ("backend_api_key", str, "API key to send to the backend"),
     "--request-timeout-s": ("request_timeout_s", float, "backend timeout per request"),
     "--max-body-bytes": ("max_body_bytes", int, "largest request body accepted"),
+    "--max-header-bytes": ("max_header_bytes", int, "largest request head (target and headers together); over "
+                                                     "it: 431"),
+    "--max-headers": ("max_headers", int, "most headers a request may have; over it: 431"),
     "--max-file-bytes": ("max_file_bytes", int, "largest file uploaded to /v1/files (Batch API input)"),
     "--data-dir": ("data_dir", str, "Batch API storage: uploaded files, results, SQLite records "
                                     "(default: $XDG_DATA_HOME/moe-cohort or ~/.local/share/moe-cohort)"),
@@ -189,6 +192,7 @@ def _serve(settings: Settings) -> None:
     import uvicorn
 
     from moe_cohort.proxy.app import create_app
+    from moe_cohort.proxy.http_limits import server_options
     from moe_cohort.proxy.profiles import limit_threads
 
     app = create_app(settings)  # loads the encoder
@@ -197,7 +201,7 @@ def _serve(settings: Settings) -> None:
           f"({settings.max_in_flight} in flight{' per replica, routing ' + settings.routing if len(settings.backend_urls) > 1 else ''}, "
           f"policy {settings.default_policy}); "
           f"point an OpenAI client at base_url=http://{settings.host}:{settings.port}/v1. Ctrl-C stops.")
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning")
+    uvicorn.run(app, log_level="warning", **server_options(settings))  # host, port, the head limits
 
 
 def _port(text: str) -> int:

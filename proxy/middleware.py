@@ -10,7 +10,9 @@ client disconnects from the routes):
 - one line per request on the `moe_cohort.proxy.access` logger: method, path, status, duration in ms, request id;
   never a body or a query string (prompts are user data); 499 when the client left before an answer;
 - an exception that no handler turned into a response becomes a 500 in the OpenAI error shape naming
-  the request id, logged with its traceback.
+  the request id, logged with its traceback;
+- a request whose head is over the limits (`limits`, proxy/http_limits.py) is answered 431 before any
+  route sees it (`cohort serve`'s uvicorn protocol refuses most such heads while parsing them already).
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ import uuid
 
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from moe_cohort.proxy.http_limits import HeadLimits
 
 log = logging.getLogger(__name__)
 access_log = logging.getLogger("moe_cohort.proxy.access")
@@ -49,13 +53,14 @@ def error_body(message: str, request_id: str) -> bytes:
 
 
 class RequestContext:
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
+    def __init__(self, app: ASGIApp, limits: HeadLimits | None = None) -> None:
+        self.app, self.limits = app, limits
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        refused = self.limits.check(scope) if self.limits is not None else None  # the client's head, as sent
         request_id, sent = request_id_of(scope["headers"])
         if not sent:  # the backend gets the id the client sees (proxy/auth.py forwards the header)
             scope["headers"] = [(k, v) for k, v in scope["headers"] if k.lower() != b"x-request-id"]
@@ -71,6 +76,15 @@ class RequestContext:
             await send(message)
 
         try:
+            if refused is not None:
+                status[0] = refused.status_code
+                body = json.dumps(refused.body()).encode()
+                await send_with_id({"type": "http.response.start", "status": refused.status_code,
+                                    "headers": [(b"content-type", b"application/json"),
+                                                (b"content-length", str(len(body)).encode()),
+                                                (b"connection", b"close")]})
+                await send({"type": "http.response.body", "body": body})
+                return
             await self.app(scope, receive, send_with_id)
         except ClientDisconnect:  # the client left while its body was being read: no one to answer
             pass

@@ -69,6 +69,10 @@ class Settings:
     request_timeout_s: float = 600.0
     connect_timeout_s: float = 5.0
     max_body_bytes: int = 10 * 1024 * 1024
+    # a request's head: its target and headers together, and how many headers; over either: 431 while the
+    # head is read (proxy/http_limits.py)
+    max_header_bytes: int = 64 * 1024
+    max_headers: int = 100
     keepalive_s: float = 10.0  # SSE comment interval while a streaming request is queued
     log_prompts: bool = False  # prompts are user data: never logged unless asked for
     access_log: bool = True  # one `moe_cohort.proxy.access` log line per request (method, path, status, ms, request id)
@@ -107,7 +111,8 @@ class Settings:
             raise _bad("routing", f"must be one of {', '.join(ROUTINGS)}, got {self.routing!r}")
         if not 1 <= self.port <= 65535:
             raise _bad("port", f"must be a TCP port in 1..65535, got {self.port}")
-        for name in ("max_in_flight", "max_body_bytes", "encoder_max_seq_len", "max_file_bytes", "encoder_threads"):
+        for name in ("max_in_flight", "max_body_bytes", "encoder_max_seq_len", "max_file_bytes", "encoder_threads",
+                     "max_header_bytes", "max_headers"):
             if getattr(self, name) < 1:
                 raise _bad(name, f"must be >= 1, got {getattr(self, name)}")
         for name in ("max_queue_ms", "keepalive_s", "request_timeout_s", "connect_timeout_s", "encoder_cache",

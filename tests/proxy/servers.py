@@ -16,6 +16,7 @@ from aiohttp import web
 from aiohttp.test_utils import RawTestServer
 
 from moe_cohort.proxy.app import create_app
+from moe_cohort.proxy.http_limits import server_options
 from moe_cohort.proxy.settings import Settings
 
 
@@ -48,8 +49,8 @@ class ProxyThread:
     """uvicorn serving the proxy app in a background thread (its own event loop)."""
 
     def __init__(self, settings: Settings) -> None:
-        self.server = uvicorn.Server(uvicorn.Config(create_app(settings), host="127.0.0.1", port=settings.port,
-                                                    log_level="warning"))
+        options = {**server_options(settings), "host": "127.0.0.1"}  # as `cohort serve` runs it (head limits)
+        self.server = uvicorn.Server(uvicorn.Config(create_app(settings), log_level="warning", **options))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.url = f"http://127.0.0.1:{settings.port}"
 

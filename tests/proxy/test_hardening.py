@@ -1,0 +1,177 @@
+"""Issue 27's hostile client and new operator: request heads over the limits (raw sockets against the proxy
+under uvicorn, as `cohort serve` runs it), keys that are present but empty, the API docs routes, batch
+output lines with Unicode line separators, and engine hints (vllm_xargs) forged by a client."""
+
+from __future__ import annotations
+
+import json
+import select
+import socket
+import threading
+import time
+
+import pytest
+import uvicorn
+
+from moe_cohort.proxy.app import create_app
+from moe_cohort.proxy.http_limits import HeadLimits, h11_protocol
+from moe_cohort.proxy.settings import Settings
+from moe_cohort.proxy.vllm_server import free_port
+from tests.proxy.servers import ProxyThread
+
+# --- item 2: request heads ------------------------------------------------------------------------
+
+
+def exchange(port: int, chunks, timeout: float = 30.0) -> tuple[bytes, int]:
+    """Send `chunks` (an iterable of bytes) until the server answers or closes; then read the answer to its
+    end (the server closes, or the body is as long as content-length). (answer's bytes, bytes sent)."""
+    sent = 0
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+        for chunk in chunks:
+            if select.select([sock], [], [], 0)[0]:
+                break
+            try:
+                sock.sendall(chunk)
+            except (BrokenPipeError, ConnectionResetError):
+                break
+            sent += len(chunk)
+        received = b""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                data = sock.recv(65536)
+            except ConnectionResetError:
+                break
+            if not data:
+                break
+            received += data
+            head, sep, body = received.partition(b"\r\n\r\n")
+            length = [int(line.split(b":")[1]) for line in head.lower().split(b"\r\n") if line.startswith(b"content-length:")]
+            if sep and length and len(body) >= length[0]:
+                break
+    return received, sent
+
+
+def answer_of(received: bytes) -> tuple[int, dict[str, str], bytes]:
+    head, _, body = received.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = dict(line.lower().split(": ", 1) for line in lines[1:])
+    return int(lines[0].split()[1]), headers, body
+
+
+def request_head(path: str = "/v1/models", headers: list[tuple[str, str]] = (), method: str = "GET") -> bytes:
+    return (f"{method} {path} HTTP/1.1\r\nHost: proxy\r\n" + "".join(f"{k}: {v}\r\n" for k, v in headers)).encode()
+
+
+def assert_431(received: bytes, words: str) -> None:
+    status, headers, body = answer_of(received)
+    assert status == 431, received[:300]
+    assert headers["content-type"] == "application/json" and headers["connection"] == "close"
+    error = json.loads(body)["error"]
+    assert error["type"] == "invalid_request_error" and error["code"] == "request_header_fields_too_large"
+    assert words in error["message"]
+
+
+@pytest.fixture
+def keyed_proxy(tmp_path):
+    """The proxy under uvicorn with its default head limits and a key: a head that passes gets a 401."""
+    settings = Settings(backend_url="http://127.0.0.1:9", port=free_port(), encoder="none", data_dir=str(tmp_path),
+                        api_keys=("sekrit",))
+    with ProxyThread(settings) as p:
+        yield int(p.url.rsplit(":", 1)[1])
+
+
+def test_defaults_are_64_kib_and_100_headers():
+    assert (Settings().max_header_bytes, Settings().max_headers) == (64 * 1024, 100)
+
+
+def test_the_issues_probe_8192_headers_of_8_kb_is_refused_while_it_is_sent(keyed_proxy):
+    """8,192 headers of 8 KB (67 MB): 431 in the OpenAI shape after at most the limit and one socket read."""
+    header = b"x-pad: " + b"a" * 8192 + b"\r\n"
+    chunks = [request_head()] + [header * 8 for _ in range(1024)]
+    received, sent = exchange(keyed_proxy, chunks)
+    assert_431(received, "over the proxy's limit of 65536 bytes")
+    assert sent < 16 << 20  # far from 67 MB (the sockets' kernel buffers take a few MB): answered while sending
+
+
+def test_more_than_100_small_headers_is_a_431(keyed_proxy):
+    received, _ = exchange(keyed_proxy, [request_head(headers=[(f"x-h{i}", "1") for i in range(101)]) + b"\r\n"])
+    assert_431(received, "over 100 headers")
+
+
+def test_one_endless_header_is_refused_before_it_ends(keyed_proxy):
+    """httptools keeps a header to itself until its line ends: the bytes of an unfinished head count too."""
+    chunks = [request_head() + b"x-pad: "] + [b"a" * 65536 for _ in range(256)]  # 16 MB, never a CRLF
+    received, sent = exchange(keyed_proxy, chunks)
+    assert_431(received, "over the proxy's limit of 65536 bytes")
+    assert sent < 16 << 20
+
+
+def test_a_long_target_counts_too(keyed_proxy):
+    received, _ = exchange(keyed_proxy, [request_head(path="/v1/models?q=" + "a" * 70_000) + b"\r\n"])
+    assert_431(received, "65536 bytes")
+
+
+def test_heads_within_the_limits_pass_and_bodies_do_not_count(keyed_proxy):
+    """100 headers of 600 bytes (62 KB) reach the app (401: no key); a 1 MB body after a small head, in
+    the same write, and two such requests pipelined, are no 431."""
+    head = request_head(headers=[(f"x-h{i}", "v" * 600) for i in range(99)]) + b"\r\n"  # 99 + Host = 100
+    assert answer_of(exchange(keyed_proxy, [head])[0])[0] == 401
+    body = json.dumps({"model": "m", "prompt": "x" * (1 << 20)}).encode()
+    post = request_head("/v1/completions", [("content-type", "application/json"), ("content-length", str(len(body))),
+                                            ("authorization", "Bearer sekrit")], method="POST") + b"\r\n" + body
+    status, _, _ = answer_of(exchange(keyed_proxy, [post])[0])
+    assert status == 502  # read whole and sent on: the backend (port 9) is down
+    with socket.create_connection(("127.0.0.1", keyed_proxy), timeout=30) as sock:
+        sock.sendall(post + post)
+        sock.settimeout(30)
+        received = b""
+        while received.count(b"HTTP/1.1 ") < 2 or not received.endswith(b"}"):
+            data = sock.recv(65536)
+            assert data, received
+            received += data
+    assert [int(part.split(b" ", 1)[0]) for part in received.split(b"HTTP/1.1 ")[1:]] == [502, 502]
+
+
+def test_the_limits_are_settings(tmp_path):
+    settings = Settings(backend_url="http://127.0.0.1:9", port=free_port(), encoder="none", data_dir=str(tmp_path),
+                        max_headers=5, max_header_bytes=2048)
+    with ProxyThread(settings) as p:
+        port = int(p.url.rsplit(":", 1)[1])
+        assert_431(exchange(port, [request_head(headers=[(f"x-{i}", "1") for i in range(5)]) + b"\r\n"])[0],
+                   "over 5 headers")
+        assert_431(exchange(port, [request_head(headers=[("x-pad", "a" * 2100)]) + b"\r\n"])[0], "2048 bytes")
+        assert answer_of(exchange(port, [request_head("/metrics", [("x-pad", "a" * 1900)]) + b"\r\n"])[0])[0] == 200
+
+
+@pytest.mark.parametrize("env, message", [({"COHORT_MAX_HEADERS": "0"}, "COHORT_MAX_HEADERS"),
+                                          ({"COHORT_MAX_HEADER_BYTES": "-1"}, "COHORT_MAX_HEADER_BYTES")])
+def test_bad_limits_are_refused(env, message):
+    from moe_cohort.proxy.settings import SettingsError, load_settings
+
+    with pytest.raises(SettingsError, match=message):
+        load_settings(environ=env)
+
+
+def test_under_h11_a_head_is_refused_by_the_protocol_or_by_the_app(tmp_path):
+    """Where httptools is missing (uvicorn's h11): an unfinished head over the limit is a 431 from the
+    protocol; a complete one that h11 took in one piece, a 431 from the app's middleware (with a request id)."""
+    settings = Settings(backend_url="http://127.0.0.1:9", port=free_port(), encoder="none", data_dir=str(tmp_path))
+    config = uvicorn.Config(create_app(settings), host="127.0.0.1", port=settings.port, log_level="warning",
+                            http=h11_protocol(HeadLimits(settings.max_header_bytes, settings.max_headers)),
+                            h11_max_incomplete_event_size=settings.max_header_bytes)
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            time.sleep(0.05)
+        chunks = [request_head() + b"x-pad: "] + [b"a" * 65536 for _ in range(64)]
+        assert_431(exchange(settings.port, chunks)[0], "65536 bytes")
+        many = request_head(headers=[(f"x-h{i}", "1") for i in range(150)] + [("x-request-id", "many-1")]) + b"\r\n"
+        received, _ = exchange(settings.port, [many])
+        assert_431(received, "over 100 headers")
+        assert answer_of(received)[1]["x-request-id"] == "many-1"
+    finally:
+        server.should_exit = True
+        thread.join(10)
