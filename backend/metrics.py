@@ -25,8 +25,8 @@ Transport: counted in vLLM's worker process, served by the API server process, o
 - prometheus_client's multiprocess mode, if this process runs in it (PROMETHEUS_MULTIPROC_DIR set
   before prometheus_client was imported: by the user, or by vLLM for --api-server-count > 1):
   every update also goes to a `Counter`/`Histogram`, i.e. to that directory, and vLLM's /metrics
-  serves it (`MultiProcessCollector`). That costs an mmap write per update (~0.9 ms per forward
-  of 26 layers and two policy groups on a shared 2-core machine, against ~0.07 ms in memory).
+  serves it (`MultiProcessCollector`). That costs an mmap write per update, an order of magnitude
+  more per forward than counting in memory (docs/results.md, section 7).
   Dead processes' totals stay: no `mark_process_dead` (it only drops live gauges; we have none).
 - else (vLLM's default; the worker is forked from the API server, so its prometheus_client
   counts in memory) the API server makes a private directory (`COHORT_METRICS_DIR`, inherited by

@@ -15,9 +15,8 @@ result is cached in `cache_dir/<recipe hash>/` (hash of the arguments, the corpu
 library versions) and copied to `out_dir`; `cohort_tiny_moe.json` records the training figures
 (time, peak memory, losses, size on disk).
 
-Cost on a 2-core CPU host: "full" trains 819,200 tokens at about 5,900 tokens/s on idle cores
-(about 2.5 minutes with the corpus and tokenizer; 34 minutes when the cores were shared with a
-load of 8), peak RSS 1.3 GB, 13.6 MiB on disk; "ci" takes seconds to a few minutes.
+Cost: "full" trains 819,200 tokens in minutes on a 2-core CPU host (far longer when the cores are
+shared), "ci" in seconds to a few minutes; measured figures in docs/results.md (section 9).
 """
 
 from __future__ import annotations
@@ -176,7 +175,7 @@ def init_model(args: TrainArgs, tokenizer):
     config = build_config(args.model, len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id)
     config.output_router_logits = True
     config.router_aux_loss_coef = args.aux_loss_coef
-    config._experts_implementation = "grouped_mm"  # a loop of mm over experts: ~4x the eager one on CPU
+    config._experts_implementation = "grouped_mm"  # one grouped product: faster on CPU than a loop of mm per expert
     torch.manual_seed(args.seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.generation_config.eos_token_id = tokenizer.eos_token_id

@@ -80,7 +80,7 @@ def _two_means(sub: np.ndarray, seed: int) -> np.ndarray:
 
 @contextmanager
 def single_thread():
-    """Run FAISS on one OpenMP thread: for k = 2 the threads cost more than they save (5-15x here)."""
+    """Run FAISS on one OpenMP thread: for k = 2 the threads cost more than they save (docs/results.md)."""
     before = faiss.omp_get_max_threads()
     faiss.omp_set_num_threads(1)
     try:

@@ -53,7 +53,8 @@ def plan_batches(x: np.ndarray, batch_size: int, *, seed: int = 0, config: Plann
     """Plan batches of at most `batch_size` over embeddings x [N, D] (rows are L2-normalised here).
 
     BLAS runs on `config.blas_threads` threads: the planner makes thousands of small matrix
-    products, and multi-threaded OpenBLAS made 20,000 prompts 3x slower on a busy 2-core host.
+    products, where multi-threaded OpenBLAS spins more than it computes on a busy host
+    (docs/results.md, section 10).
     """
     x = _checked(x, batch_size)
     if len(x) == 0:

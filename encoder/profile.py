@@ -48,7 +48,7 @@ class ProfileHead:
     mix: float = 0.0  # weight of the neighbour part (0: ridge only)
 
     def __post_init__(self) -> None:
-        if self.memory_y is not None:  # numpy converts float16 slowly: once here, not per request (~70 us)
+        if self.memory_y is not None:  # numpy converts float16 slowly: once here, not per request
             object.__setattr__(self, "memory_y", np.asarray(self.memory_y, dtype=np.float32))
 
     @property

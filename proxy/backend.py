@@ -1,8 +1,8 @@
 """The HTTP client for the vLLM backend; transport failures become proxy errors here, at the boundary.
 
-It is aiohttp rather than httpx: on the proxy's hot path httpx cost ~0.8 ms of CPU per request
-(most of it httpcore scanning its connection pool), aiohttp about a quarter of that; see
-benchmarks/bench_proxy.py. The session is made lazily in the running event loop (aiohttp
+It is aiohttp rather than httpx: on the proxy's hot path httpx cost about four times aiohttp's CPU
+per request (most of it httpcore scanning its connection pool; benchmarks.bench_proxy,
+docs/results.md section 5). The session is made lazily in the running event loop (aiohttp
 sessions belong to one loop).
 """
 

@@ -19,10 +19,9 @@ texts (with their windows) is set aside to pick the step; the held-out requests 
 The student keeps the teacher's tokenizer and its truncation, so it reads the same tokens.
 
 Measured (bench_encoder, held-out requests, the fine-tuned MiniLM of `cohort train` as teacher):
-129-208x plain MiniLM `encode` per CPU-second; continuous saving over 200 seeds 91% / 94% of the
-teacher's at S = 16 / 32 (95% intervals over seeds 87-95% / 84-104%; a student on other random
-windows 94% / 102%; from the mean start 85% / 79% over 20 seeds); B = 16 capture 90.7-93.3%
-(teacher 95.0%). The defaults below were set before those runs, not tuned on held-out requests.
+over a hundred times plain MiniLM `encode` per CPU-second, at about nine tenths of the teacher's
+continuous saving (the figures, with their spread over seeds: docs/results.md, section 4). The
+defaults below were set before those runs, not tuned on held-out requests.
 
 What limits it is generalisation, not capacity: on the texts it fits the student reaches cosine 0.989
 to the teacher, on the 107 whole texts set aside 0.918. Varied on the training side alone
@@ -51,7 +50,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class StudentConfig:
-    """Defaults measured with benchmarks/bench_encoder.py on the DeepSeek traces (see the README)."""
+    """Defaults measured with benchmarks.bench_encoder on the DeepSeek traces (docs/results.md)."""
 
     windows: int = 6  # random windows per text
     steps: int = 200  # full-batch Adam steps (the best on the validation texts is kept)
