@@ -76,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
     overrides.update(api_keys=tuple(args.api_keys) if args.api_keys else None, log_prompts=args.log_prompts,
                      protect_metrics=args.protect_metrics, forward_profiles=args.forward_profiles)
     try:
-        settings = load_settings(overrides, config=args.config, flags=_FLAGS)
+        settings = load_settings(overrides, config=args.config, flags={**_FLAGS, "--api-key": ("api_keys", list, "")})
     except SettingsError as exc:
         return _fail(str(exc))
     from moe_cohort.proxy.profiles import encoder_problem

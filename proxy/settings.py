@@ -15,6 +15,9 @@ from pathlib import Path
 from typing import Mapping
 
 ENV_PREFIX = "COHORT_"
+# keys: one that is given but empty (`COHORT_API_KEYS=`, `api_keys: []`, `--backend-api-key ''`) is refused, never
+# read as "no key": an unset secret in a template must not start an open proxy
+KEY_SETTINGS = ("api_keys", "backend_api_key")
 
 
 class SettingsError(ValueError):
@@ -174,14 +177,16 @@ def load_settings(overrides: Mapping[str, object] | None = None, environ: Mappin
         from moe_cohort.proxy.config_file import ConfigFileError, read_config
 
         try:
-            values.update(read_config(config, types))
+            values.update(_no_empty_keys(read_config(config, types), lambda name: f"{name!r} in {config}"))
         except ConfigFileError as exc:
             raise SettingsError(str(exc)) from None
     for name, type_name in types.items():
         raw = environ.get(ENV_PREFIX + name.upper())
         if raw is not None:
-            values[name] = _convert(name, type_name, raw)
-    values.update({k: v for k, v in (overrides or {}).items() if v is not None})
+            values.update(_no_empty_keys({name: _convert(name, type_name, raw)}, lambda name: ENV_PREFIX + name.upper()))
+    flag_of = {dest: flag for flag, (dest, _, _) in (flags or {}).items()}
+    values.update(_no_empty_keys({k: v for k, v in (overrides or {}).items() if v is not None},
+                                 lambda name: flag_of.get(name, name)))
     unknown = set(values) - set(types)
     if unknown:
         raise SettingsError(f"unknown settings {sorted(unknown)}")
@@ -192,6 +197,17 @@ def load_settings(overrides: Mapping[str, object] | None = None, environ: Mappin
             raise
         raise SettingsError(f"{setting_names(exc.field, flags, config)} {exc.detail}", field=exc.field,
                             detail=exc.detail) from None
+
+
+def _no_empty_keys(values: dict[str, object], where) -> dict[str, object]:
+    """`values`, unless a key setting among them is given but empty: a SettingsError naming it (`where(name)`)."""
+    for name in KEY_SETTINGS:
+        if name in values and not values[name]:
+            what = ("would start the proxy without keys, open to anyone; give at least one key, or leave the "
+                    "setting out for an open proxy") if name == "api_keys" else \
+                   "give the backend's key, or leave the setting out to send none"
+            raise SettingsError(f"{where(name)} is given but empty: {what}", field=name)
+    return values
 
 
 def setting_names(field: str, flags: FlagTable | None = None, config: str | Path | None = None) -> str:

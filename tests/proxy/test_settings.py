@@ -56,3 +56,63 @@ def test_a_bad_config_file_names_the_file_and_the_key(tmp_path, name, text, mess
         (tmp_path / name).write_text(text)
     with pytest.raises(SettingsError, match=message):
         load_settings(environ={}, config=tmp_path / name)
+
+
+# issue 27 item 3: a key setting that is given but empty refuses to start, whatever its source; never an open proxy
+EMPTY_KEYS = [  # (environment, config file name and text, extra flags, what the one line names)
+    ({"COHORT_API_KEYS": ""}, None, [], "COHORT_API_KEYS is given but empty"),
+    ({"COHORT_API_KEYS": ","}, None, [], "COHORT_API_KEYS is given but empty"),
+    ({"COHORT_API_KEYS": " , "}, None, [], "COHORT_API_KEYS is given but empty"),
+    ({}, ("c.yaml", "api_keys: []\n"), [], "'api_keys' in {config} is given but empty"),
+    ({}, ("c.yaml", "api_keys: ''\n"), [], "'api_keys' in {config} is given but empty"),
+    ({}, ("c.toml", "api_keys = ''\n"), [], "'api_keys' in {config} is given but empty"),
+    ({}, ("c.toml", "api_keys = []\n"), [], "'api_keys' in {config} is given but empty"),
+    ({"COHORT_BACKEND_API_KEY": ""}, None, [], "COHORT_BACKEND_API_KEY is given but empty"),
+    ({}, ("c.yaml", "backend_api_key: ''\n"), [], "'backend_api_key' in {config} is given but empty"),
+    ({}, None, ["--backend-api-key", ""], "--backend-api-key is given but empty"),
+    ({}, None, ["--api-key", ""], "--api-key (env COHORT_API_KEYS) has an empty key"),
+    # a lower source's empty key is refused even where a higher one gives keys: the operator meant a key there
+    ({"COHORT_API_KEYS": "k1"}, ("c.yaml", "api_keys: []\n"), [], "'api_keys' in {config} is given but empty"),
+]
+
+
+def _empty_key_case(tmp_path, env, config_file):
+    config = None
+    if config_file is not None:
+        config = tmp_path / config_file[0]
+        config.write_text(config_file[1])
+    return config
+
+
+@pytest.mark.parametrize("env, config_file, flags, said", EMPTY_KEYS)
+def test_an_empty_key_setting_is_refused_from_every_source(tmp_path, env, config_file, flags, said):
+    config = _empty_key_case(tmp_path, env, config_file)
+    overrides = {"backend_api_key": flags[1]} if flags[:1] == ["--backend-api-key"] else \
+        {"api_keys": (flags[1],)} if flags else {}
+    cli_flags = {"--backend-api-key": ("backend_api_key", str, ""), "--api-key": ("api_keys", list, "")}
+    with pytest.raises(SettingsError) as caught:
+        load_settings(overrides, environ=env, config=config, flags=cli_flags)
+    assert said.format(config=config) in str(caught.value)
+
+
+@pytest.mark.parametrize("env, config_file, flags, said", EMPTY_KEYS)
+def test_cohort_serve_with_an_empty_key_setting_exits_2_with_one_line(tmp_path, monkeypatch, capsys, env, config_file,
+                                                                      flags, said):
+    import socket
+
+    from moe_cohort.cli import main
+
+    config = _empty_key_case(tmp_path, env, config_file)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with socket.socket() as held:  # the port is taken: a proxy that got past its keys fails there, not serving
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        args = ["serve", "--backend", "http://127.0.0.1:9", "--encoder", "none", "--backend-wait-s", "0",
+                "--port", str(held.getsockname()[1]), *(["--config", str(config)] if config else []), *flags]
+        try:
+            code = main(args)
+        except SystemExit as exc:
+            code = exc.code
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and said.format(config=config) in err, err
