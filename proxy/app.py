@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from moe_cohort.proxy.api_docs import OFF as API_DOCS_OFF, add_api_docs
 from moe_cohort.proxy.auth import Authorizer, backend_headers
 from moe_cohort.proxy.cohort_key import cohort_key_header
 from moe_cohort.proxy.backend import BackendClient
@@ -119,14 +120,14 @@ class Proxy:
 
     async def _forward(self, preq: ProxyRequest, path: str, headers: dict[str, str]):
         """(admission, the backend's answer, seconds at the backend) of `preq`, failed over once refused."""
-        admission, backend_s = await self.gate.admit(preq.text, preq.policy), 0.0
+        admission, backend_s = await self.gate.admit(preq.text), 0.0
         try:  # released exactly once: answered, failed, or cancelled because the client left
             while True:
                 sent = time.perf_counter()
                 try:
                     with self.metrics.backend_seconds.labels(preq.route).time():
                         answer = await admission.client.request("POST", path, json=with_profile(preq.body, admission),
-                                                                headers={**headers, **cohort_key_header(admission)})
+                                                                headers={**headers, **cohort_key_header(admission.prediction)})
                     return admission, answer, backend_s + time.perf_counter() - sent
                 except BackendUnreachable as exc:
                     backend_s += time.perf_counter() - sent
@@ -163,7 +164,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         await batch_jobs.close()
         await proxy.close()
 
-    app = FastAPI(title="moe-cohort proxy", lifespan=lifespan)
+    app = FastAPI(title="moe-cohort proxy", lifespan=lifespan, **API_DOCS_OFF)  # FastAPI's docs: open to anyone
+    if settings.api_docs:  # ours: behind the key
+        add_api_docs(app, proxy.authorize)
     app.state.proxy = proxy
     access_log.setLevel(logging.INFO if settings.access_log else logging.WARNING)
     _add_error_handlers(app, proxy)

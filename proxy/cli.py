@@ -61,6 +61,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "a request that finds a free slot goes at once, without them; env COHORT_FORWARD_PROFILES)")
     parser.add_argument("--protect-metrics", action="store_true", default=None, help="/metrics needs an --api-key and "
                         "/health shows callers without one only its status (env COHORT_PROTECT_METRICS)")
+    parser.add_argument("--api-docs", action="store_true", default=None, help="serve /openapi.json, /docs and /redoc "
+                        "(behind the --api-key like every route; /docs and /redoc load JavaScript from a CDN; "
+                        "default: off, env COHORT_API_DOCS)")
     parser.add_argument("--model-dir", help="tiny MoE folder for the embedded backend, built there if missing "
                         "(default: ~/.cache/moe-cohort/tiny-qwen3-moe)")
     parser.add_argument("--backend-port", type=_port, help="port of the embedded vLLM, used only without --backend "
@@ -74,7 +77,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     overrides = flag_overrides(args, _FLAGS)
     overrides.update(api_keys=tuple(args.api_keys) if args.api_keys else None, log_prompts=args.log_prompts,
-                     protect_metrics=args.protect_metrics, forward_profiles=args.forward_profiles)
+                     protect_metrics=args.protect_metrics, forward_profiles=args.forward_profiles,
+                     api_docs=args.api_docs)
     try:
         settings = load_settings(overrides, config=args.config, flags={**_FLAGS, "--api-key": ("api_keys", list, "")})
     except SettingsError as exc:

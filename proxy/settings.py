@@ -79,6 +79,9 @@ class Settings:
     keepalive_s: float = 10.0  # SSE comment interval while a streaming request is queued
     log_prompts: bool = False  # prompts are user data: never logged unless asked for
     access_log: bool = True  # one `moe_cohort.proxy.access` log line per request (method, path, status, ms, request id)
+    # /openapi.json, /docs, /redoc (proxy/api_docs.py): off; on, behind the key like every route (/docs and /redoc
+    # load their JavaScript from a CDN)
+    api_docs: bool = False
     protect_metrics: bool = False  # /metrics needs a key, /health without one says only its status (needs api_keys)
     # Offline batches (`cohort batch run` and the Batch API, see proxy/batch/run.py)
     data_dir: str = ""  # Batch API files + SQLite records ("" = $XDG_DATA_HOME/moe-cohort, else ~/.local/share/moe-cohort)
