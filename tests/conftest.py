@@ -1,6 +1,12 @@
-"""Shared fixtures: small random trace sets built in the test (never copied from ../shared/data)."""
+"""Shared fixtures: small random trace sets built in the test (never copied from ../shared/data); the
+`integration` marker put on every test that needs a real vLLM server, Ray, an encoder model or a process.
+
+Quick loop: `pytest -m "not integration"` (in-process tests only); plain `pytest` (CI) runs everything.
+"""
 
 from __future__ import annotations
+
+import subprocess
 
 import numpy as np
 import pytest
@@ -51,3 +57,29 @@ def vllm_server(tiny_moe_dir):
     # can generate while a disconnect propagates, even on a loaded machine
     with start(tiny_moe_dir, max_num_seqs=16, max_model_len=4096) as server:
         yield server
+
+
+# Fixtures that start vLLM, build a model or load an encoder: a test using one (directly or through another
+# fixture) is marked `integration` here, so a new test cannot forget it. Tests that need Ray or start a
+# process of their own say so with `pytest.mark.integration`; one that does not is stopped below.
+INTEGRATION_FIXTURES = frozenset({"vllm_server", "tiny_moe_dir", "minilm_dir", "tiny_model_dir", "local_ray",
+                                  "ci_model"})  # the last: devtools/test_train_moe.py trains the CI tiny MoE
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if INTEGRATION_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.integration)
+
+
+class _NoProcessOutsideIntegration(subprocess.Popen):
+    def __init__(self, args, *a, **kw):
+        raise AssertionError(f"this test starts a process ({args!r:.80}): mark it @pytest.mark.integration so "
+                             "that `pytest -m 'not integration'` stays a quick in-process loop")
+
+
+@pytest.fixture(autouse=True)
+def _processes_only_in_integration_tests(request, monkeypatch):
+    if request.node.get_closest_marker("integration") is None:
+        monkeypatch.setattr(subprocess, "Popen", _NoProcessOutsideIntegration)

@@ -65,6 +65,7 @@ def _served_by(collector_type, directory) -> CollectorRegistry:
     return registry
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("multiprocess_mode", [True, False])
 def test_two_worker_processes_are_summed_on_metrics(tmp_path, multiprocess_mode):
     _write_in_processes(tmp_path, multiprocess_mode)
@@ -91,6 +92,7 @@ def _samples(registry) -> set:
     return {(s.name, tuple(sorted(s.labels.items())), s.value) for m in registry.collect() for s in m.samples}
 
 
+@pytest.mark.integration
 def test_both_transports_serve_the_same_samples(tmp_path):
     """What /metrics shows does not depend on how the worker's numbers reached the API server."""
     _write_in_processes(tmp_path / "mp", multiprocess_mode=True)
@@ -100,9 +102,10 @@ def test_both_transports_serve_the_same_samples(tmp_path):
     assert _samples(_served_by(SnapshotCollector, tmp_path / "snap")) == native
 
 
+@pytest.mark.integration
 def test_setup_serving_process_serves_worker_snapshots_on_the_default_registry(tmp_path):
     code = ("from prometheus_client import REGISTRY, generate_latest\n"
-            "from backend.metrics import ExpertLoadMetrics, setup_serving_process, worker_directory\n"
+            "from moe_cohort.backend.metrics import ExpertLoadMetrics, setup_serving_process, worker_directory\n"
             "setup_serving_process(); setup_serving_process()  # idempotent\n"
             "from tests.backend.test_metrics import write\n"
             "write(str(worker_directory()), 'a')\n"

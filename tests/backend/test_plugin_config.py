@@ -44,6 +44,7 @@ def test_unsupported_versions_raise_a_clear_error(version):
     check_vllm_version(version, allow_untested=True)  # the escape hatch only warns
 
 
+@pytest.mark.integration
 def test_engine_side_modules_do_not_import_vllm():
     """Layering: only backend.vllm_plugin's lazily loaded backend.vllm_patches imports vLLM."""
     modules = ["moe_cohort.backend.vllm_plugin", "moe_cohort.backend.routing_hook", "moe_cohort.backend.engine_state", "moe_cohort.backend.metrics",

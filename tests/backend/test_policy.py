@@ -128,9 +128,10 @@ def test_validate_for_model():
         parse_policy("oea;k0=1;max_p=17").validate_for_model(top_k=4, num_experts=16)
 
 
+@pytest.mark.integration
 def test_policy_module_imports_without_torch():
     code = ("import sys; sys.modules['torch'] = None\n"
-            "import backend.policy as p\n"
+            "import moe_cohort.backend.policy as p\n"
             "assert str(p.parse_policy('xshare;m=24;k0=1')) == 'xshare;m=24;k0=1'\n"
             "assert 'torch' not in {m.split('.')[0] for m in sys.modules if sys.modules[m]}\n")
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,

@@ -158,6 +158,7 @@ def test_every_patched_member_exists_in_the_installed_vllm(module, cls, member):
     assert callable(getattr(vllm_patches.patched_class(module, cls), member))
 
 
+@pytest.mark.integration
 @pytest.mark.skipif(not has_vllm, reason="vLLM is not installed")
 def test_register_is_idempotent_and_patches_once():
     """In a fresh process (patching vLLM classes must not leak into this one)."""

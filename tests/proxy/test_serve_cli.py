@@ -52,6 +52,7 @@ def _ok(url: str) -> bool:
         return False
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("command", [["serve"], ["batch", "run", "--input", "in.jsonl", "--output", "out.jsonl",
                                                  "--backend", "http://127.0.0.1:9"]])
 def test_an_unknown_encoder_is_one_line_before_any_work(tmp_path, command):
@@ -149,6 +150,7 @@ def _wait_for(log, text, proc, timeout=120):
         time.sleep(0.1)
 
 
+@pytest.mark.integration
 def test_a_backend_that_never_answers_is_retried_then_the_proxy_starts_anyway(tmp_path):
     port, backend = free_port(), f"http://127.0.0.1:{free_port()}"
     log = tmp_path / "serve.log"
@@ -173,6 +175,7 @@ def test_a_backend_that_never_answers_is_retried_then_the_proxy_starts_anyway(tm
     assert proc.returncode == 0 and "Traceback" not in log.read_text(), log.read_text()
 
 
+@pytest.mark.integration
 def test_a_backend_that_comes_up_during_the_wait_is_used(tmp_path):
     import http.server
     import threading

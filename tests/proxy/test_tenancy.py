@@ -185,6 +185,7 @@ def test_unauthenticated_paths_do_not_reach_the_metrics(tmp_path):
     assert "file-secret" not in metrics.text
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("flags, message", [
     (["--protect-metrics"], "protect_metrics (env COHORT_PROTECT_METRICS) needs at least one --api-key"),
     (["--api-key", "k=team-a", "--api-key", "k=team-b"], "gives one key for two tenants"),

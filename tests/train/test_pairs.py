@@ -82,6 +82,7 @@ def test_random_pairs_avoid_the_excluded_ones():
     assert (NEAR, HARD, RANDOM) == (0, 1, 2)
 
 
+@pytest.mark.integration
 def test_targets_and_pairs_import_no_torch_web_framework_or_vllm():
     import subprocess
     import sys

@@ -134,6 +134,7 @@ def test_output_from_another_input_is_never_mixed(vllm_server, tmp_path, capsys)
     assert "belongs to another run" in capsys.readouterr().err and len(results(out)) == 1
 
 
+@pytest.mark.integration
 def test_dry_run_plans_with_the_encoder_and_sends_nothing(tmp_path, capsys):
     pytest.importorskip("sentence_transformers")
     math = [f"What is {a} plus {b}? Solve the arithmetic problem step by step." for a, b in zip(range(8), range(10, 18))]

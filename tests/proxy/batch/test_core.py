@@ -146,6 +146,7 @@ def test_run_config_comes_from_the_settings(key, field, value):
     assert RunConfig.from_settings(settings, metrics_interval_s=0).metrics_interval_s == 0
 
 
+@pytest.mark.integration
 def test_the_core_loads_no_event_loop_and_no_http_client():
     import subprocess
     import sys

@@ -15,6 +15,7 @@ from tests.proxy.servers import answer, body_of, drop, local_backend
 from tests.proxy.batch.test_cli import request_line, results, write
 
 ray = pytest.importorskip("ray")
+pytestmark = pytest.mark.integration  # a local Ray instance, or a process
 
 
 @pytest.fixture(scope="module")
@@ -174,7 +175,7 @@ def test_a_block_is_skipped_once_the_run_stopped_and_a_stopping_block_raises_the
 
 def test_ray_missing_is_one_line_and_exit_2(tmp_path):
     src = write(tmp_path / "in.jsonl", chat_lines(2))
-    code = ("import sys; sys.modules['ray'] = None; from cohort.cli import main; sys.exit(main(sys.argv[1:]))")
+    code = ("import sys; sys.modules['ray'] = None; from moe_cohort.cli import main; sys.exit(main(sys.argv[1:]))")
     done = subprocess.run([sys.executable, "-c", code, "batch", "run", "--engine", "ray", "--input", str(src),
                            "--output", str(tmp_path / "out.jsonl"), "--backend", "http://127.0.0.1:9",
                            "--encoder", "none"], capture_output=True, text=True, timeout=120)
