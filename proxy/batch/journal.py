@@ -62,6 +62,18 @@ class JournalPaths:
         return cls(output, errors, output.with_name(output.name + ".journal"))
 
 
+# characters that JSON allows raw in a string but str.splitlines() (and other splitters) take for line breaks;
+# json.dumps escapes the C0 controls already
+_LINE_BREAKS = {0x85: "\\u0085", 0x2028: "\\u2028", 0x2029: "\\u2029"}
+
+
+def jsonl_line(data: dict) -> bytes:
+    """`data` as one JSONL line (UTF-8, newline-terminated) that every line splitter reads as one line: text
+    stays UTF-8, but U+0085, U+2028 and U+2029 are written as JSON escapes (the same JSON value)."""
+    text = json.dumps(data, ensure_ascii=False)
+    return (text.translate(_LINE_BREAKS) + "\n").encode()
+
+
 class Journal:
     """The finished lines of a run (`done`: line -> kind) and the means to add more (`commit`)."""
 
@@ -121,7 +133,7 @@ class Journal:
         """Append and fsync the data lines; the journal entries to write and the new file sizes."""
         entries, ends = [], dict(self._ends)
         for kind, f in self._files.items():
-            lines = [(r, (json.dumps(r.data, ensure_ascii=False) + "\n").encode()) for r in records if r.kind == kind]
+            lines = [(r, jsonl_line(r.data)) for r in records if r.kind == kind]
             for r, data in lines:
                 ends[kind] += len(data)
                 entries.append((json.dumps({"line": r.line, "file": kind, "end": ends[kind]}) + "\n").encode())

@@ -225,3 +225,81 @@ def test_api_docs_setting_and_flag():
     parser = argparse.ArgumentParser()
     cli.add_arguments(parser)
     assert parser.parse_args(["--api-docs"]).api_docs is True and parser.parse_args([]).api_docs is None
+
+
+# --- item 7: batch output lines with Unicode line separators ---------------------------------------
+
+SEPARATORS = "one\u0085two\u2028three\u2029four"  # JSON allows them raw; str.splitlines() breaks at each
+
+
+class _EchoBackend:
+    """A stdlib HTTP server in a thread: every chat completion answers with SEPARATORS in its text; one with
+    max_tokens 1, a 400 with SEPARATORS in its message."""
+
+    def __init__(self) -> None:
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                refused = json.loads(self.rfile.read(int(self.headers["content-length"]))).get("max_tokens") == 1
+                body = json.dumps({"error": {"message": SEPARATORS, "type": "invalid_request_error"}} if refused else
+                                  {"id": "c1", "object": "chat.completion", "model": "m", "choices": [
+                                      {"index": 0, "message": {"role": "assistant", "content": SEPARATORS},
+                                       "finish_reason": "stop"}]}, ensure_ascii=False).encode()
+                self.send_response(400 if refused else 200)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self):
+                self.send_response(200)
+                self.send_header("content-length", "0")
+                self.end_headers()
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def __enter__(self):
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_batch_output_lines_escape_unicode_line_separators(tmp_path):
+    """A Batch API run whose answers and custom_ids hold U+0085, U+2028, U+2029: the output and error files
+    split into exactly one line per record with str.splitlines(), and each line reads back the same text."""
+    import openai
+
+    lines = [json.dumps({"custom_id": f"ok\u2028{i}", "method": "POST", "url": "/v1/chat/completions",
+                         "body": {"model": "m", "messages": [{"role": "user", "content": "hi"}]}}, ensure_ascii=False)
+             for i in range(3)]
+    lines.append(json.dumps({"custom_id": "bad\u0085id", "method": "POST", "url": "/v1/chat/completions",
+                             "body": {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}},
+                            ensure_ascii=False))
+    with _EchoBackend() as backend, ProxyThread(Settings(backend_url=backend.url, port=free_port(), encoder="none",
+                                                         data_dir=str(tmp_path))) as proxy:
+        client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="unused", max_retries=0)
+        upload = client.files.create(file=("in.jsonl", ("\n".join(lines) + "\n").encode()), purpose="batch")
+        batch = client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h")
+        deadline = time.monotonic() + 60
+        while batch.status not in ("completed", "failed", "cancelled"):
+            assert time.monotonic() < deadline, batch.status
+            time.sleep(0.1)
+            batch = client.batches.retrieve(batch.id)
+        assert batch.status == "completed", batch.errors
+        output = client.files.content(batch.output_file_id).text
+        errors = client.files.content(batch.error_file_id).text
+    assert len(output.splitlines()) == 3 and len(errors.splitlines()) == 1, output + errors
+    records = [json.loads(line) for line in output.splitlines()]
+    assert sorted(r["custom_id"] for r in records) == [f"ok\u2028{i}" for i in range(3)]
+    assert all(r["response"]["body"]["choices"][0]["message"]["content"] == SEPARATORS for r in records)
+    error = json.loads(errors.splitlines()[0])
+    assert error["custom_id"] == "bad\u0085id" and error["response"]["body"]["error"]["message"] == SEPARATORS
+    assert "\\u2028" in output and "\\u0085" in errors  # escaped, not dropped
