@@ -1,6 +1,6 @@
 """What admission costs per admitted request: the vLLM queue (engine side) and the proxy's gate.
 
-    python benchmarks/bench_admission.py [--pool 1000] [--resident 32] [--layers 26] [--experts 64]
+    python -m benchmarks.bench_admission [--pool 1000] [--resident 32] [--layers 26] [--experts 64]
 
 Profiles are random predicted profiles of DeepSeek-V2-Lite's shape (26 MoE layers x 64 experts,
 top-6), sent in encoder.profile's compact form. Prints, for a pool of --pool waiting requests and
@@ -16,21 +16,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import sys
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from moe_cohort.backend.admission_queue import ExpertAwareQueue  # noqa: E402
-from moe_cohort.admission.resident import ResidentExperts  # noqa: E402
-from moe_cohort.encoder.profile import compact, expand  # noqa: E402
-from moe_cohort.proxy.admission import AdmissionGate, Profiler  # noqa: E402
-from moe_cohort.proxy.metrics import ProxyMetrics  # noqa: E402
+from moe_cohort.backend.admission_queue import ExpertAwareQueue
+from moe_cohort.admission.resident import ResidentExperts
+from moe_cohort.encoder.profile import compact, expand
+from moe_cohort.proxy.admission import AdmissionGate, Profiler
+from moe_cohort.proxy.metrics import ProxyMetrics
 
 
 def profiles(n: int, layers: int, experts: int, top_k: int, rng) -> list[np.ndarray]:

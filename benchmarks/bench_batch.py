@@ -1,8 +1,8 @@
 """Benchmark: an offline Batch file through the tiny MoE on vLLM CPU, in arrival order versus admission.
 
-    python benchmarks/bench_batch.py [--backend URL] [--model-dir DIR] [--prompts 1643] [--batch-size 16] [--max-tokens 16]
+    python -m benchmarks.bench_batch [--backend URL] [--model-dir DIR] [--prompts 1643] [--batch-size 16] [--max-tokens 16]
 
-../shared/data/prompts/mixed.jsonl becomes an OpenAI Batch file of /v1/completions lines (`max_tokens`
+$COHORT_DATA/prompts/mixed.jsonl becomes an OpenAI Batch file of /v1/completions lines (`max_tokens`
 short, `ignore_eos`, so every order does the same decode work; prompts that do not fit the model's
 context are left out). Three orders of the same file, against one backend, in one process:
 
@@ -54,16 +54,8 @@ from moe_cohort.proxy.expert_loads import ExpertLoads, parse_expert_loads
 from moe_cohort.proxy.batch.journal import Journal, JournalPaths
 from moe_cohort.proxy.profiles import Predictor, make_predictor
 from moe_cohort.proxy.settings import Settings
+from moe_cohort.train.heldout import prompt_texts
 
-PROMPTS = Path(__file__).resolve().parents[1] / "../shared/data/prompts/mixed.jsonl"
-
-
-def mixed_prompts(heldout: bool) -> list[str]:
-    """The prompt texts of mixed.jsonl in file order; with `heldout`, only the project split's held-out side."""
-    from moe_cohort.traces.split import split_requests
-
-    texts = [json.loads(line)["text"] for line in PROMPTS.read_text().splitlines() if line.strip()]
-    return [texts[i] for i in split_requests(len(texts), groups=texts)[1]] if heldout else texts
 TOKENS_KEY = "cohort_moe_routed_tokens"
 
 
@@ -178,7 +170,7 @@ async def bench(args, backend_url: str) -> None:
     # the process's one Settings: concurrency = --batch-size = the backend's max_num_seqs; the admission encoder
     args.settings = Settings(backend_url=backend_url, batch_concurrency=args.batch_size, encoder=args.encoder or "")
     backend = BackendClient.from_settings(args.settings)
-    texts = mixed_prompts(args.heldout)[: args.prompts]
+    texts = prompt_texts(args.heldout)[: args.prompts]
     fitting = await fitting_prompts(backend, texts, args.max_tokens)
     t = time.perf_counter()
     predictor = make_predictor(args.settings)

@@ -1,6 +1,6 @@
 """Encoder candidates side by side: prompts per CPU-second and planning quality, in one run; the default by rule.
 
-    python benchmarks/bench_encoder.py --finetuned DIR [--finetuned-static DIR] [--student DIR] [--candidate NAME=SPEC ...]
+    python -m benchmarks.bench_encoder --finetuned DIR [--finetuned-static DIR] [--student DIR] [--candidate NAME=SPEC ...]
                                        [--slots 16,32] [--seeds 5]
 
 A candidate SPEC is an `--encoder` value (folder, hub name, `static`, `onnx`, `onnx:FOLDER`, or empty
@@ -36,35 +36,29 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
+from moe_cohort.traces.importers import load_traces
+from moe_cohort.train.heldout import TRACES, HeldOut, data_path
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-DATA = ROOT.parent / "shared" / "data" / "deepseek-v2-lite-puffin"
 SPEED_TARGET, QUALITY_TOLERANCE = 20.0, 0.05
 
 
 def main() -> None:
     args = _parse()
-    from moe_cohort.traces.importers import load_traces
-    from moe_cohort.traces.split import heldout_split
-
-    ts = load_traces(args.traces)
-    train_idx, held_idx = heldout_split(ts)
+    data = HeldOut.of(load_traces(args.traces or data_path(TRACES)))
     candidates = dict(_candidate(c) for c in (args.candidate or _default_candidates(args)))
-    held_texts = list(dict.fromkeys(ts.texts[held_idx].tolist()))  # distinct, in order
-    print(f"{len(ts)} requests, {len(held_idx)} held out ({len(held_texts)} distinct prompts); "
+    held_texts = list(dict.fromkeys(data.held.texts.tolist()))  # distinct, in order
+    print(f"{len(data.traces)} requests, {len(data.held_idx)} held out ({len(held_texts)} distinct prompts); "
           f"{os.cpu_count()} CPUs, shared with other work: compare ratios within this run\n")
     for name, (source, cut) in candidates.items():
         print(f"  {name:<14} --encoder {source or '(packaged MiniLM)'}" + (f", first {cut} tokens" if cut else ""))
     print()
     rates = speed(candidates, held_texts, args.repeats) if not args.no_speed else {}
-    savings = quality(candidates, ts, train_idx, held_idx, args) if not args.no_quality else {}
+    savings = quality(candidates, data, args) if not args.no_quality else {}
     if rates and savings:
         choose(candidates, rates, savings, args.reference)
 
@@ -136,36 +130,32 @@ def _cache_hits(texts: list[str], cut: int = 32) -> None:
           f"{token_hit * 1e6:.1f} us (tokenizer pass + key; {len(long)} texts; static model)\n")
 
 
-def quality(candidates: dict, ts, train_idx, held_idx, args) -> dict[str, dict[int, float]]:
+def quality(candidates: dict, data: HeldOut, args) -> dict[str, dict[int, float]]:
     """Continuous saving by candidate and S, on the held-out requests."""
-    from moe_cohort.encoder.embedding import Embedder, resolve_model
+    from moe_cohort.encoder.embedding import Embedder
     from moe_cohort.encoder.profile import load_profile_head
     from moe_cohort.eval.cost import parse_cost_model
     from moe_cohort.eval.engine import REFERENCE, evaluate_continuous, lengths_from_spec
     from moe_cohort.eval.engine_cli import text_policies
     from moe_cohort.eval.policies import by_profile
-    from moe_cohort.eval.replay import decode_profiles, decode_tokens
-    from moe_cohort.train.profile_head import fit_profile_head
-    from moe_cohort.train.targets import profiles
+    from moe_cohort.eval.replay import decode_tokens
 
-    prof = profiles(ts)  # [N, L, E]
-    fit_idx = train_idx[prof[train_idx].sum(axis=(1, 2)) > 0]
-    held = ts.subset(held_idx)
+    held = data.held
     tokens = decode_tokens(held)
     lengths, cost = lengths_from_spec("lognormal", held.request_ids), parse_cost_model("deepseek-v2-lite")
-    policies, statics, heads, key = {REFERENCE: by_profile(decode_profiles(tokens, held))}, {}, [], {}
+    policies, statics, heads, key = {REFERENCE: by_profile(data.reference)}, {}, [], {}
     for name, (source, cut) in candidates.items():
         e = Embedder(source or None, max_seq_len=cut)
-        x = e.encode(list(ts.texts))  # [N, D]
+        x = e.encode(list(data.traces.texts))  # [N, D]
         head = load_profile_head(e.source) if cut is None else None
         served = head is None and args.as_served  # no head of its own: admitted by nearest embedding, as served
         heads.append(f"{name} " + ("its folder" if head else "none: nearest embedding" if served else "fitted here"))
         if not served:
-            head = head or fit_profile_head(x[fit_idx], prof[fit_idx], ts.top_k)
-        mine = text_policies(f"-{name}", x[held_idx], head)
+            head = head or data.fit_head(x)
+        mine = text_policies(f"-{name}", x[data.held_idx], head)
         key[name] = f"text-nearest-{name}" if served else f"text-profile-{name}"
         policies[key[name]] = mine[key[name]]
-        statics[name] = x[held_idx]
+        statics[name] = x[data.held_idx]
     print("profile heads: " + ", ".join(heads))
     savings: dict[str, dict[int, float]] = {name: {} for name in candidates}
     for slots in _ints(args.slots):
@@ -242,7 +232,7 @@ def _ints(text: str) -> list[int]:
 
 def _parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--traces", default=str(DATA))
+    p.add_argument("--traces", help=f"trace folder (default: $COHORT_DATA/{TRACES})")
     p.add_argument("--finetuned", help="folder of the fine-tuned MiniLM with its profile head (cohort train)")
     p.add_argument("--finetuned-static", help="folder of the fine-tuned static encoder with its profile head")
     p.add_argument("--student", help="folder of the static student of the fine-tuned MiniLM (cohort train --student static)")

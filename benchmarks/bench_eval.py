@@ -1,6 +1,6 @@
 """Benchmark: load the DeepSeek-V2-Lite traces and run random + oracle-greedy batching.
 
-    python benchmarks/bench_eval.py [--traces ../shared/data/deepseek-v2-lite-puffin]
+    python -m benchmarks.bench_eval [--traces DIR (default $COHORT_DATA/deepseek-v2-lite-puffin)]
 
 Prints load time, mask-building time, and per batch size the random mean, the oracle's loads,
 saving, and its wall time. Target: oracle for 1,499 prompts at B = 16 under 5 s on 2 cores.
@@ -17,17 +17,18 @@ from moe_cohort.eval.oracle import greedy_oracle
 from moe_cohort.eval.plans import random_plan
 from moe_cohort.traces.importers import load_traces
 from moe_cohort.traces.loads import expert_masks, plan_loads
+from moe_cohort.train.heldout import TRACES, data_path
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--traces", default="../shared/data/deepseek-v2-lite-puffin")
+    parser.add_argument("--traces", help=f"trace folder (default: $COHORT_DATA/{TRACES})")
     parser.add_argument("--batch-sizes", default="8,16,32,64")
     parser.add_argument("--decode-steps", type=int, default=64)
     args = parser.parse_args()
 
     t0 = time.perf_counter()
-    ts = load_traces(args.traces)
+    ts = load_traces(args.traces or data_path(TRACES))
     t1 = time.perf_counter()
     masks = expert_masks(ts, decode_steps=args.decode_steps)
     t2 = time.perf_counter()

@@ -16,7 +16,7 @@ the plan's order re-cut at an offset of B/2 ("straddle" batches: half of batch i
 A last table recomputes the decode proxy with a random phase per request, which removes the
 proxy's alignment of prompt tokens between requests of equal length (see the report).
 
-    python benchmarks/bench_planner_capture.py [--traces ../shared/data/deepseek-v2-lite-puffin]
+    python -m benchmarks.bench_planner_capture [--traces DIR (default $COHORT_DATA/deepseek-v2-lite-puffin)]
 """
 
 from __future__ import annotations
@@ -24,22 +24,19 @@ from __future__ import annotations
 import argparse
 import os
 import time
-from pathlib import Path
 
 import numpy as np
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+from moe_cohort.encoder.baselines import kmeans_sort_chunk
+from moe_cohort.encoder.ordering import consecutive_similarity
+from moe_cohort.encoder.planner import PlannerConfig, plan_batches
+from moe_cohort.eval.oracle import greedy_oracle
+from moe_cohort.encoder.plans import chunk, validate_plan
+from moe_cohort.eval.plans import random_plan
+from moe_cohort.traces.importers import load_traces
+from moe_cohort.traces.loads import ExpertMasks, expert_masks, plan_loads
+from moe_cohort.train.heldout import TRACES, data_path, embeddings
 
-from moe_cohort.encoder.baselines import kmeans_sort_chunk  # noqa: E402
-from moe_cohort.encoder.ordering import consecutive_similarity  # noqa: E402
-from moe_cohort.encoder.planner import PlannerConfig, plan_batches  # noqa: E402
-from moe_cohort.eval.oracle import greedy_oracle  # noqa: E402
-from moe_cohort.encoder.plans import chunk, validate_plan  # noqa: E402
-from moe_cohort.eval.plans import random_plan  # noqa: E402
-from moe_cohort.traces.importers import load_traces  # noqa: E402
-from moe_cohort.traces.loads import ExpertMasks, expert_masks, plan_loads  # noqa: E402
-
-DEFAULT_TRACES = Path(__file__).resolve().parents[1] / "../shared/data/deepseek-v2-lite-puffin"
 SEEDS = (0, 1, 2)
 ABLATION = {
     "kmeans+sort+chunk (naive)": None,
@@ -55,35 +52,23 @@ ABLATION = {
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--traces", type=Path, default=DEFAULT_TRACES)
-    parser.add_argument("--embeddings", type=Path, default=None, help="cached embeddings .npy (computed and saved when missing)")
+    parser.add_argument("--traces", help=f"trace folder (default: $COHORT_DATA/{TRACES})")
+    parser.add_argument("--cache", default="/tmp/cohort-bench-cache", help="embedding cache (outside the repository)")
     parser.add_argument("--encoder", default=None)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[8, 16, 32, 64])
     parser.add_argument("--decode-steps", type=int, default=64)
     args = parser.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-    ts = load_traces(args.traces)
+    ts = load_traces(args.traces or data_path(TRACES))
     masks = expert_masks(ts, decode_steps=args.decode_steps)
-    x = _embeddings(ts, args)
+    x = embeddings(ts.texts, args.encoder, args.cache)
     print(f"{len(ts)} requests, {ts.num_layers} layers, top-{ts.top_k} of {ts.num_experts}; decode {masks.decode_mode} "
           f"D={masks.decode_steps}; embeddings {x.shape}\n")
     for B in args.batch_sizes:
         _ablation(masks, x, B)
     _straddle_table(masks, x, args.batch_sizes)
     _dephased_table(ts, x, args.batch_sizes, args.decode_steps)
-
-
-def _embeddings(ts, args) -> np.ndarray:
-    if args.embeddings and args.embeddings.exists():
-        return np.load(args.embeddings)
-    from moe_cohort.encoder import embed_texts
-
-    start = time.perf_counter()
-    x = embed_texts(list(ts.texts), encoder=args.encoder, progress=True)
-    print(f"embedded {len(x)} prompts in {time.perf_counter() - start:.1f}s")
-    if args.embeddings:
-        np.save(args.embeddings, x)
-    return x
 
 
 class Scorer:

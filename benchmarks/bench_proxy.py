@@ -1,6 +1,6 @@
 """Benchmark: what the proxy adds, and what admission buys, against one vLLM backend in one run.
 
-    python benchmarks/bench_proxy.py [--backend URL] [--requests-per-client 40] [--no-pin]
+    python -m benchmarks.bench_proxy [--backend URL] [--requests-per-client 40] [--no-pin]
 
 Part 1, overhead: clients send tiny completions (max_tokens=1) directly to vLLM and through the
 proxy, alternating, at 1, 16 and 64 concurrent clients; prints latency p50/p99 and throughput of
@@ -21,7 +21,7 @@ both paths. `--load-on proxy` puts it with the proxy: at 64 clients vLLM answers
 at once, and the proxy and the clients then take turns on one core for each of them, which adds
 64 x (proxy + client CPU per request) to every round trip; that measures the shared core as much
 as the proxy. Without a split (--no-pin) everything competes for all cores.
-Part 2, admission at saturation: the same prompts (../shared/data/prompts/mixed.jsonl) through the
+Part 2, admission at saturation: the same prompts ($COHORT_DATA/prompts/mixed.jsonl) through the
 proxy first come first served (encoder none) and by admission (--encoder, default the packaged
 MiniLM), 64 concurrent clients and --slots requests in flight (the backend's max_num_seqs), so
 requests wait and admission has a pool to choose from; with --engine-side also through a second
@@ -44,7 +44,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
-import json
 import os
 import re
 import subprocess
@@ -57,16 +56,7 @@ import aiohttp
 import numpy as np
 
 from moe_cohort.proxy.vllm_server import free_port
-
-PROMPTS = Path(__file__).resolve().parents[1] / "../shared/data/prompts/mixed.jsonl"
-
-
-def mixed_prompts(heldout: bool) -> list[str]:
-    """The prompt texts of mixed.jsonl in file order; with `heldout`, only the project split's held-out side."""
-    from moe_cohort.traces.split import split_requests
-
-    texts = [json.loads(line)["text"] for line in PROMPTS.read_text().splitlines() if line.strip()]
-    return [texts[i] for i in split_requests(len(texts), groups=texts)[1]] if heldout else texts
+from moe_cohort.train.heldout import prompt_texts
 
 
 async def post(http: aiohttp.ClientSession, url: str, body: dict, own: list[float] | None = None) -> float:
@@ -347,7 +337,7 @@ def main() -> None:
         where = f"backend on CPUs {sorted(backend_cpus)}, " if server else ""
         print(f"backend {args.backend}; proxy = `cohort serve` in its own process; {os.cpu_count()} CPUs: "
               f"{where}proxy on CPUs {sorted(PROXY_CPUS)}, load generator on CPUs {sorted(client_cpus)}")
-        prompts = mixed_prompts(args.heldout)
+        prompts = prompt_texts(args.heldout)
         if not args.skip_overhead:
             for encoder in args.overhead_encoders.split(","):
                 overhead(args.backend, [int(c) for c in args.concurrency.split(",")], args.requests_per_client,

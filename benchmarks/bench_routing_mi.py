@@ -1,6 +1,6 @@
 """Does routing follow content? Category/expert mutual information per layer, trained vs random.
 
-    python benchmarks/bench_routing_mi.py --model TRAINED_DIR [--per-category 40]
+    python -m benchmarks.bench_routing_mi --model TRAINED_DIR [--per-category 40]
 
 Held-out prompts of ../shared/data/prompts/mixed.jsonl (the side the trained model never saw,
 traces.split), as the server sees them (a ChatML user turn), labelled by their mixed.jsonl
@@ -15,16 +15,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import sys
 import tempfile
 from collections import defaultdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from moe_cohort.devtools.corpus import CorpusArgs, build_corpus  # noqa: E402
-from moe_cohort.devtools.routing_mi import chat_prompt, model_category_mi  # noqa: E402
-from moe_cohort.devtools.tiny_moe import TinyMoeArgs, build_config, build_model, make_tiny_moe  # noqa: E402
+from moe_cohort.devtools.corpus import CorpusArgs, build_corpus
+from moe_cohort.devtools.routing_mi import chat_prompt, model_category_mi
+from moe_cohort.devtools.tiny_moe import TinyMoeArgs, build_config, build_model, make_tiny_moe
 
 
 def capped(docs, label, per_label: int):

@@ -1,6 +1,6 @@
 """What pruning costs in quality: held-out next-token cross-entropy under each expert selector.
 
-    python benchmarks/bench_selector_quality.py --model TRAINED_DIR [--batch-size 16] [--batches 4]
+    python -m benchmarks.bench_selector_quality --model TRAINED_DIR [--batch-size 16] [--batches 4]
         [--seq-len 128] [--out DIR]
 
 Held-out text of the trained tiny MoE (devtools.corpus: package code and prose, mixed.jsonl
@@ -20,14 +20,11 @@ import argparse
 import json
 import math
 import random
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from moe_cohort.backend.selection import select_experts  # noqa: E402
-from moe_cohort.devtools.corpus import CorpusArgs, build_corpus  # noqa: E402
-from moe_cohort.devtools.routing_mi import chat_prompt  # noqa: E402
+from moe_cohort.backend.selection import select_experts
+from moe_cohort.devtools.corpus import CorpusArgs, build_corpus
+from moe_cohort.devtools.routing_mi import chat_prompt
 
 POLICIES = ["topk", "xshare;m=16", "xshare;m=24", "xshare;m=32", "oea;k0=1", "oea;k0=2", "oea;k0=3",
             "lynx-lat;drop=4", "lynx-lat;drop=8", "lynx-lat;drop=16", "moe-spec;budget=16", "moe-spec;budget=24",

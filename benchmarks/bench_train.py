@@ -1,9 +1,9 @@
 """Benchmark `cohort train`: held-out capture of base vs fine-tuned encoder plans, and training cost.
 
-    python benchmarks/bench_train.py [--traces ../shared/data/deepseek-v2-lite-puffin] [--output DIR]
+    python -m benchmarks.bench_train [--traces DIR (default $COHORT_DATA/deepseek-v2-lite-puffin)] [--output DIR]
                                      [--model DIR]   # evaluate a finished run instead of training
 
-Splits the traces by request (holdout 20%, seed 0: train.pairs.split_requests), trains on the
+Splits the traces by request (holdout 20%, seed 0: traces.split), trains on the
 training side only with the default TrainConfig (unless --model names a finished run, whose
 training.json gives the split), and reports on the held-out requests:
 
@@ -38,12 +38,13 @@ from moe_cohort.traces.importers import load_traces
 from moe_cohort.traces.loads import expert_masks
 from moe_cohort.train.correlation import cosine_spearman
 from moe_cohort.train.finetune import REPORT_FILE, TrainConfig, train_encoder
+from moe_cohort.train.heldout import TRACES, data_path
 from moe_cohort.train.targets import profiles
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--traces", default="../shared/data/deepseek-v2-lite-puffin")
+    parser.add_argument("--traces", help=f"trace folder (default: $COHORT_DATA/{TRACES})")
     parser.add_argument("--base", default=DEFAULT_MODEL)
     parser.add_argument("--output", help="folder for the trained model (default: a new temporary folder)")
     parser.add_argument("--model", help="a finished `cohort train` output to evaluate instead of training")
@@ -53,7 +54,7 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-    ts = load_traces(args.traces)
+    ts = load_traces(args.traces or data_path(TRACES))
     model_dir = Path(args.model) if args.model else train(ts, args)
     report = json.loads((model_dir / REPORT_FILE).read_text())
     index = {rid: i for i, rid in enumerate(ts.request_ids.tolist())}

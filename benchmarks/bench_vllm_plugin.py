@@ -1,6 +1,6 @@
 """Throughput of vLLM with the moe-cohort plugin off, on with `topk`, and on with each selector.
 
-    .venv/bin/python benchmarks/bench_vllm_plugin.py [--model DIR] [--requests 16] [--max-tokens 128]
+    .venv/bin/python -m benchmarks.bench_vllm_plugin [--model DIR] [--requests 16] [--max-tokens 128]
 
 Each session runs vLLM's offline engine (`vllm.LLM`, eager mode) in a fresh child process; "plugin
 off" sessions run with `VLLM_PLUGINS=none`. A round submits `--requests` prompts at once with
@@ -150,7 +150,6 @@ def main() -> None:
     if args.child:
         return child(args)
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from moe_cohort.devtools.tiny_moe import make_tiny_moe
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -1,6 +1,6 @@
 """Record expert traces of a served MoE through the moe-cohort vLLM plugin (prefill and real decode).
 
-    python benchmarks/record_traces.py --model MODEL_DIR --out TRACE_DIR [--prompts mixed.jsonl]
+    python -m benchmarks.record_traces --model MODEL_DIR --out TRACE_DIR [--prompts mixed.jsonl]
         [--limit N] [--max-num-seqs 16] [--mean-tokens 64] [--seed 0]
 
 Starts a vLLM CPU server on MODEL_DIR with COHORT_RECORD_TRACES=1, sends every prompt of the
@@ -19,7 +19,6 @@ import argparse
 import json
 import logging
 import shutil
-import sys
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -27,13 +26,12 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from moe_cohort.devtools.corpus import DEFAULT_PROMPTS, read_prompts, split_prompts  # noqa: E402
-from moe_cohort.devtools.routing_mi import category_mi, chat_prompt  # noqa: E402
-from moe_cohort.proxy.vllm_server import start  # noqa: E402
-from moe_cohort.traces.format import TraceSet, load_trace_file, save_traces  # noqa: E402
-from moe_cohort.traces.importers import load_traces  # noqa: E402
+from moe_cohort.devtools.corpus import read_prompts, split_prompts
+from moe_cohort.devtools.routing_mi import category_mi, chat_prompt
+from moe_cohort.proxy.vllm_server import start
+from moe_cohort.traces.format import TraceSet, load_trace_file, save_traces
+from moe_cohort.traces.importers import load_traces
+from moe_cohort.train.heldout import PROMPTS, data_path
 
 log = logging.getLogger("record_traces")
 
@@ -76,8 +74,9 @@ def relabel(raw_dir: Path, out_dir: Path, rows: list[dict], side: dict[str, str]
 
 
 def record(args: argparse.Namespace) -> Path:
-    rows = read_prompts(args.prompts)[: args.limit or None]
-    train, held = split_prompts(read_prompts(args.prompts))
+    prompts = args.prompts or data_path(PROMPTS)
+    rows = read_prompts(prompts)[: args.limit or None]
+    train, held = split_prompts(read_prompts(prompts))
     side = {r["id"]: "train" for r in train} | {r["id"]: "heldout" for r in held}
     out, raw = Path(args.out), Path(args.out) / "raw"
     raw.mkdir(parents=True, exist_ok=True)
@@ -116,7 +115,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, help="model folder (e.g. cohort make-tiny-moe --trained)")
     parser.add_argument("--out", required=True, help="trace folder to write (outside git)")
-    parser.add_argument("--prompts", default=str(DEFAULT_PROMPTS))
+    parser.add_argument("--prompts", help=f"prompt set, JSON lines with \"text\" (default: $COHORT_DATA/{PROMPTS})")
     parser.add_argument("--limit", type=int, default=0, help="first N prompts only (0: all)")
     parser.add_argument("--max-num-seqs", type=int, default=16)
     parser.add_argument("--mean-tokens", type=float, default=64)

@@ -1,6 +1,6 @@
 """Which overlap target predicts the decode-load saving of batching requests together?
 
-    python benchmarks/target_study.py [--traces ../shared/data/deepseek-v2-lite-puffin] [--decode-steps 64]
+    python -m benchmarks.target_study [--traces DIR (default $COHORT_DATA/deepseek-v2-lite-puffin)] [--decode-steps 64]
                                       [--phase aligned|random]
 
 For every pair of requests it measures the decode-load saving of batching them,
@@ -14,7 +14,7 @@ compares it with each target of train.targets (overlap, weighted_jaccard, jaccar
 - groups of 4 and 8 (random, and an anchor with its best partners): Spearman of the mean
   pairwise target against the group's saving 1 - loads(G) / sum loads(i);
 - the identity saving = overlap / 2 (tokens independent): Pearson and mean absolute error;
-- planning with a perfect predictor: on the benchmark's held-out 20% (split_requests, seed 0),
+- planning with a perfect predictor: on the benchmark's held-out 20% (traces.split),
   greedy batches on each exact target matrix (open a batch, add the request with the highest
   summed target to the batch), capture of the oracle at B = 8, 16, 32 (eval.metrics.evaluate).
 """
@@ -30,7 +30,7 @@ from scipy.stats import pearsonr, spearmanr
 from moe_cohort.eval.metrics import evaluate
 from moe_cohort.traces.importers import load_traces
 from moe_cohort.traces.loads import expert_masks
-from moe_cohort.train.pairs import split_requests
+from moe_cohort.train.heldout import TRACES, HeldOut, data_path
 from moe_cohort.train.targets import TARGETS, profiles, target_matrix
 
 NEAR = 10
@@ -90,7 +90,7 @@ def rho(x, y) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--traces", default="../shared/data/deepseek-v2-lite-puffin")
+    parser.add_argument("--traces", help=f"trace folder (default: $COHORT_DATA/{TRACES})")
     parser.add_argument("--decode-steps", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--phase", choices=("aligned", "random"), default="aligned",
@@ -99,7 +99,7 @@ def main() -> None:
     rng = np.random.default_rng(args.seed)
 
     t0 = time.perf_counter()
-    ts = load_traces(args.traces)
+    ts = load_traces(args.traces or data_path(TRACES))
     keep = np.flatnonzero(ts.num_prompt_tokens >= 2)  # requests with at least one decode-proxy token
     ts = ts.subset(keep) if len(keep) < len(ts) else ts
     dec = expert_masks(ts, decode_steps=args.decode_steps, phase=args.phase).decode.reshape(len(ts), -1)  # [N, D*L*W]
@@ -147,8 +147,8 @@ def main() -> None:
     print(f"jaccard saturation: mean {targets['jaccard'][iu].mean():.3f}, "
           f"share of pairs >= 0.8: {np.mean(targets['jaccard'][iu] >= 0.8):.1%}")
 
-    _, held = split_requests(n, 0.2, seed=0, groups=ts.texts)
-    sub = ts.subset(held)
+    data = HeldOut.of(ts)
+    held, sub = data.held_idx, data.held
     print(f"\nplanning with a perfect predictor: greedy on the exact target, {len(held)} held-out requests, capture")
     print(f"{'target':<18} " + " ".join(f"{'B=' + str(b):>7}" for b in (8, 16, 32)))
     sub_masks = expert_masks(sub, decode_steps=args.decode_steps, phase=args.phase)
