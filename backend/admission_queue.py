@@ -13,7 +13,7 @@ bound first, FCFS for requests without a profile). The rest of vLLM's semantics 
 - `pop_request` returns what `peek_request` showed (the scheduler peeks, checks, then pops).
 
 The profile travels in the request's `vllm_xargs` as `moe_profile`: the compact form of
-`encoder.profile` (per MoE layer its `COMPACT_TOP` most frequent experts, one int
+`admission.wire` (per MoE layer its `COMPACT_TOP` most frequent experts, one int
 `expert * 256 + round(255 * u)` each, layer after layer). This module
 imports no vLLM: requests are duck-typed (`request_id`, `arrival_time`,
 `sampling_params.extra_args`), so it is tested without an engine; backend/scheduler.py plugs it in.
@@ -31,21 +31,9 @@ import numpy as np
 
 from moe_cohort.admission.resident import ResidentExperts
 from moe_cohort.admission.waiting import WaitingPool, resident_size
-from moe_cohort.admission.wire import PROFILE_KEY
-from moe_cohort.encoder.profile import COMPACT_TOP, expand
+from moe_cohort.admission.wire import COMPACT_TOP, PROFILE_KEY, decode_profile
 
 log = logging.getLogger(__name__)
-
-
-def decode_profile(value: Any, num_experts: int) -> np.ndarray | None:
-    """A `moe_profile` value -> flat frequencies [L*E] float32, or None if it is not a valid one."""
-    if (not isinstance(value, list) or not value or len(value) % COMPACT_TOP
-            or not all(type(v) is int and v >= 0 for v in value)):
-        return None
-    try:
-        return expand(value, len(value) // COMPACT_TOP, num_experts).ravel()  # [L*E]
-    except ValueError:  # an expert id outside the model's
-        return None
 
 
 def profile_of(request, num_experts: int) -> np.ndarray | None:
@@ -56,7 +44,7 @@ def profile_of(request, num_experts: int) -> np.ndarray | None:
     profile = decode_profile(extra[PROFILE_KEY], num_experts)
     if profile is None:
         log.warning("request %s: vllm_xargs.%s must be a list of %d ints per MoE layer, expert * 256 + level, with "
-                    "experts below %d (encoder.profile.compact); admitting it first come, first served",
+                    "experts below %d (admission.wire.compact); admitting it first come, first served",
                     request.request_id, PROFILE_KEY, COMPACT_TOP, num_experts)
     return profile
 

@@ -3,7 +3,7 @@
     python -m benchmarks.bench_admission [--pool 1000] [--resident 32] [--layers 26] [--experts 64]
 
 Profiles are random predicted profiles of DeepSeek-V2-Lite's shape (26 MoE layers x 64 experts,
-top-6), sent in encoder.profile's compact form. Prints, for a pool of --pool waiting requests and
+top-6), sent in admission.wire's compact form. Prints, for a pool of --pool waiting requests and
 --resident running ones:
 
 - engine side: `backend.admission_queue.ExpertAwareQueue`, one peek + pop (what vLLM's scheduler
@@ -23,10 +23,10 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 from moe_cohort.backend.admission_queue import ExpertAwareQueue
-from moe_cohort.admission.resident import ResidentExperts
-from moe_cohort.encoder.profile import compact, expand
+from moe_cohort.admission.wire import Prediction, compact, expand
 from moe_cohort.proxy.admission import AdmissionGate, Profiler
 from moe_cohort.proxy.metrics import ProxyMetrics
+from moe_cohort.proxy.replicas import ReplicaSet
 
 
 def profiles(n: int, layers: int, experts: int, top_k: int, rng) -> list[np.ndarray]:
@@ -60,11 +60,11 @@ def proxy_side(pool: int, resident: int, layers: int, experts: int, rng) -> floa
     vectors = [u.ravel() for u in profiles(pool + resident + 200, layers, experts, 6, rng)]
 
     async def main() -> float:
-        gate = AdmissionGate(Profiler(lambda texts: [(vectors[int(t)], None) for t in texts]), ProxyMetrics(),
-                             max_in_flight=resident, max_queue_s=1e9, resident_factory=lambda n: ResidentExperts(1, n))
+        replicas = ReplicaSet([None], [resident], "affinity", max_queue_s=1e9)
+        gate = AdmissionGate(Profiler(lambda texts: [Prediction(vectors[int(t)]) for t in texts]), ProxyMetrics(), replicas)
         held = [await gate.admit(str(i)) for i in range(resident)]
         waiting = [asyncio.ensure_future(gate.admit(str(resident + i))) for i in range(pool + 200)]
-        while len(gate._pool) < pool + 200:
+        while replicas.router.waiting() < pool + 200:
             await asyncio.sleep(0.01)
         seconds = 0.0
         for i in range(200):

@@ -44,7 +44,7 @@ from moe_cohort.encoder.profile import load_profile_head  # noqa: E402
 from moe_cohort.eval.cost import parse_cost_model  # noqa: E402
 from moe_cohort.eval.engine import lengths_from_spec  # noqa: E402
 from moe_cohort.eval.replay import decode_profiles, decode_tokens  # noqa: E402
-from moe_cohort.eval.replicas import Routing, evaluate_with_single, format_replica_table, poisson_arrivals  # noqa: E402
+from moe_cohort.eval.replicas import evaluate_with_single, format_replica_table, poisson_arrivals, routings_for  # noqa: E402
 from moe_cohort.traces.importers import load_traces  # noqa: E402
 from moe_cohort.traces.split import heldout_split  # noqa: E402
 
@@ -63,9 +63,7 @@ def main() -> None:
     lengths = lengths_from_spec(args.lengths, held.request_ids)
     print(f"held-out: {len(held)} of {len(ts)} requests; lengths {args.lengths} (mean 64); cost model {cost.name}; "
           f"{args.seeds} seeds\n")
-    routings = {"round-robin": Routing("round-robin"), "least-loaded": Routing("least-loaded"),
-                "affinity": Routing("affinity", predicted),
-                "affinity-reference": Routing("affinity", own)}
+    routings = routings_for("all", predicted=predicted, reference=own)
     for load in _floats(args.load):
         print(f"== {'all requests arrive at step 0 (saturation)' if load == 0 else f'Poisson arrivals, load {load:g}'}\n")
         summary = []

@@ -5,12 +5,8 @@ decode tokens that pick expert e at MoE layer l (rows sum to about top_k), which
 admission.resident.ResidentExperts needs to admit by expected new experts from text alone.
 It is a ridge regression blended with the profiles of the nearest training requests (fitted by
 train.profile_head on the training side of traces.split), saved as `expert_profile_head.npz`
-in the encoder's folder, so `--encoder FOLDER` finds both.
-
-Compact form, for a request field that carries flat lists of scalars (vLLM's `vllm_xargs`):
-per layer the `top` most frequent experts, each as one int `expert * 256 + q` with
-q = round(255 * u) in 0..255, layer after layer (L * top ints; 26 * 8 = 208 for DeepSeek-V2-Lite).
-`expand` restores an [L, E] profile with the rest of each layer at 0.
+in the encoder's folder, so `--encoder FOLDER` finds both. (The compact form the proxy forwards a
+profile in is admission.wire's.)
 """
 
 from __future__ import annotations
@@ -22,8 +18,6 @@ from pathlib import Path
 import numpy as np
 
 HEAD_FILE = "expert_profile_head.npz"
-COMPACT_TOP = 8
-_LEVELS = 255
 
 
 @dataclass(frozen=True)
@@ -102,22 +96,3 @@ def load_profile_head(folder: str | Path) -> ProfileHead | None:
                            neighbours=int(meta.get("neighbours", 10)), temperature=float(meta.get("temperature", 20.0)),
                            mix=float(meta.get("mix", 0.0)), **memory)
 
-
-def compact(profile: np.ndarray, top: int = COMPACT_TOP) -> list[int]:
-    """[L, E] profile -> L * top ints `expert * 256 + q` (see the module docstring)."""
-    p = np.clip(np.asarray(profile, dtype=np.float64), 0.0, 1.0)  # [L, E]
-    top = min(top, p.shape[1])
-    ids = np.argsort(-p, axis=1, kind="stable")[:, :top]  # [L, top]
-    q = np.rint(np.take_along_axis(p, ids, axis=1) * _LEVELS).astype(np.int64)  # [L, top]
-    return (ids * 256 + q).ravel().tolist()
-
-
-def expand(codes: list[int] | np.ndarray, num_layers: int, num_experts: int) -> np.ndarray:  # [L, E] float32
-    """Inverse of `compact` up to quantisation (experts outside each layer's top get 0)."""
-    c = np.asarray(codes, dtype=np.int64).reshape(num_layers, -1)  # [L, top]
-    ids, q = c // 256, c % 256
-    if ids.size and (ids.min() < 0 or ids.max() >= num_experts):
-        raise ValueError(f"compact profile names experts outside [0, {num_experts})")
-    out = np.zeros((num_layers, num_experts), np.float32)
-    np.put_along_axis(out, ids, (q / _LEVELS).astype(np.float32), axis=1)
-    return out

@@ -1,7 +1,8 @@
 """Admission policies in the engine's execution model: the continuous-batching replay, summarised.
 
-For every seed the output lengths are drawn once and every policy, and a random admission
-order of that seed, run through eval.replay with them. Per policy:
+For every seed the output lengths are drawn once and every policy (eval.policies: a setting of the
+admission router the proxy serves with), and a random admission order of that seed, run through
+eval.replay with them, on one engine of S slots. Per policy:
 
     loads_per_token    loads (distinct experts per layer, summed over layers and steps) / tokens
     saving             1 - loads_per_token / that of random orders with the same lengths, mean over seeds
@@ -28,8 +29,8 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 from moe_cohort.eval.cost import CostModel
-from moe_cohort.eval.policies import PolicyFactory, random_order
-from moe_cohort.eval.replay import DecodeTokens, Replay, replay
+from moe_cohort.eval.policies import Policy, random_order
+from moe_cohort.eval.replay import DecodeTokens, Replay
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +77,7 @@ def read_lengths(path: str | Path, request_ids: np.ndarray) -> np.ndarray:  # [N
     return out
 
 
-def evaluate_continuous(tokens: DecodeTokens, slots: int, policies: Mapping[str, PolicyFactory], lengths: Lengths,
+def evaluate_continuous(tokens: DecodeTokens, slots: int, policies: Mapping[str, Policy], lengths: Lengths,
                         cost: CostModel, num_layers: int, *, seeds: int = 5, max_wait: float | None = None,
                         random_draws: int = 4) -> dict:
     """Replay random order and every policy over `seeds` seeds; rows as in the module docstring.
@@ -87,14 +88,14 @@ def evaluate_continuous(tokens: DecodeTokens, slots: int, policies: Mapping[str,
     `policies` should hold REFERENCE for `capture`; without it capture is 0. BLAS runs on one
     thread: a replay makes thousands of small products, which extra threads only slow down."""
     runs: dict[str, list[list[Replay]]] = {"random": []}
-    shuffled = random_order(len(tokens))
+    shuffled = random_order()
     with threadpool_limits(limits=1, user_api="blas"):
         for seed in range(seeds):
             lens = lengths(seed)
-            run = lambda policy: replay(tokens, lens, slots, policy, max_wait=max_wait)  # noqa: E731
-            runs["random"].append([run(shuffled(seed * random_draws + j)) for j in range(random_draws)])
-            for name, factory in policies.items():
-                runs.setdefault(name, []).append([run(factory(seed))])
+            runs["random"].append([shuffled.run(tokens, lens, slots, seed * random_draws + j, max_wait)
+                                   for j in range(random_draws)])
+            for name, policy in policies.items():
+                runs.setdefault(name, []).append([policy.run(tokens, lens, slots, seed, max_wait)])
     rows = {name: summary_row(rs, runs["random"], cost, num_layers) for name, rs in runs.items()}
     non_moe = non_moe_us_per_step(rows["random"], cost)
     ref = rows.get(REFERENCE, {}).get("saving", 0.0)

@@ -26,7 +26,7 @@ from moe_cohort.encoder.plans import Plan
 from moe_cohort.eval.args import nonnegative_float, positive_int, share
 from moe_cohort.eval.cost import DEFAULT_COST_MODEL, PRESETS, parse_cost_model
 from moe_cohort.eval.engine import DEFAULT_MEAN_LENGTH, REFERENCE, evaluate_continuous, lengths_from_spec
-from moe_cohort.eval.policies import PolicyFactory, by_embedding, by_profile, fixed_order
+from moe_cohort.eval.policies import Policy, by_embedding, by_profile, fixed_order
 from moe_cohort.eval.replay import DecodeTokens, decode_profiles, decode_tokens
 from moe_cohort.traces.format import TraceSet
 from moe_cohort.traces.split import heldout_split
@@ -92,9 +92,9 @@ def run_replicas(args: argparse.Namespace, ts: TraceSet, text: tuple) -> dict:
 
 
 def continuous_policies(ts: TraceSet, tokens: DecodeTokens, slots: int, *, x: np.ndarray | None = None, head=None,
-                        plan: Plan | None = None, batch_size: int | None = None) -> dict[str, PolicyFactory]:
+                        plan: Plan | None = None, batch_size: int | None = None) -> dict[str, Policy]:
     """The policies of the module docstring that the inputs allow (text ones need x [N, D])."""
-    out: dict[str, PolicyFactory] = {"arrival": fixed_order(np.arange(len(ts)))}
+    out: dict[str, Policy] = {"arrival": fixed_order(np.arange(len(ts)))}
     if plan is None and x is not None:
         from moe_cohort.encoder.planner import plan_batches
 
@@ -107,7 +107,7 @@ def continuous_policies(ts: TraceSet, tokens: DecodeTokens, slots: int, *, x: np
     return out
 
 
-def text_policies(suffix: str, x: np.ndarray, head=None) -> dict[str, PolicyFactory]:
+def text_policies(suffix: str, x: np.ndarray, head=None) -> dict[str, Policy]:
     """text-nearest{suffix}, and with a profile head text-profile{suffix}."""
     out = {f"text-nearest{suffix}": by_embedding(x)}
     if head is not None:

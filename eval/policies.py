@@ -1,92 +1,82 @@
-"""Admission policies as the engine replay drives them (eval.replay.Policy), over admission.resident.
+"""Admission policies as the engine replay runs them: settings of the one admission driver, ReplicaRouter.
 
-Every policy is built fresh per replay by a factory `seed -> Policy`:
+A `Policy` names a routing of `admission.router.ReplicaRouter` and what it fits requests by, and
+`run` replays it (eval.replay) through a router built fresh for that run, so the replay admits exactly
+as the proxy serves (proxy/replicas.py drives the same router) and as a batch file is ordered:
 
-- order policies: a fixed admission order (random, arrival, a static plan's batches one after
-  another); the next waiting request in that order takes the slot;
-- `ProfilePolicy`: fewest expected new experts given the residents' expert profiles
+- order policies (`random_order`, `fixed_order`): first come, first served ("least-loaded"), the
+  requests that arrive together joining in a fixed order: random, trace order, or a static plan's
+  batches one after another;
+- `by_profile`: fewest expected new experts given the residents' expert profiles [L*E]
   (admission.resident.ResidentExperts). With the traces' own profiles it is the reference (issue
   13, 2c); with profiles predicted from text (encoder.profile.ProfileHead) it is a text policy;
-- `EmbeddingPolicy`: nearest embedding to the resident set (text only).
+- `by_embedding`: nearest embedding to the resident set (text only; ResidentEmbedding).
+
+Every rule of the router holds in the replay as served: the fairness bound first, FCFS for a request
+without a vector, the oldest when nobody is resident (before the router drove the replay, the profile
+policy ranked an empty set's candidates by their profile mass, so its numbers moved a little), ties to
+the earliest arrival.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from moe_cohort.admission.resident import ResidentEmbedding, ResidentExperts
-from moe_cohort.eval.replay import Policy
-
-PolicyFactory = Callable[[int], Policy]
-
-
-class OrderPolicy:
-    """Admit the waiting request that comes first in a fixed order."""
-
-    def __init__(self, order: Sequence[int]):
-        order = np.asarray(order, dtype=np.int64)
-        self.rank = np.empty(len(order), np.int64)  # [N] position of each request in the order
-        self.rank[order] = np.arange(len(order))
-
-    def choose(self, waiting: np.ndarray) -> int:
-        return int(np.argmin(np.where(waiting, self.rank, np.iinfo(np.int64).max)))
-
-    def admit(self, request: int) -> None:
-        pass
-
-    def release(self, request: int) -> None:
-        pass
+from moe_cohort.admission.router import ReplicaRouter, ResidentFactory
+from moe_cohort.eval.replay import DecodeTokens, Replay, replay
 
 
-class ProfilePolicy:
-    """Fewest expected new experts per step, from per-request expert profiles [N, L, E]."""
+@dataclass(frozen=True)
+class Policy:
+    """A routing of admission.router and what it fits requests by, as one replay runs it."""
 
-    def __init__(self, profiles: np.ndarray):
-        n, layers, experts = profiles.shape
-        self.flat = np.ascontiguousarray(profiles.reshape(n, -1), dtype=np.float32)  # [N, L*E]
-        self.state = ResidentExperts(layers, experts)
+    routing: str  # "round-robin", "least-loaded" (first come, first served) or "affinity"
+    vectors: np.ndarray | None = field(default=None, repr=False)  # [N, F] flat profiles [L*E] or embeddings [D]
+    embedding: bool = False  # vectors are embeddings (nearest-embedding fit), not expert profiles
+    shuffle: bool = False  # requests that arrive together join in a random order of the run's seed
+    order: np.ndarray | None = field(default=None, repr=False)  # [N] else in this order (None: trace order)
 
-    def choose(self, waiting: np.ndarray) -> int:
-        return self.state.pick(self.flat, waiting)
+    def router(self, slots: Sequence[int], max_wait: float | None = None) -> ReplicaRouter:
+        """A fresh router of replicas with `slots` slots each, with this policy's resident sets."""
+        factory: ResidentFactory = ResidentEmbedding if self.embedding else (lambda size: ResidentExperts(1, size))
+        return ReplicaRouter(slots, self.routing, max_wait=max_wait, resident_factory=factory)
 
-    def admit(self, request: int) -> None:
-        self.state.admit(self.flat[request])
-
-    def release(self, request: int) -> None:
-        self.state.release(self.flat[request])
-
-
-class EmbeddingPolicy:
-    """Nearest embedding [N, D] to the resident set."""
-
-    def __init__(self, x: np.ndarray):
-        norms = np.linalg.norm(x, axis=1, keepdims=True)
-        self.x = (x / np.where(norms > 0, norms, 1.0)).astype(np.float32)  # [N, D] unit rows
-        self.state = ResidentEmbedding(x.shape[1])
-
-    def choose(self, waiting: np.ndarray) -> int:
-        return self.state.pick(self.x, waiting)
-
-    def admit(self, request: int) -> None:
-        self.state.admit(self.x[request])
-
-    def release(self, request: int) -> None:
-        self.state.release(self.x[request])
+    def run(self, tokens: DecodeTokens, lengths: np.ndarray, slots: int | Sequence[int], seed: int = 0,
+            max_wait: float | None = None, times: np.ndarray | None = None) -> Replay:
+        """One replay of replicas of `slots` slots (an int: one engine); `times` [N] sorted arrival steps,
+        taken by the requests in their joining order (None: all at step 0); `max_wait` in steps."""
+        n = len(tokens)
+        order = np.random.default_rng(seed).permutation(n) if self.shuffle else self.order
+        order = np.arange(n) if order is None else np.asarray(order, np.int64)
+        arrivals = None
+        if times is not None:
+            arrivals = np.empty(n, np.int64)
+            arrivals[order] = times  # the k-th request of the order arrives at times[k]
+        router = self.router([slots] if isinstance(slots, int) else slots, max_wait)
+        return replay(tokens, lengths, router, vectors=self.vectors, order=order, arrivals=arrivals)
 
 
-def random_order(n: int) -> PolicyFactory:
-    return lambda seed: OrderPolicy(np.random.default_rng(seed).permutation(n))
+def random_order() -> Policy:
+    """First come, first served in a random order of each run's seed (the yardstick of every saving)."""
+    return Policy("least-loaded", shuffle=True)
 
 
-def fixed_order(order: Sequence[int]) -> PolicyFactory:
-    return lambda seed: OrderPolicy(order)
+def fixed_order(order: Sequence[int]) -> Policy:
+    """First come, first served in `order` (trace order, or a static plan's batches one after another)."""
+    return Policy("least-loaded", order=np.asarray(order, np.int64))
 
 
-def by_profile(profiles: np.ndarray) -> PolicyFactory:
-    return lambda seed: ProfilePolicy(profiles)
+def by_profile(profiles: np.ndarray) -> Policy:
+    """Fewest expected new experts by per-request expert profiles [N, L, E] (or flat [N, L*E])."""
+    flat = np.ascontiguousarray(np.asarray(profiles).reshape(len(profiles), -1), dtype=np.float32)  # [N, L*E]
+    return Policy("affinity", flat)
 
 
-def by_embedding(x: np.ndarray) -> PolicyFactory:
-    return lambda seed: EmbeddingPolicy(x)
+def by_embedding(x: np.ndarray) -> Policy:
+    """Nearest embedding [N, D] to the resident set (rows made unit, as ResidentEmbedding scores them)."""
+    norms = np.linalg.norm(x, axis=1, keepdims=True)
+    return Policy("affinity", (x / np.where(norms > 0, norms, 1.0)).astype(np.float32), embedding=True)

@@ -1,27 +1,37 @@
-"""Replay of a continuous-batching engine (vLLM's execution model) over expert traces.
+"""Replay of continuous-batching engines (vLLM's execution model) over expert traces, admitted by the router.
 
-S slots; every resident request emits one token per step; a request leaves after its output
-length and the admission policy fills the freed slot at once from the waiting pool. A step
-loads, per MoE layer, the distinct experts of the resident requests' current tokens; its
-loads are those counts summed over layers (Doubleword's expert loads, per decode forward).
+R replicas of S slots each (one engine: R = 1); every resident request emits one token per step; a
+request leaves after its output length and the freed slot is filled at once by
+`admission.router.ReplicaRouter`, the one admission driver the proxy serves with (proxy/replicas.py)
+and the batch runner orders by (proxy/batch/order.py): fairness bound first, FCFS for requests
+without a vector, the oldest when nobody is resident, else the fewest expected new experts (or the
+nearest embedding), ties to the earliest arrival. A step of replica r loads, per MoE layer, the
+distinct experts of r's residents' current tokens; its loads are those counts summed over layers
+(Doubleword's expert loads, per decode forward).
+
+Time is in steps: requests that arrive at the same step join the router together (in `order`) before
+it fills the free slots; requests that finish at the same step all leave before it does.
 
 Decode tokens: traces with generated tokens use them (a request runs for as many steps as it
 generated); prompt-only traces use the decode proxy of traces.loads: a request's step t takes
 its prompt token 1 + (t mod (n - 1)) (token 0 is BOS), for as many steps as its output length.
 
-Vectorised by spans: between two departures the resident set is fixed, so the loads of all the
-span's steps come from one gather [R, span, L, W] and one OR over R. A replay of 1,499 requests
-costs about one span per request.
+Vectorised by spans: between two events (an admission, a departure, an arrival) the resident sets
+are fixed, so the loads of all the span's steps come from one gather [R, span, L, W] and one OR
+over R. A replay of 1,499 requests costs about one span per request.
+
+The load bound is checked here, independently of the router: a span in which some replica has a free
+slot while an arrived request still waits counts its steps as violations; a routing with one shared
+pool (least-loaded, affinity) must have none, and the replay raises RuntimeError if it does.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
 
 import numpy as np
 
-from moe_cohort.admission.resident import oldest_overdue
+from moe_cohort.admission.router import ReplicaRouter
 from moe_cohort.traces.format import TraceSet
 from moe_cohort.traces.loads import popcount_sum, token_masks
 
@@ -75,28 +85,21 @@ def decode_profiles(tokens: DecodeTokens, ts: TraceSet) -> np.ndarray:  # [N, L,
     return (counts / cyc[:, None, None]).astype(np.float32)
 
 
-class Policy(Protocol):
-    """An admission policy as the replay drives it: choose among waiting requests, track residents."""
-
-    def choose(self, waiting: np.ndarray) -> int:  # waiting: [N] bool -> a request index with waiting[i]
-        ...
-
-    def admit(self, request: int) -> None:
-        ...
-
-    def release(self, request: int) -> None:
-        ...
+BOUNDED = ("least-loaded", "affinity")  # routings that share one pool: no replica idles while another queues
 
 
 @dataclass(frozen=True)
 class Replay:
-    """What a replay measured, per span of steps with a fixed resident set, and per request."""
+    """What a replay measured, per replica and span of steps with fixed resident sets, and per request."""
 
     steps: np.ndarray  # [K] steps in each span
     resident: np.ndarray  # [K] resident requests (tokens per step) in each span
     loads: np.ndarray  # [K] loads summed over the span's steps and the layers
     start: np.ndarray  # [N] step at which each request was admitted
     order: np.ndarray  # [N] requests in admission order
+    replica: np.ndarray  # [N] the replica that served each request
+    violations: int  # steps in which some replica had a free slot while a request waited
+    makespan: int  # steps until the last request finished
 
     @property
     def tokens(self) -> int:
@@ -107,73 +110,57 @@ class Replay:
         return float(self.loads.sum()) / max(self.tokens, 1)
 
 
-def replay(tokens: DecodeTokens, lengths: np.ndarray, slots: int, policy: Policy, *,
-           arrivals: np.ndarray | None = None, max_wait: float | None = None) -> Replay:
-    """Run every request through `slots` slots; `lengths` [N] >= 1 output tokens; `arrivals` [N] steps.
-
-    A waiting request that has waited >= `max_wait` steps is admitted before the policy's choice
-    (oldest first): the fairness bound."""
+def replay(tokens: DecodeTokens, lengths: np.ndarray, router: ReplicaRouter, *, vectors: np.ndarray | None = None,
+           order: np.ndarray | None = None, arrivals: np.ndarray | None = None) -> Replay:
+    """Run every request through the router's replicas; `lengths` [N] >= 1 output tokens, `vectors` [N, F]
+    what the router fits requests by (None: none, FCFS), `order` [N] the order in which requests arriving
+    at the same step join (default: index order), `arrivals` [N] steps (default: all at 0)."""
     n = len(lengths)
     arrivals = np.zeros(n, np.int64) if arrivals is None else np.asarray(arrivals, np.int64)
-    state = _State(n, slots)
-    pending = np.argsort(arrivals, kind="stable")  # [N] not yet arrived, by arrival
+    order = np.arange(n) if order is None else np.asarray(order, np.int64)
+    pending = order[np.argsort(arrivals[order], kind="stable")]  # [N] by arrival, ties in `order`
+    slot_rep = np.repeat(np.arange(router.replicas), router.capacity)  # [S_total] replica of each slot
+    slot_req, slot_t = np.full(len(slot_rep), -1, np.int64), np.zeros(len(slot_rep), np.int64)
+    start, served, admitted = np.full(n, -1, np.int64), np.full(n, -1, np.int64), []
     spans: list[tuple[int, int, int]] = []
-    head = 0
-    while state.finished < n:
-        head = state.arrive(pending, arrivals, head)
-        state.fill(policy, arrivals, max_wait)
-        rows = np.flatnonzero(state.slot_req >= 0)  # [R] busy slots
-        if len(rows) == 0:
-            state.now = int(arrivals[pending[head]])
+    now = head = finished = violations = 0
+    while finished < n:
+        while head < n and arrivals[pending[head]] <= now:
+            r = int(pending[head])
+            router.add(r, None if vectors is None else vectors[r], int(arrivals[r]))  # joins late in a full span
+            head += 1
+        for key, rep in router.admit(now):
+            slot = int(np.flatnonzero((slot_rep == rep) & (slot_req < 0))[0])
+            slot_req[slot], slot_t[slot], start[key], served[key] = key, 0, now, rep
+            admitted.append(key)
+        busy = slot_req >= 0  # [S_total]
+        if not busy.any():
+            now = int(arrivals[pending[head]])
             continue
-        span = int((lengths[state.slot_req[rows]] - state.slot_t[rows]).min())
-        if head < n and state.waiting.sum() == 0 and len(rows) < slots:
-            span = min(span, max(int(arrivals[pending[head]]) - state.now, 1))
-        spans.append((span, len(rows), span_loads(tokens, state.slot_req[rows], state.slot_t[rows], span)))
-        state.advance(rows, span, lengths, policy)
+        rows = np.flatnonzero(busy)
+        span = int((lengths[slot_req[rows]] - slot_t[rows]).min())
+        if head < n and not busy.all():
+            span = min(span, max(int(arrivals[pending[head]]) - now, 1))
+        if not busy.all() and head > len(admitted):  # a free slot while an arrived request waits
+            violations += span
+        for rep in range(router.replicas):
+            mine = rows[slot_rep[rows] == rep]
+            if len(mine):
+                spans.append((span, len(mine), span_loads(tokens, slot_req[mine], slot_t[mine], span)))
+        now += span
+        slot_t[rows] += span
+        for slot in rows[slot_t[rows] >= lengths[slot_req[rows]]]:
+            router.release(int(slot_req[slot]))
+            slot_req[slot] = -1
+            finished += 1
+    if violations and router.routing in BOUNDED:
+        raise RuntimeError(f"{router.routing}: a replica had a free slot while requests waited for {violations} steps")
     k = np.array(spans, dtype=np.int64).reshape(-1, 3)
-    return Replay(steps=k[:, 0], resident=k[:, 1], loads=k[:, 2], start=state.start, order=np.array(state.order, np.int64))
+    return Replay(steps=k[:, 0], resident=k[:, 1], loads=k[:, 2], start=start, order=np.array(admitted, np.int64),
+                  replica=served, violations=violations, makespan=now)
 
 
 def span_loads(tokens: DecodeTokens, requests: np.ndarray, start: np.ndarray, steps: int) -> int:
     """Distinct experts per layer of the requests' tokens, summed over layers and the span's steps."""
     union = np.bitwise_or.reduce(tokens.masks[tokens.rows(requests, start, steps)], axis=0)  # [steps, L, W]
     return int(popcount_sum(union))
-
-
-class _State:
-    """Slots, the waiting pool and the clock of one replay."""
-
-    def __init__(self, n: int, slots: int):
-        self.slot_req = np.full(slots, -1, np.int64)  # [S] request in each slot, -1 when free
-        self.slot_t = np.zeros(slots, np.int64)  # [S] decode steps the slot's request has run
-        self.waiting = np.zeros(n, bool)  # [N]
-        self.start = np.full(n, -1, np.int64)  # [N]
-        self.order: list[int] = []
-        self.now, self.finished = 0, 0
-
-    def arrive(self, pending: np.ndarray, arrivals: np.ndarray, head: int) -> int:
-        while head < len(pending) and arrivals[pending[head]] <= self.now:
-            self.waiting[pending[head]] = True
-            head += 1
-        return head
-
-    def fill(self, policy: Policy, arrivals: np.ndarray, max_wait: float | None) -> None:
-        for slot in np.flatnonzero(self.slot_req < 0):
-            if not self.waiting.any():
-                return
-            waited = np.where(self.waiting, self.now - arrivals, np.nan)  # [N]
-            late = oldest_overdue(waited, max_wait)
-            r = late if late is not None else policy.choose(self.waiting)
-            self.waiting[r] = False
-            self.slot_req[slot], self.slot_t[slot], self.start[r] = r, 0, self.now
-            self.order.append(int(r))
-            policy.admit(int(r))
-
-    def advance(self, rows: np.ndarray, span: int, lengths: np.ndarray, policy: Policy) -> None:
-        self.now += span
-        self.slot_t[rows] += span
-        for slot in rows[self.slot_t[rows] >= lengths[self.slot_req[rows]]]:
-            policy.release(int(self.slot_req[slot]))
-            self.slot_req[slot] = -1
-            self.finished += 1

@@ -22,9 +22,10 @@ caller awaits `admit()`, talks to the backend, then calls `release(admission)`.
 
 The slots are a `proxy.replicas.ReplicaSet`: one backend is a set of one replica, several backends
 (`--backend` repeated) a set of R, each with `max_in_flight` slots, routed by `--routing`
-(admission.router.ReplicaRouter; "affinity" is this module's rule applied per replica). An
-admission names its replica (`admission.client`); `failover()` moves a request whose connection a
-replica refused (it never got it) to another one.
+(admission.router.ReplicaRouter; "affinity" is this module's rule applied per replica), the same
+router that drives the batch order (proxy.batch.order) and the engine replay (eval.replay). An
+admission names its replica (`admission.client`); `refused()` and `readmit()` move a request whose
+connection a replica refused (it never got it) to another one.
 """
 
 from __future__ import annotations
@@ -35,34 +36,30 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable
 
-import numpy as np
-
-from moe_cohort.admission.resident import ResidentExperts
+from moe_cohort.admission.wire import Prediction
+from moe_cohort.proxy.backend import BackendClient
+from moe_cohort.proxy.metrics import ProxyMetrics
+from moe_cohort.proxy.profiles import PredictFn
+from moe_cohort.proxy.replicas import Lease, ReplicaSet
 
 log = logging.getLogger(__name__)
 
 LATE_PROFILE_S = 0.02  # how long a request admitted at once waits before its profile is predicted
-
-# texts -> per text (vector, compact profile or None) or None; the vector is a flat predicted
-# profile [L*E] (with a profile head) or a unit embedding [D] (nearest-embedding admission)
-PredictFn = Callable[[Sequence[str]], list]
 
 
 @dataclass(frozen=True, eq=False)
 class Admission:
     admission_id: str  # the admission's sequence number (X-Cohort-Admission)
     queue_s: float  # arrival to admission: the profile's prediction, then the wait for a slot
-    profile: list[int] | None = None  # compact, for vllm_xargs.moe_profile
-    flat: np.ndarray | None = field(default=None, repr=False)  # [L*E] or [D], the predicted vector
-    lease: object = field(default=None, repr=False)  # proxy.replicas.Lease: the replica's slot
+    lease: Lease = field(repr=False)  # the replica's slot
+    prediction: Prediction | None = None  # as predicted before admission (None: none, or predicted later)
     arrived: float = 0.0
-    ticket_profile: tuple | None = field(default=None, repr=False)  # (flat, compact) as predicted, for failover
     wait_s: float = 0.0  # the wait for a slot alone (queue_s less the prediction)
 
     @property
-    def client(self):
+    def client(self) -> BackendClient:
         """The BackendClient of the replica this admission's slot is on."""
         return self.lease.client
 
@@ -80,7 +77,7 @@ class Profiler:
         self._task: asyncio.Task | None = None
         self._executor = ThreadPoolExecutor(1, "cohort-profile")
 
-    async def profile(self, text: str):
+    async def profile(self, text: str) -> Prediction | None:
         future = asyncio.get_running_loop().create_future()
         self._pending.append((text, future))
         if self._task is None or self._task.done():
@@ -109,34 +106,24 @@ class Profiler:
 
 @dataclass
 class AdmissionGate:
-    """Profiles on arrival, then a slot from `replicas` (proxy.replicas.ReplicaSet: one backend is a set of
-    one); the metrics waiting / in_flight / queue_seconds. Without `replicas` it makes a set of one
-    slot-only replica of `max_in_flight` slots, with `max_queue_s`, `clock` and `resident_factory`."""
+    """Predictions on arrival (`profiler`; None: every request first come, first served), then a slot from
+    `replicas` (one backend is a set of one); the metrics waiting / in_flight / queue_seconds."""
 
     profiler: Profiler | None
-    metrics: object  # proxy.metrics.ProxyMetrics
-    # size -> the resident set: ResidentExperts over predicted profiles, or ResidentEmbedding
-    resident_factory: Callable[[int], object] = lambda size: ResidentExperts(1, size)
-    max_in_flight: int = 256
-    max_queue_s: float = 30.0
-    clock: Callable[[], float] = time.monotonic
-    replicas: object = None  # proxy.replicas.ReplicaSet
-    # True: every request waits for its predicted profile (and carries it to the backend); False: one that
-    # finds a free slot with nobody waiting goes at once, and its profile joins the resident set when ready
+    metrics: ProxyMetrics
+    replicas: ReplicaSet
+    # True: every request waits for its prediction (and carries it to the backend); False: one that finds a
+    # free slot with nobody waiting goes at once, and its prediction joins the resident set when ready
     profile_first: bool = True
-    _background: list = field(default_factory=list)  # background admissions not released yet, oldest first
-    _late: set = field(default_factory=set)  # tasks predicting the profiles of requests admitted at once
+    _background: list[Admission] = field(default_factory=list)  # background admissions not released, oldest first
+    _late: set[asyncio.Task] = field(default_factory=set)  # predicting the profiles of requests admitted at once
     _ids: itertools.count = field(default_factory=itertools.count)
 
-    def __post_init__(self) -> None:
-        if self.replicas is None:
-            from moe_cohort.proxy.replicas import ReplicaSet
+    @property
+    def clock(self) -> Callable[[], float]:
+        return self.replicas.clock
 
-            self.replicas = ReplicaSet([None], [self.max_in_flight], "affinity", max_queue_s=self.max_queue_s,
-                                       clock=self.clock, resident_factory=self.resident_factory)
-        self.clock = self.replicas.clock
-
-    async def admit(self, text: str, policy: str = "") -> Admission:
+    async def admit(self, text: str) -> Admission:
         """Wait until this request's turn at a backend; the caller must `release()` it afterwards."""
         arrived = self.clock()
         self.metrics.waiting.inc()
@@ -147,11 +134,11 @@ class AdmissionGate:
             task.add_done_callback(self._late.discard)
             return admission
         try:
-            profile = await self.profiler.profile(text) if self.profiler is not None else None
+            prediction = await self.profiler.profile(text) if self.profiler is not None else None
         except asyncio.CancelledError:
             self.metrics.waiting.dec()
             raise
-        return await self._acquire(profile, arrived)
+        return await self._acquire(prediction, arrived)
 
     async def _profile_later(self, admission: Admission, text: str) -> None:
         """Predict the profile of a request admitted without it; it joins its replica's resident set
@@ -159,9 +146,9 @@ class AdmissionGate:
         taken in first and predicted after, in larger batches (bench_proxy, static student, 64 clients:
         the proxy's own time p50 7.9 -> 3.6-4.4 ms); the resident set learns of it a little later."""
         await asyncio.sleep(LATE_PROFILE_S)
-        profile = await self.profiler.profile(text)  # None when the encoder failed
-        if profile is not None:
-            self.replicas.router.assign(admission.lease.ticket, profile[0])
+        prediction = await self.profiler.profile(text)  # None when the encoder failed
+        if prediction is not None:
+            self.replicas.router.assign(admission.lease.ticket, prediction.vector)
 
     def refused(self, admission: Admission, exc: Exception) -> bool:
         """Whether `admission`'s request may go to another replica after `exc`: its replica refused the
@@ -170,14 +157,14 @@ class AdmissionGate:
         return self.replicas.refused(admission.lease, exc)
 
     async def readmit(self, admission: Admission) -> Admission:
-        """A new slot for a refused request: same profile, its place by its first arrival."""
+        """A new slot for a refused request: same prediction, its place by its first arrival."""
         self.metrics.waiting.inc()
-        return await self._acquire(admission.ticket_profile, admission.arrived)
+        return await self._acquire(admission.prediction, admission.arrived)
 
     async def admit_background(self) -> Admission:
         """Wait for a slot that no waiting request wants; the caller must `release()` it afterwards."""
         lease = await self.replicas.acquire_background()
-        admission = Admission(f"b{next(self._ids)}", lease.queue_s, lease=lease)
+        admission = Admission(f"b{next(self._ids)}", lease.queue_s, lease)
         self._background.append(admission)
         self._in_flight_changed()
         return admission
@@ -197,24 +184,10 @@ class AdmissionGate:
         if self.profiler is not None:
             self.profiler.close()
 
-    # what tests and the metrics look at: the one pool, the slots taken, replica 0's resident set
-    @property
-    def _pool(self):
-        return self.replicas.router.pool
-
-    @property
-    def _in_flight(self) -> int:
-        return self.replicas.in_flight()
-
-    @property
-    def _resident(self):
-        return self.replicas.router.resident(0)
-
-    async def _acquire(self, profile: tuple | None, arrived: float) -> Admission:
-        flat, compact = profile if profile is not None else (None, None)
+    async def _acquire(self, prediction: Prediction | None, arrived: float) -> Admission:
         asked = self.clock()
         try:
-            lease = await self.replicas.acquire(flat, arrived)
+            lease = await self.replicas.acquire(None if prediction is None else prediction.vector, arrived)
         except BaseException:  # cancelled (a slot granted meanwhile is given back) or no healthy replica
             self.metrics.waiting.dec()
             self._in_flight_changed()
@@ -223,8 +196,7 @@ class AdmissionGate:
         self.metrics.waiting.dec()
         self.metrics.queue_seconds.observe(now - arrived)
         self._in_flight_changed()
-        return Admission(f"a{next(self._ids)}", now - arrived, compact, flat, lease=lease,
-                         arrived=arrived, ticket_profile=profile, wait_s=now - asked)
+        return Admission(f"a{next(self._ids)}", now - arrived, lease, prediction, arrived, now - asked)
 
     def _in_flight_changed(self) -> None:
         self.metrics.in_flight.set(self.replicas.in_flight())

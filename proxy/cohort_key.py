@@ -5,8 +5,8 @@ Endpoint Picker of the Gateway API Inference Extension (llm-d's scheduler) order
 queue by numbers in a request's `ordering.custom` metadata (`custom-data-ordering-policy`), and an
 affinity scorer can send equal keys to the same replica (README, "llm-d").
 
-The proxy's per-request knowledge is the admission's vector (proxy/admission.py `Admission.flat`):
-the predicted expert profile [L*E] with a profile head, else the prompt's unit embedding [D]. The
+The proxy's per-request knowledge is the admission's prediction (admission.wire.Prediction): its vector
+is the predicted expert profile [L*E] with a profile head, else the prompt's unit embedding [D]. The
 key is its SimHash: bit i is the sign of the vector's projection on the i-th of `bits` fixed random
 directions (seeded by the vector's length, so every proxy process gives a vector the same key).
 Vectors at a small angle share most bits; sorting by the key groups equal keys and puts keys that
@@ -23,6 +23,8 @@ from functools import lru_cache
 
 import numpy as np
 
+from moe_cohort.admission.wire import Prediction
+
 HEADER = "x-cohort-key"
 DEFAULT_BITS = 16  # keys in [0, 65536): exact in the float64 an ordering policy compares
 _SEED = 0x5EED
@@ -37,10 +39,9 @@ def cohort_key(vector: np.ndarray, bits: int = DEFAULT_BITS) -> int:
     return int(signs.astype(np.int64) @ (1 << np.arange(bits - 1, -1, -1, dtype=np.int64)))
 
 
-def cohort_key_header(admission) -> dict[str, str]:
-    """`{"x-cohort-key": "<int>"}` for an admission with a predicted vector; {} without one (no encoder)."""
-    flat = getattr(admission, "flat", None)
-    return {} if flat is None else {HEADER: str(cohort_key(flat))}
+def cohort_key_header(prediction: Prediction | None) -> dict[str, str]:
+    """`{"x-cohort-key": "<int>"}` for a request with a prediction; {} without one (no encoder, or predicted late)."""
+    return {} if prediction is None else {HEADER: str(cohort_key(prediction.vector))}
 
 
 @lru_cache(maxsize=8)

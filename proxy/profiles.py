@@ -22,19 +22,21 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from moe_cohort.admission.resident import ResidentEmbedding, ResidentExperts
+from moe_cohort.admission.router import ResidentFactory
+from moe_cohort.admission.wire import Prediction
 from moe_cohort.proxy.settings import Settings
 
 log = logging.getLogger(__name__)
 
-# texts -> per text (vector, compact profile or None): a flat predicted profile [L*E] with a profile
+# texts -> per text its Prediction: a flat predicted profile [L*E] and its compact form with a profile
 # head, else a unit embedding [D]; None for a text that got no prediction
-PredictFn = Callable[[Sequence[str]], list]
+PredictFn = Callable[[Sequence[str]], list[Prediction | None]]
 
 
 @dataclass(frozen=True)
 class Predictor:
     predict: PredictFn
-    resident_factory: Callable[[int], object]  # vector size -> the resident set that scores such vectors
+    resident_factory: ResidentFactory  # vector size -> the resident set that scores such vectors
     kind: str  # "profile" or "embedding"
 
 
@@ -81,14 +83,12 @@ def make_predictor(settings: Settings, threads: int | None = None) -> Predictor 
              "with a profile head: admission by expected new experts" if head else "no profile head: nearest embedding")
     lock = threading.Lock()  # online admission and Batch API jobs predict from different threads; tokenizers are not re-entrant
 
-    def predict(texts: Sequence[str]) -> list:
+    def predict(texts: Sequence[str]) -> list[Prediction]:
         with lock:
             x = embedder.encode(list(texts))  # [N, D] float32, L2-normalised
         if head is None:
-            return [(row, None) for row in x]
-        from moe_cohort.encoder.profile import compact
-
-        return [(p.ravel(), compact(p)) for p in head.predict(x)]  # [L*E], L * top ints
+            return [Prediction(row) for row in x]
+        return [Prediction.of_profile(p) for p in head.predict(x)]  # [L, E] each
 
     if head is None:
         return Predictor(predict, ResidentEmbedding, "embedding")

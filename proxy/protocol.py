@@ -61,9 +61,10 @@ def own_seconds(started: float | None, admission, backend_s: float) -> float | N
 def with_profile(body: dict, admission) -> dict:
     """The body to forward: with the admission's predicted profile in `vllm_xargs.moe_profile` (for an
     engine that reorders its own queue, backend/scheduler.py), or unchanged without one."""
-    if admission.profile is None:
+    compact = None if admission.prediction is None else admission.prediction.compact
+    if compact is None:
         return body
-    return {**body, "vllm_xargs": {**(body.get("vllm_xargs") or {}), PROFILE_KEY: admission.profile}}
+    return {**body, "vllm_xargs": {**(body.get("vllm_xargs") or {}), PROFILE_KEY: compact}}
 
 
 def check_size(content_length: str | None, max_bytes: int) -> None:

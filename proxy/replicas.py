@@ -24,7 +24,7 @@ set of one replica, so both cases share this one code path.
 - `models()`: the healthy replicas' /v1/models lists merged by model id (first replica wins).
 - Background work (the Batch API's jobs): `acquire_background()` gets a slot only when no waiting
   request can use it (every replica with a free slot has nobody waiting for it).
-- A client of None is a slot-only replica (AdmissionGate without backends, in tests).
+- A client of None is a slot-only replica (tests of the admission order, which talk to no backend).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ import aiohttp
 import numpy as np
 
 from moe_cohort.admission.resident import ResidentExperts
-from moe_cohort.admission.router import ReplicaRouter
+from moe_cohort.admission.router import ReplicaRouter, ResidentFactory
 from moe_cohort.proxy.backend import BackendAnswer, BackendClient
 from moe_cohort.proxy.errors import BackendError, BackendUnreachable
 
@@ -54,7 +54,7 @@ class Lease:
     replica: int
     client: BackendClient
     queue_s: float
-    ticket: object = field(repr=False)
+    ticket: _Ticket = field(repr=False)  # the router's key of this request
 
 
 @dataclass(eq=False)
@@ -69,7 +69,7 @@ class ReplicaSet:
 
     def __init__(self, clients: Sequence[BackendClient], capacities: Sequence[int], routing: str = "affinity", *,
                  max_queue_s: float = 30.0, health_timeout_s: float = 5.0, clock: Callable[[], float] = time.monotonic,
-                 resident_factory=lambda size: ResidentExperts(1, size)):
+                 resident_factory: ResidentFactory = lambda size: ResidentExperts(1, size)):
         if len(clients) != len(capacities) or not clients:
             raise ValueError(f"one capacity per backend: {len(clients)} backend(s), {len(capacities)} capacities")
         self.clients = list(clients)

@@ -63,7 +63,7 @@ class StreamRelay:
                  started: float | None = None) -> None:
         self.up, self.preq, self.path, self.headers, self.started = upstream, preq, path, headers, started
         self._backend_s = 0.0  # the backend's time to answer the stream's status line (every replica tried)
-        self._admit = asyncio.ensure_future(upstream.gate.admit(preq.text, preq.policy))
+        self._admit = asyncio.ensure_future(upstream.gate.admit(preq.text))
         self._admission = None  # the slot held (the admission, or the one a refused replica's failover gave)
         self._opening = False  # from here on `_admission` is the slot held (None while between replicas)
         self._stream: contextlib.AbstractAsyncContextManager | None = None
@@ -91,7 +91,7 @@ class StreamRelay:
         while True:
             admission = self._admission
             body = with_profile(self.preq.body, admission)
-            headers = {**self.headers, **cohort_key_header(admission)}
+            headers = {**self.headers, **cohort_key_header(admission.prediction)}
             stream = admission.client.stream(self.path, json=body, headers=headers)
             sent = time.perf_counter()
             try:

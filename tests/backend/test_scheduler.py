@@ -16,7 +16,7 @@ import pytest
 DRIVER = r"""
 import json, sys
 from vllm import LLM, SamplingParams
-from moe_cohort.encoder.profile import compact
+from moe_cohort.admission.wire import compact
 
 model, scheduler = sys.argv[1], sys.argv[2]
 llm = LLM(model=model, max_num_seqs=2, max_model_len=256, enforce_eager=True, seed=0,

@@ -1,9 +1,9 @@
-"""The expert-profile head: prediction contract, save/load, and the compact form for vllm_xargs."""
+"""The expert-profile head: prediction contract, save/load (its compact wire form: tests/admission/test_wire.py)."""
 
 import numpy as np
 import pytest
 
-from moe_cohort.encoder.profile import ProfileHead, compact, expand, load_profile_head
+from moe_cohort.encoder.profile import ProfileHead, load_profile_head
 
 
 def _head(dim=4, layers=2, experts=5, seed=0):
@@ -34,25 +34,6 @@ def test_save_and_load_round_trip(tmp_path):
     np.testing.assert_array_equal(back.weight, head.weight)
     np.testing.assert_array_equal(back.bias, head.bias)
     assert (back.num_layers, back.num_experts, back.top_k, back.alpha) == (2, 5, 2, 0.3)
-
-
-def test_compact_keeps_each_layers_top_experts_quantised():
-    rng = np.random.default_rng(2)
-    p = rng.random((3, 20)).astype(np.float32)
-    codes = compact(p, top=4)
-    assert len(codes) == 12 and all(isinstance(c, int) for c in codes)
-    back = expand(codes, 3, 20)
-    for layer in range(3):
-        top = np.argsort(-p[layer])[:4]
-        np.testing.assert_allclose(back[layer, top], p[layer, top], atol=0.5 / 255 + 1e-6)
-        assert np.count_nonzero(back[layer]) <= 4
-        rest = np.setdiff1d(np.arange(20), top)
-        assert (back[layer, rest] == 0).all()
-
-
-def test_expand_rejects_experts_outside_the_model():
-    with pytest.raises(ValueError, match="experts"):
-        expand([9 * 256 + 10], 1, 8)
 
 
 def test_the_neighbour_part_is_the_softmax_weighted_mean_of_the_nearest_profiles(tmp_path):

@@ -8,7 +8,7 @@ import pytest
 from moe_cohort.eval.cost import PRESETS, CostModel, parse_cost_model
 from moe_cohort.eval.engine import evaluate_continuous, lengths_from_spec, lognormal_lengths, read_lengths
 from moe_cohort.eval.policies import by_profile, fixed_order, random_order
-from moe_cohort.eval.replay import decode_profiles, decode_tokens, replay
+from moe_cohort.eval.replay import decode_profiles, decode_tokens
 from moe_cohort.traces.synthetic import synthetic_traces
 
 COST = CostModel("t", 10.0, 40.0, 2.0, moe_share=0.5)
@@ -29,9 +29,9 @@ def test_rows_are_paired_by_seed_and_the_reference_captures_all_of_itself():
     assert list(rows) == ["random", "arrival", "reference"]
     assert rows["random"]["saving"] == 0 and rows["reference"]["capture"] == pytest.approx(1.0)
     assert rows["reference"]["saving"] > 0.05  # planted topics: like with like pays
-    rnd = [np.mean([replay(tok, lengths(s), 4, random_order(len(ts))(s * 4 + j)).loads_per_token for j in range(4)])
+    rnd = [np.mean([random_order().run(tok, lengths(s), 4, s * 4 + j).loads_per_token for j in range(4)])
            for s in range(3)]
-    ref = [replay(tok, lengths(s), 4, by_profile(prof)(s)).loads_per_token for s in range(3)]
+    ref = [by_profile(prof).run(tok, lengths(s), 4).loads_per_token for s in range(3)]
     savings = [1 - a / b for a, b in zip(ref, rnd)]
     assert rows["reference"]["saving"] == pytest.approx(np.mean(savings))
     assert rows["reference"]["saving_std"] == pytest.approx(np.std(savings))
@@ -55,7 +55,7 @@ def test_step_time_is_moe_time_plus_the_non_moe_share_of_a_random_step():
     lengths = lengths_from_spec("fixed", ts.request_ids, mean=5)
     out = evaluate_continuous(tok, 3, {"reference": by_profile(prof)}, lengths, COST, ts.num_layers, seeds=2,
                               random_draws=1)
-    rnd = [replay(tok, lengths(s), 3, random_order(len(ts))(s)) for s in range(2)]
+    rnd = [random_order().run(tok, lengths(s), 3, s) for s in range(2)]
     moe = np.mean([COST.moe_us(r.steps, r.resident, r.loads, 3) / r.tokens for r in rnd])
     steps = np.mean([r.steps.sum() / r.tokens for r in rnd])
     assert out["non_moe_us_per_step"] == pytest.approx(moe / steps)  # share 0.5: non-MoE = MoE
@@ -101,5 +101,5 @@ def test_the_cli_builds_every_policy_the_inputs_allow_and_text_profiles_come_fro
     names = list(continuous_policies(ts, tok, 4, x=x, head=head))
     assert names == ["arrival", "plan", "text-nearest", "text-profile", "reference"]
     assert list(continuous_policies(ts, tok, 4)) == ["arrival", "reference"]
-    policy = continuous_policies(ts, tok, 4, x=x, head=head)["text-profile"](0)
-    np.testing.assert_allclose(policy.flat, head.predict(x).reshape(len(ts), -1))
+    policy = continuous_policies(ts, tok, 4, x=x, head=head)["text-profile"]
+    np.testing.assert_allclose(policy.vectors, head.predict(x).reshape(len(ts), -1))

@@ -1,10 +1,10 @@
-"""The continuous-batching replay against a step-by-step brute force on small traces."""
+"""The continuous-batching replay (one engine, or replicas) against a step-by-step replay of the same router."""
 
 import numpy as np
 import pytest
 
-from moe_cohort.eval.policies import EmbeddingPolicy, OrderPolicy, ProfilePolicy
-from moe_cohort.eval.replay import decode_profiles, decode_tokens, replay
+from moe_cohort.eval.policies import Policy, by_embedding, by_profile, random_order
+from moe_cohort.eval.replay import decode_profiles, decode_tokens
 from tests.conftest import random_traces
 from moe_cohort.train.targets import profiles
 
@@ -23,67 +23,83 @@ def _token_sets(ts, r, t, mode):
     return [set(ts.experts[row, l].tolist()) for l in range(ts.num_layers)]
 
 
-def _brute(ts, lengths, slots, policy, mode, arrivals, max_wait):
-    """One step at a time: fill free slots (overdue first, oldest first), count distinct experts, advance."""
+def _brute(ts, lengths, policy, slots, mode, arrivals=None, max_wait=None, seed=0):
+    """One step at a time through `policy`'s router: arrivals join (in the policy's order), free slots
+    fill, every replica loads its residents' experts, finished requests leave. -> loads, tokens, order, replica."""
     n = len(lengths)
-    slot_req, slot_t = [-1] * slots, [0] * slots
-    waiting, done, now, loads, tokens, order = set(), 0, 0, 0, 0, []
+    arrivals = np.zeros(n, int) if arrivals is None else arrivals
+    router = policy.router(slots, max_wait)
+    join = np.random.default_rng(seed).permutation(n) if policy.shuffle else (
+        np.arange(n) if policy.order is None else policy.order)
+    places = [(r, s) for r in range(len(slots)) for s in range(slots[r])]
+    req, t = {p: -1 for p in places}, {p: 0 for p in places}
+    added, order, replica, now, loads, tokens, done = set(), [], {}, 0, 0, 0, 0
     while done < n:
-        waiting |= {r for r in range(n) if arrivals[r] <= now and r not in order}
-        for s in range(slots):
-            if slot_req[s] < 0 and waiting:
-                late = [r for r in waiting if max_wait is not None and now - arrivals[r] >= max_wait]
-                mask = np.zeros(n, bool)
-                mask[list(waiting)] = True
-                r = min(late, key=lambda q: (-(now - arrivals[q]), q)) if late else policy.choose(mask)
-                waiting.discard(r)
-                slot_req[s], slot_t[s] = r, 0
-                order.append(r)
-                policy.admit(r)
-        union = [set() for _ in range(ts.num_layers)]
-        for s in range(slots):
-            if slot_req[s] >= 0:
-                sets = _token_sets(ts, slot_req[s], slot_t[s], mode)
-                for l in range(ts.num_layers):
-                    union[l] |= sets[l] if sets else set()
+        for i in sorted(range(n), key=lambda q: (arrivals[q], list(join).index(q))):
+            if arrivals[i] <= now and i not in added:
+                router.add(i, None if policy.vectors is None else policy.vectors[i], now)
+                added.add(i)
+        for key, rep in router.admit(now):
+            p = next(p for p in places if p[0] == rep and req[p] < 0)
+            req[p], t[p], replica[key] = key, 0, rep
+            order.append(key)
+        for rep in range(len(slots)):
+            union = [set() for _ in range(ts.num_layers)]
+            for p in (p for p in places if p[0] == rep and req[p] >= 0):
+                sets = _token_sets(ts, req[p], t[p], mode)
+                for layer in range(ts.num_layers):
+                    union[layer] |= sets[layer] if sets else set()
                 tokens += 1
-        loads += sum(len(u) for u in union)
+            loads += sum(len(u) for u in union)
         now += 1
-        for s in range(slots):
-            if slot_req[s] >= 0:
-                slot_t[s] += 1
-                if slot_t[s] >= lengths[slot_req[s]]:
-                    policy.release(slot_req[s])
-                    slot_req[s] = -1
+        for p in places:
+            if req[p] >= 0:
+                t[p] += 1
+                if t[p] >= lengths[req[p]]:
+                    router.release(req[p])
+                    req[p] = -1
                     done += 1
-    return loads, tokens, order
+    return loads, tokens, order, [replica[i] for i in range(n)]
 
 
 @pytest.mark.parametrize("mode,max_decode", [("proxy", 0), ("real", 5)])
 @pytest.mark.parametrize("slots", [1, 3, 5])
-def test_replay_matches_the_step_by_step_engine(mode, max_decode, slots):
+def test_one_engine_matches_the_step_by_step_replay(mode, max_decode, slots):
     ts = random_traces(14, max_prompt=6, max_decode=max_decode, seed=slots)
     lengths = np.random.default_rng(slots).integers(1, 9, size=len(ts))
     tok = decode_tokens(ts, mode)
-    prof = decode_profiles(tok, ts)
-    for make in (lambda: OrderPolicy(np.random.default_rng(0).permutation(len(ts))), lambda: ProfilePolicy(prof)):
-        got = replay(tok, lengths, slots, make())
-        loads, tokens, order = _brute(ts, lengths, slots, make(), mode, np.zeros(len(ts), int), None)
-        assert (int(got.loads.sum()), got.tokens) == (loads, tokens)
-        assert got.order.tolist() == order
-        assert got.tokens == lengths.sum()
+    for policy in (random_order(), by_profile(decode_profiles(tok, ts))):
+        got = policy.run(tok, lengths, slots, seed=7)
+        loads, tokens, order, _ = _brute(ts, lengths, policy, [slots], mode, seed=7)
+        assert (int(got.loads.sum()), got.tokens, got.order.tolist()) == (loads, tokens, order)
+        assert got.tokens == lengths.sum() and got.violations == 0
 
 
-def test_fairness_bound_and_arrivals_follow_the_brute_force():
+@pytest.mark.parametrize("routing", ["round-robin", "least-loaded", "affinity"])
+@pytest.mark.parametrize("slots", [[1, 2], [2, 2, 3]])
+def test_replicas_match_the_step_by_step_replay(routing, slots):
+    ts = random_traces(16, max_prompt=6, seed=len(slots))
+    lengths = np.random.default_rng(3).integers(1, 8, size=len(ts))
+    times = np.sort(np.random.default_rng(4).integers(0, 10, size=len(ts)))
+    tok = decode_tokens(ts, "proxy")
+    policy = Policy(routing, decode_profiles(tok, ts).reshape(len(ts), -1))
+    got = policy.run(tok, lengths, slots, times=times)
+    loads, tokens, order, replica = _brute(ts, lengths, policy, slots, "proxy", times)
+    assert (int(got.loads.sum()), got.tokens, got.order.tolist(), got.replica.tolist()) == (loads, tokens, order, replica)
+    assert got.tokens == lengths.sum() and (got.start >= times).all()
+
+
+def test_fairness_bound_and_arrivals_follow_the_step_by_step_replay():
     ts = random_traces(16, max_prompt=6, seed=4)
     lengths = np.random.default_rng(4).integers(1, 7, size=len(ts))
-    arrivals = np.sort(np.random.default_rng(5).integers(0, 12, size=len(ts)))
-    x = np.random.default_rng(6).normal(size=(len(ts), 4))
+    times = np.sort(np.random.default_rng(5).integers(0, 12, size=len(ts)))
+    policy = by_embedding(np.random.default_rng(6).normal(size=(len(ts), 4)))
     tok = decode_tokens(ts)
-    got = replay(tok, lengths, 2, EmbeddingPolicy(x), arrivals=arrivals, max_wait=3)
-    loads, _, order = _brute(ts, lengths, 2, EmbeddingPolicy(x), "proxy", arrivals, 3)
+    got = policy.run(tok, lengths, 2, max_wait=3, times=times)
+    loads, _, order, _ = _brute(ts, lengths, policy, [2], "proxy", times, max_wait=3)
     assert got.order.tolist() == order and int(got.loads.sum()) == loads
-    assert (got.start >= arrivals).all()
+    assert (got.start >= times).all()
+    assert got.order.tolist() != policy.run(tok, lengths, 2, times=times).order.tolist()  # the bound acted
 
 
 def test_decode_profiles_are_the_training_profiles():

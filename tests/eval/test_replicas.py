@@ -1,18 +1,17 @@
-"""moe_cohort.eval.replicas: R replicas behind a router, against a hand computation, a step-by-step brute force and eval.replay."""
+"""moe_cohort.eval.replicas: R replicas behind a router, against a hand computation; the summary rows and the CLI.
+(The replay itself against a step-by-step one: tests/eval/test_replay.py.)"""
 
 import json
 
 import numpy as np
 import pytest
 
-from moe_cohort.admission.resident import ResidentExperts
 from moe_cohort.admission.router import ReplicaRouter
-from moe_cohort.admission.waiting import WaitingPool
 from moe_cohort.eval.cost import PRESETS
 from moe_cohort.eval.engine import lengths_from_spec
-from moe_cohort.eval.policies import OrderPolicy
+from moe_cohort.eval.policies import Policy, by_profile
 from moe_cohort.eval.replay import decode_profiles, decode_tokens, replay
-from moe_cohort.eval.replicas import Routing, evaluate_replicas, format_replica_table, replay_replicas
+from moe_cohort.eval.replicas import evaluate_replicas, format_replica_table
 from tests.conftest import random_traces
 from moe_cohort.traces.format import TraceSet
 
@@ -42,100 +41,14 @@ def test_two_replicas_of_two_slots_by_hand(routing, loads):
     ts = _traces(HAND)
     tok = decode_tokens(ts, "proxy")
     prof = decode_profiles(tok, ts).reshape(len(ts), -1)
-    got = Routing(routing, prof).run(tok, np.full(6, 2), [2, 2])
+    got = Policy(routing, prof).run(tok, np.full(6, 2), [2, 2])
     assert (int(got.loads.sum()), got.tokens, got.makespan, got.violations) == (loads, 12, 4, 0)
-
-
-def _brute(ts, lengths, router, vectors, arrivals):
-    """One step at a time: arrivals join, the router fills free slots, every replica loads its residents' experts."""
-    n, slots = len(lengths), [(r, s) for r in range(router.replicas) for s in range(router.capacity[r])]
-    tok = decode_tokens(ts, "proxy")
-    req, t = {sl: -1 for sl in slots}, {sl: 0 for sl in slots}
-    added, order, now, loads, tokens, done, violations = [], [], 0, 0, 0, 0, 0
-    while done < n:
-        for i in sorted(range(n), key=lambda q: (arrivals[q], q)):
-            if arrivals[i] <= now and i not in added:
-                router.add(i, None if vectors is None else vectors[i], now)
-                added.append(i)
-        for key, rep in router.admit(now):
-            sl = next(sl for sl in slots if sl[0] == rep and req[sl] < 0)
-            req[sl], t[sl] = key, 0
-            order.append(key)
-        violations += any(req[sl] < 0 for sl in slots) and len(added) > len(order)
-        for rep in range(router.replicas):
-            union = [set() for _ in range(ts.num_layers)]
-            for sl in (sl for sl in slots if sl[0] == rep and req[sl] >= 0):
-                row = tok.base[req[sl]] + t[sl] % tok.cycle[req[sl]]
-                for layer in range(ts.num_layers):
-                    union[layer] |= set(ts.experts[row, layer].tolist()) if row < len(ts.experts) else set()
-                tokens += 1
-            loads += sum(len(u) for u in union)
-        now += 1
-        for sl in slots:
-            if req[sl] >= 0:
-                t[sl] += 1
-                if t[sl] >= lengths[req[sl]]:
-                    router.release(req[sl])
-                    req[sl] = -1
-                    done += 1
-    return loads, tokens, order, violations
-
-
-@pytest.mark.parametrize("routing", ["round-robin", "least-loaded", "affinity"])
-@pytest.mark.parametrize("slots", [[1, 2], [2, 2, 3]])
-def test_replay_matches_the_step_by_step_replicas(routing, slots):
-    ts = random_traces(16, max_prompt=6, seed=len(slots))
-    lengths = np.random.default_rng(3).integers(1, 8, size=len(ts))
-    arrivals = np.sort(np.random.default_rng(4).integers(0, 10, size=len(ts)))
-    tok = decode_tokens(ts, "proxy")
-    prof = decode_profiles(tok, ts).reshape(len(ts), -1)
-    got = replay_replicas(tok, lengths, ReplicaRouter(slots, routing), vectors=prof, arrivals=arrivals)
-    loads, tokens, order, violations = _brute(ts, lengths, ReplicaRouter(slots, routing), prof, arrivals)
-    assert (int(got.loads.sum()), got.tokens, got.order.tolist()) == (loads, tokens, order)
-    assert got.violations == violations and got.tokens == lengths.sum()
-    assert (got.start >= arrivals).all() and (got.replica >= 0).all()
-
-
-class _PoolPolicy:
-    """moe_cohort.eval.replay.Policy over the pool rule the router uses (WaitingPool, one resident set)."""
-
-    def __init__(self, vectors):
-        self.vectors, self.pool, self.seen = vectors, WaitingPool(), set()
-        self.resident = ResidentExperts(1, vectors.shape[1])
-
-    def choose(self, waiting):
-        for i in map(int, np.flatnonzero(waiting)):
-            if i not in self.seen:
-                self.pool.add(i, self.vectors[i], 0.0)
-                self.seen.add(i)
-        return self.pool.pick(self.resident, 0.0, None)
-
-    def admit(self, request):
-        self.pool.remove(request)
-        self.resident.admit(self.vectors[request])
-
-    def release(self, request):
-        self.resident.release(self.vectors[request])
-
-
-@pytest.mark.parametrize("routing", ["round-robin", "least-loaded", "affinity"])
-def test_one_replica_is_the_single_engine_replay(routing):
-    ts = random_traces(20, max_prompt=6, max_decode=4, seed=9)
-    lengths = np.random.default_rng(9).integers(1, 9, size=len(ts))
-    arrivals = np.sort(np.random.default_rng(10).integers(0, 15, size=len(ts)))
-    tok = decode_tokens(ts)
-    prof = decode_profiles(tok, ts).reshape(len(ts), -1)
-    policy = _PoolPolicy(prof) if routing == "affinity" else OrderPolicy(np.arange(len(ts)))
-    want = replay(tok, lengths, 3, policy, arrivals=arrivals)
-    got = replay_replicas(tok, lengths, ReplicaRouter([3], routing), vectors=prof, arrivals=arrivals)
-    for field in ("steps", "resident", "loads", "start", "order"):
-        np.testing.assert_array_equal(getattr(got, field), getattr(want, field), err_msg=field)
 
 
 def test_round_robin_on_identical_requests_is_least_loaded():
     ts = _traces([{1, 3}] * 9)
     tok = decode_tokens(ts, "proxy")
-    rr, ll = (Routing(name).run(tok, np.full(9, 5), [2, 2]) for name in ("round-robin", "least-loaded"))
+    rr, ll = (Policy(name).run(tok, np.full(9, 5), [2, 2]) for name in ("round-robin", "least-loaded"))
     assert (int(rr.loads.sum()), rr.tokens) == (int(ll.loads.sum()), ll.tokens)
     assert rr.replica.tolist() == ll.replica.tolist()
 
@@ -144,23 +57,23 @@ def test_round_robin_can_idle_a_replica_and_a_shared_pool_may_not():
     ts = _traces(HAND)
     tok = decode_tokens(ts, "proxy")
     lengths = np.array([1, 9, 1, 9, 1, 9])  # replica 0 gets the short ones and runs dry while replica 1 queues
-    assert Routing("round-robin").run(tok, lengths, [1, 1]).violations > 0
-    assert Routing("least-loaded").run(tok, lengths, [1, 1]).violations == 0
+    assert Policy("round-robin").run(tok, lengths, [1, 1]).violations > 0
+    assert Policy("least-loaded").run(tok, lengths, [1, 1]).violations == 0
 
     class Stuck(ReplicaRouter):  # replica 1 never admits: the replay must refuse the run
         def _has_candidate(self, r):
             return r == 0 and super()._has_candidate(r)
 
     with pytest.raises(RuntimeError, match="free slot while requests waited"):
-        replay_replicas(tok, lengths, Stuck([1, 1], "least-loaded"))
+        replay(tok, lengths, Stuck([1, 1], "least-loaded"))
 
 
 def test_evaluate_replicas_rows():
     ts = random_traces(24, max_prompt=6, seed=2)
     tok = decode_tokens(ts)
     prof = decode_profiles(tok, ts).reshape(len(ts), -1)
-    routings = {"round-robin": Routing("round-robin"), "least-loaded": Routing("least-loaded"),
-                "affinity-reference": Routing("affinity", prof)}
+    routings = {"round-robin": Policy("round-robin"), "least-loaded": Policy("least-loaded"),
+                "affinity-reference": by_profile(prof)}
     out = evaluate_replicas(tok, 2, 3, routings, lengths_from_spec("lognormal", ts.request_ids, mean=6),
                             PRESETS["deepseek-v2-lite"], ts.num_layers, seeds=2)
     rows = out["plans"]
@@ -213,7 +126,7 @@ def test_arrival_times_go_to_the_requests_in_arrival_order():
     assert times[0] == 0 and (np.diff(times) >= 0).all() and abs(times[-1] / 399 - 2.0) < 0.3  # mean gap 1 / rate
     ts = random_traces(12, max_prompt=6, seed=5)
     tok, times = decode_tokens(ts), np.arange(0, 24, 2)
-    for routing in (Routing("least-loaded", shuffle=True), Routing("least-loaded")):
+    for routing in (Policy("least-loaded", shuffle=True), Policy("least-loaded")):
         got = routing.run(tok, np.full(12, 3), [12, 12], seed=7, times=times)  # room for all: nobody waits
         order = np.random.default_rng(7).permutation(12) if routing.shuffle else np.arange(12)
         assert got.start[order].tolist() == times.tolist()

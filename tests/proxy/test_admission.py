@@ -1,27 +1,43 @@
-"""The proxy's online admission: slots, the waiting pool, the rule, fairness, background work, profiles."""
+"""The proxy's online admission: slots, the waiting pool, the rule, fairness, background work, profiles.
+
+Observed from outside: which waiter is admitted, the admissions' fields, and the gate's ReplicaSet
+(its router's waiting count and resident sets, its slots in flight)."""
 
 import asyncio
 import threading
 import time
 
 import numpy as np
-import pytest
 
+import moe_cohort.proxy.admission
+from moe_cohort.admission.wire import Prediction
 from moe_cohort.proxy.admission import AdmissionGate, Profiler
 from moe_cohort.proxy.metrics import ProxyMetrics
+from moe_cohort.proxy.replicas import ReplicaSet
 
 A, B = np.array([1.0, 1.0, 0.0, 0.0]), np.array([0.0, 0.0, 1.0, 1.0])  # [L*E] profiles of two kinds
 PROFILES = {"a1": A, "a2": A, "a3": A, "b1": B, "b2": B}
+predicted = []  # texts the blocked gates' predictor answered
 
 
 def predict(texts):
-    return [None if t not in PROFILES else (PROFILES[t], [7]) for t in texts]
+    return [None if t not in PROFILES else Prediction(PROFILES[t], [7]) for t in texts]
 
 
-def gate(capacity, now=None, **kw):
-    clock = (lambda: now[0]) if now is not None else None
-    return AdmissionGate(Profiler(predict), ProxyMetrics(), max_in_flight=capacity, max_queue_s=30.0,
-                         **({"clock": clock} if clock else {}), **kw)
+def gate(capacity, now=None, predict=predict, profile_first=True):
+    """A gate of one slot-only replica of `capacity` slots (fairness bound 30 s); `now`: a clock [seconds]."""
+    clock = (lambda: now[0]) if now is not None else time.monotonic
+    replicas = ReplicaSet([None], [capacity], "affinity", max_queue_s=30.0, clock=clock)
+    return AdmissionGate(Profiler(predict), ProxyMetrics(), replicas, profile_first=profile_first)
+
+
+def in_flight(g):
+    return g.replicas.in_flight()
+
+
+def resident_count(g):
+    resident = g.replicas.router.resident(0)
+    return 0 if resident is None else resident.count
 
 
 async def until(condition, timeout=10.0):
@@ -35,7 +51,7 @@ async def until(condition, timeout=10.0):
 
 
 def pooled(g, n):
-    return lambda: len(g._pool) == n
+    return lambda: g.replicas.router.waiting() == n
 
 
 def run(coro):
@@ -46,9 +62,10 @@ def test_a_lone_request_is_admitted_at_once_with_its_profile():
     async def main():
         g = gate(4)
         admission = await asyncio.wait_for(g.admit("a1"), 5)
-        assert admission.profile == [7] and admission.queue_s >= 0 and g._in_flight == 1
+        assert admission.prediction.compact == [7] and admission.queue_s >= 0 and in_flight(g) == 1
+        assert resident_count(g) == 1
         g.release(admission)
-        assert g._in_flight == 0 and g._resident.count == 0
+        assert in_flight(g) == 0 and resident_count(g) == 0
     run(main())
 
 
@@ -82,7 +99,7 @@ def test_with_nobody_resident_the_oldest_goes_first():
         g.release(first)  # the resident set is empty again: nothing to fit, b1 is oldest
         await until(waiting[0].done)
         assert not waiting[1].done()
-        assert g._resident.count == 1  # b1's profile
+        assert resident_count(g) == 1  # b1's profile
     run(main())
 
 
@@ -130,7 +147,7 @@ def test_background_work_only_gets_slots_no_waiting_request_wants():
         assert not background.done()
         g.release(online.result())
         await until(background.done)
-        assert g._in_flight == 1
+        assert in_flight(g) == 1
         g.release()
     run(main())
 
@@ -144,8 +161,8 @@ def test_cancelled_waiters_hold_no_slot():
         waiting.cancel()
         await until(pooled(g, 0))
         g.release(first)
-        assert g._in_flight == 0 and not g._pool
-        assert (await asyncio.wait_for(g.admit("b1"), 5)).profile == [7]
+        assert in_flight(g) == 0 and g.replicas.router.waiting() == 0
+        assert (await asyncio.wait_for(g.admit("b1"), 5)).prediction.compact == [7]
     run(main())
 
 
@@ -156,12 +173,12 @@ def test_the_profiler_batches_what_arrives_together_and_survives_a_failure():
         calls.append(list(texts))
         if "boom" in texts:
             raise RuntimeError("encoder down")
-        return [(np.full(2, float(len(t))), None) for t in texts]
+        return [Prediction(np.full(2, float(len(t)))) for t in texts]
 
     async def main():
         p = Profiler(batched)
         got = await asyncio.gather(*(p.profile(t) for t in ("x", "yy", "zzz")))
-        assert [g[0][0] for g in got] == [1.0, 2.0, 3.0]
+        assert [g.vector[0] for g in got] == [1.0, 2.0, 3.0]
         assert len(calls) <= 2 and sum(map(len, calls)) == 3  # the first alone at most, the rest together
         assert await p.profile("boom") is None  # FCFS for these, nothing lost
         p.close()
@@ -169,22 +186,24 @@ def test_the_profiler_batches_what_arrives_together_and_survives_a_failure():
 
 
 def test_the_wait_for_a_slot_excludes_the_profile_prediction():
+    now = [0.0]
+
     def slow_predict(texts):
-        time.sleep(0.1)
+        now[0] += 0.1  # each prediction takes 0.1 s on the gate's clock
         return predict(texts)
 
     async def main():
-        g = AdmissionGate(Profiler(slow_predict), ProxyMetrics(), max_in_flight=1)
-        first = await g.admit("a1")
-        second = asyncio.ensure_future(g.admit("b1"))
-        await asyncio.sleep(0.3)  # predicted after 0.1 s, then waits for the slot
+        g = gate(1, now=now, predict=slow_predict)
+        first = await g.admit("a1")  # arrives at 0, predicted at 0.1, admitted at once
+        second = asyncio.ensure_future(g.admit("b1"))  # arrives at 0.1, predicted at 0.2, then waits
+        await until(pooled(g, 1))
+        now[0] = 0.5
         g.release(first)
-        second = await asyncio.wait_for(second, 5)
-        return first, second
+        return first, await asyncio.wait_for(second, 5)
 
     first, second = run(main())
-    assert first.queue_s >= 0.1 and first.wait_s < 0.05  # predicted, then admitted at once
-    assert second.queue_s >= 0.3 and 0.15 <= second.wait_s <= second.queue_s - 0.1
+    assert (first.queue_s, first.wait_s) == (0.1, 0.0)
+    assert np.allclose([second.arrived, second.queue_s, second.wait_s], [0.1, 0.4, 0.3])
 
 
 def blocked_gate(capacity):
@@ -194,24 +213,26 @@ def blocked_gate(capacity):
 
     def slow_predict(texts):
         assert go.wait(10), "the test never let the prediction finish"
+        predicted.extend(texts)
         return predict(texts)
 
-    return AdmissionGate(Profiler(slow_predict), ProxyMetrics(), max_in_flight=capacity, profile_first=False), go
+    return gate(capacity, predict=slow_predict, profile_first=False), go
 
 
 def test_a_request_that_finds_a_free_slot_goes_before_its_profile_which_joins_later():
     async def main():
         g, go = blocked_gate(2)
         first = await asyncio.wait_for(g.admit("a1"), 2)  # the prediction is still blocked
-        assert first.profile is None and (g._resident is None or g._resident.count == 0)
+        assert first.prediction is None and resident_count(g) == 0
         go.set()
-        await until(lambda: g._resident is not None and g._resident.count == 1)  # a1's profile joined
+        await until(lambda: resident_count(g) == 1)  # a1's profile joined
         g.release(first)
-        assert g._resident.count == 0
+        assert resident_count(g) == 0
         early = await g.admit("b1")
         g.release(early)  # finished before its profile came
-        await until(lambda: not g._late)
-        assert g._resident.count == 0 and g._in_flight == 0
+        await until(lambda: "b1" in predicted)  # its late prediction came
+        await asyncio.sleep(0.05)  # and was handed to the router, which holds b1 no more
+        assert resident_count(g) == 0 and in_flight(g) == 0
     run(main())
 
 
@@ -220,14 +241,14 @@ def test_a_late_profile_steers_the_next_choice_and_a_waiting_request_waits_for_i
         g, go = blocked_gate(2)
         go.set()
         resident, other = await g.admit("a1"), await g.admit("b1")  # both at once; profiles follow
-        await until(lambda: g._resident is not None and g._resident.count == 2)
+        await until(lambda: resident_count(g) == 2)
         waiting = {"b2": asyncio.ensure_future(g.admit("b2"))}
         await until(pooled(g, 1))
         waiting["a2"] = asyncio.ensure_future(g.admit("a2"))  # arrival order: b2 first
         await until(pooled(g, 2))
         g.release(other)  # a1 stays resident, known only from its late profile: a2 fits it
         await until(waiting["a2"].done)
-        assert not waiting["b2"].done() and waiting["a2"].result().profile == [7]  # predicted before it waited
+        assert not waiting["b2"].done() and waiting["a2"].result().prediction.compact == [7]  # predicted before it waited
         g.release(resident)
         g.release(waiting["a2"].result())
         await until(waiting["b2"].done)
@@ -236,9 +257,7 @@ def test_a_late_profile_steers_the_next_choice_and_a_waiting_request_waits_for_i
 
 
 def test_a_late_profile_is_predicted_only_after_the_burst(monkeypatch):
-    import moe_cohort.proxy.admission
-
-    monkeypatch.setattr(proxy.admission, "LATE_PROFILE_S", 0.3)
+    monkeypatch.setattr(moe_cohort.proxy.admission, "LATE_PROFILE_S", 60.0)  # longer than the test
     asked = []
 
     def counting_predict(texts):
@@ -246,10 +265,9 @@ def test_a_late_profile_is_predicted_only_after_the_burst(monkeypatch):
         return predict(texts)
 
     async def main():
-        g = AdmissionGate(Profiler(counting_predict), ProxyMetrics(), max_in_flight=4, profile_first=False)
+        g = gate(4, predict=counting_predict, profile_first=False)
         admitted = [await g.admit(t) for t in ("a1", "b1")]
-        await asyncio.sleep(0.1)
-        assert asked == [] and all(a.profile is None for a in admitted)  # admitted, not predicted yet
-        await until(lambda: g._resident is not None and g._resident.count == 2)
-        assert sum(asked) == 2
+        await asyncio.sleep(0.05)  # the loop and the profiler's thread get their turns
+        assert asked == [] and all(a.prediction is None for a in admitted)  # admitted, not predicted yet
+        g.close()
     run(main())

@@ -9,7 +9,7 @@ import openai
 import pytest
 from aiohttp import web
 
-from moe_cohort.proxy.admission import Admission
+from moe_cohort.admission.wire import Prediction
 from moe_cohort.proxy.app import create_app
 from moe_cohort.proxy.cohort_key import HEADER, cohort_key, cohort_key_header
 from moe_cohort.proxy.settings import Settings
@@ -59,10 +59,10 @@ def test_non_negative_profiles_with_different_experts_get_different_keys():
     assert len({cohort_key(p) for p in profiles}) >= 50
 
 
-def test_the_header_comes_from_the_admission_vector_or_not_at_all():
-    assert cohort_key_header(Admission("a1", 0.0)) == {}
+def test_the_header_comes_from_the_predicted_vector_or_not_at_all():
+    assert cohort_key_header(None) == {}
     flat = np.linspace(-1, 1, 32)
-    assert cohort_key_header(Admission("a2", 0.0, flat=flat)) == {HEADER: str(cohort_key(flat))}
+    assert cohort_key_header(Prediction(flat)) == {HEADER: str(cohort_key(flat))}
 
 
 def proxy_run(encoder: str, calls):

@@ -70,7 +70,7 @@ def test_concurrent_requests_each_get_their_own_admission(proxy):
 
 
 def test_the_backend_accepts_a_forwarded_expert_profile(vllm_server):
-    from moe_cohort.encoder.profile import compact
+    from moe_cohort.admission.wire import compact
 
     profile = compact(np.eye(4, 16))  # [L=4, E=16] what the proxy forwards for the engine-side scheduler
     answer = httpx.post(vllm_server.url + "/v1/completions", timeout=60,

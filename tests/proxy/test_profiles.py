@@ -36,5 +36,5 @@ def test_the_default_encoder_is_the_static_distillation_of_the_packaged_model(tm
     monkeypatch.setattr("moe_cohort.encoder.static.static_model_dir", lambda source, **kw: asked.append(source) or small)
     predictor = make_predictor(Settings())
     assert asked == [packaged]  # distilled from the packaged MiniLM (once: then from the cache)
-    (vector, profile), = predictor.predict(["How do I sort a list in Python?"])
-    assert predictor.kind == "embedding" and vector.shape == (8,) and profile is None  # no head: nearest embedding
+    (prediction,) = predictor.predict(["How do I sort a list in Python?"])
+    assert predictor.kind == "embedding" and prediction.vector.shape == (8,) and prediction.compact is None  # no head

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from moe_cohort.admission.resident import ResidentExperts
+from moe_cohort.admission.wire import Prediction
 from moe_cohort.encoder.plans import read_plan_file
 from moe_cohort.proxy.admission import AdmissionGate
 from moe_cohort.proxy.backend import BackendClient
@@ -20,6 +21,7 @@ from moe_cohort.proxy.batch.format import read_batch_file
 from moe_cohort.proxy.batch.journal import Journal, JournalPaths
 from moe_cohort.proxy.metrics import ProxyMetrics
 from moe_cohort.proxy.profiles import Predictor
+from moe_cohort.proxy.replicas import ReplicaSet
 from tests.proxy.servers import answer, body_of, drop, local_backend
 
 OK = {"id": "cmpl", "object": "text_completion", "choices": [{"index": 0, "text": "ok"}],
@@ -120,7 +122,8 @@ def test_unreachable_backend_stops_the_run_and_a_rerun_finishes_it(tmp_path):
 def kinds_predictor():
     """Profiles by the prompt's first letter: "a..." requests use experts 0-1, "b..." experts 2-3 ([L*E] = [4])."""
     def predict(texts):
-        return [(np.array([1.0, 1.0, 0, 0]) if t.startswith("a") else np.array([0, 0, 1.0, 1.0]), [0] * 8) for t in texts]
+        return [Prediction(np.array([1.0, 1.0, 0, 0]) if t.startswith("a") else np.array([0, 0, 1.0, 1.0]), [0] * 8)
+                for t in texts]
     return Predictor(predict, lambda size: ResidentExperts(1, size), "profile")
 
 
@@ -170,9 +173,9 @@ def test_gate_gives_batch_work_only_the_slots_online_traffic_leaves(tmp_path):
         return answer(OK)
 
     async def main():
-        gate = AdmissionGate(None, ProxyMetrics(), max_in_flight=3)
-        await gate.admit("online 1", "topk")  # two interactive requests hold two of the three slots
-        await gate.admit("online 2", "topk")
+        gate = AdmissionGate(None, ProxyMetrics(), ReplicaSet([None], [3]))
+        await gate.admit("online 1")  # two interactive requests hold two of the three slots
+        await gate.admit("online 2")
         paths = JournalPaths.for_output(tmp_path / "out.jsonl")
         async with local_backend(backend) as url:
             client = BackendClient(url)
@@ -180,7 +183,7 @@ def test_gate_gives_batch_work_only_the_slots_online_traffic_leaves(tmp_path):
             try:
                 stats = await run_batch(parsed, journal, client, None, CONFIG, gate=gate)
                 cancel = asyncio.Event()  # now a run that cannot get a slot at all, cancelled while waiting
-                await gate.admit("online 3", "topk")
+                await gate.admit("online 3")
                 asyncio.get_running_loop().call_later(0.05, cancel.set)
                 (tmp_path / "second").mkdir()
                 parsed2 = batch_file(tmp_path / "second", ["s0", "s1"])
