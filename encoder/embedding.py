@@ -32,7 +32,7 @@ import logging
 import os
 from collections import OrderedDict
 from pathlib import Path
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 
@@ -98,6 +98,13 @@ def check_available(source: str) -> None:
                               f"({exc}): {how}") from None
 
 
+class CacheInfo(NamedTuple):
+    hits: int
+    misses: int
+    maxsize: int
+    currsize: int
+
+
 class Embedder:
     """Sentence embeddings of texts: `encode(texts) -> float32 [N, D]`, rows of unit length.
 
@@ -129,6 +136,7 @@ class Embedder:
         self.cache_size = cache_size
         self._cache: OrderedDict[bytes, np.ndarray] = OrderedDict()  # text digest -> [D] float32
         self._by_tokens: OrderedDict[bytes, np.ndarray] = OrderedDict()  # digest of the truncated token ids -> [D]
+        self._hits = self._misses = 0
         log.info("loaded encoder %s (dim %d, max %s tokens)", self.source, self.dim, self.model.max_seq_length)
 
     @property
@@ -137,6 +145,12 @@ class Embedder:
             return self.model.dim
         return int(self.model.get_embedding_dimension() if hasattr(self.model, "get_embedding_dimension")
                    else self.model.get_sentence_embedding_dimension())
+
+    def cache_info(self) -> CacheInfo:
+        """The cache's statistics, as functools.lru_cache's: `hits`, texts answered without the model (seen
+        before, or the same model input as a text seen before); `misses`, model inputs encoded; `maxsize`
+        (cache_size); `currsize`, texts cached now. All 0 without a cache."""
+        return CacheInfo(self._hits, self._misses, self.cache_size, len(self._cache))
 
     def _truncate(self, max_seq_len: int) -> None:
         if max_seq_len < 1:
@@ -166,16 +180,16 @@ class Embedder:
             return self._encode(self._clip(texts), progress)
         keys = [_digest(t.encode("utf-8", "surrogatepass")) for t in texts]
         missing = {k: t for k, t in zip(keys, texts) if k not in self._cache}  # text digest -> text
-        if missing:
-            self._fill(missing, progress)
+        encoded = self._fill(missing, progress) if missing else 0
+        self._hits, self._misses = self._hits + len(keys) - encoded, self._misses + encoded
         out = np.stack([self._cache[k] for k in keys]) if keys else np.zeros((0, self.dim), np.float32)  # [N, D]
         for key in keys:
             self._cache.move_to_end(key)
         _bound(self._cache, self.cache_size)
         return out
 
-    def _fill(self, missing: dict[bytes, str], progress: bool) -> None:
-        """Cache the texts `missing` by text digest, encoding only those whose truncated ids are new."""
+    def _fill(self, missing: dict[bytes, str], progress: bool) -> int:
+        """Cache the texts `missing` by text digest, encoding only those whose truncated ids are new; how many were."""
         texts = self._clip(list(missing.values()))
         ids = self.token_ids(texts)
         token_keys = [_digest(np.asarray(i, dtype=np.int64).tobytes()) for i in ids]
@@ -187,6 +201,7 @@ class Embedder:
             self._cache[key] = self._by_tokens[token_key]
             self._by_tokens.move_to_end(token_key)
         _bound(self._by_tokens, self.cache_size)
+        return len(new)
 
     def _encode(self, texts: Sequence[str], progress: bool, ids: list[list[int]] | None = None) -> np.ndarray:
         """Embeddings [N, D] of `texts`; `ids` (their token ids, when the caller has them) spare a tokenizer pass."""

@@ -40,7 +40,7 @@ def test_static_embeddings_track_meaning_and_equal_plain_encode(static_dir, monk
     plain = e.model.encode(TEXTS, normalize_embeddings=True, convert_to_numpy=True)
     np.testing.assert_allclose(x, plain, atol=1e-6)
     # computed in numpy, not by the model: equal to its EmbeddingBag, a text without tokens included (zeros)
-    monkeypatch.setattr(e, "_forward", lambda texts: pytest.fail("a static model alone needs no torch forward"))
+    monkeypatch.setattr(e.model, "forward", lambda *a, **kw: pytest.fail("a static model alone needs no torch forward"))
     odd = ["", "  ", TEXTS[1], TEXTS[0]]
     np.testing.assert_allclose(e.encode(odd), np.concatenate([np.zeros((2, 64)), plain[[1, 0]]]), atol=1e-6)
 
@@ -53,16 +53,14 @@ def test_short_inputs_truncate_only_long_texts(static_dir):
         Embedder(static_dir, max_seq_len=0)
 
 
-def test_cache_answers_repeats_without_the_model_and_stays_bounded(static_dir, monkeypatch):
+def test_cache_answers_repeats_without_the_model_and_stays_bounded(static_dir):
     e = Embedder(static_dir, cache_size=3)
     first = e.encode(TEXTS[:3])
     np.testing.assert_array_equal(first, Embedder(static_dir).encode(TEXTS[:3]))
-    monkeypatch.setattr(e, "_encode", lambda texts, progress, **kw: pytest.fail(f"model called for {texts}"))
-    np.testing.assert_array_equal(e.encode([TEXTS[2], TEXTS[0]]), first[[2, 0]])  # hits only
-    monkeypatch.undo()
+    assert e.cache_info() == (0, 3, 3, 3)  # hits, misses (model inputs encoded), maxsize, texts cached
+    np.testing.assert_array_equal(e.encode([TEXTS[2], TEXTS[0]]), first[[2, 0]])
+    assert e.cache_info() == (2, 3, 3, 3)  # hits only
     e.encode(TEXTS[3:])  # two new texts evict the two least recently used (TEXTS[1], then TEXTS[2])
-    assert len(e._cache) == 3
-    calls = []
-    monkeypatch.setattr(e, "_encode", lambda texts, progress, **kw: calls.append(list(texts)) or np.zeros((len(texts), 64), np.float32))
-    e.encode([TEXTS[0], TEXTS[1]])
-    assert calls == [[TEXTS[1]]]
+    assert e.cache_info() == (2, 5, 3, 3)
+    np.testing.assert_array_equal(e.encode([TEXTS[0], TEXTS[1]]), first[:2])
+    assert e.cache_info() == (3, 6, 3, 3)  # TEXTS[0] was kept, TEXTS[1] is encoded again

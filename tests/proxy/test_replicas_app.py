@@ -249,7 +249,7 @@ def test_the_running_proxy_checks_its_replicas_in_the_background(monkeypatch):
     from moe_cohort.proxy.vllm_server import free_port
     from tests.proxy.servers import ProxyThread
 
-    monkeypatch.setattr(proxy.app, "HEALTH_EVERY_S", 0.05)
+    monkeypatch.setattr(moe_cohort.proxy.app, "HEALTH_EVERY_S", 0.05)
 
     async def until(condition):
         for _ in range(600):  # a guard against hanging (30 s), not a timing

@@ -12,6 +12,7 @@ from moe_cohort.proxy.vllm_server import ServerError, _cpu_list, free_port, star
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
 
 
+@pytest.mark.integration
 def test_a_server_that_cannot_start_raises_with_its_log(tmp_path):
     model, log_path = tmp_path / "no-such-model", tmp_path / "vllm.log"
     with pytest.raises(ServerError) as info:

@@ -92,7 +92,7 @@ def test_cohort_train_reads_the_folder_before_loading_a_model(tmp_path, capsys, 
     def no_model(base):
         raise OSError(f"no model {base} in this test")
 
-    monkeypatch.setattr(train.finetune, "_load_base", no_model)
+    monkeypatch.setattr(moe_cohort.train.finetune, "_load_base", no_model)
     folder = _recorded_folder(tmp_path / "rec", random_traces(30, num_experts=16, seed=5))
     assert main(["train", "--traces", str(folder), "--base", "m", "--output", str(tmp_path / "out")]) == 2
     out = capsys.readouterr().out

@@ -16,7 +16,7 @@ def no_model_loading(monkeypatch):
     def refuse(base):
         raise AssertionError("a model was loaded before the traces were checked")
 
-    monkeypatch.setattr(train.finetune, "_load_base", refuse)
+    monkeypatch.setattr(moe_cohort.train.finetune, "_load_base", refuse)
 
 
 def run(capsys, *argv):
