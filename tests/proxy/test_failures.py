@@ -177,19 +177,23 @@ def test_stream_dropped_by_the_backend_ends_with_an_error_event():
 
 
 def test_streaming_request_gets_keepalives_while_queued():
-    release = asyncio.Event()
+    holding, release = asyncio.Event(), asyncio.Event()
 
     async def backend(request):
         if (await body_of(request)).get("stream"):
             return await sse(request, b"data: [DONE]\n\n")
+        holding.set()
         await release.wait()  # the first (non-streaming) request holds the only slot
         return answer(OK_BODY)
 
     async def main():
         async with proxy_client(backend, max_in_flight=1, keepalive_s=0.02) as c:
             first = asyncio.create_task(c.post("/v1/chat/completions", json=CHAT))
-            await asyncio.sleep(0.05)
+            await holding.wait()
             second = asyncio.create_task(c.post("/v1/chat/completions", json={**CHAT, "stream": True}))
+            while "cohort_waiting 1.0" not in (await c.get("/metrics")).text:  # the second waits for the slot
+                await asyncio.sleep(0.01)
+            # one event loop: the relay's keep-alive timer (due 0.02 s after it began waiting) fires first
             await asyncio.sleep(0.1)
             release.set()
             return await first, await second
