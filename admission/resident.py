@@ -2,9 +2,8 @@
 
 vLLM keeps S requests resident and every resident request emits one token per step; a step
 loads, per MoE layer, every expert that any resident token picks. What we control is which
-requests are resident together. The rules here are pure numpy over (waiting pool, resident
-set) -> next request, shared by the engine replay (eval.engine), the proxy's waiting pool and
-an engine-side scheduler:
+requests are resident together. The resident sets here score candidates for the waiting pool
+(admission.waiting), pure numpy:
 
 - `ResidentExperts`: the resident requests' per-layer expert frequencies u_r[l, e] (the fraction
   of r's tokens that pick e at layer l; from traces, or predicted from text by
@@ -15,8 +14,6 @@ an engine-side scheduler:
   subtracts), so one pick over a pool of n is one [n, L*E] x [L*E] product.
 - `ResidentEmbedding`: the nearest embedding to the resident set (largest cosine with the sum of
   the residents' unit embeddings), for when only the text encoder is at hand.
-- `oldest_overdue`: the fairness bound; a request that has waited `max_wait` (steps in the
-  replay, seconds in the proxy) goes before any rule's choice, oldest first.
 """
 
 from __future__ import annotations
@@ -86,17 +83,6 @@ class ResidentEmbedding:
 
     def pick(self, xs: np.ndarray, allowed: np.ndarray | None = None) -> int:
         return _argbest(self.scores(xs), allowed, lower=False)
-
-
-def oldest_overdue(waited: np.ndarray, max_wait: float | None) -> int | None:
-    """Index of the longest-waiting request among those that waited >= `max_wait`, else None.
-
-    `waited` [n] is how long each candidate has waited (NaN or -inf for one that is not waiting)."""
-    if max_wait is None or len(waited) == 0:
-        return None
-    w = np.nan_to_num(np.asarray(waited, dtype=np.float64), nan=-np.inf)
-    best = int(np.argmax(w))
-    return best if w[best] >= max_wait else None
 
 
 def _argbest(scores: np.ndarray, allowed: np.ndarray | None, *, lower: bool) -> int:

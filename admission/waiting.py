@@ -1,7 +1,7 @@
-"""Which waiting request takes a free slot: the one rule the proxy's pool and vLLM's queue share.
+"""Which waiting request takes a free slot: the one rule of the proxy, the batch order, the replay and vLLM's queue.
 
 In order:
-1. fairness: a request that has waited `max_wait` goes first, the longest-waiting first;
+1. fairness: a request that has waited `max_wait` goes first, the longest-waiting first (ties: the first to join);
 2. a request without a predicted profile keeps first-come-first-served: when it is the oldest
    waiting request it goes, and no request that arrived after it is chosen before it;
 3. with nobody resident (who has a profile), the oldest: there is nothing to fit yet;
@@ -109,11 +109,14 @@ class WaitingPool:
         return int(np.argmin(np.where(ties, seq, _LAST)))
 
     def _overdue(self, now: float, max_wait: float | None) -> int | None:
+        """Row of the longest-waiting request if it waited >= `max_wait` (ties: the earliest arrival), else None."""
         if max_wait is None:
             return None
-        waited = np.where(self.active, now - self.arrived, -np.inf)  # [capacity]
-        longest = int(np.argmax(waited))
-        return longest if waited[longest] >= max_wait else None
+        arrived = np.where(self.active, self.arrived, np.inf)  # [capacity]
+        first = arrived.min()
+        if now - first < max_wait:
+            return None
+        return int(np.argmin(np.where(arrived == first, self.seq, _LAST)))
 
     def fit(self, vector: np.ndarray) -> np.ndarray | None:
         """`vector` flat [size] float32 when it has the pool's vector size (the first vector fixes it), else None."""

@@ -12,6 +12,13 @@ bound first, FCFS for requests without a profile). The rest of vLLM's semantics 
   front, in vLLM's order, before any choice;
 - `pop_request` returns what `peek_request` showed (the scheduler peeks, checks, then pops).
 
+It is the one front-end that does not go through `admission.router.ReplicaRouter` (the proxy, the
+batch order and the replay do): the router owns the slots and places a request when it chooses it,
+while here vLLM owns both. Its scheduler may peek and not pop (the KV budget), preempts running
+requests back into the queue, and decides alone what runs, so this queue keeps the router's two
+parts and nothing else: the same `WaitingPool` (the rule) and a `ResidentExperts` rebuilt from
+vLLM's running list before each choice.
+
 The profile travels in the request's `vllm_xargs` as `moe_profile`: the compact form of
 `admission.wire` (per MoE layer its `COMPACT_TOP` most frequent experts, one int
 `expert * 256 + round(255 * u)` each, layer after layer). This module

@@ -131,7 +131,7 @@ async def run_runner(name: str, batch_file: Path, predictor, backend: BackendCli
 async def run_lockstep(name: str, batch_file: Path, predictor, backend: BackendClient, args) -> dict:
     """The order in groups of B, each one multi-prompt /v1/completions request, one group at a time."""
     parsed = read_batch_file(batch_file, default_policy="topk", max_line_bytes=10 << 20)
-    sent = simulated_order(parsed.requests, make_order(parsed.requests, predictor), args.batch_size)
+    sent = simulated_order(parsed.requests, make_order(parsed.requests, predictor, args.batch_size), args.batch_size)
     batches = [[sent[i] for i in group] for group in chunk(range(len(sent)), args.batch_size)]
     before = await counters(backend)
     start = time.perf_counter()

@@ -64,9 +64,11 @@ def run(args: argparse.Namespace) -> int:
     if problem:
         return _fail(problem)
     from moe_cohort.proxy.batch.format import read_batch_file
+    from moe_cohort.proxy.hints import HintRules
 
     try:
-        batch = read_batch_file(args.input, default_policy=settings.default_policy, max_line_bytes=settings.max_body_bytes)
+        batch = read_batch_file(args.input, default_policy=settings.default_policy, max_line_bytes=settings.max_body_bytes,
+                                rules=HintRules.of(settings))
     except OSError as exc:
         return _fail(f"cannot read {args.input}: {exc}")
     if batch.errors and not args.skip_invalid:
@@ -87,7 +89,7 @@ def _dry_run(args, settings: Settings, batch, predictor) -> int:
     from moe_cohort.proxy.batch.run import write_plan
 
     concurrency = settings.batch_in_flight
-    order = simulated_order(batch.requests, make_order(batch.requests, predictor), concurrency)
+    order = simulated_order(batch.requests, make_order(batch.requests, predictor, concurrency), concurrency)
     path = args.plan or args.output.with_name(args.output.name + ".plan.jsonl")
     write_plan(path, order, concurrency)
     skipped = f", {len(batch.errors)} invalid line(s) left out" if batch.errors else ""

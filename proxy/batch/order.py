@@ -1,22 +1,24 @@
 """Which request of a batch file goes to the backend next: file order, or admission by predicted experts.
 
 A batch run keeps `concurrency` requests (the backend's max_num_seqs) at the backend; whenever one
-finishes, the next is chosen from everything still waiting. `ExpertOrder` chooses as the proxy's
-online admission does (`admission.waiting.WaitingPool`): the waiting request expected to add the
-fewest experts per step to the requests out now (predicted profiles, or nearest embedding
-without a profile head), among the first `window` waiting ones in file order, so the choice
-stays cheap, and the pool's memory bounded, on files of any size. An order is pure (no I/O, no asyncio): `BatchCore` calls `pick`
-with its waiting requests and tells it what it `sent` and what `finished`.
+finishes, the next is chosen from everything still waiting. `ExpertOrder` is the proxy's online
+admission in one replica of `concurrency` slots: the same `admission.router.ReplicaRouter` (the
+oldest while nothing is out, else the waiting request expected to add the fewest experts per step to
+the requests out now: predicted profiles, or nearest embedding without a profile head; FCFS for a
+request without a vector; ties to file order), over the first `window` waiting requests in file
+order, so the choice stays cheap, and the pool's memory bounded, on files of any size. An order is
+pure (no I/O, no asyncio): `BatchCore` calls `pick` with its waiting requests and tells it what it
+`sent` and what `finished`.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from typing import Callable, Protocol, Sequence
+from typing import Protocol, Sequence
 
 import numpy as np
 
-from moe_cohort.admission.waiting import WaitingPool
+from moe_cohort.admission.router import ReplicaRouter, ResidentFactory
 from moe_cohort.proxy.batch.format import BatchRequest
 from moe_cohort.proxy.profiles import Predictor
 
@@ -43,40 +45,42 @@ class FileOrder:
 
 
 class ExpertOrder:
-    """Admission by predicted experts over the waiting requests; `vectors` by input line ([L*E] or [D], or None)."""
+    """Admission by predicted experts over the waiting requests, through a ReplicaRouter of one replica of
+    `concurrency` slots; `vectors` by input line ([L*E] or [D], or None). The caller sends at most
+    `concurrency` requests at once, each the one `pick` chose, and reports each `finished` one."""
 
-    def __init__(self, vectors: dict[int, np.ndarray | None], resident_factory: Callable[[int], object], *,
+    def __init__(self, vectors: dict[int, np.ndarray | None], resident_factory: ResidentFactory, concurrency: int, *,
                  window: int = DEFAULT_WINDOW) -> None:
         self.vectors, self.window = vectors, window
-        size = next((v.shape[0] for v in vectors.values() if v is not None), None)
-        self.resident = None if size is None else resident_factory(size)
-        self.pool = WaitingPool()  # the first `window` waiting requests, keyed by input line
+        self.router = ReplicaRouter([concurrency], "affinity", resident_factory=resident_factory)
+        self._chosen: deque[int] = deque()  # lines the router admitted that were not sent yet, in its order
 
     def pick(self, waiting: Sequence[BatchRequest]) -> int:
-        for r in waiting[len(self.pool): self.window]:  # top the pool up from the file (waiting keeps file order)
-            if r.line not in self.pool:
-                self.pool.add(r.line, self.vectors.get(r.line), 0.0)
-        line = self.pool.pick(self.resident, 0.0, None)
-        return next(i for i, r in enumerate(waiting[: self.window]) if r.line == line)
+        if not self._chosen:
+            for r in waiting[self.router.waiting(): self.window]:  # top the pool up from the file (in file order)
+                if r.line not in self.router.pool:
+                    self.router.add(r.line, self.vectors.get(r.line), 0.0)
+            self._chosen.extend(line for line, _ in self.router.admit(0.0))
+        return next(i for i, r in enumerate(waiting[: self.window]) if r.line == self._chosen[0])
 
     def sent(self, request: BatchRequest) -> None:
-        if request.line in self.pool:
-            self.pool.remove(request.line)
-        if self.vectors.get(request.line) is not None:
-            self.resident.admit(self.vectors[request.line])
+        if self._chosen[0] != request.line:
+            raise ValueError(f"line {request.line} was sent, but the order chose line {self._chosen[0]}")
+        self._chosen.popleft()
 
     def finished(self, request: BatchRequest) -> None:
-        if self.vectors.get(request.line) is not None:
-            self.resident.release(self.vectors[request.line])
+        self.router.release(request.line)
 
 
-def make_order(requests: Sequence[BatchRequest], predictor: Predictor | None, *, window: int = DEFAULT_WINDOW) -> Order:
-    """Admission by `predictor`'s vectors of `requests` (predicted once, here), or file order without one."""
+def make_order(requests: Sequence[BatchRequest], predictor: Predictor | None, concurrency: int, *,
+               window: int = DEFAULT_WINDOW) -> Order:
+    """Admission by `predictor`'s vectors of `requests` (predicted once, here) with `concurrency` requests out,
+    or file order without a predictor."""
     if predictor is None:
         return FileOrder()
     predicted = predictor.predict([r.text for r in requests])
-    vectors = {r.line: (None if p is None else p[0]) for r, p in zip(requests, predicted)}
-    return ExpertOrder(vectors, predictor.resident_factory, window=window)
+    vectors = {r.line: (None if p is None else p.vector) for r, p in zip(requests, predicted)}
+    return ExpertOrder(vectors, predictor.resident_factory, concurrency, window=window)
 
 
 def simulated_order(requests: Sequence[BatchRequest], order: Order, concurrency: int) -> list[BatchRequest]:

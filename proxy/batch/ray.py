@@ -77,7 +77,7 @@ def run_batch_ray(settings: Settings, batch: BatchFile, journal: Journal, predic
     stats = RunStats(total=len(batch.requests), finished_before=len(batch.requests) - len(pending))
     if not pending:
         return stats
-    order = simulated_order(pending, make_order(pending, predictor), config.concurrency)
+    order = simulated_order(pending, make_order(pending, predictor, config.concurrency), config.concurrency)
     started = _connect(ray)
     try:
         loads0 = _expert_loads(urls)

@@ -82,7 +82,7 @@ async def run_batch(batch: BatchFile, journal: Journal, backend: BackendClient, 
     stats = RunStats(total=len(batch.requests), finished_before=len(batch.requests) - len(pending))
     if not pending:
         return stats
-    order = await asyncio.to_thread(make_order, pending, predictor)
+    order = await asyncio.to_thread(make_order, pending, predictor, config.concurrency)
     log.info("%d requests to send, %d at a time, in %s", len(pending), config.concurrency,
              "file order" if predictor is None else f"admission by {predictor.kind}")
     core = BatchCore(pending, config, stats, order=order, deadline=deadline)

@@ -1,9 +1,9 @@
-"""Admission rules against brute force: expected new experts, nearest embedding, the fairness bound."""
+"""Resident sets against brute force: expected new experts, nearest embedding."""
 
 import numpy as np
 import pytest
 
-from moe_cohort.admission.resident import ResidentEmbedding, ResidentExperts, oldest_overdue
+from moe_cohort.admission.resident import ResidentEmbedding, ResidentExperts
 
 
 def _profiles(n, layers=3, experts=8, seed=0):
@@ -67,14 +67,6 @@ def test_nearest_embedding_picks_the_largest_cosine_with_the_resident_sum():
     centre = x[2] + x[9]
     cos = x @ centre / np.linalg.norm(centre)
     assert state.pick(x, allowed) == int(np.argmax(np.where(allowed, cos, -np.inf)))
-
-
-def test_oldest_overdue_is_the_longest_wait_past_the_bound():
-    waited = np.array([3.0, np.nan, 9.0, 7.0])
-    assert oldest_overdue(waited, 5.0) == 2
-    assert oldest_overdue(waited, 10.0) is None
-    assert oldest_overdue(waited, None) is None
-    assert oldest_overdue(np.array([np.nan, 4.0]), 4.0) == 1
 
 
 def test_pick_refuses_an_empty_choice():

@@ -8,6 +8,7 @@ from moe_cohort.admission.waiting import WaitingPool
 
 
 def brute_force(waited, profiles, residents, max_wait):
+    """Index (in arrival order) of the request the rules admit; ties go to the earliest arrival."""
     overdue = [i for i, w in enumerate(waited) if w >= max_wait]
     if overdue:
         return max(overdue, key=lambda i: (waited[i], -i))
@@ -30,8 +31,10 @@ def test_matches_brute_force_on_random_pools_with_arrivals_and_departures():
             vector = None if rng.random() < 0.2 else (rng.random(size) * (rng.random(size) < 0.5)).astype(np.float32)
             pool.add(k, vector, arrived=float(rng.integers(0, 12)))
         gone = keys[int(rng.integers(0, len(keys)))]
-        pool.remove(gone)  # a departure leaves a hole that a later arrival may fill
+        pool.remove(gone)  # a departure leaves a hole that a later arrival fills: rows are not arrival order
         keys.remove(gone)
+        keys.append("late")
+        pool.add("late", (rng.random(size) * (rng.random(size) < 0.5)).astype(np.float32), float(rng.integers(0, 12)))
         residents = [(rng.random(size) * (rng.random(size) < 0.5)).astype(np.float32) for _ in range(int(rng.integers(0, 3)))]
         resident = ResidentExperts(1, size)
         for r in residents:

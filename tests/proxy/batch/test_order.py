@@ -5,6 +5,7 @@ import json
 import numpy as np
 
 from moe_cohort.admission.resident import ResidentEmbedding, ResidentExperts
+from moe_cohort.admission.wire import Prediction
 from moe_cohort.proxy.batch.order import ExpertOrder, FileOrder, make_order, simulated_order
 from moe_cohort.proxy.batch.format import read_batch_file
 from moe_cohort.proxy.profiles import Predictor
@@ -39,7 +40,7 @@ def test_simulated_admission_matches_brute_force(tmp_path):
     for trial in range(10):
         vectors = [rng.random(6) * (rng.random(6) < 0.4) for _ in range(9)]
         requests = parsed(tmp_path, [f"p{i}" for i in range(9)])
-        order = ExpertOrder({r.line: v for r, v in zip(requests, vectors)}, lambda size: ResidentExperts(1, size))
+        order = ExpertOrder({r.line: v for r, v in zip(requests, vectors)}, lambda size: ResidentExperts(1, size), 3)
         got = [requests.index(r) for r in simulated_order(requests, order, concurrency=3)]
         assert got == brute_force_order(vectors, 3), trial
 
@@ -48,8 +49,8 @@ def test_the_window_limits_how_far_ahead_admission_looks(tmp_path):
     requests = parsed(tmp_path, ["a", "b", "c", "a"])
     a, b = np.array([1.0, 0.0]), np.array([0.0, 1.0])
     vectors = {r.line: v for r, v in zip(requests, [a, b, b, a])}
-    wide = simulated_order(requests, ExpertOrder(vectors, lambda n: ResidentExperts(1, n)), 2)
-    narrow = simulated_order(requests, ExpertOrder(vectors, lambda n: ResidentExperts(1, n), window=1), 2)
+    wide = simulated_order(requests, ExpertOrder(vectors, lambda n: ResidentExperts(1, n), 2), 2)
+    narrow = simulated_order(requests, ExpertOrder(vectors, lambda n: ResidentExperts(1, n), 2, window=1), 2)
     assert [r.text for r in wide] == ["a", "a", "b", "c"] and [r.text for r in narrow] == ["a", "b", "c", "a"]
 
 
@@ -59,8 +60,8 @@ def test_make_order_predicts_once_and_falls_back_to_the_file_order(tmp_path):
 
     def predict(texts):
         calls.append(list(texts))
-        return [(np.ones(3) / np.sqrt(3), None), None]
+        return [Prediction(np.ones(3) / np.sqrt(3)), None]
 
-    order = make_order(requests, Predictor(predict, ResidentEmbedding, "embedding"))
+    order = make_order(requests, Predictor(predict, ResidentEmbedding, "embedding"), 2)
     assert calls == [["x", "yy"]] and order.vectors[requests[1].line] is None
-    assert isinstance(make_order(requests, None), FileOrder)
+    assert isinstance(make_order(requests, None, 2), FileOrder)
