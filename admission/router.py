@@ -4,8 +4,10 @@ Each replica r keeps up to `slots[r]` requests resident (vLLM's max_num_seqs) an
 replica r loads the experts of ITS residents only, so what routing decides is which requests are
 resident together on one replica. `ReplicaRouter` is pure bookkeeping (no clock, no I/O): a
 caller adds waiting requests, asks `admit(now)` which request takes which free slot, and
-releases a request when it finishes. The engine replay (eval.replicas) and a proxy in front of
-several backends drive the same object. Routings:
+releases a request when it finishes. It is the one admission driver: the proxy's gate
+(proxy.replicas, one backend or several), the batch order (proxy.batch.order, one replica of
+`--concurrency` slots) and the engine replay (eval.replay) all admit through it; only vLLM's own
+queue (backend.admission_queue) keeps the pool and a resident set without it. Routings:
 
 - "affinity": one shared waiting pool (admission.waiting.WaitingPool). When replica r has a free
   slot it admits, by the pool's one rule, the waiting request that best fits r's own resident set
