@@ -38,6 +38,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
+from prometheus_client import Histogram
+
 from moe_cohort.admission.wire import Prediction
 from moe_cohort.proxy.backend import BackendClient
 from moe_cohort.proxy.metrics import ProxyMetrics
@@ -71,8 +73,8 @@ class Admission:
 class Profiler:
     """Predicted profiles of texts, one worker thread, batched with whatever arrived meanwhile."""
 
-    def __init__(self, predict: PredictFn, seconds=None) -> None:
-        self.predict, self.seconds = predict, seconds  # seconds: a Histogram of batch times, or None
+    def __init__(self, predict: PredictFn, seconds: Histogram | None = None) -> None:
+        self.predict, self.seconds = predict, seconds  # seconds: observes each batch's prediction time
         self._pending: list[tuple[str, asyncio.Future]] = []
         self._task: asyncio.Task | None = None
         self._executor = ThreadPoolExecutor(1, "cohort-profile")
