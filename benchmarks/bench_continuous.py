@@ -1,8 +1,9 @@
 """Admission policies in the continuous-batching engine, on held-out requests only (issue 13, Measure).
 
-    python benchmarks/bench_continuous.py --finetuned FOLDER [--slots 8,16,32,64] [--seeds 5]
+    python -m benchmarks.bench_continuous --finetuned FOLDER [--slots 8,16,32,64] [--seeds 5]
 
-Splits the traces by request with the project's one split (traces.split: 20% held out, seed 0);
+Splits the traces ($COHORT_DATA/deepseek-v2-lite-puffin unless --traces) by request with the
+project's one split (train.heldout over traces.split: 20% held out, seed 0);
 the fine-tuned encoder (`cohort train`, which trains on the training side of the same split)
 and both profile heads see training requests only. The held-out requests are then replayed
 through S slots with lognormal output lengths (mean 64, sigma 1), 5 seeds, for: random,
@@ -19,75 +20,62 @@ Prints one table per S, the targets of issue 13, the S = 16 table again under a 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from moe_cohort.admission.resident import ResidentExperts  # noqa: E402
-from moe_cohort.encoder.profile import load_profile_head  # noqa: E402
-from moe_cohort.eval.cost import parse_cost_model  # noqa: E402
-from moe_cohort.eval.engine import REFERENCE, evaluate_continuous, lengths_from_spec  # noqa: E402
-from moe_cohort.eval.engine_cli import text_policies  # noqa: E402
-from moe_cohort.eval.policies import fixed_order, by_profile  # noqa: E402
-from moe_cohort.eval.replay import decode_profiles, decode_tokens  # noqa: E402
-from moe_cohort.eval.report import format_engine_table  # noqa: E402
-from moe_cohort.traces.importers import load_traces  # noqa: E402
-from moe_cohort.traces.split import heldout_split  # noqa: E402
-from moe_cohort.train.profile_head import fit_profile_head  # noqa: E402
-from moe_cohort.train.targets import profiles  # noqa: E402
-
-DATA = ROOT.parent / "shared" / "data" / "deepseek-v2-lite-puffin"
+from moe_cohort.admission.resident import ResidentExperts
+from moe_cohort.eval.cost import parse_cost_model
+from moe_cohort.eval.engine import REFERENCE, evaluate_continuous, lengths_from_spec
+from moe_cohort.eval.policies import by_profile, fixed_order
+from moe_cohort.eval.replay import decode_tokens
+from moe_cohort.eval.replay_cli import text_policies
+from moe_cohort.eval.report import format_engine_table
+from moe_cohort.traces.importers import load_traces
+from moe_cohort.train.heldout import TRACES, HeldOut, data_path, embeddings
 
 
 def main() -> None:
     args = _parse()
-    ts = load_traces(args.traces)
-    train_idx, held_idx = heldout_split(ts)
-    prof = profiles(ts)  # [N, L, E] the heads' targets, training side only
-    fit_idx = train_idx[prof[train_idx].sum(axis=(1, 2)) > 0]
+    data = HeldOut.of(load_traces(args.traces or data_path(TRACES)))
     encoders = {"base": None, **({"ft": args.finetuned} if args.finetuned else {})}
     text = {}
     for tag, enc in encoders.items():
-        x = _embeddings(ts.texts, enc, Path(args.cache))  # [N, D]
-        head = load_profile_head(enc) if enc else None
-        head = head or fit_profile_head(x[fit_idx], prof[fit_idx], ts.top_k)
-        text[tag] = (x[held_idx], head)
+        x = embeddings(data.traces.texts, enc, args.cache)  # [N, D]
+        head = data.head(x, enc)
+        text[tag] = (x[data.held_idx], head)
         print(f"encoder {tag}: {enc or 'packaged MiniLM'}; profile head alpha {head.alpha:g}")
-    held = ts.subset(held_idx)
+    held = data.held
     tokens = decode_tokens(held)
     cost = parse_cost_model(args.cost_model)
     lengths = lengths_from_spec(args.lengths, held.request_ids)
-    print(f"held-out: {len(held)} of {len(ts)} requests; lengths {args.lengths} (mean 64); cost model {cost.name}; "
+    print(f"held-out: {len(held)} of {len(data.traces)} requests; lengths {args.lengths} (mean 64); cost model {cost.name}; "
           f"{args.seeds} seeds\n")
-    results = [_run(held, tokens, s, text, cost, lengths, args.seeds) for s in _ints(args.slots)]
+    results = [_run(data, tokens, s, text, cost, lengths, args.seeds) for s in _ints(args.slots)]
     _targets(results)
     if args.max_wait:
         print(f"\nS = 16 with the fairness bound: a request that has waited {args.max_wait} steps goes first, oldest "
               f"first (all requests arrive at step 0, so from step {args.max_wait} on the rest is first come, first served)")
-        _run(held, tokens, 16, text, cost, lengths, args.seeds, max_wait=args.max_wait)
-    _admission_cost(text[list(text)[-1]][1], ts.num_layers, ts.num_experts)
+        _run(data, tokens, 16, text, cost, lengths, args.seeds, max_wait=args.max_wait)
+    _admission_cost(text[list(text)[-1]][1], held.num_layers, held.num_experts)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
 
 
-def _run(held, tokens, slots, text, cost, lengths, seeds, max_wait=None) -> dict:
+def _run(data: HeldOut, tokens, slots, text, cost, lengths, seeds, max_wait=None) -> dict:
     from moe_cohort.encoder.planner import plan_batches
 
     x_plan = text[list(text)[-1]][0]
-    policies = {"arrival": fixed_order(np.arange(len(held))), "plan": fixed_order(np.concatenate(plan_batches(x_plan, slots)))}
+    policies = {"arrival": fixed_order(np.arange(len(data.held))), "plan": fixed_order(np.concatenate(plan_batches(x_plan, slots)))}
     for tag, (x, head) in text.items():
         policies.update(text_policies(f"-{tag}", x, head))
-    policies[REFERENCE] = by_profile(decode_profiles(tokens, held))
+    policies[REFERENCE] = by_profile(data.reference)
     start = time.perf_counter()
-    result = evaluate_continuous(tokens, slots, policies, lengths, cost, held.num_layers, seeds=seeds, max_wait=max_wait)
+    result = evaluate_continuous(tokens, slots, policies, lengths, cost, data.held.num_layers, seeds=seeds,
+                                 max_wait=max_wait)
     queue = ", ".join(f"{k} {v['max_queue_steps']}" for k, v in result["plans"].items())
     print(format_engine_table(result) + f"\nlongest queue (steps): {queue}\n({time.perf_counter() - start:.1f} s)\n")
     return result
@@ -125,27 +113,13 @@ def _admission_cost(head, layers: int, experts: int, pool: int = 1000, resident:
           f"{(time.perf_counter() - start) / reps * 1e6:.0f} us")
 
 
-def _embeddings(texts, encoder: str | None, cache: Path) -> np.ndarray:
-    """Embeddings [N, D] of `texts`, cached by encoder and texts."""
-    from moe_cohort.encoder import embed_texts
-
-    key = hashlib.sha1((str(Path(encoder).resolve()) if encoder else "base").encode() + "\0".join(texts).encode())
-    path = cache / f"emb-{key.hexdigest()[:16]}.npy"
-    if path.exists():
-        return np.load(path)
-    x = embed_texts(list(texts), encoder=encoder)
-    cache.mkdir(parents=True, exist_ok=True)
-    np.save(path, x)
-    return x
-
-
 def _ints(text: str) -> list[int]:
     return [int(v) for v in text.split(",") if v.strip()]
 
 
 def _parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--traces", default=str(DATA))
+    p.add_argument("--traces", help=f"trace folder (default: $COHORT_DATA/{TRACES})")
     p.add_argument("--finetuned", help="fine-tuned encoder folder from `cohort train` (default: base encoder only)")
     p.add_argument("--slots", default="8,16,32,64")
     p.add_argument("--seeds", type=int, default=5)

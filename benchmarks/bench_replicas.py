@@ -1,9 +1,9 @@
 """Routing over R replicas of S slots each, on held-out requests only (issue 18, "Measure it with the engine replay").
 
-    python benchmarks/bench_replicas.py --finetuned /tmp/cohort-cache/ft-encoder [--replicas 2,4] [--slots 16,32]
+    python -m benchmarks.bench_replicas --finetuned /tmp/cohort-cache/ft-encoder [--replicas 2,4] [--slots 16,32]
                                         [--load 0,0.8]
 
-The held-out side of the project's one split (traces.split) is replayed through R replicas of S
+The held-out side of the project's one split (train.heldout) is replayed through R replicas of S
 slots (eval.replicas), lognormal output lengths (mean 64, sigma 1), 5 seeds, all requests
 arriving at step 0 (saturation), for these routings (admission.router):
 
@@ -30,38 +30,29 @@ arrives when, so read these tables against least-loaded, which the summary line 
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
-import numpy as np
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from benchmarks.bench_continuous import _embeddings  # noqa: E402
-from moe_cohort.encoder.profile import load_profile_head  # noqa: E402
-from moe_cohort.eval.cost import parse_cost_model  # noqa: E402
-from moe_cohort.eval.engine import lengths_from_spec  # noqa: E402
-from moe_cohort.eval.replay import decode_profiles, decode_tokens  # noqa: E402
-from moe_cohort.eval.replicas import evaluate_with_single, format_replica_table, poisson_arrivals, routings_for  # noqa: E402
-from moe_cohort.traces.importers import load_traces  # noqa: E402
-from moe_cohort.traces.split import heldout_split  # noqa: E402
-
-DATA = ROOT.parent / "shared" / "data" / "deepseek-v2-lite-puffin"
+from moe_cohort.eval.cost import parse_cost_model
+from moe_cohort.eval.engine import lengths_from_spec
+from moe_cohort.eval.replay import decode_tokens
+from moe_cohort.eval.replicas import evaluate_with_single, format_replica_table, poisson_arrivals, routings_for
+from moe_cohort.traces.importers import load_traces
+from moe_cohort.train.heldout import TRACES, HeldOut, data_path, embeddings
 
 
 def main() -> None:
     args = _parse()
-    ts = load_traces(args.traces)
-    train_idx, held_idx = heldout_split(ts)
-    predicted = _predicted_profiles(ts, train_idx, held_idx, args.finetuned, Path(args.cache))  # [n, L*E]
-    held = ts.subset(held_idx)
+    data = HeldOut.of(load_traces(args.traces or data_path(TRACES)))
+    x = embeddings(data.traces.texts, args.finetuned, args.cache)  # [N, D]
+    head = data.head(x, args.finetuned)  # the one `cohort train` saved, else fitted on the training side
+    print(f"encoder: {args.finetuned or 'packaged MiniLM'}; profile head alpha {head.alpha:g}, mix {head.mix:g}")
+    held = data.held
+    predicted = head.predict(x[data.held_idx]).reshape(len(held), -1)  # [n, L*E]
+    own = data.reference.reshape(len(held), -1)  # [n, L*E]
     tokens = decode_tokens(held)
-    own = decode_profiles(tokens, held).reshape(len(held), -1)  # [n, L*E]
     cost = parse_cost_model(args.cost_model)
     lengths = lengths_from_spec(args.lengths, held.request_ids)
-    print(f"held-out: {len(held)} of {len(ts)} requests; lengths {args.lengths} (mean 64); cost model {cost.name}; "
+    print(f"held-out: {len(held)} of {len(data.traces)} requests; lengths {args.lengths} (mean 64); cost model {cost.name}; "
           f"{args.seeds} seeds\n")
     routings = routings_for("all", predicted=predicted, reference=own)
     for load in _floats(args.load):
@@ -96,22 +87,6 @@ def _targets(results: list[dict], load: float) -> None:
               f"least-loaded {rows['least-loaded']['violations']}, round-robin {rows['round-robin']['violations']}")
 
 
-def _predicted_profiles(ts, train_idx, held_idx, finetuned: str | None, cache: Path) -> np.ndarray:  # [n, L*E]
-    """The profile head's predictions for the held-out requests (the head saw training requests only)."""
-    x = _embeddings(ts.texts, finetuned, cache)  # [N, D]
-    head = load_profile_head(finetuned) if finetuned else None
-    if head is None:
-        from moe_cohort.train.profile_head import fit_profile_head
-        from moe_cohort.train.targets import profiles
-
-        prof = profiles(ts)  # [N, L, E]
-        fit = train_idx[prof[train_idx].sum(axis=(1, 2)) > 0]
-        head = fit_profile_head(x[fit], prof[fit], ts.top_k)
-        print("profile head fitted here on the training side")
-    print(f"encoder: {finetuned or 'packaged MiniLM'}; profile head alpha {head.alpha:g}, mix {head.mix:g}")
-    return head.predict(x[held_idx]).reshape(len(held_idx), -1)
-
-
 def _floats(text: str) -> list[float]:
     return [float(v) for v in text.split(",") if v.strip()]
 
@@ -122,7 +97,7 @@ def _ints(text: str) -> list[int]:
 
 def _parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--traces", default=str(DATA))
+    p.add_argument("--traces", help=f"trace folder (default: $COHORT_DATA/{TRACES})")
     p.add_argument("--finetuned", help="fine-tuned encoder folder from `cohort train` (default: the base encoder)")
     p.add_argument("--replicas", default="2,4")
     p.add_argument("--slots", default="16,32")

@@ -64,7 +64,8 @@ def quiet_loading_bars() -> None:
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("moe_cohort.proxy.cli", "run the OpenAI-compatible proxy in front of vLLM (or an embedded tiny-MoE vLLM)"),
     "batch": ("moe_cohort.proxy.batch.cli", "run an OpenAI Batch file through vLLM, planned up front and resumable after a crash"),
-    "eval": ("moe_cohort.eval.cli", "compare batching plans on expert traces against random and an oracle"),
+    "eval": ("moe_cohort.eval.cli", "compare static batching plans on expert traces against random and an oracle"),
+    "replay": ("moe_cohort.eval.replay_cli", "replay vLLM's continuous batching on expert traces under each admission policy"),
     "traces": ("moe_cohort.traces.cli", "inspect, import and convert expert-trace files"),
     "plan": ("moe_cohort.encoder.cli", "turn prompts (JSONL) into expert-coherent batches from their text alone"),
     "train": ("moe_cohort.train.cli", "fine-tune a sentence encoder so that cosine similarity tracks expert overlap"),

@@ -1,4 +1,5 @@
-"""Argument types and start-up checks of `cohort eval`: a bad value fails in one line, before any work.
+"""Argument types and start-up checks of `cohort eval` and `cohort replay`: a bad value fails in one line,
+before any work.
 
 The argparse types raise `argparse.ArgumentTypeError` (argparse names the flag); `path_problems`
 checks the files and folders the flags name, and `encoder_problem` an encoder that cannot load.
@@ -72,7 +73,7 @@ def encoder_problem(encoder: str | None) -> str | None:
 
 
 def engine_problem(args: argparse.Namespace) -> str | None:
-    """What is wrong with the continuous engine's --cost-model, --moe-share/--non-moe-us or --lengths."""
+    """What is wrong with the replay's --cost-model, --moe-share/--non-moe-us or --lengths."""
     from moe_cohort.eval.cost import parse_cost_model
 
     try:

@@ -1,4 +1,8 @@
-"""`cohort eval`: compare batching plans on expert traces against random batches and the oracle."""
+"""`cohort eval`: compare static batching plans on expert traces against random batches and the oracle.
+
+The continuous-batching replay is `cohort replay` (eval.replay_cli); both read traces the same way
+(`add_input_arguments`, `load_input`).
+"""
 
 from __future__ import annotations
 
@@ -6,51 +10,67 @@ import argparse
 import json
 import sys
 
+import numpy as np
+
 from moe_cohort.encoder.plans import PlanError, read_plan_file
-from moe_cohort.eval.args import encoder_problem, engine_problem, int_list, path_problem, positive_int
-from moe_cohort.eval.engine_cli import add_engine_arguments, heldout_traces, run_engine
+from moe_cohort.eval.args import encoder_problem, int_list, path_problem, positive_int
 from moe_cohort.eval.metrics import evaluate
 from moe_cohort.eval.report import format_table, write_report
-from moe_cohort.traces.format import TraceFormatError
+from moe_cohort.traces.format import TraceFormatError, TraceSet
 from moe_cohort.traces.importers import load_traces
 from moe_cohort.traces.loads import DEFAULT_DECODE_STEPS, expert_masks
+from moe_cohort.traces.split import heldout_split
+
+
+def add_input_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags `cohort eval` and `cohort replay` share: which traces, which plan and encoder, how many seeds."""
+    parser.add_argument("--traces", required=True,
+                        help="trace file or directory (moe-cohort .npz, .jsonl, traces.npz+prompts.jsonl dir, or 'sample')")
+    parser.add_argument("--heldout", action="store_true",
+                        help="evaluate the held-out requests of the project's split only (traces.split)")
+    parser.add_argument("--plan", help="plan file to evaluate: JSON lines {id, batch[, position]}")
+    parser.add_argument("--encoder", default=None,
+                        help="encoder of the 'encoder' plan (and the replay's text policies), from the traces' texts: "
+                             "local folder or hub name (default: the packaged all-MiniLM-L6-v2); 'none' leaves them out")
+    parser.add_argument("--decode", choices=("auto", "real", "proxy"), default="auto",
+                        help="decode loads from generated tokens (real), the prompt proxy, or auto (default)")
+    parser.add_argument("--seeds", type=positive_int, default=5, help="random orders to average (default %(default)s)")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar while embedding the traces' texts")
+
+
+class _ReplayMoved(argparse.Action):
+    """`--engine continuous` of earlier versions: one line pointing to `cohort replay`, exit 2."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        if values == "continuous":
+            parser.exit(2, f"{parser.prog}: error: the continuous replay is its own command: "
+                           f"cohort replay --traces PATH --slots S (see `cohort replay --help`)\n")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--traces", required=True,
-                        help="trace file or directory (moe-cohort .npz, .jsonl, traces.npz+prompts.jsonl dir, or 'sample')")
-    parser.add_argument("--batch-size", type=positive_int, default=None,
-                        help="requests per batch (B); required for static batches, the plan's B under --engine continuous")
-    parser.add_argument("--plan", help="plan file to evaluate: JSON lines {id, batch[, position]}")
-    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    add_input_arguments(parser)
+    parser.add_argument("--batch-size", type=positive_int, required=True, help="requests per batch (B)")
     parser.add_argument("--decode-steps", type=positive_int, default=DEFAULT_DECODE_STEPS,
                         help="decode steps of the prompt-token proxy for prefill-only traces (default %(default)s)")
-    parser.add_argument("--decode", choices=("auto", "real", "proxy"), default="auto",
-                        help="decode loads from generated tokens (real), the prompt proxy, or auto (default)")
     parser.add_argument("--decode-phase", choices=("aligned", "random"), default="aligned",
                         help="proxy cycles start at token 1 (aligned, default) or at a seeded random offset per request")
-    parser.add_argument("--encoder", default=None,
-                        help="encoder for the 'encoder' plan, from the traces' texts: local folder or hub name "
-                             "(default: the packaged all-MiniLM-L6-v2); 'none' leaves the plan out")
-    parser.add_argument("--seeds", type=positive_int, default=5, help="random plans to average (default %(default)s)")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar while embedding the traces' texts")
     parser.add_argument("--report", metavar="DIR", help="also write report.json, report.md and saving.png to DIR")
     parser.add_argument("--sweep", type=int_list, default="8,16,32,64",
                         help="batch sizes of the report's plot, comma-separated (default %(default)s)")
-    add_engine_arguments(parser)
+    parser.add_argument("--engine", choices=("static", "continuous"), action=_ReplayMoved, help=argparse.SUPPRESS)
 
 
 def run(args: argparse.Namespace) -> int:
-    problem = _argument_problem(args)
+    problem = path_problem(args) or encoder_problem(args.encoder)
     if problem:
         return fail(problem)
-    if args.engine == "continuous":
-        return run_engine(args)
     try:
-        ts = heldout_traces(load_traces(args.traces), args.heldout)
+        ts = load_input(args)
         masks = expert_masks(ts, decode_steps=args.decode_steps, decode=args.decode, phase=args.decode_phase)
         plans = {"plan": read_plan_file(args.plan, ts.request_ids)} if args.plan else {}
-        planners = _encoder_planner(ts, args.encoder, progress=not args.no_progress)
+        x = embed_traces(ts, args.encoder, progress=not args.no_progress)  # [N, D] or None
+        planners = {} if x is None else {"encoder": lambda _ts, batch_size: _plan(x, batch_size)}
         result = evaluate(ts, args.batch_size, masks=masks, seeds=args.seeds, plans=plans, planners=planners)
     except (TraceFormatError, PlanError, OSError) as exc:
         return fail(str(exc))
@@ -64,25 +84,27 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _encoder_planner(ts, encoder: str | None, *, progress: bool) -> dict:
-    """{"encoder": planner} over the traces' texts, embedded once; {} without texts or with 'none'."""
+def load_input(args: argparse.Namespace) -> TraceSet:
+    """The traces of --traces; with --heldout, their held-out side under the project's split."""
+    ts = load_traces(args.traces)
+    return ts.subset(heldout_split(ts)[1]) if args.heldout else ts
+
+
+def embed_traces(ts: TraceSet, encoder: str | None, *, progress: bool) -> np.ndarray | None:
+    """Embeddings [N, D] of the traces' texts by --encoder; None without texts or with 'none'."""
     if (encoder or "").lower() == "none" or ts.texts is None or not any(t.strip() for t in ts.texts):
-        return {}
+        return None
     from moe_cohort.encoder import embed_texts
+
+    return embed_texts(list(ts.texts), encoder=encoder, progress=progress)
+
+
+def _plan(x: np.ndarray, batch_size: int) -> list[np.ndarray]:
     from moe_cohort.encoder.planner import plan_batches
 
-    x = embed_texts(list(ts.texts), encoder=encoder, progress=progress)  # [N, D]
-    return {"encoder": lambda _ts, batch_size: plan_batches(x, batch_size)}
+    return plan_batches(x, batch_size)
 
 
-def _argument_problem(args: argparse.Namespace) -> str | None:
-    """The first bad argument, checked before traces are loaded or anything is embedded."""
-    if args.engine == "static" and args.batch_size is None:
-        return "--batch-size is required for static batches (or pass --engine continuous --slots S)"
-    return (path_problem(args) or (engine_problem(args) if args.engine == "continuous" else None)
-            or encoder_problem(args.encoder))
-
-
-def fail(message: str) -> int:
-    print(f"cohort eval: error: {message}", file=sys.stderr)
+def fail(message: str, command: str = "eval") -> int:
+    print(f"cohort {command}: error: {message}", file=sys.stderr)
     return 2

@@ -1,4 +1,4 @@
-"""`cohort eval --engine continuous`: the admission policies in the continuous-batching replay.
+"""`cohort replay`: the admission policies in a replay of vLLM's continuous batching (eval.engine).
 
 Policies, in the order of the output (random is always first):
     arrival          admission in trace (file) order
@@ -11,63 +11,104 @@ Policies, in the order of the output (random is always first):
 
 With --replicas R: R replicas of S slots behind a router instead (eval.replicas; --routing picks
 round-robin, least-loaded, affinity or all), beside one engine of R*S slots for reference.
+Static plans are `cohort eval` (eval.cli), whose trace flags this command shares.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
-import sys
 from pathlib import Path
 
 import numpy as np
 
-from moe_cohort.encoder.plans import Plan
-from moe_cohort.eval.args import nonnegative_float, positive_int, share
+from moe_cohort.encoder.plans import Plan, PlanError, read_plan_file
+from moe_cohort.eval.args import (encoder_problem, engine_problem, int_list, nonnegative_float, path_problem,
+                                  positive_int, share)
+from moe_cohort.eval.cli import add_input_arguments, embed_traces, fail, load_input
 from moe_cohort.eval.cost import DEFAULT_COST_MODEL, PRESETS, parse_cost_model
 from moe_cohort.eval.engine import DEFAULT_MEAN_LENGTH, REFERENCE, evaluate_continuous, lengths_from_spec
 from moe_cohort.eval.policies import Policy, by_embedding, by_profile, fixed_order
 from moe_cohort.eval.replay import DecodeTokens, decode_profiles, decode_tokens
-from moe_cohort.traces.format import TraceSet
-from moe_cohort.traces.split import heldout_split
+from moe_cohort.traces.format import TraceFormatError, TraceSet
 
 log = logging.getLogger(__name__)
 
-def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--engine", choices=("static", "continuous"), default="static",
-                        help="static batches (default) or a continuous-batching engine replay with --slots")
-    parser.add_argument("--slots", type=positive_int, default=16, help="continuous: resident requests S (default %(default)s)")
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_input_arguments(parser)
+    parser.add_argument("--slots", type=positive_int, default=16, help="resident requests S (default %(default)s)")
+    parser.add_argument("--batch-size", type=positive_int, default=None,
+                        help="B of the encoder's plan in the 'plan' row (default: S)")
     parser.add_argument("--lengths", default="lognormal",
-                        help="continuous: output lengths, fixed | lognormal[:SIGMA] | FILE (default %(default)s)")
+                        help="output lengths, fixed | lognormal[:SIGMA] | FILE (default %(default)s; decode traces run "
+                             "as long as they ran)")
     parser.add_argument("--mean-length", type=positive_int, default=DEFAULT_MEAN_LENGTH,
-                        help="continuous: mean output length of fixed/lognormal (default %(default)s)")
+                        help="mean output length of fixed/lognormal (default %(default)s)")
     parser.add_argument("--cost-model", default=DEFAULT_COST_MODEL,
-                        help=f"continuous: {', '.join(PRESETS)} or 'A8,A128,B' in us (default %(default)s)")
+                        help=f"{', '.join(PRESETS)} or 'A8,A128,B' in us (default %(default)s)")
     parser.add_argument("--non-moe-us", type=nonnegative_float, default=None,
-                        help="continuous: us per step outside the MoE blocks (default: from --moe-share)")
-    parser.add_argument("--moe-share", type=share, default=None,
-                        help="continuous: MoE share of a random-order step (default 0.73)")
+                        help="us per step outside the MoE blocks (default: from --moe-share)")
+    parser.add_argument("--moe-share", type=share, default=None, help="MoE share of a random-order step (default 0.73)")
     parser.add_argument("--max-wait", type=nonnegative_float, default=None,
-                        help="continuous: fairness bound in steps; an overdue request goes first (default: none)")
-    parser.add_argument("--heldout", action="store_true",
-                        help="evaluate the held-out requests of the project's split only (traces.split)")
+                        help="fairness bound in steps; an overdue request goes first (default: none)")
     parser.add_argument("--replicas", type=positive_int, default=None,
-                        help="continuous: R replicas of --slots each behind a router (eval.replicas; default: one engine)")
+                        help="R replicas of --slots each behind a router (eval.replicas; default: one engine)")
     parser.add_argument("--routing", choices=("round-robin", "least-loaded", "affinity", "all"), default="all",
-                        help="continuous with --replicas: which routings to replay beside random (default %(default)s)")
+                        help="with --replicas: which routings to replay beside random (default %(default)s)")
+    parser.add_argument("--report", metavar="DIR",
+                        help="also write report.json, report.md, saving.png and moe_time.png to DIR: static plans "
+                             "against the replay at every S of --sweep")
+    parser.add_argument("--sweep", type=int_list, default="8,16,32,64",
+                        help="slot counts S (and batch sizes B) of the report, comma-separated (default %(default)s)")
 
 
-def heldout_traces(ts: TraceSet, heldout: bool) -> TraceSet:
-    """The held-out side of the one split, or `ts` itself."""
-    return ts.subset(heldout_split(ts)[1]) if heldout else ts
+def run(args: argparse.Namespace) -> int:
+    """Print the table (or JSON), and with --report the sweep over S."""
+    from moe_cohort.eval.report import format_engine_table
+
+    problem = path_problem(args) or engine_problem(args) or encoder_problem(args.encoder)
+    if args.replicas is not None and args.report:
+        problem = "--report draws one engine against S; leave it out with --replicas"
+    if problem:
+        return fail(problem, "replay")
+    try:
+        ts = load_input(args)
+        plan = read_plan_file(args.plan, ts.request_ids) if args.plan else None
+        text = text_side(ts, args.encoder, progress=not args.no_progress)
+        result = run_continuous(args, ts, plan, text) if args.replicas is None else run_replicas(args, ts, text)
+    except (TraceFormatError, PlanError, OSError, ValueError) as exc:
+        return fail(str(exc), "replay")
+    if args.replicas is not None:
+        from moe_cohort.eval.replicas import format_replica_table
+
+        print(json.dumps(result, indent=2) if args.json else format_replica_table(result))
+        return 0
+    print(json.dumps(result, indent=2) if args.json else format_engine_table(result))
+    if args.report:
+        for path in engine_report(args, ts, text, result):
+            print(f"wrote {path}")
+    return 0
+
+
+def text_side(ts: TraceSet, encoder: str | None, *, progress: bool = False) -> tuple:
+    """(embeddings [N, D], profile head or None) from --encoder; (None, None) without texts or with 'none'."""
+    x = embed_traces(ts, encoder, progress=progress)
+    if x is None:
+        return None, None
+    from moe_cohort.encoder.profile import load_profile_head
+
+    head = load_profile_head(encoder) if encoder and Path(encoder).is_dir() else None
+    if head is None:
+        log.info("no profile head beside encoder %s (cohort train writes one): text-profile left out", encoder)
+    return x, head
 
 
 def run_continuous(args: argparse.Namespace, ts: TraceSet, plan: Plan | None, text: tuple) -> dict:
     """One replay summary (eval.engine.evaluate_continuous) at S = args.slots for the CLI's options.
 
     `text` is (embeddings [N, D] or None, profile head or None), from `text_side`."""
-    if args.slots < 1:
-        raise ValueError(f"--slots must be >= 1, got {args.slots}")
     tokens = decode_tokens(ts, args.decode)
     lengths = _lengths(args, ts, tokens)
     cost = parse_cost_model(args.cost_model, args.non_moe_us, args.moe_share)
@@ -121,51 +162,6 @@ def _lengths(args: argparse.Namespace, ts: TraceSet, tokens: DecodeTokens):
         own = np.maximum(ts.num_decode_tokens, 1)
         return lambda seed: own
     return lengths_from_spec(args.lengths, ts.request_ids, mean=args.mean_length)
-
-
-def text_side(ts: TraceSet, encoder: str | None, *, progress: bool = False):
-    """(embeddings [N, D], profile head or None) from --encoder; (None, None) without texts or with 'none'."""
-    if (encoder or "").lower() == "none" or ts.texts is None or not any(t.strip() for t in ts.texts):
-        return None, None
-    from moe_cohort.encoder import embed_texts
-    from moe_cohort.encoder.profile import load_profile_head
-
-    head = load_profile_head(encoder) if encoder and Path(encoder).is_dir() else None
-    if head is None:
-        log.info("no profile head beside encoder %s (cohort train writes one): text-profile left out", encoder)
-    return embed_texts(list(ts.texts), encoder=encoder, progress=progress), head
-
-
-def run_engine(args: argparse.Namespace) -> int:
-    """The CLI's continuous mode: print the table (or JSON), and with --report the sweep over S."""
-    import json
-
-    from moe_cohort.encoder.plans import PlanError, read_plan_file
-    from moe_cohort.eval.report import format_engine_table
-    from moe_cohort.traces.format import TraceFormatError
-    from moe_cohort.traces.importers import load_traces
-
-    if args.replicas is not None and args.report:
-        print("cohort eval: error: --report draws one engine against S; leave it out with --replicas", file=sys.stderr)
-        return 2
-    try:
-        ts = heldout_traces(load_traces(args.traces), args.heldout)
-        plan = read_plan_file(args.plan, ts.request_ids) if args.plan else None
-        text = text_side(ts, args.encoder, progress=not getattr(args, "no_progress", False))
-        result = run_continuous(args, ts, plan, text) if args.replicas is None else run_replicas(args, ts, text)
-    except (TraceFormatError, PlanError, OSError, ValueError) as exc:
-        print(f"cohort eval: error: {exc}", file=sys.stderr)
-        return 2
-    if args.replicas is not None:
-        from moe_cohort.eval.replicas import format_replica_table
-
-        print(json.dumps(result, indent=2) if args.json else format_replica_table(result))
-        return 0
-    print(json.dumps(result, indent=2) if args.json else format_engine_table(result))
-    if args.report:
-        for path in engine_report(args, ts, text, result):
-            print(f"wrote {path}")
-    return 0
 
 
 def engine_report(args: argparse.Namespace, ts: TraceSet, text: tuple, result: dict) -> list[Path]:

@@ -1,4 +1,4 @@
-"""`cohort eval` end to end on a small trace file written by the test."""
+"""`cohort eval` and `cohort replay` end to end on small trace files written by the test."""
 
 import json
 import re
@@ -61,6 +61,7 @@ def test_batch_size_must_be_positive(trace_file, capsys):
     assert "expected a positive integer" in capsys.readouterr().err
 
 
+@pytest.mark.integration  # the packaged encoder
 def test_encoder_plan_recovers_planted_topics(monkeypatch, capsys):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert main(["eval", "--traces", "sample", "--batch-size", "16", "--json"]) == 0
@@ -79,7 +80,7 @@ def test_continuous_engine_json_keeps_the_plans_shape_and_the_report_draws_both_
     from moe_cohort.traces.synthetic import synthetic_traces
 
     path = save_traces(tmp_path / "s.npz", synthetic_traces(90, num_experts=16, num_layers=3, top_k=2, seed=1))
-    assert main(["eval", "--traces", str(path), "--engine", "continuous", "--slots", "4", "--json", "--encoder", "none",
+    assert main(["replay", "--traces", str(path), "--slots", "4", "--json", "--encoder", "none",
                  "--lengths", "lognormal:0.5", "--mean-length", "6", "--seeds", "2", "--cost-model", "qwen3-30b-a3b"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert (out["slots"], out["num_requests"], out["cost_model"]) == (4, 90, "qwen3-30b-a3b")
@@ -87,7 +88,7 @@ def test_continuous_engine_json_keeps_the_plans_shape_and_the_report_draws_both_
     for row in out["plans"].values():
         assert {"saving", "capture", "loads_per_token", "step_us_per_token", "tokens_per_s"} <= set(row)
     assert out["plans"]["reference"]["capture"] == 1.0 and out["plans"]["reference"]["saving"] > 0
-    assert main(["eval", "--traces", str(path), "--engine", "continuous", "--slots", "4", "--encoder", "none",
+    assert main(["replay", "--traces", str(path), "--slots", "4", "--encoder", "none",
                  "--mean-length", "6", "--seeds", "2", "--report", str(tmp_path / "r"), "--sweep", "2,8"]) == 0
     assert {p.name for p in (tmp_path / "r").iterdir()} == {"report.json", "report.md", "saving.png", "moe_time.png"}
     report = json.loads((tmp_path / "r" / "report.json").read_text())
@@ -95,12 +96,33 @@ def test_continuous_engine_json_keeps_the_plans_shape_and_the_report_draws_both_
     assert all("moe_us_per_token" in row for r in report["static"] for row in r["plans"].values())
 
 
-def test_continuous_engine_rejects_a_bad_cost_model_and_static_needs_a_batch_size(trace_file, capsys):
-    assert main(["eval", "--traces", str(trace_file), "--engine", "continuous", "--encoder", "none",
-                 "--cost-model", "warp-drive"]) == 2
+def test_replay_rejects_a_bad_cost_model_and_eval_needs_a_batch_size(trace_file, capsys):
+    assert main(["replay", "--traces", str(trace_file), "--encoder", "none", "--cost-model", "warp-drive"]) == 2
     assert "cost model" in capsys.readouterr().err
-    assert main(["eval", "--traces", str(trace_file), "--encoder", "none"]) == 2
-    assert "--batch-size" in capsys.readouterr().err
+    assert _run(["eval", "--traces", str(trace_file), "--encoder", "none"], capsys)[::2] == (2, (
+        "cohort eval: error: the following arguments are required: --batch-size (see `cohort eval --help`)\n"))
+
+
+@pytest.mark.parametrize("extra", [[], ["--slots", "16", "--lengths", "fixed"]])
+def test_eval_engine_continuous_points_to_replay_in_one_line(trace_file, capsys, extra):
+    code, out, err = _run(["eval", "--traces", str(trace_file), "--engine", "continuous", *extra], capsys)
+    assert (code, out) == (2, "")
+    assert len(err.strip().splitlines()) == 1 and "cohort replay --traces PATH --slots S" in err, err
+
+
+def test_both_commands_read_decode_traces_with_their_own_lengths(tmp_path, capsys):
+    ts = random_traces(30, num_experts=12, top_k=2, max_prompt=4, max_decode=6, seed=4)
+    path = save_traces(tmp_path / "decode.npz", ts)
+    assert main(["eval", "--traces", str(path), "--batch-size", "4", "--json", "--encoder", "none"]) == 0
+    assert json.loads(capsys.readouterr().out)["decode_mode"] == "real"
+    rows = []
+    for lengths in (["--lengths", "fixed", "--mean-length", "1"], []):  # ignored: each request runs as long as it ran
+        assert main(["replay", "--traces", str(path), "--slots", "4", "--json", "--encoder", "none", "--seeds", "2",
+                     *lengths]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["decode_mode"] == "real"
+        rows.append(out["plans"])
+    assert rows[0] == rows[1]
 
 
 def _run(args, capsys) -> tuple[int, str, str]:
@@ -113,33 +135,38 @@ def _run(args, capsys) -> tuple[int, str, str]:
     return code, out, err
 
 
-@pytest.mark.parametrize("extra, flag", [
-    (["--sweep", "8,abc", "--report", "{tmp}/r"], "--sweep"),
-    (["--report", "{tmp}/existing.txt"], "--report"),
-    (["--traces", "{tmp}/nope.npz"], "--traces"),
-    (["--plan", "{tmp}/nope.jsonl"], "--plan"),
-    (["--seeds", "0"], "--seeds"),
-    (["--decode-steps", "x"], "--decode-steps"),
-    (["--encoder", "{tmp}/no-such-encoder"], "--encoder"),
-    (["--engine", "continuous", "--slots", "0"], "--slots"),
-    (["--engine", "continuous", "--mean-length", "0"], "--mean-length"),
-    (["--engine", "continuous", "--lengths", "lognormal:wide"], "--lengths"),
-    (["--engine", "continuous", "--lengths", "{tmp}/nope.txt"], "--lengths"),
-    (["--engine", "continuous", "--cost-model", "warp-drive"], "--cost-model"),
-    (["--engine", "continuous", "--moe-share", "2"], "--moe-share"),
-    (["--engine", "continuous", "--non-moe-us", "-1"], "--non-moe-us"),
-    (["--engine", "continuous", "--max-wait", "-3"], "--max-wait"),
-    (["--engine", "continuous", "--sweep", "4,,x", "--report", "{tmp}/r"], "--sweep"),
+@pytest.mark.parametrize("command, extra, flag", [
+    ("eval", ["--sweep", "8,abc", "--report", "{tmp}/r"], "--sweep"),
+    ("eval", ["--report", "{tmp}/existing.txt"], "--report"),
+    ("eval", ["--traces", "{tmp}/nope.npz"], "--traces"),
+    ("eval", ["--plan", "{tmp}/nope.jsonl"], "--plan"),
+    ("eval", ["--seeds", "0"], "--seeds"),
+    ("eval", ["--decode-steps", "x"], "--decode-steps"),
+    ("eval", ["--encoder", "{tmp}/no-such-encoder"], "--encoder"),
+    ("replay", ["--traces", "{tmp}/nope.npz"], "--traces"),
+    ("replay", ["--encoder", "{tmp}/no-such-encoder"], "--encoder"),
+    ("replay", ["--slots", "0"], "--slots"),
+    ("replay", ["--mean-length", "0"], "--mean-length"),
+    ("replay", ["--lengths", "lognormal:wide"], "--lengths"),
+    ("replay", ["--lengths", "{tmp}/nope.txt"], "--lengths"),
+    ("replay", ["--cost-model", "warp-drive"], "--cost-model"),
+    ("replay", ["--moe-share", "2"], "--moe-share"),
+    ("replay", ["--non-moe-us", "-1"], "--non-moe-us"),
+    ("replay", ["--max-wait", "-3"], "--max-wait"),
+    ("replay", ["--sweep", "4,,x", "--report", "{tmp}/r"], "--sweep"),
 ])
-def test_a_bad_argument_is_one_line_naming_the_flag_before_any_work(trace_file, tmp_path, capsys, extra, flag):
+def test_a_bad_argument_is_one_line_naming_the_flag_before_any_work(trace_file, tmp_path, capsys, command, extra, flag):
     (tmp_path / "existing.txt").write_text("not a folder\n")
     extra = [a.replace("{tmp}", str(tmp_path)) for a in extra]
-    code, out, err = _run(["eval", "--traces", str(trace_file), "--batch-size", "4", "--encoder", "none", *extra], capsys)
+    size = ["--batch-size", "4"] if command == "eval" else []
+    code, out, err = _run([command, "--traces", str(trace_file), *size, "--encoder", "none", *extra], capsys)
     assert (code, out) == (2, "")  # nothing evaluated or printed before the check
     assert len(err.strip().splitlines()) == 1 and flag in err and "Traceback" not in err, err
+    assert err.startswith(f"cohort {command}: error:"), err
     assert not (tmp_path / "r").exists()
 
 
+@pytest.mark.integration  # a process, and the packaged encoder
 @pytest.mark.parametrize("quiet", [False, True])
 def test_embedding_shows_progress_on_stderr_unless_no_progress(quiet):
     import os

@@ -84,14 +84,14 @@ def test_evaluate_replicas_rows():
     assert "idle-while-queued" in format_replica_table(out)
 
 
-def test_cohort_eval_replicas_json_and_table(tmp_path, capsys):
+def test_cohort_replay_replicas_json_and_table(tmp_path, capsys):
     from moe_cohort.cli import main
     from moe_cohort.traces.format import save_traces
     from moe_cohort.traces.synthetic import synthetic_traces
 
     path = save_traces(tmp_path / "s.npz", synthetic_traces(60, num_experts=16, num_layers=3, top_k=2, seed=1))
-    base = ["eval", "--traces", str(path), "--engine", "continuous", "--slots", "3", "--replicas", "2", "--encoder",
-            "none", "--mean-length", "6", "--seeds", "2"]
+    base = ["replay", "--traces", str(path), "--slots", "3", "--replicas", "2", "--encoder", "none", "--mean-length", "6",
+            "--seeds", "2"]
     assert main([*base, "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert (out["replicas"], out["slots"], out["num_requests"]) == (2, 3, 60)
@@ -104,12 +104,12 @@ def test_cohort_eval_replicas_json_and_table(tmp_path, capsys):
 
 @pytest.mark.parametrize("extra, flag", [(["--replicas", "0"], "--replicas"), (["--routing", "hash"], "--routing"),
                                          (["--replicas", "2", "--report", "{tmp}/r"], "--report")])
-def test_cohort_eval_replicas_rejects_bad_arguments_in_one_line(tmp_path, capsys, extra, flag):
+def test_cohort_replay_replicas_rejects_bad_arguments_in_one_line(tmp_path, capsys, extra, flag):
     from moe_cohort.cli import main
     from moe_cohort.traces.format import save_traces
 
     path = save_traces(tmp_path / "t.npz", random_traces(10, seed=1))
-    args = ["eval", "--traces", str(path), "--engine", "continuous", "--encoder", "none",
+    args = ["replay", "--traces", str(path), "--encoder", "none",
             *[a.replace("{tmp}", str(tmp_path)) for a in extra]]
     try:
         code = main(args)
