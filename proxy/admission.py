@@ -13,8 +13,8 @@ event loop). With `profile_first` every request waits for it, and the admission 
 compact form, which the proxy forwards as `vllm_xargs.moe_profile`, so an engine with our
 scheduler (`backend.scheduler`) can reorder its own queue too. Without, a request that finds a
 free slot with nobody waiting is admitted at once (there is nothing to choose, and a burst of
-arrivals would otherwise wait for the whole burst's prediction: 10 ms p50 at 16 clients with the
-static student, bench_proxy), and its profile joins its replica's resident set when predicted, so
+arrivals would otherwise wait for the whole burst's prediction; docs/results.md has the proxy's
+overhead both ways), and its profile joins its replica's resident set when predicted, so
 later choices still count its experts; a request that has to wait is predicted first, as before.
 Background work (the Batch API's jobs) shares the slots through `admit_background()` but only
 gets one that no waiting request wants. Nothing here knows HTTP: a
@@ -145,8 +145,8 @@ class AdmissionGate:
     async def _profile_later(self, admission: Admission, text: str) -> None:
         """Predict the profile of a request admitted without it; it joins its replica's resident set
         unless the request has finished meanwhile. Only after `LATE_PROFILE_S`: a burst of arrivals is
-        taken in first and predicted after, in larger batches (bench_proxy, static student, 64 clients:
-        the proxy's own time p50 7.9 -> 3.6-4.4 ms); the resident set learns of it a little later."""
+        taken in first and predicted after, in larger batches (fewer, larger encoder calls: less of the
+        proxy's own time, docs/results.md); the resident set learns of it a little later."""
         await asyncio.sleep(LATE_PROFILE_S)
         prediction = await self.profiler.profile(text)  # None when the encoder failed
         if prediction is not None:

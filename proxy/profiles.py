@@ -58,8 +58,8 @@ def limit_threads(threads: int) -> None:
     """Let this process's encoder use at most `threads` CPU threads: torch's intra-op pool, the BLAS
     libraries loaded so far (threadpoolctl), the tokenizer's batch parallelism. For the proxy's process,
     after its encoder loaded: a request is embedded alone or in a small batch, where more threads
-    gain little and their spinning takes the event loop's core (measured with the static student on
-    one core: 1.8 ms of CPU per request with the default pools, 0.75 ms with one thread)."""
+    gain little and their spinning takes the event loop's core (one thread costs less than half the
+    CPU per request of the default pools: docs/results.md)."""
     from threadpoolctl import threadpool_limits
 
     os.environ["TOKENIZERS_PARALLELISM"] = "true" if threads > 1 else "false"
