@@ -1,4 +1,4 @@
-"""GPU half of `benchmarks/bench_selectors.py` (`--device cuda`): CUDA-graph timings.
+"""GPU half of `python -m benchmarks.bench_selectors --device cuda`: CUDA-graph timings.
 
 For every configuration and policy: GPU microseconds per call inside a CUDA graph for the Triton
 kernels (`select_experts` on CUDA) and for the torch selectors (`backend.selection.SELECTORS`),
