@@ -9,7 +9,9 @@ into `SamplingParams.extra_args`:
 
     moe_routing   a policy string (backend.policy grammar), e.g. "xshare;m=4;k0=1"; default: the
                   server-wide policy (env COHORT_MOE_ROUTING, else "topk")
-    moe_record    true/false: record this request's expert trace (default: env COHORT_RECORD_TRACES)
+    moe_record    true/false: record this request's expert trace, honoured only where the operator lets
+                  requests ask (env COHORT_RECORD_TRACES=request: those that ask; =1: all, a request
+                  may opt out with false; =0, the default: none, and the API server refuses true)
 """
 
 from __future__ import annotations
@@ -48,9 +50,17 @@ def parse_flag(value: object, key: str = RECORD_KEY) -> bool:
     raise ValueError(f"vllm_xargs.{key} must be true or false, got {value!r}")
 
 
+class RecordingOff(ValueError):
+    """A request asked to be recorded where the operator lets no request ask."""
+
+
 def request_options(extra_args: Mapping | None, default_policy: Policy = TopK(),
-                    record_default: bool = False) -> RequestOptions:
-    """The options of one request from its `SamplingParams.extra_args`.
+                    record_default: bool = False, record_requests: bool = False, *,
+                    strict: bool = False) -> RequestOptions:
+    """The options of one request from its `SamplingParams.extra_args`. It is recorded when `record_default`
+    (the operator records every request) unless it says `moe_record: false`, or when it says `moe_record:
+    true` and `record_requests` (the operator lets requests ask); a request's `true` is ignored otherwise
+    (`strict`: RecordingOff, the API server's 400), so a client cannot make the engine write its prompt to disk.
 
     Raises PolicyError (a ValueError) for a bad `moe_routing` and ValueError for a bad `moe_record`.
     """
@@ -61,7 +71,15 @@ def request_options(extra_args: Mapping | None, default_policy: Policy = TopK(),
         if not isinstance(text, str):
             raise PolicyError(f"vllm_xargs.{ROUTING_KEY} must be a policy string, got {text!r}")
         policy = parse_policy(text)
-    record = parse_flag(extra_args[RECORD_KEY]) if RECORD_KEY in extra_args else record_default
+    record = record_default
+    if RECORD_KEY in extra_args:
+        asked = parse_flag(extra_args[RECORD_KEY])
+        if asked and not (record_default or record_requests):
+            if strict:
+                raise RecordingOff("this server does not record requests on demand (its operator allows that "
+                                   "with COHORT_RECORD_TRACES=request)")
+        else:
+            record = asked
     return RequestOptions(policy, record)
 
 

@@ -71,6 +71,7 @@ class HookConfig:
     max_tokens: int = 8192  # rows per forward the tables hold (vLLM's max_num_batched_tokens)
     rank_width: int | None = None  # experts ranked per token in table mode (default 2 top_k; OEA max_p)
     graph_spec: bool = False  # table mode runs XShare-spec's per-request kernel in every step
+    record_requests: bool = False  # a request's moe_record: true is honoured (COHORT_RECORD_TRACES=request)
 
 
 @dataclass(frozen=True)
@@ -121,7 +122,8 @@ class RoutingHook(TableMode):
 
     def _parse_options(self, req_id: str, extra_args: Mapping | None) -> RequestOptions:
         try:
-            opts = request_options(extra_args, self.config.default_policy, self.config.record_all)
+            opts = request_options(extra_args, self.config.default_policy, self.config.record_all,
+                                   self.config.record_requests)
             if self.layers:
                 info = next(iter(self.layers.values()))
                 opts.policy.validate_for_model(info.top_k, info.num_experts)

@@ -3,7 +3,8 @@
 Imported only by `backend.vllm_plugin.register()`. Patched (vLLM 0.32; names unchanged in 0.33):
 
 - `SamplingParams._verify_args`: validate `vllm_xargs.moe_routing` / `moe_record` where the
-  request is built (the API server), so a bad policy is an HTTP 400 (`VLLMValidationError`);
+  request is built (the API server), so a bad policy is an HTTP 400 (`VLLMValidationError`), and so is
+  `moe_record: true` where the operator lets no request ask to be recorded;
   recorded requests and requests whose policy changes prefill skip reading the prefix cache.
 - `EngineArgs.create_engine_config`: remember the model's top_k / expert count so the API
   server can also reject policies that do not fit the model (e.g. k0 > top_k).
@@ -92,7 +93,8 @@ def install(config) -> None:
         setup_serving_process()
     metrics = ExpertLoadMetrics(worker_directory()) if config.metrics else None
     STATE.hook = RoutingHook(HookConfig(config.default_policy, config.record_all, config.trace_dir,
-                                        rank_width=config.rank_width, graph_spec=config.graph_spec), metrics)
+                                        rank_width=config.rank_width, graph_spec=config.graph_spec,
+                                        record_requests=config.record_requests), metrics)
     _define_custom_op()
     _patch_sampling_params(config)
     _patch_engine_args(config)
@@ -113,7 +115,7 @@ def validate_extra_args(params, config) -> None:
             and isinstance(config.default_policy, TopK):
         return
     try:
-        opts = request_options(extra, config.default_policy, config.record_all)
+        opts = request_options(extra, config.default_policy, config.record_all, config.record_requests, strict=True)
         check_policy(opts.policy, config)
     except (PolicyError, ValueError) as exc:
         key = ROUTING_KEY if isinstance(exc, PolicyError) else RECORD_KEY

@@ -12,8 +12,8 @@ vLLM lazily, checks the vLLM version, and then patches vLLM (see `backend.vllm_p
   reading vLLM's prefix cache (their own prefill then follows their policy);
 - per forward and MoE layer, distinct experts before/after the policy go to Prometheus
   (`backend.metrics`, served on the vLLM server's /metrics);
-- with recording on (`COHORT_RECORD_TRACES=1`, or `"moe_record": true` in a request's
-  vllm_xargs), each finished request's expert ids and weights (prompt and generated tokens, all
+- with recording on (`COHORT_RECORD_TRACES=1`: every request; `=request`: the requests with
+  `"moe_record": true` in their vllm_xargs, which the API server otherwise refuses), each finished request's expert ids and weights (prompt and generated tokens, all
   MoE layers) are written as `$COHORT_TRACE_DIR/<engine request id>.npz` in the trace format,
   one engine step after the request finishes (`backend.recorder`; merge a directory of them with
   `traces.importers.load_traces(DIR)`). Recorded requests skip reading the prefix cache.
@@ -21,7 +21,8 @@ vLLM lazily, checks the vLLM version, and then patches vLLM (see `backend.vllm_p
 Environment (read when the plugin registers, in every vLLM process):
 
     COHORT_MOE_ROUTING          server-wide default policy (default "topk"); a bad one stops the server
-    COHORT_RECORD_TRACES        1: record every request (default 0; per request: vllm_xargs moe_record)
+    COHORT_RECORD_TRACES        1: record every request; request: those with vllm_xargs moe_record true;
+                                0 (default): none (a request's moe_record true is a 400)
     COHORT_TRACE_DIR            where trace files go (default ./cohort-traces of the server's cwd)
     COHORT_MOE_METRICS          0: no expert-load metrics (default 1)
     COHORT_ALLOW_UNTESTED_VLLM  1: patch a vLLM version this plugin was not written for
@@ -56,6 +57,7 @@ COMPATIBLE_VERSIONS = ("0.33",)  # the patched names are unchanged (source readi
 ENV_POLICY, ENV_RECORD, ENV_TRACE_DIR = "COHORT_MOE_ROUTING", "COHORT_RECORD_TRACES", "COHORT_TRACE_DIR"
 ENV_METRICS, ENV_ALLOW = "COHORT_MOE_METRICS", "COHORT_ALLOW_UNTESTED_VLLM"
 ENV_GRAPH_SPEC, ENV_RANK_WIDTH = "COHORT_GRAPH_XSHARE_SPEC", "COHORT_GRAPH_RANK_WIDTH"
+RECORD_ON_REQUEST = "request"  # COHORT_RECORD_TRACES=request: record the requests that ask (vllm_xargs moe_record)
 
 _registered = False
 
@@ -72,6 +74,7 @@ class PluginConfig:
     metrics: bool
     graph_spec: bool = False  # COHORT_GRAPH_XSHARE_SPEC
     rank_width: int | None = None  # COHORT_GRAPH_RANK_WIDTH
+    record_requests: bool = False  # COHORT_RECORD_TRACES=request: a request's moe_record is honoured
 
     @classmethod
     def from_env(cls, environ: dict | None = None) -> "PluginConfig":
@@ -85,7 +88,9 @@ class PluginConfig:
         width = env.get(ENV_RANK_WIDTH)
         if width is not None and not (width.isdigit() and int(width) >= 1):
             raise ValueError(f"{ENV_RANK_WIDTH} must be a positive integer, got {width!r}")
-        return cls(default_policy=policy, record_all=_env_flag(env, ENV_RECORD, False),
+        on_request = env.get(ENV_RECORD, "").strip().lower() == RECORD_ON_REQUEST
+        return cls(default_policy=policy, record_all=not on_request and _env_flag(env, ENV_RECORD, False),
+                   record_requests=on_request,
                    trace_dir=Path(env.get(ENV_TRACE_DIR, "cohort-traces")).absolute(),
                    metrics=_env_flag(env, ENV_METRICS, True), graph_spec=_env_flag(env, ENV_GRAPH_SPEC, False),
                    rank_width=None if width is None else int(width))
@@ -99,7 +104,8 @@ def _env_flag(env, name: str, default: bool) -> bool:
     try:
         return parse_flag(env[name], key=name)
     except ValueError:
-        raise ValueError(f"{name} must be 0 or 1, got {env[name]!r}") from None
+        also = f" ({RECORD_ON_REQUEST!r}: record the requests that ask)" if name == ENV_RECORD else ""
+        raise ValueError(f"{name} must be 0 or 1, got {env[name]!r}{also}") from None
 
 
 def check_vllm_version(version: str, allow_untested: bool = False) -> None:
@@ -167,5 +173,6 @@ def register() -> None:
     vllm_patches.install(config)
     _registered = True
     log.info("moe-cohort plugin registered in pid %d (default policy %s, recording %s, metrics %s)",
-             os.getpid(), config.default_policy, "on" if config.record_all else "per request",
+             os.getpid(), config.default_policy,
+             "all requests" if config.record_all else "on request" if config.record_requests else "off",
              "on" if config.metrics else "off")

@@ -32,6 +32,7 @@ from moe_cohort.proxy.batch.jobs import BatchJobs
 from moe_cohort.proxy.admission import AdmissionGate, Profiler
 from moe_cohort.proxy.errors import BackendStatusError, BackendUnreachable, ProxyError
 from moe_cohort.proxy.fastpath import FastPath
+from moe_cohort.proxy.hints import HintRules
 from moe_cohort.proxy.http_limits import HeadLimits
 from moe_cohort.proxy.metrics import ProxyMetrics
 from moe_cohort.proxy.middleware import RequestContext, access_log
@@ -97,7 +98,8 @@ class Proxy:
 
     async def completion(self, request: Request, route: Route) -> Response:
         preq = parse_request(await self.body(request), route, request.headers,
-                             default_policy=self.settings.default_policy, max_bytes=self.settings.max_body_bytes)
+                             default_policy=self.settings.default_policy, max_bytes=self.settings.max_body_bytes,
+                             rules=HintRules.of(self.settings))
         if self.settings.log_prompts:
             log.info("%s request, policy %s: %r", route, preq.policy, preq.text)
         return await self.generate(request, preq)

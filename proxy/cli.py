@@ -35,6 +35,9 @@ _FLAGS = {
                                   "static, distilled from the packaged MiniLM once, ~1 min)"),
     "--encoder-threads": ("encoder_threads", int, "CPU threads the encoder may use (torch, BLAS, tokenizer); 1 "
                                                    "leaves the other cores to the engine"),
+    "--allowed-policy": ("allowed_policies", list, "a routing policy clients may ask for (X-MoE-Routing, "
+                                                   "vllm_xargs.moe_routing): a name such as oea (any parameters) or "
+                                                   "a policy such as 'xshare;m=24'; repeatable (default: any)"),
     "--backend-api-key": ("backend_api_key", str, "API key to send to the backend"),
     "--request-timeout-s": ("request_timeout_s", float, "backend timeout per request"),
     "--max-body-bytes": ("max_body_bytes", int, "largest request body accepted"),
@@ -61,6 +64,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "a request that finds a free slot goes at once, without them; env COHORT_FORWARD_PROFILES)")
     parser.add_argument("--protect-metrics", action="store_true", default=None, help="/metrics needs an --api-key and "
                         "/health shows callers without one only its status (env COHORT_PROTECT_METRICS)")
+    parser.add_argument("--trust-client-hints", action="store_true", default=None, help="forward what clients send "
+                        "in vllm_xargs.moe_profile and moe_record (trusted callers only: a client's profile can put it "
+                        "first in the engine's queue, moe_record writes its prompt to the engine's disk; default: "
+                        "dropped; env COHORT_TRUST_CLIENT_HINTS)")
     parser.add_argument("--api-docs", action="store_true", default=None, help="serve /openapi.json, /docs and /redoc "
                         "(behind the --api-key like every route; /docs and /redoc load JavaScript from a CDN; "
                         "default: off, env COHORT_API_DOCS)")
@@ -78,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
     overrides = flag_overrides(args, _FLAGS)
     overrides.update(api_keys=tuple(args.api_keys) if args.api_keys else None, log_prompts=args.log_prompts,
                      protect_metrics=args.protect_metrics, forward_profiles=args.forward_profiles,
-                     api_docs=args.api_docs)
+                     api_docs=args.api_docs, trust_client_hints=args.trust_client_hints)
     try:
         settings = load_settings(overrides, config=args.config, flags={**_FLAGS, "--api-key": ("api_keys", list, "")})
     except SettingsError as exc:

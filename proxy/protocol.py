@@ -3,8 +3,9 @@
 The proxy checks only what it needs (a JSON object, `messages` or `prompt`, `stream`) and
 leaves every other field to vLLM: unknown fields pass through untouched. The routing policy
 comes from the `X-MoE-Routing` header, else from `vllm_xargs.moe_routing` in the body, else from
-the server default; it is validated here and sent to vLLM as `vllm_xargs.moe_routing` in its
-canonical form.
+the server default; it is validated here (and checked against the operator's allowed policies) and sent
+to vLLM as `vllm_xargs.moe_routing` in its canonical form. The keys the proxy owns (`moe_profile`,
+`moe_record`) are dropped from what clients send unless the operator trusts them (proxy/hints.py).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from moe_cohort.admission.wire import PROFILE_KEY, ROUTING_KEY
 from moe_cohort.backend.policy import PolicyError, parse_policy
 from moe_cohort.encoder.text import RequestTextError, request_text
 from moe_cohort.proxy.errors import InvalidRequest, PayloadTooLarge
+from moe_cohort.proxy.hints import HintRules
 
 Route = Literal["chat", "completion", "responses"]
 POLICY_HEADER = "x-moe-routing"
@@ -92,20 +94,29 @@ async def read_body(chunks: AsyncIterator[bytes], max_bytes: int) -> bytes:
 
 
 def parse_request(raw: bytes, route: Route, headers: Mapping[str, str], *, default_policy: str,
-                  max_bytes: int) -> ProxyRequest:
+                  max_bytes: int, rules: HintRules = HintRules()) -> ProxyRequest:
     """Validate `raw` as a chat/completion request body and attach the routing policy."""
     if len(raw) > max_bytes:
         raise PayloadTooLarge(_too_large(len(raw), max_bytes))
-    return prepare_body(json_object(raw), route, headers, default_policy=default_policy)
+    return prepare_body(json_object(raw), route, headers, default_policy=default_policy, rules=rules)
 
 
-def prepare_body(body: dict, route: Route, headers: Mapping[str, str], *, default_policy: str) -> ProxyRequest:
+def prepare_body(body: dict, route: Route, headers: Mapping[str, str], *, default_policy: str,
+                 rules: HintRules = HintRules()) -> ProxyRequest:
     """Check an already-decoded request body and attach the routing policy (used for batch-file lines too)."""
     _check_fields(body, route)
-    policy = _policy(body, headers, default_policy)
-    xargs = body.get("vllm_xargs") or {}
-    body["vllm_xargs"] = {**xargs, ROUTING_KEY: policy}
+    policy = engine_hints(body, headers, default_policy=default_policy, rules=rules)
     return ProxyRequest(route=route, body=body, stream=bool(body.get("stream", False)), policy=policy)
+
+
+def engine_hints(body: dict, headers: Mapping[str, str], *, default_policy: str, rules: HintRules) -> str:
+    """Set the engine hints of the body to forward (its `vllm_xargs`): the canonical routing policy, checked
+    against `rules`, and none of the keys the proxy owns (proxy/hints.py); the policy."""
+    if body.get("vllm_xargs") is not None and not isinstance(body["vllm_xargs"], dict):
+        raise InvalidRequest("'vllm_xargs' must be an object", param="vllm_xargs")
+    policy = _policy(body, headers, default_policy, rules)
+    body["vllm_xargs"] = {**rules.client_xargs(body.get("vllm_xargs") or {}), ROUTING_KEY: policy}
+    return policy
 
 
 def json_object(raw: bytes) -> dict:
@@ -146,7 +157,7 @@ def _is_prompt(prompt) -> bool:
     return False
 
 
-def _policy(body: dict, headers: Mapping[str, str], default_policy: str) -> str:
+def _policy(body: dict, headers: Mapping[str, str], default_policy: str, rules: HintRules) -> str:
     """The request's canonical policy: the header, else vllm_xargs.moe_routing, else the server's default;
     an error names where the bad value came from."""
     sent = (body.get("vllm_xargs") or {}).get(ROUTING_KEY)
@@ -157,10 +168,17 @@ def _policy(body: dict, headers: Mapping[str, str], default_policy: str) -> str:
         raise InvalidRequest(f"{source} must be a string such as \"xshare;m=24\", got {type(text).__name__} {text!r}",
                              param=source, code="invalid_policy")
     try:
-        return str(parse_policy(text))
+        policy = str(parse_policy(text))
     except PolicyError as exc:
         raise InvalidRequest(f"invalid routing policy {text!r} ({source}): {exc}", param=source,
                              code="invalid_policy") from exc
+    from_client = source != "the server's --default-policy"
+    if from_client and not rules.allows(policy) and policy != str(parse_policy(default_policy)):
+        raise InvalidRequest(f"routing policy {policy!r} ({source}) is not allowed on this proxy; allowed: "
+                             f"{', '.join(rules.policies)} (any parameters where only a name is listed), or leave "
+                             f"it out for the server's default, {default_policy!r}", param=source,
+                             code="policy_not_allowed")
+    return policy
 
 
 def _too_large(size: int, max_bytes: int) -> str:

@@ -21,7 +21,8 @@ from fastapi.responses import JSONResponse, Response
 
 from moe_cohort.proxy.auth import backend_headers
 from moe_cohort.proxy.errors import InvalidRequest, NotFound
-from moe_cohort.proxy.protocol import ProxyRequest, json_object
+from moe_cohort.proxy.hints import HintRules
+from moe_cohort.proxy.protocol import ProxyRequest, engine_hints, json_object
 
 POST_ROUTES = ("/v1/embeddings", "/tokenize", "/detokenize")
 
@@ -73,5 +74,7 @@ def add_relay_routes(app: FastAPI, proxy) -> None:
         body = json_object(await proxy.body(request))
         if "stream" in body and not isinstance(body["stream"], bool):
             raise InvalidRequest(f"'stream' must be true or false, got {body['stream']!r}", param="stream")
-        preq = ProxyRequest(route="responses", body=body, stream=bool(body.get("stream")), policy="")
+        policy = engine_hints(body, request.headers, default_policy=proxy.settings.default_policy,
+                              rules=HintRules.of(proxy.settings))  # as chat's: a policy, none of the proxy's keys
+        preq = ProxyRequest(route="responses", body=body, stream=bool(body.get("stream")), policy=policy)
         return await proxy.generate(request, preq)

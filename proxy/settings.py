@@ -67,6 +67,11 @@ class Settings:
     # backend.scheduler.ExpertAwareScheduler, x-cohort-key for a router (llm-d); off: a request that finds
     # a free slot goes at once, without them
     forward_profiles: bool = False
+    # engine hints (proxy/hints.py): clients' vllm_xargs.moe_profile and moe_record are dropped unless trusted (a
+    # gateway that predicts profiles itself); moe_routing is theirs, within allowed_policies (names such as
+    # "topk,oea" allow any parameters, or exact policies "xshare;m=24"; empty: any policy)
+    trust_client_hints: bool = False
+    allowed_policies: tuple[str, ...] = ()
     api_keys: tuple[str, ...] = ()  # proxy keys clients must send as `Authorization: Bearer`; empty = open
     backend_api_key: str = ""  # key sent to the backend; empty = forward the client's (when the proxy has no keys)
     request_timeout_s: float = 600.0
@@ -111,6 +116,12 @@ class Settings:
         if self.backend_url.strip() and bad_urls:
             raise _bad("backend_url", f"must be an http:// or https:// URL such as http://127.0.0.1:8000 "
                                       f"(replicas: comma-separated), got {bad_urls[0]!r}")
+        from moe_cohort.proxy.hints import canonical_policies
+
+        try:  # canonical, once: "XShare; m=24" is matched as "xshare;m=24"
+            object.__setattr__(self, "allowed_policies", canonical_policies(self.allowed_policies))
+        except PolicyError as exc:
+            raise _bad("allowed_policies", f"must be policy names or policies: {exc}") from None
         from moe_cohort.admission.router import ROUTINGS
 
         if self.routing not in ROUTINGS:

@@ -10,6 +10,7 @@ import asyncio
 from moe_cohort.proxy.batch.job import Job
 from moe_cohort.proxy.batch.store import BatchStore
 from moe_cohort.proxy.batch.format import URLS, BatchFile, read_batch_file
+from moe_cohort.proxy.hints import HintRules
 from moe_cohort.proxy.batch.journal import Journal, JournalPaths
 from moe_cohort.proxy.settings import Settings
 
@@ -25,7 +26,7 @@ class BatchFolder:
         path = self.store.get_file(job.input_file_id, None)["path"]  # its owner's: checked when the batch was made
         return await asyncio.to_thread(read_batch_file, path, default_policy=self.settings.default_policy,
                                        max_line_bytes=self.settings.max_body_bytes,
-                                       urls={job.endpoint: URLS[job.endpoint]})
+                                       urls={job.endpoint: URLS[job.endpoint]}, rules=HintRules.of(self.settings))
 
     async def parsed(self, job: Job) -> BatchFile:
         """The validated input: kept from validation, else read again (after a restart); it must not have changed."""

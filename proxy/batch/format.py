@@ -29,6 +29,7 @@ from typing import BinaryIO, Iterator, Mapping
 
 from moe_cohort.encoder.inputs import InputError, load_record
 from moe_cohort.proxy.errors import ProxyError
+from moe_cohort.proxy.hints import HintRules
 from moe_cohort.proxy.protocol import Route, prepare_body
 
 URLS: dict[str, Route] = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
@@ -66,8 +67,9 @@ class BatchFile:
 
 
 def read_batch_file(path: str | Path, *, default_policy: str, max_line_bytes: int,
-                    urls: Mapping[str, Route] = URLS) -> BatchFile:
-    """Parse and validate every line of `path`; bad lines are collected, not raised."""
+                    urls: Mapping[str, Route] = URLS, rules: HintRules = HintRules()) -> BatchFile:
+    """Parse and validate every line of `path`; bad lines are collected, not raised. `rules`: which engine
+    hints a line may carry (proxy/hints.py: by default none of the proxy's own, any routing policy)."""
     out, digest, seen = BatchFile(), hashlib.sha256(), {}
     with open(path, "rb") as f:
         for number, raw, size in _lines(f, max_line_bytes, digest):
@@ -78,7 +80,7 @@ def read_batch_file(path: str | Path, *, default_policy: str, max_line_bytes: in
                     raise InputError(number, f"{size} bytes, over the limit of {max_line_bytes} bytes per line")
                 if not raw.strip():
                     continue
-                request = parse_request_line(raw, number, default_policy=default_policy, urls=urls)
+                request = parse_request_line(raw, number, default_policy=default_policy, urls=urls, rules=rules)
                 if request.custom_id in seen:
                     raise InputError(number, f"duplicate custom_id {json.dumps(request.custom_id)} "
                                              f"(first on line {seen[request.custom_id]})")
@@ -90,7 +92,8 @@ def read_batch_file(path: str | Path, *, default_policy: str, max_line_bytes: in
     return out
 
 
-def parse_request_line(raw: bytes | str, line: int, *, default_policy: str, urls: Mapping[str, Route] = URLS) -> BatchRequest:
+def parse_request_line(raw: bytes | str, line: int, *, default_policy: str, urls: Mapping[str, Route] = URLS,
+                       rules: HintRules = HintRules()) -> BatchRequest:
     """One Batch request line -> BatchRequest; raises InputError naming the line."""
     record = load_record(raw, line)
     custom_id = record.get("custom_id")
@@ -107,7 +110,7 @@ def parse_request_line(raw: bytes | str, line: int, *, default_policy: str, urls
     if body.get("stream"):
         raise InputError(line, "'stream' is not supported in batch requests; remove it from the body")
     try:
-        request = prepare_body(body, urls[url], {}, default_policy=default_policy)
+        request = prepare_body(body, urls[url], {}, default_policy=default_policy, rules=rules)
     except ProxyError as exc:
         raise InputError(line, exc.message) from exc
     return BatchRequest(line, custom_id, url, request.body, request.policy, request.text)

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from moe_cohort.backend.engine_state import (DECODE, MIXED, PREFILL, RequestOptions, build_step, parse_flag,
-                                  request_options)
+from moe_cohort.backend.engine_state import (DECODE, MIXED, PREFILL, RecordingOff, RequestOptions, build_step,
+                                             parse_flag, request_options)
 from moe_cohort.backend.policy import PolicyError, TopK, parse_policy
 
 XSHARE = parse_policy("xshare;m=4;k0=1")  # changes prefill too
@@ -14,8 +14,24 @@ LYNX = parse_policy("lynx-lat;drop=2")  # decode only
 def test_request_options_defaults_and_overrides():
     assert request_options(None) == RequestOptions(TopK(), False)
     assert request_options({}, XSHARE, True) == RequestOptions(XSHARE, True)
-    opts = request_options({"moe_routing": "lynx-lat;drop=2", "moe_record": "true", "other": 1})
+    opts = request_options({"moe_routing": "lynx-lat;drop=2", "moe_record": "true", "other": 1}, record_requests=True)
     assert opts == RequestOptions(LYNX, True)
+
+
+@pytest.mark.parametrize("record_all, record_requests, asked, recorded", [
+    (False, False, None, False), (False, False, True, False), (False, False, False, False),  # off: a request's true is ignored
+    (False, True, None, False), (False, True, True, True), (False, True, False, False),  # on request
+    (True, False, None, True), (True, False, True, True), (True, False, False, False),  # all: a request may opt out
+])
+def test_a_request_is_recorded_only_as_the_operator_allows(record_all, record_requests, asked, recorded):
+    """Issue 27: a client's moe_record made the plugin write its prompt to the engine's disk on any server."""
+    extra = {} if asked is None else {"moe_record": asked}
+    assert request_options(extra, TopK(), record_all, record_requests).record is recorded
+    if asked and not (record_all or record_requests):  # the API server's check refuses it (a 400)
+        with pytest.raises(RecordingOff, match="COHORT_RECORD_TRACES=request"):
+            request_options(extra, TopK(), record_all, record_requests, strict=True)
+    else:
+        assert request_options(extra, TopK(), record_all, record_requests, strict=True).record is recorded
 
 
 @pytest.mark.parametrize("extra, fragment", [

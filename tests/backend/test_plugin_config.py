@@ -22,6 +22,13 @@ def test_config_from_environment(tmp_path):
     assert config == PluginConfig(parse_policy("oea;k0=2"), True, tmp_path, False)
 
 
+def test_recording_on_request_is_the_operators_choice():
+    assert (PluginConfig.from_env({}).record_all, PluginConfig.from_env({}).record_requests) == (False, False)
+    on_request = PluginConfig.from_env({"COHORT_RECORD_TRACES": "Request"})
+    assert (on_request.record_all, on_request.record_requests) == (False, True)
+    assert PluginConfig.from_env({"COHORT_RECORD_TRACES": "1"}).record_all
+
+
 def test_bad_default_policy_names_the_variable():
     with pytest.raises(PolicyError, match="COHORT_MOE_ROUTING='xshare': xshare: needs key 'm'"):
         PluginConfig.from_env({"COHORT_MOE_ROUTING": "xshare"})

@@ -189,3 +189,12 @@ def test_a_reused_step_routes_like_a_fresh_one():
         hook.end_step()
     assert torch.equal(results[1][1], results[2][1]) and torch.equal(results[1][0], results[2][0])
     assert not torch.equal(results[0][1], results[1][1])  # different logits, different routing
+
+
+def test_the_engine_honours_a_requests_moe_record_only_where_the_operator_lets_requests_ask():
+    """Issue 27: an engine reached without the API server's check (an offline LLM, another front end) still
+    records a request that asks only under COHORT_RECORD_TRACES=request (or =1)."""
+    asked = {"moe_routing": "oea;k0=2", "moe_record": True}
+    assert _hook().options_for("r", asked) == RequestOptions(parse_policy("oea;k0=2"), False)  # kept its policy
+    assert _hook(record_requests=True).options_for("r", asked).record is True
+    assert _hook(record_all=True).options_for("r", {"moe_record": False}).record is False

@@ -109,6 +109,10 @@ def test_validation_raises_vllm_400_errors_and_skips_the_prefix_cache(monkeypatc
         vllm_patches.validate_extra_args(params({"moe_routing": "oea;k0=5"}), config)
     with pytest.raises(VLLMValidationError, match="invalid vllm_xargs.moe_record"):
         vllm_patches.validate_extra_args(params({"moe_record": "x"}), config)
+    with pytest.raises(VLLMValidationError, match="invalid vllm_xargs.moe_record: this server does not record"):
+        vllm_patches.validate_extra_args(params({"moe_record": True}), config)  # recording is off (the default)
+    vllm_patches.validate_extra_args(params({"moe_record": False}), config)
+    config = PluginConfig.from_env({"COHORT_RECORD_TRACES": "request"})
     for extra, skips in [({"moe_routing": LYNX.name + ";drop=2"}, None),  # decode only: cache is fine
                          ({"moe_routing": "xshare;m=4"}, True),  # changes prefill: compute it
                          ({"moe_record": True}, True),  # recording needs every position computed
