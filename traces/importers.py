@@ -3,7 +3,10 @@
 Layouts understood by `load_traces(path)`:
 - a moe-cohort `.npz` (see traces.format);
 - a directory holding `traces.npz` + `prompts.jsonl` in the layout of the DeepSeek-V2-Lite
-  Puffin traces (experts [L, T, k], prompt-only, token 0 is BOS);
+  Puffin traces (experts [L, T, k], prompt-only, token 0 is BOS); with a `meta.json` saying
+  `"tokens": "decode"` (the gpt-oss-20b layout) every token is one the model GENERATED, so each
+  request's tokens are its decode steps, in order (replayed as they are, no decode proxy), and the
+  model's shape (`num_experts`, `top_k`, `model`) comes from meta.json;
 - a directory of moe-cohort `.npz` files, one request each as the vLLM plugin records them,
   merged in file-name order (see traces.merge);
 - a `.jsonl` file of records {"id", "text", "experts": [[[k ids] x layers] x tokens],
@@ -54,8 +57,10 @@ def load_traces(path: str | Path, *, num_experts: int | None = None) -> TraceSet
 
 
 def import_prompt_trace_dir(path: str | Path, *, num_experts: int | None = None) -> TraceSet:
-    """Import `traces.npz` (prompt_ids [N], token_offsets [N+1], experts [L, T, k]) + `prompts.jsonl`."""
+    """Import `traces.npz` (prompt_ids [N], token_offsets [N+1], experts [L, T, k]) + `prompts.jsonl`
+    (+ an optional `meta.json`: which tokens were routed, the model's shape)."""
     path = Path(path)
+    meta = read_meta(path)
     with np.load(path / "traces.npz", allow_pickle=False) as z:
         missing = {"prompt_ids", "token_offsets", "experts"} - set(z.files)
         if missing:
@@ -71,12 +76,31 @@ def import_prompt_trace_dir(path: str | Path, *, num_experts: int | None = None)
         if "n_tokens" in p and p["n_tokens"] != n:
             raise TraceFormatError(f"{path / 'prompts.jsonl'} line {line}: n_tokens={p['n_tokens']} but traces.npz has {n}")
     experts = np.ascontiguousarray(experts_ltk.transpose(1, 0, 2))  # [L, T, k] -> [T, L, k]
-    e = num_experts or int(experts.max()) + 1
-    log.info("imported %d requests, %d tokens from %s", len(prompts), len(experts), path)
+    e = num_experts or meta.get("num_experts") or int(experts.max()) + 1
+    decode = meta.get("tokens") == "decode"
+    log.info("imported %d requests, %d %s tokens from %s", len(prompts), len(experts), "decode" if decode else "prompt", path)
     return TraceSet(num_experts=e, num_layers=experts.shape[1], top_k=experts.shape[2], token_offsets=offsets,
-                    experts=experts.astype(expert_dtype(e)), num_prompt_tokens=lengths.copy(),
+                    experts=experts.astype(expert_dtype(e)), num_prompt_tokens=np.zeros_like(lengths) if decode else lengths.copy(),
                     request_ids=np.array([str(i) for i in prompt_ids.tolist()]),
-                    texts=np.array([str(p.get("text", "")) for p in prompts]), model=path.name)
+                    texts=np.array([str(p.get("text", "")) for p in prompts]), model=meta.get("model", path.name))
+
+
+TOKEN_KINDS = ("prompt", "decode")
+
+
+def read_meta(path: Path) -> dict:
+    """A trace folder's `meta.json` ({} without one: prompt tokens), checked: `tokens` is one of TOKEN_KINDS."""
+    file = path / "meta.json"
+    if not file.exists():
+        return {}
+    try:
+        meta = json.loads(file.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise TraceFormatError(f"{file}: not valid JSON ({exc})") from exc
+    if not isinstance(meta, dict) or meta.get("tokens", "prompt") not in TOKEN_KINDS:
+        raise TraceFormatError(f"{file}: \"tokens\" must be one of {', '.join(TOKEN_KINDS)} (which tokens were "
+                               f"routed), got {meta.get('tokens') if isinstance(meta, dict) else meta!r}")
+    return meta
 
 
 def import_jsonl(path: str | Path, *, num_experts: int | None = None) -> TraceSet:

@@ -27,6 +27,23 @@ def test_prompt_trace_dir_is_imported_token_major(tmp_path):
     assert got.request_ids[0] == "1" and got.texts[2] == "prompt 2" and got.num_experts == 12
 
 
+def test_a_decode_trace_dir_is_read_as_generated_tokens(tmp_path):
+    """meta.json "tokens": "decode" (the gpt-oss-20b layout): every token is a decode step, the shape from meta."""
+    ts = random_traces(num_experts=12, max_prompt=9, seed=4)
+    _write_prompt_trace_dir(tmp_path / "d", ts)
+    meta = {"model": "m/decoder", "num_layers": ts.num_layers, "num_experts": 16, "top_k": ts.top_k, "tokens": "decode"}
+    (tmp_path / "d" / "meta.json").write_text(json.dumps(meta))
+    got = load_traces(tmp_path / "d")
+    np.testing.assert_array_equal(got.experts, ts.experts)
+    np.testing.assert_array_equal(got.num_decode_tokens, ts.num_tokens)
+    assert not got.num_prompt_tokens.any() and got.num_experts == 16 and got.model == "m/decoder"
+    (tmp_path / "d" / "meta.json").write_text(json.dumps({**meta, "tokens": "prompt"}))
+    assert not load_traces(tmp_path / "d").num_decode_tokens.any()
+    (tmp_path / "d" / "meta.json").write_text(json.dumps({**meta, "tokens": "generated"}))
+    with pytest.raises(TraceFormatError, match='"tokens" must be one of prompt, decode'):
+        load_traces(tmp_path / "d")
+
+
 def test_prompt_trace_dir_with_mismatched_lengths_is_rejected(tmp_path):
     ts = random_traces(seed=3)
     _write_prompt_trace_dir(tmp_path / "d", ts)
