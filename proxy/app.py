@@ -156,7 +156,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         await batch_jobs.resume()  # batches that were running when the proxy stopped
         # Everything loaded so far (encoder, FAISS, the app) lives as long as the process: keep it out
         # of the garbage collector's full passes, which otherwise stall every request in flight now
-        # and then (13 ms for the ~67k objects of a proxy without encoder; more with torch loaded).
+        # and then, longer the more objects are loaded (docs/results.md).
         # vLLM's API server does the same after startup.
         gc.collect()
         gc.freeze()

@@ -55,7 +55,7 @@ class Settings:
     max_in_flight: int = 256  # requests at the backend at once: its max_num_seqs (vLLM's default 256)
     default_policy: str = "topk"  # routing policy when a request has no X-MoE-Routing header
     # encoder name or path: "static" (the default: a model2vec distillation of the packaged MiniLM, built once,
-    # ~100x its speed and as good a plan without a profile head, benchmarks/bench_encoder.py --as-served),
+    # far faster and as good a plan without a profile head: python -m benchmarks.bench_encoder --as-served),
     # "" = the packaged all-MiniLM-L6-v2, "none" = no prediction, first come first served
     encoder: str = "static"
     encoder_max_seq_len: int = 128
