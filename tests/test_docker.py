@@ -78,7 +78,7 @@ def test_every_copy_source_exists_in_the_build_context(name):
 @pytest.mark.parametrize("name", DOCKERFILES)
 def test_the_images_get_every_package_that_pyproject_installs(name):
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    packages = set(config["tool"]["setuptools"]["package-dir"].values())  # the folders mapped into moe_cohort
+    packages = {name.rstrip("*") for name in config["tool"]["setuptools"]["packages"]["find"]["include"]}  # moe_cohort
     copied = {exec_form(args)[0] for word, args in instructions(DOCKER / name) if word == "COPY"}
     assert packages <= copied, f"{name} misses {sorted(packages - copied)} (pip install . would leave them out)"
     assert {"pyproject.toml", "README.md"} <= {s for word, a in instructions(DOCKER / name) if word == "COPY"

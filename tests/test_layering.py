@@ -1,14 +1,13 @@
 """Layering: the floors of DESIGN.md and the purity of the algorithm modules, from the code's imports.
 
 Every `import` statement of our packages is read from the source (module level or inside a
-function, so lazy imports count too). Our packages install under one namespace: folder `proxy/` is
-`moe_cohort.proxy`, `cohort/` is `moe_cohort` itself (pyproject.toml maps them). Floors: traces/,
-admission/ and encoder/ are the ground (they import no other package of ours), backend/, train/ and
-eval/ stand on them, devtools/ on those, proxy/ on top, cohort/ (the command) above all; a package
-imports only packages on lower floors. The pure modules (traces/, admission/, encoder/, eval/,
-train/, backend/selection/) import no web framework, no HTTP client and no vLLM, and import each
-other in no circle. No code imports one of our folders by its bare name (`import proxy`): installed,
-only `moe_cohort` exists.
+function, so lazy imports count too). Our packages live in one namespace, `moe_cohort/`: floors:
+traces/, admission/ and encoder/ are the ground (they import no other package of ours), backend/,
+train/ and eval/ stand on them, devtools/ on those, proxy/ on top, and the `cohort` command
+(moe_cohort/cli.py, moe_cohort/__init__.py) above all; a package imports only packages on lower
+floors. The pure modules (traces/, admission/, encoder/, eval/, train/, backend/selection/) import
+no web framework, no HTTP client and no vLLM, and import each other in no circle. Nothing imports
+one of our packages by a bare name (`import proxy`): installed, only `moe_cohort` exists.
 """
 
 from __future__ import annotations
@@ -32,23 +31,20 @@ HEAVY = ["torch", "sentence_transformers", "transformers", "vllm", "httpx", "fas
 
 
 def modules(root: Path = ROOT) -> dict[str, Path]:
-    """Every module of our packages: dotted name as installed (moe_cohort.proxy.app) -> file (proxy/app.py)."""
+    """Every module of our packages: dotted name (moe_cohort.proxy.app) -> file (moe_cohort/proxy/app.py)."""
     found = {}
-    for package in FLOORS:
-        for path in sorted((root / package).rglob("*.py")):
-            parts = list(path.relative_to(root).with_suffix("").parts)
-            parts = [NS] if parts[0] == "cohort" and len(parts) == 1 else [NS, *parts[1:]] if parts[0] == "cohort" \
-                else [NS, *parts]
-            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    for path in sorted((root / NS).rglob("*.py")):
+        parts = path.relative_to(root).with_suffix("").parts
+        found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return found
 
 
 def package_of(name: str) -> str | None:
-    """The folder (floor key) of an installed module name: moe_cohort.proxy.app -> proxy, moe_cohort.cli -> cohort."""
+    """The floor key of a module name: moe_cohort.proxy.app -> proxy, moe_cohort.cli -> cohort; None if not ours."""
     parts = name.split(".")
     if parts[0] != NS:
         return None
-    return parts[1] if len(parts) > 1 and parts[1] in FLOORS and parts[1] != "cohort" else "cohort"
+    return parts[1] if len(parts) > 1 and parts[1] in FLOORS else "cohort"
 
 
 def imports(path: Path, known: dict[str, Path]) -> set[str]:
@@ -155,8 +151,8 @@ def test_pure_modules_import_each_other_in_no_circle(known):
 
 def _package(root: Path, files: dict[str, str]) -> dict[str, Path]:
     for rel, text in files.items():
-        (root / rel).parent.mkdir(parents=True, exist_ok=True)
-        (root / rel).write_text(text)
+        (root / NS / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / NS / rel).write_text(text)
     return modules(root)
 
 
@@ -172,9 +168,10 @@ def test_the_checks_see_a_forbidden_import_once_added(tmp_path):
     assert floor_breaches(known) == ["moe_cohort.traces.format -> moe_cohort.eval.report"]
     assert impure_imports(known) == ["moe_cohort.backend.selection.x -> vllm.model_executor"]
     assert circles(known, PURE) == [["moe_cohort.encoder.a", "moe_cohort.encoder.b"]]
-    assert bare_imports(known, tmp_path / "tests") == [f"{tmp_path / 'proxy/app.py'} -> backend.selection"]
+    assert bare_imports(known, tmp_path / "tests") == [f"{tmp_path / NS / 'proxy/app.py'} -> backend.selection"]
 
 
+@pytest.mark.integration
 def test_planner_modules_stay_pure():
     """Planning needs numpy and FAISS only: no torch, no web framework, no HTTP client, no vLLM (at run time,
     imports of imports included)."""
@@ -195,8 +192,7 @@ def test_the_built_wheel_installs_one_top_level_name(tmp_path):
     src.mkdir()
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, src / name)
-    for package in FLOORS:
-        shutil.copytree(ROOT / package, src / package, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(ROOT / NS, src / NS, ignore=shutil.ignore_patterns("__pycache__"))
     build = [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--wheel-dir", str(tmp_path), str(src)]
     done = subprocess.run(build, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr

@@ -4,7 +4,7 @@ Sources (read in place, never copied into the repository):
 
 - code:  the Python standard library's own top-level modules (`sysconfig` stdlib path);
 - prose: `pydoc_data.topics` (the Python language reference, shipped with Python);
-- math, chat and more code: the prompt set `../shared/data/prompts/mixed.jsonl` (GSM8K test,
+- math, chat and more code: the prompt set `prompts/mixed.jsonl` of $COHORT_DATA (GSM8K test,
   HumanEval, MT-Bench, Vicuna-bench; licenses beside the file), when it is at hand.
 
 Every source is split by request with the project's one held-out split (`traces.split.
@@ -27,11 +27,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from moe_cohort.traces.split import split_requests
+from moe_cohort.train.heldout import PROMPTS, data_location
 
 log = logging.getLogger(__name__)
 
 KINDS = ("code", "math", "chat", "prose")
-DEFAULT_PROMPTS = Path(__file__).resolve().parents[2] / "shared" / "data" / "prompts" / "mixed.jsonl"
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ class Doc:
 class CorpusArgs:
     """Which text goes in. `prompts_path` None or missing: package text only (code and prose)."""
 
-    prompts_path: str | None = str(DEFAULT_PROMPTS)
+    prompts_path: str | None = field(default_factory=lambda: str(data_location() / PROMPTS))  # $COHORT_DATA
     max_code_files: int = 400  # stdlib top-level modules, in name order
     code_chunk_lines: int = 40
     prose_chunk_chars: int = 1200

@@ -49,9 +49,14 @@ TRACES = "deepseek-v2-lite-puffin"  # the DeepSeek-V2-Lite traces of 1,499 puffi
 PROMPTS = "prompts/mixed.jsonl"  # GSM8K, HumanEval, MT-Bench, ... prompt texts, one JSON object a line
 
 
+def data_location() -> Path:
+    """Where the data folder is meant to be: $COHORT_DATA, else ../shared/data from the working directory."""
+    return Path(os.environ.get(DATA_ENV) or DEFAULT_DATA)
+
+
 def data_dir() -> Path:
-    """The benchmark data folder: $COHORT_DATA, else ../shared/data from the working directory."""
-    path = Path(os.environ.get(DATA_ENV) or DEFAULT_DATA)
+    """The benchmark data folder (`data_location`), which must exist."""
+    path = data_location()
     if not path.is_dir():
         raise FileNotFoundError(f"no data folder at {path} (from the working directory {Path.cwd()}): set {DATA_ENV} "
                                 f"to the folder that holds {TRACES}/ and {PROMPTS}")
