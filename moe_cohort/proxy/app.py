@@ -7,7 +7,7 @@
 
 `create_app(settings)` builds everything once: the settings, the backend client, the encoder
 and profile head (the predictor), the admission gate and the metrics. Every request gets a request id
-and an access log line (proxy/middleware.py); every error leaves in the OpenAI error shape.
+and an access log line (proxy/http/middleware.py); every error leaves in the OpenAI error shape.
 """
 
 from __future__ import annotations
@@ -23,19 +23,19 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from moe_cohort.proxy.api_docs import OFF as API_DOCS_OFF, add_api_docs
+from moe_cohort.proxy.http.api_docs import OFF as API_DOCS_OFF, add_api_docs
 from moe_cohort.proxy.auth import Authorizer, backend_headers
 from moe_cohort.proxy.cohort_key import cohort_key_header
 from moe_cohort.proxy.backend import BackendClient
 from moe_cohort.proxy.batch.api import add_batch_api
 from moe_cohort.proxy.batch.jobs import BatchJobs
 from moe_cohort.proxy.admission import AdmissionGate, Profiler
-from moe_cohort.proxy.errors import BackendStatusError, BackendUnreachable, ProxyError
-from moe_cohort.proxy.fastpath import FastPath
+from moe_cohort.proxy.http.errors import BackendStatusError, BackendUnreachable, ProxyError
+from moe_cohort.proxy.http.fastpath import FastPath
 from moe_cohort.proxy.hints import HintRules
-from moe_cohort.proxy.http_limits import HeadLimits
+from moe_cohort.proxy.http.limits import HeadLimits
 from moe_cohort.proxy.metrics import ProxyMetrics
-from moe_cohort.proxy.middleware import RequestContext, access_log
+from moe_cohort.proxy.http.middleware import RequestContext, access_log
 from moe_cohort.proxy.profiles import Predictor, make_predictor
 from moe_cohort.proxy.protocol import (ProxyRequest, Route, check_size, cohort_headers, parse_request, read_body,
                             with_profile)
@@ -107,7 +107,7 @@ class Proxy:
     async def generate(self, request: Request, preq: ProxyRequest) -> Response:
         """Admit `preq`, send it to the backend, relay the answer (streamed or whole)."""
         headers = backend_headers(self.settings, request.headers)
-        started = request.scope.get("state", {}).get("started")  # proxy.middleware
+        started = request.scope.get("state", {}).get("started")  # proxy.http.middleware
         if preq.stream:
             return await StreamRelay(self.upstream, preq, PATHS[preq.route], headers, started).start()
         answered = await unless_client_leaves(self._forward(preq, PATHS[preq.route], headers), request.receive)
@@ -181,7 +181,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def completions(request: Request) -> Response:
         return await proxy.completion(request, "completion")
 
-    # the two hot routes skip FastAPI's layers (proxy/fastpath.py); routes here too, for the OpenAPI schema
+    # the two hot routes skip FastAPI's layers (proxy/http/fastpath.py); routes here too, for the OpenAPI schema
     app.post(PATHS["chat"])(chat_completions)
     app.post(PATHS["completion"])(completions)
     app.add_middleware(FastPath, routes={PATHS["chat"]: (chat_completions, "chat"),

@@ -25,7 +25,7 @@ import hmac
 import re
 from typing import Iterable, Mapping
 
-from moe_cohort.proxy.errors import Unauthorized
+from moe_cohort.proxy.http.errors import Unauthorized
 
 ANONYMOUS = ""  # the owner of everything on an open proxy (and of records from before owners)
 TENANT = re.compile(r"[A-Za-z0-9._-]{1,64}")

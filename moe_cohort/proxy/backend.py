@@ -17,7 +17,7 @@ from typing import AsyncIterator
 
 import aiohttp
 
-from moe_cohort.proxy.errors import BackendStatusError, BackendTimeout, BackendUnreachable
+from moe_cohort.proxy.http.errors import BackendStatusError, BackendTimeout, BackendUnreachable
 
 log = logging.getLogger(__name__)
 

@@ -203,7 +203,7 @@ def _serve(settings: Settings) -> None:
     import uvicorn
 
     from moe_cohort.proxy.app import create_app
-    from moe_cohort.proxy.http_limits import server_options
+    from moe_cohort.proxy.http.limits import server_options
     from moe_cohort.proxy.profiles import limit_threads
 
     app = create_app(settings)  # loads the encoder

@@ -56,7 +56,7 @@ def parse_expert_loads(text: str, phase: str = "decode") -> ExpertLoads:
 
 async def fetch_expert_loads(backend) -> ExpertLoads | None:
     """GET /metrics from `backend` (a proxy.backend.BackendClient); None when it cannot be read."""
-    from moe_cohort.proxy.errors import ProxyError
+    from moe_cohort.proxy.http.errors import ProxyError
 
     try:
         answer = await backend.request("GET", "/metrics")

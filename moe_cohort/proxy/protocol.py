@@ -18,7 +18,7 @@ from typing import AsyncIterator, Literal, Mapping
 from moe_cohort.admission.wire import PROFILE_KEY, ROUTING_KEY
 from moe_cohort.backend.policy import PolicyError, parse_policy
 from moe_cohort.encoder.text import RequestTextError, request_text
-from moe_cohort.proxy.errors import InvalidRequest, PayloadTooLarge
+from moe_cohort.proxy.http.errors import InvalidRequest, PayloadTooLarge
 from moe_cohort.proxy.hints import HintRules
 
 Route = Literal["chat", "completion", "responses"]
@@ -53,7 +53,7 @@ def cohort_headers(admission, backend_s: float | None = None, own_s: float | Non
 
 def own_seconds(started: float | None, admission, backend_s: float) -> float | None:
     """The proxy's own time for a request so far: from its arrival (`started`, perf_counter, set by
-    proxy.middleware) to now, less its wait for a backend slot and the backend's time; None without
+    proxy.http.middleware) to now, less its wait for a backend slot and the backend's time; None without
     `started`. It includes the body read, parsing, the encoder and the event loop's queue."""
     if started is None:
         return None

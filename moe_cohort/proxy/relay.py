@@ -20,7 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from moe_cohort.proxy.auth import backend_headers
-from moe_cohort.proxy.errors import InvalidRequest, NotFound
+from moe_cohort.proxy.http.errors import InvalidRequest, NotFound
 from moe_cohort.proxy.hints import HintRules
 from moe_cohort.proxy.protocol import ProxyRequest, engine_hints, json_object
 

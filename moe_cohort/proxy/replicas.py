@@ -42,7 +42,7 @@ import numpy as np
 from moe_cohort.admission.resident import ResidentExperts
 from moe_cohort.admission.router import ReplicaRouter, ResidentFactory
 from moe_cohort.proxy.backend import BackendAnswer, BackendClient
-from moe_cohort.proxy.errors import BackendError, BackendUnreachable
+from moe_cohort.proxy.http.errors import BackendError, BackendUnreachable
 
 log = logging.getLogger(__name__)
 

@@ -78,13 +78,13 @@ class Settings:
     connect_timeout_s: float = 5.0
     max_body_bytes: int = 10 * 1024 * 1024
     # a request's head: its target and headers together, and how many headers; over either: 431 while the
-    # head is read (proxy/http_limits.py)
+    # head is read (proxy/http/limits.py)
     max_header_bytes: int = 64 * 1024
     max_headers: int = 100
     keepalive_s: float = 10.0  # SSE comment interval while a streaming request is queued
     log_prompts: bool = False  # prompts are user data: never logged unless asked for
     access_log: bool = True  # one `moe_cohort.proxy.access` log line per request (method, path, status, ms, request id)
-    # /openapi.json, /docs, /redoc (proxy/api_docs.py): off; on, behind the key like every route (/docs and /redoc
+    # /openapi.json, /docs, /redoc (proxy/http/api_docs.py): off; on, behind the key like every route (/docs and /redoc
     # load their JavaScript from a CDN)
     api_docs: bool = False
     protect_metrics: bool = False  # /metrics needs a key, /health without one says only its status (needs api_keys)

@@ -23,7 +23,7 @@ from typing import AsyncIterator, Awaitable, TypeVar
 from starlette.responses import StreamingResponse
 
 from moe_cohort.proxy.admission import AdmissionGate
-from moe_cohort.proxy.errors import BackendUnreachable, ProxyError
+from moe_cohort.proxy.http.errors import BackendUnreachable, ProxyError
 from moe_cohort.proxy.metrics import ProxyMetrics
 from moe_cohort.proxy.cohort_key import cohort_key_header
 from moe_cohort.proxy.protocol import ProxyRequest, cohort_headers, with_profile
@@ -57,7 +57,7 @@ class Upstream:
 
 
 class StreamRelay:
-    """`started`: when the request arrived (perf_counter, proxy.middleware), for the Server-Timing header."""
+    """`started`: when the request arrived (perf_counter, proxy.http.middleware), for the Server-Timing header."""
 
     def __init__(self, upstream: Upstream, preq: ProxyRequest, path: str, headers: dict[str, str],
                  started: float | None = None) -> None:

@@ -16,7 +16,7 @@ from aiohttp import web
 from aiohttp.test_utils import RawTestServer
 
 from moe_cohort.proxy.app import create_app
-from moe_cohort.proxy.http_limits import server_options
+from moe_cohort.proxy.http.limits import server_options
 from moe_cohort.proxy.settings import Settings
 
 

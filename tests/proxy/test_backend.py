@@ -11,7 +11,7 @@ import pytest
 from aiohttp import web
 
 from moe_cohort.proxy.backend import BackendClient
-from moe_cohort.proxy.errors import BackendStatusError, BackendUnreachable
+from moe_cohort.proxy.http.errors import BackendStatusError, BackendUnreachable
 from tests.proxy.servers import answer, local_backend
 
 

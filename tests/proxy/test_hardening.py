@@ -14,7 +14,7 @@ import pytest
 import uvicorn
 
 from moe_cohort.proxy.app import create_app
-from moe_cohort.proxy.http_limits import HeadLimits, h11_protocol
+from moe_cohort.proxy.http.limits import HeadLimits, h11_protocol
 from moe_cohort.proxy.settings import Settings
 from moe_cohort.proxy.vllm_server import free_port
 from tests.proxy.servers import ProxyThread

@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from moe_cohort.proxy.errors import InvalidRequest, PayloadTooLarge
+from moe_cohort.proxy.http.errors import InvalidRequest, PayloadTooLarge
 from moe_cohort.proxy.protocol import check_size, parse_request
 
 

@@ -115,7 +115,7 @@ def test_unexpected_exception_is_a_500_in_the_openai_shape_with_the_request_id(c
         finally:
             await app.state.proxy.close()
 
-    with caplog.at_level(logging.ERROR, logger="moe_cohort.proxy.middleware"):
+    with caplog.at_level(logging.ERROR, logger="moe_cohort.proxy.http.middleware"):
         resp = run(main())
     assert resp.status_code == 500 and resp.headers["x-request-id"] == "trace-42"
     error = resp.json()["error"]

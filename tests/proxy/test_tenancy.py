@@ -19,7 +19,7 @@ from moe_cohort.proxy.vllm_server import free_port
 from moe_cohort.proxy.app import create_app
 from moe_cohort.proxy.auth import Authorizer
 from moe_cohort.proxy.batch.store import BatchStore
-from moe_cohort.proxy.errors import Unauthorized
+from moe_cohort.proxy.http.errors import Unauthorized
 from moe_cohort.proxy.settings import Settings, SettingsError
 from tests.proxy.servers import ProxyThread
 from tests.proxy.batch.test_api import jsonl, request_line, settings, wait_for

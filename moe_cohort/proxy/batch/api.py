@@ -27,7 +27,7 @@ from fastapi.responses import FileResponse, JSONResponse
 from moe_cohort.proxy.batch.jobs import BatchJobs
 from moe_cohort.proxy.batch.store import to_batch, to_file
 from moe_cohort.proxy.batch.format import URLS, new_id
-from moe_cohort.proxy.errors import InvalidRequest, NotFound, PayloadTooLarge
+from moe_cohort.proxy.http.errors import InvalidRequest, NotFound, PayloadTooLarge
 from moe_cohort.proxy.protocol import check_size, json_object, limited
 
 COMPLETION_WINDOWS = ("24h",)

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import BinaryIO, Iterator, Mapping
 
 from moe_cohort.encoder.inputs import InputError, load_record
-from moe_cohort.proxy.errors import ProxyError
+from moe_cohort.proxy.http.errors import ProxyError
 from moe_cohort.proxy.hints import HintRules
 from moe_cohort.proxy.protocol import Route, prepare_body
 

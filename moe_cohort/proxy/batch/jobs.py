@@ -36,7 +36,7 @@ from moe_cohort.proxy.batch.job import CANCELLABLE, Job
 from moe_cohort.proxy.batch.run import RunAborted, Stopped, raise_when_set, run_batch
 from moe_cohort.proxy.batch.store import BatchStore
 from moe_cohort.proxy.batch.format import BatchFile, new_id
-from moe_cohort.proxy.errors import InvalidRequest, NotFound
+from moe_cohort.proxy.http.errors import InvalidRequest, NotFound
 from moe_cohort.proxy.batch.journal import Journal
 from moe_cohort.proxy.settings import Settings
 

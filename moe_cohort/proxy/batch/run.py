@@ -42,7 +42,7 @@ from moe_cohort.proxy.batch.core import (Abort, Answered, BatchCore, Outcome, Re
                               Unreachable, invalid_records)
 from moe_cohort.proxy.batch.order import make_order
 from moe_cohort.proxy.batch.format import BatchFile, BatchRequest
-from moe_cohort.proxy.errors import BackendStatusError, BackendTimeout, BackendUnreachable
+from moe_cohort.proxy.http.errors import BackendStatusError, BackendTimeout, BackendUnreachable
 from moe_cohort.proxy.expert_loads import ExpertLoads, fetch_expert_loads
 from moe_cohort.proxy.batch.journal import Journal, JournalError, Record
 from moe_cohort.proxy.profiles import Predictor

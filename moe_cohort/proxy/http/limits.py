@@ -12,7 +12,7 @@ passes `max_header_bytes` (request target + each header's name, value and 4 byte
 - h11 (where httptools is missing): h11's own bound on an unfinished head (`h11_max_incomplete_event_size`),
   answered 431 instead of uvicorn's 400.
 
-`HeadLimits.check` does the same count on an ASGI scope: proxy/middleware.py applies it to every request,
+`HeadLimits.check` does the same count on an ASGI scope: proxy/http/middleware.py applies it to every request,
 whatever server runs the app (a complete head that h11 read in one piece, or another ASGI server).
 `server_options(settings)` are the uvicorn options that `cohort serve` (and the tests' ProxyThread) run with.
 """
@@ -23,7 +23,7 @@ import json
 import logging
 from dataclasses import dataclass
 
-from moe_cohort.proxy.errors import ProxyError
+from moe_cohort.proxy.http.errors import ProxyError
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""The hot routes' short way (proxy/fastpath.py): its paths reach their handlers without the app, every
+"""The hot routes' short way (proxy/http/fastpath.py): its paths reach their handlers without the app, every
 other path and method reaches the app, and a ProxyError becomes the app's own error answer."""
 
 import asyncio
@@ -8,8 +8,8 @@ from starlette.applications import Starlette
 from starlette.responses import JSONResponse, PlainTextResponse
 from starlette.routing import Route
 
-from moe_cohort.proxy.errors import InvalidRequest, ProxyError
-from moe_cohort.proxy.fastpath import FastPath
+from moe_cohort.proxy.http.errors import InvalidRequest, ProxyError
+from moe_cohort.proxy.http.fastpath import FastPath
 from tests.proxy.test_failures import CHAT, ok, proxy_client
 
 

@@ -7,7 +7,7 @@ proxy's own work (auth, parse, admit, forward) does not need them. `FastPath` is
 middleware that sends these two paths straight to their handlers and everything else on to the
 app; the handlers and the error answers are the same functions the app's routes and exception
 handlers use, so the two ways cannot drift apart. It sits inside `RequestContext`
-(proxy/middleware.py): request ids, access log lines and the last-resort 500 are unchanged.
+(proxy/http/middleware.py): request ids, access log lines and the last-resort 500 are unchanged.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from moe_cohort.proxy.errors import ProxyError
+from moe_cohort.proxy.http.errors import ProxyError
 
 Handler = Callable[[Request], Awaitable[Response]]
 ErrorAnswer = Callable[[Request, ProxyError, str], Response]  # (request, error, metrics route label)

@@ -11,7 +11,7 @@ client disconnects from the routes):
   never a body or a query string (prompts are user data); 499 when the client left before an answer;
 - an exception that no handler turned into a response becomes a 500 in the OpenAI error shape naming
   the request id, logged with its traceback;
-- a request whose head is over the limits (`limits`, proxy/http_limits.py) is answered 431 before any
+- a request whose head is over the limits (`limits`, proxy/http/limits.py) is answered 431 before any
   route sees it (`cohort serve`'s uvicorn protocol refuses most such heads while parsing them already).
 """
 
@@ -26,7 +26,7 @@ import uuid
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from moe_cohort.proxy.http_limits import HeadLimits
+from moe_cohort.proxy.http.limits import HeadLimits
 
 log = logging.getLogger(__name__)
 access_log = logging.getLogger("moe_cohort.proxy.access")
