@@ -87,7 +87,7 @@ def test_targets_and_pairs_import_no_torch_web_framework_or_vllm():
     import subprocess
     import sys
 
-    code = ("import sys, train.targets, train.pairs; "
+    code = ("import sys, moe_cohort.train.targets, moe_cohort.train.pairs; "
             "print(sorted(m for m in ('torch', 'vllm', 'fastapi', 'starlette', 'httpx', 'requests', 'aiohttp') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

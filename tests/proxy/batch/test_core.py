@@ -151,7 +151,7 @@ def test_the_core_loads_no_event_loop_and_no_http_client():
     import subprocess
     import sys
 
-    code = ("import sys, proxy.batch.core; print(sorted({m.split('.')[0] for m in sys.modules} & "
+    code = ("import sys, moe_cohort.proxy.batch.core; print(sorted({m.split('.')[0] for m in sys.modules} & "
             "{'asyncio', 'aiohttp', 'httpx', 'fastapi', 'starlette', 'uvicorn'}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
