@@ -48,13 +48,14 @@ class Job:
     stop: asyncio.Event = field(default_factory=asyncio.Event)  # cancel, expiry or shutdown: stop where it is
     parsed: BatchFile | None = None  # the validated file, kept from validation to the run
     journal: Journal | None = None
+    owner: str = ""  # proxy/auth.py: the tenant the batch's requests share slots as (proxy/batch/share.py)
 
     @classmethod
     def from_row(cls, row: dict) -> "Job":
         usage = row.get("usage") or {}
         return cls(row["id"], row["status"], row["endpoint"], row["input_file_id"], row["expires_at"],
                    row["expired_at"], row["input_sha256"], row["input_bytes"], usage.get("input_tokens", 0),
-                   usage.get("output_tokens", 0))
+                   usage.get("output_tokens", 0), owner=row.get("owner") or "")
 
     def move(self, to: str) -> str:
         """Change the status to `to` if the table allows it; returns the status it left."""

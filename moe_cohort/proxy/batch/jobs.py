@@ -8,8 +8,11 @@ Life of a batch (the OpenAI Batch statuses; the table of changes is proxy/batch/
     in_progress ──> finalizing ──> expired          (past expires_at: the unfinished requests go to
                                                      the error file as batch_expired, results kept)
 
-Every batch is one asyncio task over one `Job`. Batches run one at a time (`_turn`), because two
-files dispatched together would mix their planned batches at the backend. Running is
+Every batch is one asyncio task over one `Job`. Batches run at once and share the background slots
+(Settings.batch_in_flight requests at the backend in all): a slot that frees goes round-robin over
+tenants, then over a tenant's batches (proxy/batch/share.py), so one tenant's big batch never holds
+another's small one, and no batch waits for another to finish. Within a batch, the slots it gets go
+to its requests in its admission order (proxy/batch/order.py). Running is
 `proxy.batch.run.run_batch` with a journal in the batch's folder, the same code as `cohort batch
 run`: a restarted proxy starts a job again for every batch still validating, in_progress,
 finalizing or cancelling, and the journal skips what was finished. While the backend is unreachable
@@ -33,7 +36,8 @@ from typing import Callable
 from moe_cohort.proxy.batch.core import RunConfig, RunStats, expired_records
 from moe_cohort.proxy.batch.folder import BatchFolder, validation_errors
 from moe_cohort.proxy.batch.job import CANCELLABLE, Job
-from moe_cohort.proxy.batch.run import RunAborted, Stopped, raise_when_set, run_batch
+from moe_cohort.proxy.batch.share import FairShare
+from moe_cohort.proxy.batch.run import RunAborted, run_batch
 from moe_cohort.proxy.batch.store import BatchStore
 from moe_cohort.proxy.batch.format import BatchFile, new_id
 from moe_cohort.proxy.http.errors import InvalidRequest, NotFound
@@ -53,7 +57,7 @@ class BatchJobs:
         self.config = RunConfig.from_settings(settings, metrics_interval_s=0)
         self._store: BatchStore | None = None
         self.folder: BatchFolder | None = None  # the batches' files, with the store
-        self._turn = asyncio.Lock()
+        self.share = FairShare(settings.batch_in_flight)  # the batches' requests at the backend, shared fairly
         self._jobs: dict[str, tuple[Job, asyncio.Task]] = {}
         self._closing = False
 
@@ -188,37 +192,15 @@ class BatchJobs:
         self._move(job, "in_progress", total=len(parsed.requests), input_sha256=parsed.sha256, input_bytes=parsed.size)
 
     async def _run(self, job: Job) -> None:
-        """Run the batch when its turn comes, until it finished or is stopped; retries while the backend is down."""
-        if not await self._take_turn(job):
-            return
-        try:
-            parsed, journal = await self.folder.parsed(job), await self.folder.journal(job)
-            pause = RETRY_S[0]
-            while not await self._run_once(job, parsed, journal):
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(job.stop.wait(), pause)
-                if job.stop.is_set():
-                    break
-                pause = min(pause * 2, RETRY_S[1])
-        finally:
-            self._turn.release()
+        """Run the batch until it finished or is stopped; retries while the backend is down."""
+        parsed, journal = await self.folder.parsed(job), await self.folder.journal(job)
+        pause = RETRY_S[0]
+        while not job.stop.is_set() and not await self._run_once(job, parsed, journal):
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(job.stop.wait(), pause)
+            pause = min(pause * 2, RETRY_S[1])
         if not job.stop.is_set() and not job.expired(self.clock()):
             self._move(job, "finalizing")
-
-    async def _take_turn(self, job: Job) -> bool:
-        """Wait for the turn (one batch runs at a time); False, holding nothing, when the job is stopped first."""
-        held = False
-        try:
-            async with asyncio.TaskGroup() as tg:
-                watcher = tg.create_task(raise_when_set(job.stop))
-                await self._turn.acquire()
-                held = True
-                watcher.cancel()
-        except* Stopped:  # stopped while waiting
-            pass
-        if held and job.stop.is_set():  # stopped in the same instant as it got the turn: give it back
-            self._turn.release()
-        return held and not job.stop.is_set()
 
     async def _run_once(self, job: Job, parsed: BatchFile, journal: Journal) -> bool:
         """One run_batch; False when the backend was unreachable and the job should try again."""
@@ -232,7 +214,7 @@ class BatchJobs:
         try:
             await run_batch(parsed, journal, self.backend, self.predictor, self.config, skip_invalid=False,
                             on_progress=progress, stop=job.stop, gate=self.gate, deadline=job.expires_at,
-                            clock=self.clock)
+                            clock=self.clock, seat=self.share.seat(job.owner, job.id))
         except RunAborted as exc:
             log.warning("batch %s paused: %s; retrying", job.id, exc)
             return job.stop.is_set()

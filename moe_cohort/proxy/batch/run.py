@@ -41,6 +41,7 @@ from moe_cohort.proxy.admission import AdmissionGate
 from moe_cohort.proxy.batch.core import (Abort, Answered, BatchCore, Outcome, Retry, RunConfig, RunStats, Send, Stop, TimedOut,
                               Unreachable, invalid_records)
 from moe_cohort.proxy.batch.order import make_order
+from moe_cohort.proxy.batch.share import Seat
 from moe_cohort.proxy.batch.format import BatchFile, BatchRequest
 from moe_cohort.proxy.http.errors import BackendStatusError, BackendTimeout, BackendUnreachable
 from moe_cohort.proxy.expert_loads import ExpertLoads, fetch_expert_loads
@@ -72,10 +73,12 @@ class _Unreachable(Exception):
 async def run_batch(batch: BatchFile, journal: Journal, backend: BackendClient, predictor: Predictor | None,
                     config: RunConfig, *, skip_invalid: bool = True, on_progress: ProgressFn | None = None,
                     stop: asyncio.Event | None = None, gate: AdmissionGate | None = None,
-                    deadline: float | None = None, clock: Callable[[], float] = time.time) -> RunStats:
+                    deadline: float | None = None, clock: Callable[[], float] = time.time,
+                    seat: Seat | None = None) -> RunStats:
     """Finish every line of `batch` that `journal` has not: invalid ones into the error file (`skip_invalid`),
     the rest sent in admission order (`predictor`: proxy/profiles.py; None: file order). Returns when all are committed, `stop` is set, or `clock()` reaches
-    `deadline`; raises RunAborted when the backend stays unreachable or the journal cannot be written."""
+    `deadline`; raises RunAborted when the backend stays unreachable or the journal cannot be written.
+    `seat` (proxy/batch/share.py): each request also holds one of the slots the running batches share."""
     if skip_invalid:
         journal.commit(invalid_records(batch, journal.done))
     pending = [r for r in batch.requests if r.line not in journal.done]
@@ -86,7 +89,7 @@ async def run_batch(batch: BatchFile, journal: Journal, backend: BackendClient, 
     log.info("%d requests to send, %d at a time, in %s", len(pending), config.concurrency,
              "file order" if predictor is None else f"admission by {predictor.kind}")
     core = BatchCore(pending, config, stats, order=order, deadline=deadline)
-    driver = _Driver(core, journal, backend, gate, on_progress or (lambda stats: None), clock)
+    driver = _Driver(core, journal, backend, gate, on_progress or (lambda stats: None), clock, seat)
     return await driver.run(stop or asyncio.Event())
 
 
@@ -100,8 +103,8 @@ def write_plan(path: str | Path, requests: Sequence[BatchRequest], concurrency: 
 
 class _Driver:
     def __init__(self, core: BatchCore, journal: Journal, backend: BackendClient, gate: AdmissionGate | None,
-                 on_progress: ProgressFn, clock: Callable[[], float]) -> None:
-        self.core, self.journal, self.backend, self.gate = core, journal, backend, gate
+                 on_progress: ProgressFn, clock: Callable[[], float], seat: Seat | None) -> None:
+        self.core, self.journal, self.backend, self.gate, self.seat = core, journal, backend, gate, seat
         self.on_progress, self.clock = on_progress, clock
         self.headers = bearer(core.config.api_key)
         self.records: asyncio.Queue[Record | None] = asyncio.Queue()  # None: no more
@@ -150,7 +153,16 @@ class _Driver:
             if step is Stop.EXPIRED:
                 log.warning("the batch's deadline passed; stopping it")
                 raise Stopped()
-            senders.create_task(self._finish(step))
+            if self.seat is None:
+                senders.create_task(self._finish(step))
+                continue
+            await self.seat.acquire()  # this batch's turn at the shared slots; held until the request is finished
+            try:
+                task = senders.create_task(self._finish(step))
+            except BaseException:
+                self.seat.release()
+                raise
+            task.add_done_callback(lambda _: self.seat.release())  # also when cancelled before it ran
 
     async def _finish(self, send: Send) -> None:
         """Send one request until the core finishes it; its record goes to the writer."""
