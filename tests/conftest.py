@@ -90,3 +90,22 @@ class _NoProcessOutsideIntegration(subprocess.Popen):
 def _processes_only_in_integration_tests(request, monkeypatch):
     if request.node.get_closest_marker("integration") is None:
         monkeypatch.setattr(subprocess, "Popen", _NoProcessOutsideIntegration)
+
+
+def write_trace_dir(path, ts: TraceSet, *, decode: bool = False):
+    """A trace folder in the shared data layout (traces.npz with experts [L, T, k], prompts.jsonl), every
+    token a prompt token; with `decode`, meta.json says "tokens": "decode" (the gpt-oss-20b layout)."""
+    import json
+
+    path.mkdir(parents=True)
+    np.savez(path / "traces.npz", prompt_ids=np.arange(1, len(ts) + 1), token_offsets=ts.token_offsets,
+             experts=ts.experts.transpose(1, 0, 2))
+    texts = ts.texts if ts.texts is not None else [f"prompt {i}" for i in range(len(ts))]
+    with open(path / "prompts.jsonl", "w") as f:
+        for i in range(len(ts)):
+            f.write(json.dumps({"prompt_id": i + 1, "text": str(texts[i]), "n_tokens": int(ts.num_tokens[i])}) + "\n")
+    if decode:
+        meta = {"model": "test/decoder", "num_layers": ts.num_layers, "num_experts": ts.num_experts,
+                "top_k": ts.top_k, "tokens": "decode"}
+        (path / "meta.json").write_text(json.dumps(meta))
+    return path

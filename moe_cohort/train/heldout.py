@@ -106,9 +106,12 @@ class HeldOut:
         prof = profiles(self.traces)
         return self.train_idx[prof[self.train_idx].sum(axis=(1, 2)) > 0], prof
 
-    def fit_head(self, x: np.ndarray) -> ProfileHead:
-        """A profile head fitted on the training side of embeddings x [N, D] (all requests, in trace order)."""
+    def fit_head(self, x: np.ndarray, limit: int | None = None, seed: int = 0) -> ProfileHead:
+        """A profile head fitted on the training side of embeddings x [N, D] (all requests, in trace order);
+        with `limit`, on a seeded random `limit` of the training requests (a learning curve's point)."""
         fit, prof = self._targets
+        if limit is not None and limit < len(fit):
+            fit = np.sort(np.random.default_rng(seed).choice(fit, limit, replace=False))
         return fit_profile_head(x[fit], prof[fit], self.traces.top_k)
 
     def head(self, x: np.ndarray, encoder: str | Path | None = None) -> ProfileHead:

@@ -6,7 +6,7 @@ import re
 import pytest
 
 from moe_cohort.cli import main
-from tests.conftest import random_traces
+from tests.conftest import random_traces, write_trace_dir
 from moe_cohort.traces.format import save_traces
 
 
@@ -123,6 +123,25 @@ def test_both_commands_read_decode_traces_with_their_own_lengths(tmp_path, capsy
         assert out["decode_mode"] == "real"
         rows.append(out["plans"])
     assert rows[0] == rows[1]
+
+
+@pytest.mark.parametrize("layout", ["decode-folder", "no-prompt-npz"])
+def test_decode_only_traces_replay_their_generated_tokens(tmp_path, capsys, layout):
+    """A folder whose meta.json says "tokens": "decode", and a moe-cohort trace whose requests have no prompt
+    tokens: static plans and the replay read the generated tokens, each request for as long as it ran."""
+    ts = random_traces(30, num_experts=12, top_k=2, max_prompt=0, max_decode=8, seed=6)
+    path = write_trace_dir(tmp_path / "d", ts, decode=True) if layout == "decode-folder" else save_traces(tmp_path / "d.npz", ts)
+    assert main(["eval", "--traces", str(path), "--batch-size", "4", "--json", "--encoder", "none"]) == 0
+    static = json.loads(capsys.readouterr().out)
+    assert static["decode_mode"] == "real" and static["plans"]["oracle"]["saving"] > 0
+    rows = []
+    for lengths in ([], ["--lengths", "fixed", "--mean-length", "50"]):  # ignored: each request runs as long as it ran
+        assert main(["replay", "--traces", str(path), "--slots", "4", "--json", "--encoder", "none", "--seeds", "2",
+                     *lengths]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["decode_mode"] == "real" and out["num_requests"] == 30
+        rows.append(out["plans"])
+    assert rows[0] == rows[1] and rows[0]["reference"]["saving"] > 0
 
 
 def _run(args, capsys) -> tuple[int, str, str]:

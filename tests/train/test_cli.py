@@ -108,3 +108,25 @@ def test_a_bad_number_is_one_line_naming_its_flag_before_any_work(tmp_path, caps
         main(["train", "--traces", "sample", "--output", str(tmp_path / "m"), flag, value])
     err = capsys.readouterr().err.strip()
     assert exited.value.code == 2 and f"argument {flag}: {said}" in err and len(err.splitlines()) == 1, err
+
+
+def test_a_decode_folder_trains_on_its_generated_tokens(tmp_path, capsys, tiny_model_dir):
+    """meta.json "tokens": "decode": pairs and head targets are the generated tokens (no prompt tokens)."""
+    from moe_cohort.encoder.profile import load_profile_head
+    from moe_cohort.traces.importers import load_traces
+    from moe_cohort.traces.split import heldout_split
+    from moe_cohort.train.targets import profiles
+    from tests.conftest import write_trace_dir
+
+    folder = write_trace_dir(tmp_path / "d", synthetic_traces(60, seed=2), decode=True)
+    ts = load_traces(folder)
+    assert not ts.num_prompt_tokens.any()
+    code, out = run(capsys, "--traces", folder, "--base", tiny_model_dir, "--output", tmp_path / "m", "--max-pairs", "64",
+                    "--batch-size", "16", "--no-progress")
+    assert code == 0, out
+    head = load_profile_head(tmp_path / "m")
+    train, _ = heldout_split(ts)
+    every_token = np.stack([np.stack([np.bincount(ts.request_experts(i)[:, layer].ravel(), minlength=ts.num_experts)
+                                      for layer in range(ts.num_layers)]) / ts.num_tokens[i] for i in train])  # [n, L, E]
+    np.testing.assert_allclose(head.memory_y.reshape(every_token.shape), every_token, atol=1e-3)  # float16 memory
+    np.testing.assert_allclose(profiles(ts)[train], every_token, atol=1e-6)

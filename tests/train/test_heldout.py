@@ -88,3 +88,15 @@ def test_data_dir_reads_cohort_data_else_the_shared_folder(tmp_path, monkeypatch
     (tmp_path / "shared" / "data").mkdir(parents=True)
     monkeypatch.chdir(tmp_path / "repo")
     assert data_dir().resolve() == (tmp_path / "shared" / "data").resolve()
+
+
+def test_a_limited_head_fits_a_seeded_subset_of_the_training_side():
+    ts = random_traces(60, max_prompt=0, max_decode=5, seed=4)
+    data = HeldOut.of(ts)
+    x = np.random.default_rng(2).normal(size=(len(ts), 5)).astype(np.float32)
+    small = data.fit_head(x, limit=12)
+    assert len(small.memory_x) == 12 and set(map(tuple, small.memory_x.round(5))) <= set(
+        map(tuple, (x / np.linalg.norm(x, axis=1, keepdims=True)).round(5)[data.train_idx]))
+    np.testing.assert_array_equal(data.fit_head(x, limit=12).weight, small.weight)  # seeded
+    assert not np.array_equal(data.fit_head(x, limit=12, seed=1).weight, small.weight)
+    np.testing.assert_array_equal(data.fit_head(x, limit=10_000).weight, data.fit_head(x).weight)
