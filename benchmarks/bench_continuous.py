@@ -9,7 +9,9 @@ request with the project's one split (train.heldout: 20% held out, seed 0); ever
 fitted on the training side (or is the one `cohort train` saved in an encoder FOLDER, which saw
 that side only). The held-out requests are replayed through S slots for: random, arrival, the
 static plan order (the first encoder, B = S), every text policy of every encoder (nearest
-embedding: no head; profile: with its head), and the reference that knows the traces. Decode
+embedding: no head; profile: with its head), and the reference that knows the traces. All requests
+arrive at step 0; those that fit by a vector (text policies, the reference) join in a random order of
+each seed, so a seed varies their first admissions and ties, not only the lengths. Decode
 traces (meta.json "tokens": "decode", or requests with generated tokens) run their own tokens for
 as long as they ran; prompt-only traces the decode proxy with lognormal lengths (mean 64, sigma 1).
 
@@ -24,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
@@ -99,6 +102,7 @@ def _run(data: HeldOut, tokens, slots: int, text: dict, lengths, seeds: int, rep
     for tag, (x, head) in text.items():
         policies.update(text_policies(f"-{tag}", x[held], head))
     policies[REFERENCE] = by_profile(data.reference)
+    policies.update({k: replace(p, shuffle=True) for k, p in policies.items() if p.vectors is not None})
     start = time.perf_counter()
     cost = parse_cost_model("deepseek-v2-lite")
     result = evaluate_continuous(tokens, slots, policies, lengths, cost, data.held.num_layers, seeds=seeds)
@@ -132,7 +136,8 @@ def learning_curve(data: HeldOut, x: np.ndarray, tag: str, tokens, lengths, seed
     report(f"\nlearning curve: text-profile-{tag}, head fitted on n training prompts, share of the reference")
     for n in [*sorted(s for s in sizes if s < len(data.train_idx)), len(data.train_idx)]:
         head = data.fit_head(x, limit=n)
-        policies = {"profile": by_profile(head.predict(x[data.held_idx])), REFERENCE: by_profile(data.reference)}
+        policies = {"profile": replace(by_profile(head.predict(x[data.held_idx])), shuffle=True),
+                    REFERENCE: replace(by_profile(data.reference), shuffle=True)}
         cost = parse_cost_model("deepseek-v2-lite")
         row = {"train_prompts": n}
         for s in CURVE_SLOTS:
