@@ -9,36 +9,69 @@ folder: `Embedder(folder)` loads it, and `cohort train --encoder folder` fine-tu
 overlap like any other encoder.
 
 `static_model_dir()` distils once (about a minute on 2 cores) into a cache folder and reuses it;
-`--encoder static` anywhere names that folder. The cache lives in $COHORT_CACHE_DIR (default
+`--encoder static` anywhere names that folder. It says so (a warning, so a server's console shows
+it), and processes that start together distil once: the first holds a file lock beside the cache
+folder, the others wait for it and reuse its folder. The cache lives in $COHORT_CACHE_DIR (default
 ~/.cache/moe-cohort), never in the repository.
 """
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
+from typing import Callable
 
 log = logging.getLogger(__name__)
 
 STATIC_NAME = "static"
 DEFAULT_DIMS = 256
+DISTILL_TIME = "a minute or two on 2 CPU cores"  # every token of the packaged MiniLM's 30k vocabulary, embedded
 
 
 def cache_root() -> Path:
     return Path(os.environ.get("COHORT_CACHE_DIR", Path.home() / ".cache" / "moe-cohort")).expanduser()
 
 
-def static_model_dir(source: str, *, dims: int = DEFAULT_DIMS, root: Path | None = None) -> Path:
+def static_model_dir(source: str, *, dims: int = DEFAULT_DIMS, root: Path | None = None,
+                     build: Callable[..., Path] | None = None) -> Path:
     """The folder of the static encoder distilled from the teacher `source` (a resolved folder or hub
-    name; `encoder.embedding.resolve_model`), built once."""
-    out = (root or cache_root()) / f"static-{Path(source).name}-{dims}"
-    if (out / "modules.json").is_file():
+    name; `encoder.embedding.resolve_model`), built once by `build(source, out, dims=dims)` (`distill`).
+
+    Processes that start together build it once: the builder holds an exclusive lock on a file beside
+    the cache folder (fcntl.flock, released when the process ends, however it ends); the others wait
+    for the lock and then find the folder complete (`_save` renames it into place whole)."""
+    out = static_path(source, dims=dims, root=root)
+    if _complete(out):
         return out
-    log.info("distilling a static encoder from %s (PCA %d dims) into %s; this happens once", source, dims, out)
-    return distill(source, out, dims=dims)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f".{out.name}.lock", "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.warning("another process is distilling the static encoder into %s; waiting for it", out)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        if _complete(out):  # built by the process we waited for
+            return out
+        log.warning("first use of the static encoder: distilling it from %s (PCA %d dims) into %s; this takes "
+                    "%s and happens once", source, dims, out, DISTILL_TIME)
+        started = time.monotonic()
+        (build or distill)(source, out, dims=dims)
+        log.info("static encoder ready in %.0f s: %s", time.monotonic() - started, out)
+    return out
+
+
+def static_path(source: str, *, dims: int = DEFAULT_DIMS, root: Path | None = None) -> Path:
+    """Where `static_model_dir` keeps the encoder distilled from `source`."""
+    return (root or cache_root()) / f"static-{Path(source).name}-{dims}"
+
+
+def _complete(out: Path) -> bool:
+    return (out / "modules.json").is_file()
 
 
 def distill(source: str, out: Path, *, dims: int = DEFAULT_DIMS) -> Path:

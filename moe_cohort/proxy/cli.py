@@ -110,12 +110,11 @@ def run(args: argparse.Namespace) -> int:
         server, settings = _start_embedded(settings, args.model_dir, args.backend_port,
                                            explicit_in_flight=args.max_in_flight is not None)
     try:
-        _serve(settings)
+        return _serve(settings)
     finally:
         if server is not None:
             print("stopping the embedded vLLM backend")
             server.stop()
-    return 0
 
 
 def wait_for_backend(url: str, wait_s: float) -> bool:
@@ -199,20 +198,35 @@ def _start_embedded(settings: Settings, model_dir: str | None, port: int | None,
     return server, settings.replace(backend_url=server.url, max_in_flight=max_num_seqs)
 
 
-def _serve(settings: Settings) -> None:
+def _serve(settings: Settings) -> int:
+    """Listen at once (proxy/http/starting.py answers 503 "not ready" meanwhile) and build the proxy, whose
+    encoder may take a minute or two the first time (encoder/static.py); 1 when it could not be built."""
     import uvicorn
 
     from moe_cohort.proxy.app import create_app
     from moe_cohort.proxy.http.limits import server_options
+    from moe_cohort.proxy.http.starting import Starting
     from moe_cohort.proxy.profiles import limit_threads
 
-    app = create_app(settings)  # loads the encoder
-    limit_threads(settings.encoder_threads)
-    print(f"moe-cohort proxy on http://{settings.host}:{settings.port}/v1 -> {settings.backend_url} "
-          f"({settings.max_in_flight} in flight{' per replica, routing ' + settings.routing if len(settings.backend_urls) > 1 else ''}, "
-          f"policy {settings.default_policy}); "
-          f"point an OpenAI client at base_url=http://{settings.host}:{settings.port}/v1. Ctrl-C stops.")
-    uvicorn.run(app, log_level="warning", **server_options(settings))  # host, port, the head limits
+    where = f"http://{settings.host}:{settings.port}"
+    replicas = f" per replica, routing {settings.routing}" if len(settings.backend_urls) > 1 else ""
+
+    def ready() -> None:  # in the server's thread, as before it served: the encoder's libraries are loaded now
+        limit_threads(settings.encoder_threads)
+        print(f"moe-cohort proxy ready on {where}/v1 -> {settings.backend_url} ({settings.max_in_flight} in flight"
+              f"{replicas}, policy {settings.default_policy}); point an OpenAI client at base_url={where}/v1. "
+              f"Ctrl-C stops.", flush=True)
+
+    app = Starting(lambda: create_app(settings), on_ready=ready,  # create_app loads the encoder
+                   on_failed=lambda exc: setattr(server, "should_exit", True))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", **server_options(settings)))  # host, port, head limits
+    print(f"moe-cohort proxy listening on {where}, loading its encoder ({settings.encoder or 'the packaged MiniLM'}); "
+          f"GET /health answers 503 until it is ready", flush=True)
+    server.run()
+    if app.failed is not None:
+        print(f"cohort serve: error: the proxy could not start: {app.failed}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _port(text: str) -> int:

@@ -1,5 +1,9 @@
 """The static encoder: distilled once from the packaged MiniLM, cached, and fast paths of Embedder."""
 
+import logging
+import os
+import threading
+
 import numpy as np
 import pytest
 
@@ -64,3 +68,63 @@ def test_cache_answers_repeats_without_the_model_and_stays_bounded(static_dir):
     assert e.cache_info() == (2, 5, 3, 3)
     np.testing.assert_array_equal(e.encode([TEXTS[0], TEXTS[1]]), first[:2])
     assert e.cache_info() == (3, 6, 3, 3)  # TEXTS[0] was kept, TEXTS[1] is encoded again
+
+
+def test_callers_that_start_together_distil_once_the_second_waits_for_the_first(tmp_path):
+    """Two callers at once (threads: fcntl.flock locks per open file, so they exclude each other as two
+    processes do), with a cheap distillation injected: the first builds while the second waits on the lock,
+    then the second finds the folder complete and builds nothing."""
+    building, waiting, go, built = threading.Event(), threading.Event(), threading.Event(), []
+
+    def build(source, out, *, dims):
+        built.append((source, dims))
+        building.set()
+        assert go.wait(60), "the test never let the build finish"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        scratch = out.parent / ".scratch"
+        scratch.mkdir()
+        (scratch / "modules.json").write_text("[]")
+        os.replace(scratch, out)  # complete or absent, as _save does
+        return out
+
+    class Waiting(logging.Handler):
+        def emit(self, record):
+            if "waiting for it" in record.getMessage():
+                waiting.set()
+
+    handler, results = Waiting(), {}
+    logging.getLogger("moe_cohort.encoder.static").addHandler(handler)
+
+    def call(name):
+        results[name] = static_model_dir("/models/teacher", dims=8, root=tmp_path, build=build)
+
+    try:
+        first = threading.Thread(target=call, args=("first",))
+        first.start()
+        assert building.wait(60)
+        second = threading.Thread(target=call, args=("second",))
+        second.start()
+        assert waiting.wait(60), "the second caller did not wait for the first"
+        assert not (tmp_path / "static-teacher-8").exists()  # nothing half-built to be found meanwhile
+        go.set()
+        first.join(60)
+        second.join(60)
+    finally:
+        go.set()
+        logging.getLogger("moe_cohort.encoder.static").removeHandler(handler)
+    assert built == [("/models/teacher", 8)]  # distilled once
+    assert results == {"first": tmp_path / "static-teacher-8", "second": tmp_path / "static-teacher-8"}
+    assert static_model_dir("/models/teacher", dims=8, root=tmp_path, build=build) == results["first"] and len(built) == 1
+
+
+def test_first_distillation_says_what_happens_and_how_long_it_takes(tmp_path, caplog):
+    def build(source, out, *, dims):
+        (out / "modules.json").parent.mkdir(parents=True)
+        (out / "modules.json").write_text("[]")
+        return out
+
+    with caplog.at_level(logging.WARNING, logger="moe_cohort.encoder.static"):
+        static_model_dir("/models/teacher", dims=8, root=tmp_path, build=build)
+        static_model_dir("/models/teacher", dims=8, root=tmp_path, build=build)
+    (said,) = [r.getMessage() for r in caplog.records]  # once, at a level a server's console shows
+    assert "distilling it from /models/teacher" in said and "a minute or two on 2 CPU cores" in said

@@ -46,11 +46,12 @@ def drop(request: web.BaseRequest) -> web.Response:
 
 
 class ProxyThread:
-    """uvicorn serving the proxy app in a background thread (its own event loop)."""
+    """uvicorn serving the proxy app (or `app`, an ASGI app of the same settings) in a background thread
+    (its own event loop)."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, app=None) -> None:
         options = {**server_options(settings), "host": "127.0.0.1"}  # as `cohort serve` runs it (head limits)
-        self.server = uvicorn.Server(uvicorn.Config(create_app(settings), log_level="warning", **options))
+        self.server = uvicorn.Server(uvicorn.Config(app or create_app(settings), log_level="warning", **options))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.url = f"http://127.0.0.1:{settings.port}"
 

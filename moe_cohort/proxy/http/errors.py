@@ -5,6 +5,7 @@
     ├── Unauthorized        401  missing or wrong proxy API key
     ├── NotFound            404  no such file or batch (Batch API)
     ├── PayloadTooLarge     413  body over the size limit
+    ├── NotReady            503  `cohort serve` is still loading its encoder (proxy/http/starting.py)
     └── BackendError
         ├── BackendUnreachable  502  connection refused / reset / DNS
         ├── BackendTimeout      504  no answer within the timeout
@@ -51,6 +52,11 @@ class PayloadTooLarge(ProxyError):
     error_type = "invalid_request_error"
 
 
+class NotReady(ProxyError):
+    status_code = 503
+    error_type = "service_unavailable"
+
+
 class BackendError(ProxyError):
     status_code = 502
     error_type = "backend_error"
@@ -58,6 +64,10 @@ class BackendError(ProxyError):
 
 class BackendUnreachable(BackendError):
     status_code = 502
+
+    def __init__(self, message: str, *, answer_started: bool = True, **kwargs) -> None:
+        super().__init__(message, **kwargs)
+        self.answer_started = answer_started  # False: the connection failed before any byte of the answer came back
 
 
 class BackendTimeout(BackendError):

@@ -176,7 +176,7 @@ def test_a_batch_cancelled_while_waiting_for_its_turn_is_cancelled_at_once(tmp_p
             second = add_batch(jobs, 2, "batch_2", status="in_progress", expires_at=int(START) + 3600)
             try:
                 await jobs.resume()
-                await reached.wait()  # batch_1 runs (it has the turn); batch_2 waits for the turn
+                await reached.wait()  # batch_1 runs (it has the one slot); batch_2 waits for it
                 assert jobs.cancel(second, "")["status"] == "cancelling"
                 await asyncio.wait_for(jobs.join(second), 10)  # not after batch_1
                 waiting = outcome(jobs, second)[0], jobs.get(first, None)["status"]
