@@ -100,7 +100,7 @@ def _run(data: HeldOut, tokens, slots: int, text: dict, lengths, seeds: int, rep
     x_plan = text[list(text)[0]][0][held]
     policies = {"arrival": fixed_order(np.arange(len(held))), "plan": fixed_order(np.concatenate(plan_batches(x_plan, slots)))}
     for tag, (x, head) in text.items():
-        policies.update(text_policies(f"-{tag}", x[held], head))
+        policies.update(text_policies(f"-{tag}", x[held], head, data.held_texts))
     policies[REFERENCE] = by_profile(data.reference)
     policies.update({k: replace(p, shuffle=True) for k, p in policies.items() if p.vectors is not None})
     start = time.perf_counter()
@@ -136,7 +136,7 @@ def learning_curve(data: HeldOut, x: np.ndarray, tag: str, tokens, lengths, seed
     report(f"\nlearning curve: text-profile-{tag}, head fitted on n training prompts, share of the reference")
     for n in [*sorted(s for s in sizes if s < len(data.train_idx)), len(data.train_idx)]:
         head = data.fit_head(x, limit=n)
-        policies = {"profile": replace(by_profile(head.predict(x[data.held_idx])), shuffle=True),
+        policies = {"profile": replace(by_profile(head.predict(x[data.held_idx], data.held_texts)), shuffle=True),
                     REFERENCE: replace(by_profile(data.reference), shuffle=True)}
         cost = parse_cost_model("deepseek-v2-lite")
         row = {"train_prompts": n}
@@ -159,7 +159,8 @@ def _best_encoder(results: list[dict]) -> str:
 
 def _admission_cost(head, layers: int, experts: int, report=print, pool: int = 1000, resident: int = 32) -> None:
     """Microseconds of one pick among `pool` waiting requests with `resident` residents."""
-    profiles_ = head.predict(np.random.default_rng(0).normal(size=(pool, head.dim)).astype(np.float32) * 0.05)
+    x = np.random.default_rng(0).normal(size=(pool, head.dim)).astype(np.float32) * 0.05
+    profiles_ = head.predict(x, [f"prompt number {i}" for i in range(pool)])
     flat = np.ascontiguousarray(profiles_.reshape(pool, -1))
     state = ResidentExperts(layers, experts)
     for i in range(resident):

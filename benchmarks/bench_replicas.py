@@ -47,7 +47,7 @@ def main() -> None:
     head = data.head(x, args.finetuned)  # the one `cohort train` saved, else fitted on the training side
     print(f"encoder: {args.finetuned or 'packaged MiniLM'}; profile head alpha {head.alpha:g}, mix {head.mix:g}")
     held = data.held
-    predicted = head.predict(x[data.held_idx]).reshape(len(held), -1)  # [n, L*E]
+    predicted = head.predict(x[data.held_idx], data.held_texts).reshape(len(held), -1)  # [n, L*E]
     own = data.reference.reshape(len(held), -1)  # [n, L*E]
     tokens = decode_tokens(held)
     cost = parse_cost_model(args.cost_model)

@@ -125,7 +125,8 @@ def run_replicas(args: argparse.Namespace, ts: TraceSet, text: tuple) -> dict:
     tokens = decode_tokens(ts, args.decode)
     x, head = text
     flat = lambda p: p.reshape(len(ts), -1)  # noqa: E731  [N, L, E] -> [N, L*E]
-    routings = routings_for(args.routing, predicted=None if head is None else flat(head.predict(x)), embeddings=x,
+    predicted = None if head is None else flat(head.predict(x, _texts(ts)))
+    routings = routings_for(args.routing, predicted=predicted, embeddings=x,
                             reference=flat(decode_profiles(tokens, ts)))
     cost = parse_cost_model(args.cost_model, args.non_moe_us, args.moe_share)
     return evaluate_with_single(tokens, args.replicas, args.slots, routings, _lengths(args, ts, tokens), cost,
@@ -143,18 +144,23 @@ def continuous_policies(ts: TraceSet, tokens: DecodeTokens, slots: int, *, x: np
     if plan is not None:
         out["plan"] = fixed_order(np.concatenate(plan))
     if x is not None:
-        out.update(text_policies("", x, head))
+        out.update(text_policies("", x, head, _texts(ts)))
     out[REFERENCE] = by_profile(decode_profiles(tokens, ts))
     return out
 
 
-def text_policies(suffix: str, x: np.ndarray, head=None) -> dict[str, Policy]:
-    """text-nearest{suffix}, and with a profile head text-profile{suffix}."""
+def text_policies(suffix: str, x: np.ndarray, head=None, texts: list[str] | None = None) -> dict[str, Policy]:
+    """text-nearest{suffix}, and with a profile head text-profile{suffix} (`texts`, one per row of x: what a
+    head that reads n-grams needs beside the embeddings)."""
     out = {f"text-nearest{suffix}": by_embedding(x)}
     if head is not None:
-        predicted = head.predict(x)  # [N, L, E]
+        predicted = head.predict(x, texts)  # [N, L, E]
         out[f"text-profile{suffix}"] = by_profile(predicted)
     return out
+
+
+def _texts(ts: TraceSet) -> list[str] | None:
+    return None if ts.texts is None else [str(t) for t in ts.texts]
 
 
 def _lengths(args: argparse.Namespace, ts: TraceSet, tokens: DecodeTokens):

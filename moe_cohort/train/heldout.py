@@ -8,7 +8,7 @@ side against its requests' own profiles (the reference admission's input).
     data = HeldOut.of(load_traces(args.traces or data_path(TRACES)))
     x = embeddings(data.traces.texts, encoder, cache)  # [N, D], cached on disk by encoder and texts
     head = data.head(x, encoder)                      # the saved head, else fitted on the training side
-    head.predict(x[data.held_idx])                    # [n, L, E] predicted profiles of the held-out side
+    head.predict(x[data.held_idx], data.held_texts)   # [n, L, E] predicted profiles of the held-out side
     data.held, data.reference                         # the held-out TraceSet, its own profiles [n, L, E]
 
 It lives in train/ because it needs the split (traces/), the encoder and its saved head (encoder/)
@@ -95,6 +95,11 @@ class HeldOut:
     def held(self) -> TraceSet:
         return self.traces.subset(self.held_idx)
 
+    @property
+    def held_texts(self) -> list[str] | None:
+        """The held-out requests' prompt texts (what a head that reads n-grams needs beside the embeddings)."""
+        return None if self.traces.texts is None else [str(t) for t in self.traces.texts[self.held_idx]]
+
     @cached_property
     def reference(self) -> np.ndarray:  # [n, L, E] float32
         """The held-out requests' own profiles: what the reference admission ranks by."""
@@ -112,7 +117,8 @@ class HeldOut:
         fit, prof = self._targets
         if limit is not None and limit < len(fit):
             fit = np.sort(np.random.default_rng(seed).choice(fit, limit, replace=False))
-        return fit_profile_head(x[fit], prof[fit], self.traces.top_k)
+        texts = None if self.traces.texts is None else [str(t) for t in self.traces.texts[fit]]
+        return fit_profile_head(x[fit], prof[fit], self.traces.top_k, texts=texts)
 
     def head(self, x: np.ndarray, encoder: str | Path | None = None) -> ProfileHead:
         """The head `cohort train` saved in the `encoder` folder when it has one, else `fit_head(x)`."""

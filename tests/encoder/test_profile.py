@@ -56,3 +56,22 @@ def test_the_neighbour_part_is_the_softmax_weighted_mean_of_the_nearest_profiles
     loaded = load_profile_head(tmp_path)
     np.testing.assert_allclose(loaded.predict(x), head.predict(x), rtol=1e-6)
     assert loaded.memory_y.dtype == np.float32  # saved as float16, converted once (not per request)
+
+
+def test_a_head_that_reads_ngrams_saves_and_loads_them(tmp_path):
+    from moe_cohort.encoder.ngrams import hashed_ngrams
+
+    rng = np.random.default_rng(5)
+    base = _head()
+    head = ProfileHead(**{**base.__dict__, "weight": rng.normal(size=(4 + 16, 10)).astype(np.float32), "ngram_dim": 16})
+    x, texts = rng.normal(size=(2, 4)).astype(np.float32), ["write a poem", "solve 2 + 2"]
+    unit = x / np.linalg.norm(x, axis=1, keepdims=True)
+    features = np.hstack([unit, hashed_ngrams(texts, 16)]) / np.sqrt(2)  # [2, 20]
+    want = np.clip(features @ head.weight + head.bias, 0, 1).reshape(2, 2, 5)
+    np.testing.assert_allclose(head.predict(x, texts), want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(head.predict(x[0], texts[0]), want[0], rtol=1e-5, atol=1e-6)
+    assert head.dim == 4
+    head.save(tmp_path)
+    np.testing.assert_allclose(load_profile_head(tmp_path).predict(x, texts), want, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="one text per embedding"):
+        head.predict(x, texts[:1])

@@ -1,6 +1,7 @@
 """The profile head's ridge fit against a direct solve, its leave-one-out choice against refits."""
 
 import numpy as np
+import pytest
 
 from moe_cohort.encoder.profile import load_profile_head
 from moe_cohort.traces.split import split_requests
@@ -53,5 +54,23 @@ def test_train_profile_head_fits_the_training_side_only_and_saves_beside_the_enc
     train_idx, held_idx = split_requests(len(ts), 0.25, 3, groups=ts.texts)
     assert sorted(seen) == sorted(ts.texts[train_idx].tolist())
     assert not set(seen) & set(ts.texts[held_idx].tolist())
-    assert path.parent == tmp_path and load_profile_head(tmp_path).weight.shape == (8, ts.num_layers * ts.num_experts)
-    assert head.predict(np.zeros(8)).shape == profiles(ts).shape[1:]
+    saved = load_profile_head(tmp_path)
+    assert path.parent == tmp_path and saved.weight.shape == (8 + saved.ngram_dim, ts.num_layers * ts.num_experts)
+    assert saved.ngram_dim > 0 and saved.dim == 8  # it reads the texts' n-grams beside the embeddings
+    assert head.predict(np.zeros(8), "a prompt").shape == profiles(ts).shape[1:]
+
+
+def test_the_ngram_features_carry_what_the_embedding_misses():
+    """Profiles that follow a word the embedding does not see: the head with n-grams predicts them, without
+    them it cannot, and it needs the texts to predict."""
+    rng = np.random.default_rng(0)
+    words = rng.integers(0, 2, size=120)  # [N] which of two words the prompt holds
+    texts = [f"please answer {'briefly' if w else 'verbosely'} now" for w in words]
+    prof = np.where(words[:, None, None] == 1, [[1.0, 1.0, 0.0, 0.0]], [[0.0, 0.0, 1.0, 1.0]]).astype(np.float32)  # [N, 1, 4]
+    x = rng.normal(size=(120, 6)).astype(np.float32)  # embeddings that know nothing of the word
+    with_ngrams = fit_profile_head(x[:100], prof[:100], 2, texts=texts[:100], mix=0.0)
+    without = fit_profile_head(x[:100], prof[:100], 2, mix=0.0)
+    err = lambda p: np.abs(p - prof[100:]).mean()  # noqa: E731
+    assert err(with_ngrams.predict(x[100:], texts[100:])) < 0.1 < err(without.predict(x[100:]))
+    with pytest.raises(ValueError, match="reads the prompt texts"):
+        with_ngrams.predict(x[100:])
