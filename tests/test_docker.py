@@ -1,6 +1,6 @@
 """docker/: the Dockerfiles copy what exists (every package of pyproject.toml, nothing .dockerignore drops), run
 real `cohort` subcommands with arguments their parsers accept, set only real settings; compose.yaml wires the
-proxy to a defined replica. Building and running the images is docker/README.md's (no container runtime in CI)."""
+proxy to every defined replica. Building and running the images is docker/README.md's (no container runtime in CI)."""
 
 from __future__ import annotations
 
@@ -121,8 +121,10 @@ def test_compose_starts_the_proxy_in_front_of_defined_replicas():
         assert services[name]["healthcheck"]["test"][0] == "CMD"
     proxy = services["proxy"]
     assert (DOCKER / proxy["build"]["context"] / proxy["build"]["dockerfile"]).resolve() == DOCKER / "Dockerfile.proxy"
-    backend = re.fullmatch(r"http://([a-z0-9-]+):8000", proxy["environment"]["COHORT_BACKEND_URL"])
-    assert backend and backend.group(1) in replicas
-    assert set(proxy["depends_on"]) <= set(replicas)
+    fronted = [re.fullmatch(r"http://([a-z0-9-]+):8000", url) for url in proxy["environment"]["COHORT_BACKEND_URL"].split(",")]
+    assert all(fronted) and sorted(m.group(1) for m in fronted) == replicas  # every replica, each once
+    assert Settings(backend_url=proxy["environment"]["COHORT_BACKEND_URL"],
+                    routing=proxy["environment"]["COHORT_ROUTING"]).routing == "affinity"
+    assert sorted(proxy["depends_on"]) == replicas
     assert proxy["ports"] == ["${PROXY_PORT:-8080}:8080"]
     assert all(services[name]["shm_size"] for name in [*replicas, "proxy"])  # vLLM and Ray need /dev/shm

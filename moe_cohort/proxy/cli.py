@@ -9,6 +9,7 @@ With --backend, the backend is asked for /health at start-up, retried with backo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import os
 import signal
@@ -217,12 +218,15 @@ def _serve(settings: Settings) -> int:
               f"{replicas}, policy {settings.default_policy}); point an OpenAI client at base_url={where}/v1. "
               f"Ctrl-C stops.", flush=True)
 
+    encoder = settings.encoder.lower() != "none"
     app = Starting(lambda: create_app(settings), on_ready=ready,  # create_app loads the encoder
-                   on_failed=lambda exc: setattr(server, "should_exit", True))
+                   on_failed=lambda exc: setattr(server, "should_exit", True),
+                   doing="loading the encoder" if encoder else "starting")
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", **server_options(settings)))  # host, port, head limits
-    print(f"moe-cohort proxy listening on {where}, loading its encoder ({settings.encoder or 'the packaged MiniLM'}); "
-          f"GET /health answers 503 until it is ready", flush=True)
-    server.run()
+    loading = f", loading its encoder ({settings.encoder or 'the packaged MiniLM'})" if encoder else ""
+    print(f"moe-cohort proxy listening on {where}{loading}; GET /health answers 503 until it is ready", flush=True)
+    with contextlib.suppress(KeyboardInterrupt):  # uvicorn re-raises Ctrl-C (or SIGTERM, above) after its shutdown
+        server.run()
     if app.failed is not None:
         print(f"cohort serve: error: the proxy could not start: {app.failed}", file=sys.stderr)
         return 1

