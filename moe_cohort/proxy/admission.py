@@ -24,8 +24,8 @@ The slots are a `proxy.replicas.ReplicaSet`: one backend is a set of one replica
 (`--backend` repeated) a set of R, each with `max_in_flight` slots, routed by `--routing`
 (admission.router.ReplicaRouter; "affinity" is this module's rule applied per replica), the same
 router that drives the batch order (proxy.batch.order) and the engine replay (eval.replay). An
-admission names its replica (`admission.client`); `refused()` and `readmit()` move a request whose
-connection a replica refused (it never got it) to another one.
+admission names its replica (`admission.client`); `failover()` and `readmit()` move a request whose
+replica is down (it generated nothing of it) to another one.
 """
 
 from __future__ import annotations
@@ -152,14 +152,14 @@ class AdmissionGate:
         if prediction is not None:
             self.replicas.router.assign(admission.lease.ticket, prediction.vector)
 
-    def refused(self, admission: Admission, exc: Exception) -> bool:
-        """Whether `admission`'s request may go to another replica after `exc`: its replica refused the
-        connection (it never got the request) and another replica exists; that replica is then taken out.
-        The caller releases `admission` and asks `readmit(admission)` for a slot elsewhere."""
-        return self.replicas.refused(admission.lease, exc)
+    async def failover(self, admission: Admission, exc: Exception) -> bool:
+        """Whether `admission`'s request may go to another replica after `exc` (proxy.replicas.ReplicaSet.failover:
+        its replica is down and no byte of the answer came back); that replica is then taken out. The caller
+        releases `admission` and asks `readmit(admission)` for a slot elsewhere."""
+        return await self.replicas.failover(admission.lease, exc)
 
     async def readmit(self, admission: Admission) -> Admission:
-        """A new slot for a refused request: same prediction, its place by its first arrival."""
+        """A new slot for a request failed over: same prediction, its place by its first arrival."""
         self.metrics.waiting.inc()
         return await self._acquire(admission.prediction, admission.arrived)
 

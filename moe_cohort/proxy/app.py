@@ -121,7 +121,7 @@ class Proxy:
                         headers=cohort_headers(admission, backend_s, own), media_type=answer.content_type)
 
     async def _forward(self, preq: ProxyRequest, path: str, headers: dict[str, str]):
-        """(admission, the backend's answer, seconds at the backend) of `preq`, failed over once refused."""
+        """(admission, the backend's answer, seconds at the backend) of `preq`, failed over when its replica is down."""
         admission, backend_s = await self.gate.admit(preq.text), 0.0
         try:  # released exactly once: answered, failed, or cancelled because the client left
             while True:
@@ -133,11 +133,11 @@ class Proxy:
                     return admission, answer, backend_s + time.perf_counter() - sent
                 except BackendUnreachable as exc:
                     backend_s += time.perf_counter() - sent
-                    if not self.gate.refused(admission, exc):  # it may have reached the backend: never resent
+                    if not await self.gate.failover(admission, exc):  # its replica may be generating it: never resent
                         raise
-                    refused, admission = admission, None
-                    self.gate.release(refused)
-                    admission = await self.gate.readmit(refused)  # another replica; its place kept
+                    down, admission = admission, None
+                    self.gate.release(down)
+                    admission = await self.gate.readmit(down)  # another replica; its place kept
         finally:
             if admission is not None:
                 self.gate.release(admission)

@@ -64,13 +64,14 @@ class BackendClient:
                       headers: dict[str, str] | None = None) -> BackendAnswer:
         """Send and read the whole answer; raise BackendStatusError for 4xx/5xx. Cancelling it (the
         client left) closes the connection, which makes vLLM abort the request."""
-        with _translated(self.base_url):
+        with _translated(self.base_url, answer_started=False):
             response = await self._open(method, path, json, headers)
-            try:
+        try:
+            with _translated(self.base_url):
                 answer = BackendAnswer(response.status, await response.read(),
                                        response.headers.get("content-type", "application/json"))
-            finally:
-                response.release()  # back to the pool when read to the end, else the connection is closed
+        finally:
+            response.release()  # back to the pool when read to the end, else the connection is closed
         if answer.status_code >= 400:
             raise BackendStatusError(answer.status_code, answer.content, answer.content_type)
         return answer
@@ -80,7 +81,7 @@ class BackendClient:
                      ) -> AsyncIterator[aiohttp.ClientResponse]:
         """Open a streaming POST; the caller iterates `iter_raw(response)`. Leaving the block closes
         the connection, which makes vLLM abort the request (how a client disconnect propagates)."""
-        with _translated(self.base_url):
+        with _translated(self.base_url, answer_started=False):
             response = await self._open("POST", path, json, headers)
         try:
             if response.status >= 400:
@@ -103,6 +104,16 @@ class BackendClient:
             log.warning("%s %s%s: %s: %s; the backend did not receive the request, retrying once",
                         method, self.base_url, path, type(exc).__name__, exc)
         return await self._send(method, path, body, headers)
+
+    async def alive(self, timeout_s: float) -> bool:
+        """Whether the backend answers GET /health within `timeout_s` on a fresh connection (a pooled one
+        may be a stale connection to a server that died; a dead server's port refuses a new one at once)."""
+        try:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
+                async with session.get(self.base_url + "/health") as response:
+                    return response.status < 400
+        except (aiohttp.ClientError, OSError, TimeoutError):
+            return False
 
     async def iter_raw(self, response: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
         """The bytes of an open stream as they arrive; a broken connection becomes a BackendError."""
@@ -143,7 +154,9 @@ def _not_received(exc: aiohttp.ClientError) -> bool:
 
 
 @contextlib.contextmanager
-def _translated(base_url: str):
+def _translated(base_url: str, *, answer_started: bool = True):
+    """aiohttp's failures as BackendTimeout / BackendUnreachable; `answer_started` False while nothing of the
+    answer has come back yet (the request's send and the wait for the status line)."""
     try:
         yield
     except TimeoutError as exc:  # aiohttp's connect and read timeouts are TimeoutErrors
@@ -151,4 +164,4 @@ def _translated(base_url: str):
                              f"raise --request-timeout-s or check the backend's load") from exc
     except (aiohttp.ClientError, OSError) as exc:
         raise BackendUnreachable(f"cannot reach the backend at {base_url} ({type(exc).__name__}: {exc}); "
-                                 f"is vLLM running there?") from exc
+                                 f"is vLLM running there?", answer_started=answer_started) from exc

@@ -12,15 +12,17 @@ set of one replica, so both cases share this one code path.
   residents best. Nobody waits while a healthy replica has a free slot; the fairness bound
   `max_queue_s` goes first, as in proxy.admission.
 - Health: `check()` probes every replica's GET /health (vLLM serves it). A replica that fails the
-  probe, or refuses a connection during a request, is taken out: it is offered nothing new and its
-  round-robin queue moves to the others. `check()` takes it back once it answers. When the last
-  replica goes out, every waiting request fails with BackendUnreachable (a 502), none hangs.
-- Failover, never twice: `request()` resends to another replica only a request whose connection
-  failed before the backend accepted it (a refused or unreachable connect, aiohttp's
-  ClientConnectorError under our BackendUnreachable); a failure once the request went out is the
-  caller's answer (502/504), never a resend, since that replica may be generating. Streams take an
-  `acquire()` lease and stream from its client; a stream under way when its replica dies is ended
-  by the streaming code with an SSE error event, as with one backend.
+  probe, or is found down during a request (`failover`), is taken out at once: it is offered nothing
+  new and its round-robin queue moves to the others. `check()` takes it back once it answers. When
+  the last replica goes out, every waiting request fails with BackendUnreachable (a 502), none hangs.
+- Failover, never twice (`failover`): a request goes to another replica only if its own is down and
+  generating nothing: its connect failed (it never got the request), or its connection broke before
+  any byte of the answer came back and the replica is out already or fails a probe on a fresh
+  connection at once (a killed vLLM's port refuses it; pooled connections to it reset). A replica
+  that still answers may be generating the request: the caller answers 502, never a resend; an
+  answer under way is never resent either. Streams take an `acquire()` lease and stream from its
+  client; a stream under way when its replica dies is ended by the streaming code with an SSE error
+  event, as with one backend.
 - `models()`: the healthy replicas' /v1/models lists merged by model id (first replica wins).
 - Background work (the Batch API's jobs): `acquire_background()` gets a slot only when no waiting
   request can use it (every replica with a free slot has nobody waiting for it).
@@ -68,13 +70,14 @@ class ReplicaSet:
     """R backends, their capacities and health, and the routing of admission.router; see the module docstring."""
 
     def __init__(self, clients: Sequence[BackendClient], capacities: Sequence[int], routing: str = "affinity", *,
-                 max_queue_s: float = 30.0, health_timeout_s: float = 5.0, clock: Callable[[], float] = time.monotonic,
+                 max_queue_s: float = 30.0, health_timeout_s: float = 5.0, failover_probe_s: float = 1.0,
+                 clock: Callable[[], float] = time.monotonic,
                  resident_factory: ResidentFactory = lambda size: ResidentExperts(1, size)):
         if len(clients) != len(capacities) or not clients:
             raise ValueError(f"one capacity per backend: {len(clients)} backend(s), {len(capacities)} capacities")
         self.clients = list(clients)
         self.router = ReplicaRouter(capacities, routing, max_wait=max_queue_s, resident_factory=resident_factory)
-        self.health_timeout_s, self.clock = health_timeout_s, clock
+        self.health_timeout_s, self.failover_probe_s, self.clock = health_timeout_s, failover_probe_s, clock
         self._waiting: set[_Ticket] = set()
         self._background: list[_Ticket] = []  # waiting background work, oldest first
         self._turn = 0
@@ -111,13 +114,17 @@ class ReplicaSet:
                 self._background.remove(ticket)
             raise
 
-    def refused(self, lease: Lease, exc: BackendError) -> bool:
-        """Whether a request that failed with `exc` on `lease` may go to another replica: the backend never
-        got it (the connect failed) and another replica exists; then `lease`'s replica is taken out."""
-        if self.size < 2 or not isinstance(exc, BackendUnreachable) or not _never_sent(exc):
+    async def failover(self, lease: Lease, exc: BackendError) -> bool:
+        """Whether a request that failed with `exc` on `lease` may go to another replica (see the module
+        docstring: its replica is down, no byte of the answer came back, another replica exists); then
+        `lease`'s replica is taken out at once. The caller releases `lease` and acquires a new slot."""
+        if self.size < 2 or not isinstance(exc, BackendUnreachable) or exc.answer_started:
             return False
-        log.warning("replica %d (%s) refused the connection; taking it out and sending the request elsewhere",
-                    lease.replica, lease.client.base_url)
+        if (not _never_sent(exc) and self.router.healthy[lease.replica]
+                and await lease.client.alive(self.failover_probe_s)):
+            return False  # the replica is up: it may be generating this request
+        log.warning("replica %d (%s) is down (%s); taking it out and sending the request elsewhere",
+                    lease.replica, lease.client.base_url, exc.message)
         self.set_healthy(lease.replica, False)
         return True
 
@@ -143,7 +150,7 @@ class ReplicaSet:
             try:
                 return lease.replica, await lease.client.request(method, path, json=json, headers=headers)
             except BackendUnreachable as exc:
-                if not self.refused(lease, exc):
+                if not await self.failover(lease, exc):
                     raise
                 ticket.future = asyncio.get_running_loop().create_future()
             finally:
@@ -167,14 +174,7 @@ class ReplicaSet:
 
     async def check(self) -> list[bool]:
         """Probe every replica's GET /health (at most `health_timeout_s` each, all at once); update health."""
-        async def probe(client: BackendClient) -> bool:
-            try:
-                await asyncio.wait_for(client.request("GET", "/health"), self.health_timeout_s)
-                return True
-            except (BackendError, TimeoutError):
-                return False
-
-        results = await asyncio.gather(*(probe(c) for c in self.clients))
+        results = await asyncio.gather(*(c.alive(self.health_timeout_s) for c in self.clients))
         for r, ok in enumerate(results):
             self.set_healthy(r, ok)
         return list(results)

@@ -6,8 +6,9 @@ code; otherwise it answers 200 at once and sends SSE comments (`: queued`) until
 later error arrives as an SSE `data: {"error": ...}` event, as vLLM itself reports errors mid-stream.
 Whatever happens (finish, error, client disconnect) `close()` runs once: it closes the backend
 connection, which makes vLLM abort the request, and frees the admission slot. With several
-replicas the stream opens on the admission's replica; one that refuses the connection passes the
-request to another (it never got it); one that dies mid-stream ends it with an SSE error event.
+replicas the stream opens on the admission's replica; one that is down before any byte of the answer
+came back passes the request to another (proxy.replicas: it generated nothing of it); one that dies
+mid-stream ends it with an SSE error event.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ class StreamRelay:
         self.up, self.preq, self.path, self.headers, self.started = upstream, preq, path, headers, started
         self._backend_s = 0.0  # the backend's time to answer the stream's status line (every replica tried)
         self._admit = asyncio.ensure_future(upstream.gate.admit(preq.text))
-        self._admission = None  # the slot held (the admission, or the one a refused replica's failover gave)
+        self._admission = None  # the slot held (the admission, or the one a failover gave)
         self._opening = False  # from here on `_admission` is the slot held (None while between replicas)
         self._stream: contextlib.AbstractAsyncContextManager | None = None
         self._response = None
@@ -85,8 +86,8 @@ class StreamRelay:
                                          headers=cohort_headers(self._admission, self._backend_s, own))
 
     async def _open(self) -> None:
-        """Open the stream on the admission's replica; one that refuses the connection (it never got the
-        request) hands the request to another replica, when there is one."""
+        """Open the stream on the admission's replica; one that is down before the answer began (it generated
+        nothing of it) hands the request to another replica, when there is one."""
         self._admission, self._opening = self._admit.result(), True
         while True:
             admission = self._admission
@@ -99,7 +100,7 @@ class StreamRelay:
                 break
             except BackendUnreachable as exc:
                 self._backend_s += time.perf_counter() - sent
-                if not self.up.gate.refused(admission, exc):
+                if not await self.up.gate.failover(admission, exc):
                     raise
                 self._admission = None
                 self.up.gate.release(admission)

@@ -1,7 +1,8 @@
-"""moe_cohort.proxy.replicas.ReplicaSet against throwaway local servers: capacity, affinity, failover only before the
-backend accepted a request, health checks, no replica left, and merged /v1/models."""
+"""moe_cohort.proxy.replicas.ReplicaSet against throwaway local servers: capacity, affinity, failover only when a
+replica is down and nothing of the answer came back, health checks, no replica left, and merged /v1/models."""
 
 import asyncio
+import contextlib
 import socket
 
 import numpy as np
@@ -41,6 +42,37 @@ async def settle():
 
 def unused(n: int) -> list[BackendClient]:
     return [BackendClient(refused_url()) for _ in range(n)]
+
+
+@contextlib.asynccontextmanager
+async def dying_server(answer_head: bytes = b""):
+    """A server that reads one request, sends `answer_head` (b"": nothing of an answer), stops listening
+    and resets the connection: a backend killed with the request in hand (its port refuses from then on)."""
+    got: list[bytes] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        got.append(await reader.readuntil(b"\r\n\r\n"))
+        if answer_head:
+            writer.write(answer_head)
+            await writer.drain()
+        server.close()  # the port refuses new connections
+        writer.transport.abort()  # RST: the request was taken and will never be answered
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    try:
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", got
+    finally:
+        server.close()
+
+
+def alive_but_dropping(seen: list):
+    """A replica that drops every POST without answering but answers /health: it may be generating."""
+    async def handler(request):
+        if request.path == "/health":
+            return answer({})
+        seen.append(("dropping", request.path))
+        return drop(request)
+    return handler
 
 
 def test_each_replica_holds_its_capacity_and_a_freed_slot_takes_the_next_waiter():
@@ -94,12 +126,12 @@ def test_a_refused_replica_is_taken_out_and_the_request_goes_to_another():
     assert seen == [("b", "/v1/completions")] * 2
 
 
-def test_a_request_the_backend_accepted_is_never_resent():
+def test_a_request_a_live_replica_dropped_is_never_resent():
     seen: list = []
 
     async def main():
-        async with local_backend(drop) as dying, local_backend(named("b", seen)) as live:
-            replicas = ReplicaSet([BackendClient(dying), BackendClient(live)], [1, 1], "least-loaded")
+        async with local_backend(alive_but_dropping(seen)) as dropping, local_backend(named("b", seen)) as live:
+            replicas = ReplicaSet([BackendClient(dropping), BackendClient(live)], [1, 1], "least-loaded")
             try:
                 with pytest.raises(BackendUnreachable):
                     await replicas.request("POST", "/v1/completions", json={"prompt": "x"})
@@ -108,7 +140,48 @@ def test_a_request_the_backend_accepted_is_never_resent():
                 await replicas.close()
 
     asyncio.run(main())
-    assert seen == []  # the replica that took the request died answering: the client gets the error, b nothing
+    # the replica that took the request still answers its health check, so it may be generating: the client
+    # gets the error, b nothing
+    assert seen == [("dropping", "/v1/completions")]
+
+
+def test_a_replica_killed_with_the_request_in_hand_is_taken_out_at_once_and_the_request_goes_to_another():
+    seen: list = []
+
+    async def main():
+        async with dying_server() as (dead, got), local_backend(named("b", seen)) as live:
+            replicas = ReplicaSet([BackendClient(dead), BackendClient(live)], [1, 1], "least-loaded",
+                                  health_timeout_s=60.0)  # no probe interval: only the failure takes it out
+            try:
+                replica, answered = await replicas.request("POST", "/v1/completions", json={"prompt": "x"})
+                assert (replica, answered.content) == (1, b'{"replica": "b"}')
+                assert len(got) == 1 and got[0].startswith(b"POST /v1/completions")  # the dead one had it
+                assert replicas.router.healthy.tolist() == [False, True]  # out at once, not at the next check
+                assert (await replicas.request("POST", "/v1/completions", json={}))[0] == 1
+            finally:
+                await replicas.close()
+
+    asyncio.run(main())
+    assert seen == [("b", "/v1/completions")] * 2
+
+
+def test_an_answer_that_had_begun_is_never_resent_even_when_its_replica_is_dead():
+    seen: list = []
+
+    async def main():
+        head = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{\"partial"
+        async with dying_server(head) as (dead, got), local_backend(named("b", seen)) as live:
+            replicas = ReplicaSet([BackendClient(dead), BackendClient(live)], [1, 1], "least-loaded")
+            try:
+                with pytest.raises(BackendUnreachable) as caught:
+                    await replicas.request("POST", "/v1/completions", json={"prompt": "x"})
+                assert caught.value.answer_started and len(got) == 1
+                assert replicas.router.busy.tolist() == [0, 0]
+            finally:
+                await replicas.close()
+
+    asyncio.run(main())
+    assert seen == []
 
 
 def test_health_checks_take_a_replica_out_and_back():

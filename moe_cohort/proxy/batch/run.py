@@ -206,7 +206,7 @@ class _Driver:
         except BackendTimeout as exc:
             return TimedOut(exc.message)
         except BackendUnreachable as exc:
-            if slot is not None and self.gate.refused(slot, exc):
+            if slot is not None and await self.gate.failover(slot, exc):
                 raise _Refused() from exc
             return Unreachable(exc.message)
 
