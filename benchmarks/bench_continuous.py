@@ -1,13 +1,13 @@
 """Admission policies in the continuous-batching engine, on held-out requests only (issues 13 and 25).
 
     python -m benchmarks.bench_continuous [--traces A,B] [--encoders static,base,FOLDER]
-        [--slots 8,16,32,64] [--seeds 10] [--learning-curve 50,100,200]
+        [--finetuned NAME=FOLDER,...] [--slots 8,16,32,64] [--seeds 10] [--learning-curve 50,100,200]
 
 One table per model and S. The models are the trace folders of --traces (default: both of the data
 folder, DeepSeek-V2-Lite's prompt tokens and gpt-oss-20b's generated tokens). Each is split by
 request with the project's one split (train.heldout: 20% held out, seed 0); every profile head is
 fitted on the training side (or is the one `cohort train` saved in an encoder FOLDER, which saw
-that side only). The held-out requests are replayed through S slots for: random, arrival, the
+that side only; --finetuned gives each trace folder, by name, its own as the row "ft"). The held-out requests are replayed through S slots for: random, arrival, the
 static plan order (the first encoder, B = S), every text policy of every encoder (nearest
 embedding: no head; profile: with its head), and the reference that knows the traces. All requests
 arrive at step 0; those that fit by a vector (text policies, the reference) join in a random order of
@@ -54,9 +54,12 @@ def main() -> None:
     args = _parse()
     embed = lambda texts, enc: embeddings(texts, enc, args.cache)  # noqa: E731
     out = {}
+    finetuned = dict(pair.split("=", 1) for pair in _names(args.finetuned))  # trace folder name -> encoder folder
     for path in (args.traces.split(",") if args.traces else [str(data_path(m)) for m in MODELS]):
         print(f"\n===== {path} =====")
-        out[path] = measure_model(load_traces(path), _names(args.encoders), _ints(args.slots), args.seeds, embed,
+        ft = finetuned.get(Path(path).name)
+        out[path] = measure_model(load_traces(path), _names(args.encoders) + ([ft] if ft else []), _ints(args.slots),
+                                  args.seeds, embed,
                                   curve=_ints(args.learning_curve), target=TARGETS.get(Path(path).name, 0.95))
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
@@ -176,7 +179,7 @@ def _admission_cost(head, layers: int, experts: int, report=print, pool: int = 1
 
 
 def _tag(encoder: str) -> str:
-    return encoder if encoder in ("static", "base") else Path(encoder).name
+    return encoder if encoder in ("static", "base") else "ft"
 
 
 def _ints(text: str) -> list[int]:
@@ -192,6 +195,8 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--traces", help=f"trace folders, comma-separated (default: {', '.join(MODELS)} of the data folder)")
     p.add_argument("--encoders", default="static,base",
                    help="static, base (the packaged MiniLM) and/or `cohort train` folders, comma-separated (default %(default)s)")
+    p.add_argument("--finetuned", default="",
+                   help="NAME=FOLDER,...: the `cohort train` folder of the trace folder NAME (row tag ft)")
     p.add_argument("--slots", default="8,16,32,64")
     p.add_argument("--seeds", type=int, default=10)
     p.add_argument("--learning-curve", default="", help="training prompts of the curve, e.g. 50,100,200 (default: no curve)")
