@@ -20,8 +20,9 @@ Imported only by `backend.vllm_plugin.register()`. Patched (vLLM 0.32; names unc
 - `GPUModelRunner._update_states`: requests in `finished_req_ids` are finished in the hook
   (their trace is written) before vLLM forgets them.
 
-Not covered: monolithic GPU MoE kernels (they skip `select_experts`), the V2 GPU model runner,
-and models that route outside `FusedMoEFactory`. `PATCHED` lists every member patched (tested
+Not covered: monolithic GPU MoE kernels (they skip `select_experts`), the V2 GPU model runner (the
+plugin chooses V1 where the user did not choose: `choose_model_runner`), and models that route outside
+`FusedMoEFactory`. `PATCHED` lists every member patched (tested
 against the installed vLLM); the plugin's per-process state is one `PluginState`, `STATE`.
 
 Over 250 lines on purpose: this is the one place that touches vLLM internals, so a reader checking
@@ -35,6 +36,7 @@ import functools
 import importlib
 import importlib.util
 import logging
+import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -89,6 +91,7 @@ def install(config) -> None:
     """Install every patch once per process. `config` is a `backend.vllm_plugin.PluginConfig`."""
     if STATE.installed:
         return
+    choose_model_runner()
     if config.metrics:
         setup_serving_process()
     metrics = ExpertLoadMetrics(worker_directory()) if config.metrics else None
@@ -171,6 +174,25 @@ def _patch_engine_args(config) -> None:
     EngineArgs.create_engine_config = create_engine_config
 
 
+V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
+
+
+def choose_model_runner(environ=os.environ) -> bool:
+    """Where the user did not choose vLLM's model runner, choose the V1 runner the plugin hooks: vLLM 0.32
+    picks Model Runner V2 by default wherever Triton is installed, and a plain `vllm serve` in an
+    environment with moe-cohort installed would stop at start-up. Runs when the plugin registers, before
+    any engine config is built (vLLM reads the variable then; the processes it starts inherit it). True
+    when this call chose (logged once, in the process that chose); an explicit choice is left alone, and
+    V2 chosen explicitly (or forced by a feature that needs it) is refused by `check_engine_config`."""
+    if environ.get(V2_RUNNER_ENV, "") != "":
+        return False
+    environ[V2_RUNNER_ENV] = "0"
+    log.info("moe-cohort plugin: vLLM's V1 model runner chosen (%s=0), the one the plugin hooks; %s=1 chooses "
+             "Model Runner V2, which needs the plugin off (VLLM_PLUGINS without 'moe_cohort')", V2_RUNNER_ENV,
+             V2_RUNNER_ENV)
+    return True
+
+
 def check_engine_config(vllm_config) -> bool:
     """Refuse engine settings under which the plugin would silently do nothing; True if CUDA graphs are on.
 
@@ -179,8 +201,9 @@ def check_engine_config(vllm_config) -> bool:
     """
     how = "or set VLLM_PLUGINS to a list without 'moe_cohort' to run without the plugin"
     if getattr(vllm_config, "use_v2_model_runner", False):
-        raise RuntimeError("moe-cohort plugin: vLLM chose its V2 model runner, which the plugin does not hook "
-                           f"(it wraps the V1 GPUModelRunner); set VLLM_USE_V2_MODEL_RUNNER=0, {how}")
+        raise RuntimeError("moe-cohort plugin: Model Runner V2 was chosen (VLLM_USE_V2_MODEL_RUNNER=1, or a "
+                           "feature that needs it), and the plugin does not hook it (it wraps the V1 "
+                           f"GPUModelRunner); unset VLLM_USE_V2_MODEL_RUNNER or set it to 0, {how}")
     mode = getattr(vllm_config.compilation_config, "cudagraph_mode", None)
     graphs = mode is not None and getattr(mode, "name", str(mode)) != "NONE"
     if graphs and importlib.util.find_spec("triton") is None:

@@ -129,7 +129,7 @@ def _engine_config(v2=False, cudagraph="NONE"):
 
 def test_engine_settings_that_would_bypass_the_plugin_are_refused(monkeypatch):
     assert vllm_patches.check_engine_config(_engine_config()) is False  # V1 runner, no CUDA graphs
-    with pytest.raises(RuntimeError, match="VLLM_USE_V2_MODEL_RUNNER=0"):
+    with pytest.raises(RuntimeError, match="Model Runner V2 was chosen.*unset VLLM_USE_V2_MODEL_RUNNER"):
         vllm_patches.check_engine_config(_engine_config(v2=True))
     monkeypatch.setattr(vllm_patches.importlib.util, "find_spec", lambda name: object())
     assert vllm_patches.check_engine_config(_engine_config(cudagraph="FULL_AND_PIECEWISE")) is True
@@ -154,6 +154,48 @@ def test_policies_the_captured_kernels_cannot_serve_are_refused_under_cuda_graph
     vllm_patches.check_policy(parse_policy("oea;k0=1;max_p=9"), spec_config)
     limits["graphs"] = False                                                 # eager engine: all fine
     vllm_patches.check_policy(parse_policy("xshare-spec;m=4"), config)
+
+
+def test_the_plugin_chooses_the_v1_runner_only_where_the_user_did_not_choose():
+    environ = {}
+    assert vllm_patches.choose_model_runner(environ) is True and environ == {"VLLM_USE_V2_MODEL_RUNNER": "0"}
+    assert vllm_patches.choose_model_runner(environ) is False  # chosen already: nothing more, no second log line
+    for explicit in ("1", "0", "true"):
+        environ = {"VLLM_USE_V2_MODEL_RUNNER": explicit}
+        assert vllm_patches.choose_model_runner(environ) is False and environ["VLLM_USE_V2_MODEL_RUNNER"] == explicit
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(not has_vllm, reason="vLLM is not installed")
+@pytest.mark.parametrize("runner, chosen", [(None, False), ("0", False), ("1", "refused")])
+def test_vllm_builds_its_engine_config_on_the_runner_the_plugin_hooks(tiny_moe_dir, runner, chosen):
+    """A fresh process loads vLLM's plugins as `vllm serve` does and builds the engine config of the tiny MoE:
+    without a choice the plugin chose V1 (the config says so); V2 chosen through the variable is refused."""
+    import os
+    import subprocess
+    import sys
+
+    code = f"""
+import os
+from vllm.plugins import load_general_plugins
+load_general_plugins()
+from vllm.engine.arg_utils import EngineArgs
+try:
+    config = EngineArgs(model={str(tiny_moe_dir)!r}, max_model_len=256, enforce_eager=True).create_engine_config()
+    print("V2" if config.use_v2_model_runner else "V1", os.environ.get("VLLM_USE_V2_MODEL_RUNNER"))
+except RuntimeError as exc:
+    print("refused", exc)
+"""
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_USE_V2_MODEL_RUNNER"}
+    if runner is not None:
+        env["VLLM_USE_V2_MODEL_RUNNER"] = runner
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    last = done.stdout.strip().splitlines()[-1]
+    if chosen == "refused":
+        assert last.startswith("refused") and "Model Runner V2 was chosen" in last
+    else:
+        assert last == f"V1 {runner or '0'}"
 
 
 @pytest.mark.skipif(not has_vllm, reason="vLLM is not installed")
