@@ -36,7 +36,8 @@ Disable the plugin with vLLM's own allowlist, e.g. `VLLM_PLUGINS=none`. On GPU t
 with CUDA graphs: before each step it writes the step's per-token policy slots and the policies'
 parameters into persistent device tables, and the routing inside the graph only launches the
 selection kernels over them (`backend.selection.step_tables`, Triton). It needs Triton there and
-`VLLM_USE_V2_MODEL_RUNNER=0`; a policy the captured kernels cannot serve is refused with HTTP 400
+vLLM's V1 model runner (chosen by the plugin unless VLLM_USE_V2_MODEL_RUNNER says otherwise; V2 is
+refused); a policy the captured kernels cannot serve is refused with HTTP 400
 saying which setting serves it. On CPU the plugin routes eagerly and also works with
 torch.compile (the hook is a custom op).
 """
