@@ -1,7 +1,9 @@
 """vLLM schedulers that admit waiting requests by predicted experts (`--scheduler-cls`).
 
     vllm serve MODEL --scheduler-cls moe_cohort.backend.scheduler.ExpertAwareScheduler
-    vllm serve MODEL --scheduler-cls moe_cohort.backend.scheduler.ExpertAwareAsyncScheduler --async-scheduling
+
+The one name fits both of vLLM's scheduling modes: with async scheduling on (vLLM 0.32's default on
+GPU) it builds on AsyncScheduler, otherwise on Scheduler (see ExpertAwareScheduler.__new__).
 
 vLLM's own scheduler (FCFS) is kept whole: running requests, preemption, chunked prefill, the
 KV budget and skipped requests all work as in vLLM. Only its waiting queue is replaced by
@@ -72,8 +74,26 @@ class _ExpertAware:
 
 
 class ExpertAwareScheduler(_ExpertAware, Scheduler):
-    """vLLM's Scheduler with admission by predicted experts."""
+    """vLLM's scheduler with admission by predicted experts, on the base vLLM's config asks for: built
+    as an ExpertAwareAsyncScheduler (AsyncScheduler underneath) whenever async scheduling is on, as
+    vLLM 0.32 leaves it by default on GPU, else on Scheduler (async scheduling off, as on CPU).
+
+    vLLM builds the scheduler as `get_scheduler_cls()(vllm_config=..., ...)`, after its config has
+    decided `scheduler_config.async_scheduling`; `__new__` reads that decision, so the one name of the
+    README does the right thing. (vLLM still logs its generic "custom scheduler class" warning.)"""
+
+    def __new__(cls, *args, **kwargs):
+        vllm_config = kwargs.get("vllm_config", args[0] if args else None)
+        if cls is ExpertAwareScheduler and async_scheduling(vllm_config):
+            cls = ExpertAwareAsyncScheduler  # a subclass: Python then runs its __init__ with these arguments
+        return super().__new__(cls)
 
 
-class ExpertAwareAsyncScheduler(_ExpertAware, AsyncScheduler):
-    """vLLM's AsyncScheduler (async scheduling on) with admission by predicted experts."""
+class ExpertAwareAsyncScheduler(ExpertAwareScheduler, AsyncScheduler):
+    """vLLM's AsyncScheduler with admission by predicted experts (what ExpertAwareScheduler builds when
+    async scheduling is on; naming it forces the async base)."""
+
+
+def async_scheduling(vllm_config) -> bool:
+    """Whether vLLM's config (a VllmConfig, after its own defaults were applied) has async scheduling on."""
+    return bool(getattr(getattr(vllm_config, "scheduler_config", None), "async_scheduling", False))

