@@ -83,7 +83,7 @@ def test_a_run_saves_the_profile_head_beside_the_encoder_and_only_fits_a_head_on
     assert code == 0, out
     assert "saved the expert-profile head" in out
     head = load_profile_head(tmp_path / "m")
-    assert head.weight.shape == (32, ts.num_layers * ts.num_experts)
+    assert head.dim == 32 and head.weight.shape == (32 + head.ngram_dim, ts.num_layers * ts.num_experts)
     code, out = run(capsys, "--traces", path, "--base", tiny_model_dir, "--output", tmp_path / "h", "--profile-head", "only")
     assert code == 0 and load_profile_head(tmp_path / "h") is not None and not (tmp_path / "h" / "training.json").exists()
     from moe_cohort.encoder.embedding import Embedder
