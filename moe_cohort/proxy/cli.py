@@ -45,6 +45,8 @@ _FLAGS = {
     "--max-header-bytes": ("max_header_bytes", int, "largest request head (target and headers together); over "
                                                      "it: 431"),
     "--max-headers": ("max_headers", int, "most headers a request may have; over it: 431"),
+    "--head-timeout-s": ("head_timeout_s", float, "seconds a connection has to send a request's whole head "
+                                                  "(from its opening or the last answer's end); then it is closed"),
     "--max-file-bytes": ("max_file_bytes", int, "largest file uploaded to /v1/files (Batch API input)"),
     "--data-dir": ("data_dir", str, "Batch API storage: uploaded files, results, SQLite records "
                                     "(default: $XDG_DATA_HOME/moe-cohort or ~/.local/share/moe-cohort)"),

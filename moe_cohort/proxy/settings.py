@@ -81,6 +81,9 @@ class Settings:
     # head is read (proxy/http/limits.py)
     max_header_bytes: int = 64 * 1024
     max_headers: int = 100
+    # how long a connection may take to send a request's whole head, from its opening or the end of the last
+    # answer; then it is closed (slow or idle clients holding connections: proxy/http/limits.py)
+    head_timeout_s: float = 10.0
     keepalive_s: float = 10.0  # SSE comment interval while a streaming request is queued
     log_prompts: bool = False  # prompts are user data: never logged unless asked for
     access_log: bool = True  # one `moe_cohort.proxy.access` log line per request (method, path, status, ms, request id)
@@ -132,6 +135,8 @@ class Settings:
                      "max_header_bytes", "max_headers"):
             if getattr(self, name) < 1:
                 raise _bad(name, f"must be >= 1, got {getattr(self, name)}")
+        if not 0 < self.head_timeout_s < float("inf"):
+            raise _bad("head_timeout_s", f"must be a finite number > 0, got {self.head_timeout_s}")
         for name in ("max_queue_ms", "keepalive_s", "request_timeout_s", "connect_timeout_s", "encoder_cache",
                      "batch_concurrency", "batch_max_retries"):
             value = getattr(self, name)

@@ -421,3 +421,86 @@ def test_a_bad_allowed_policy_names_the_setting():
 
     with pytest.raises(SettingsError, match=r"allowed_policies \(env COHORT_ALLOWED_POLICIES\) must be policy names"):
         load_settings(environ={"COHORT_ALLOWED_POLICIES": "topk,bogus"})
+
+
+# --- beyond the list: slow and idle clients ----------------------------------------------------------
+
+
+def _timed_proxy(tmp_path, backend_url: str = "http://127.0.0.1:9") -> ProxyThread:
+    """The proxy under uvicorn with a short head timeout (0.5 s)."""
+    return ProxyThread(Settings(backend_url=backend_url, port=free_port(), encoder="none", data_dir=str(tmp_path),
+                                head_timeout_s=0.5))
+
+
+def _port(proxy: ProxyThread) -> int:
+    return int(proxy.url.rsplit(":", 1)[1])
+
+
+def _until_closed(sock: socket.socket, wait_s: float = 20.0) -> bytes:
+    """Everything the server sends until it closes; socket.timeout if it holds the connection open longer."""
+    sock.settimeout(wait_s)
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    return data
+
+
+def test_a_connection_that_sends_nothing_is_closed_after_the_head_timeout(tmp_path):
+    """Idle connections used to stay open for ever (a thousand of them, in a probe): each costs a socket."""
+    with _timed_proxy(tmp_path) as proxy, socket.create_connection(("127.0.0.1", _port(proxy))) as sock:
+        assert _until_closed(sock) == b""  # closed without a word: nothing was asked
+
+
+def test_a_head_sent_too_slowly_gets_a_408_and_the_connection_ends(tmp_path):
+    """Slowloris: a head trickling in holds the connection no longer than the head timeout."""
+    with _timed_proxy(tmp_path) as proxy, socket.create_connection(("127.0.0.1", _port(proxy))) as sock:
+        sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: pro")  # part of a head, then nothing more
+        status, headers, body = answer_of(_until_closed(sock))
+    assert status == 408 and headers["connection"] == "close"
+    error = json.loads(body)["error"]
+    assert error["code"] == "request_timeout" and "--head-timeout-s" in error["message"]
+
+
+def test_the_head_timeout_neither_cuts_a_slow_answer_nor_a_second_request(tmp_path):
+    """The clock runs only while a head is awaited: an answer slower than it arrives whole, and the connection
+    then takes another request (kept alive)."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Slow(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers["content-length"]))
+            time.sleep(1.5)  # three head timeouts
+            body = json.dumps({"id": "c", "object": "chat.completion", "model": "m", "choices": [
+                {"index": 0, "message": {"role": "assistant", "content": "late"}, "finish_reason": "stop"}]}).encode()
+            self.send_response(200)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    backend = ThreadingHTTPServer(("127.0.0.1", 0), Slow)
+    threading.Thread(target=backend.serve_forever, daemon=True).start()
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).encode()
+    chat = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: proxy\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\n\r\n" % len(body)) + body
+    try:
+        with _timed_proxy(tmp_path, f"http://127.0.0.1:{backend.server_address[1]}") as proxy, \
+                socket.create_connection(("127.0.0.1", _port(proxy)), timeout=20) as sock:
+            answers = []
+            for _ in range(2):
+                sock.sendall(chat)
+                received = b""
+                while b"late" not in received:
+                    chunk = sock.recv(65536)
+                    assert chunk, f"the proxy closed the connection after {received[:80]!r}"
+                    received += chunk
+                answers.append(answer_of(received)[0])
+    finally:
+        backend.shutdown()
+        backend.server_close()
+    assert answers == [200, 200]

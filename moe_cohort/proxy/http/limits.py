@@ -12,6 +12,11 @@ passes `max_header_bytes` (request target + each header's name, value and 4 byte
 - h11 (where httptools is missing): h11's own bound on an unfinished head (`h11_max_incomplete_event_size`),
   answered 431 instead of uvicorn's 400.
 
+And a time limit, `timeout_s`: a connection that has not sent a whole request head within it (from its
+opening, or from the end of its last answer) is closed. Without it a client that sends nothing, or its
+headers a byte a second (slowloris), held its connection for ever: a thousand idle connections stayed
+open. A head under way when the limit passes is answered 408 first; an idle connection is just closed.
+
 `HeadLimits.check` does the same count on an ASGI scope: proxy/http/middleware.py applies it to every request,
 whatever server runs the app (a complete head that h11 read in one piece, or another ASGI server).
 `server_options(settings)` are the uvicorn options that `cohort serve` (and the tests' ProxyThread) run with.
@@ -37,6 +42,7 @@ class HeadersTooLarge(ProxyError):
 class HeadLimits:
     max_bytes: int
     max_count: int
+    timeout_s: float = 10.0
 
     def problem(self, size: int, count: int) -> str | None:
         """Why a head of `size` bytes and `count` headers is refused (None: it is not)."""
@@ -60,10 +66,20 @@ def refusal(problem: str) -> HeadersTooLarge:
     return HeadersTooLarge(problem, code="request_header_fields_too_large")
 
 
+class HeadTimeout(ProxyError):
+    status_code = 408
+    error_type = "invalid_request_error"
+
+
 def _answer_431(problem: str, default_headers) -> bytes:
     """The whole HTTP/1.1 answer: 431, the OpenAI error shape, connection closed."""
-    body = json.dumps(refusal(problem).body()).encode()
-    head = [b"HTTP/1.1 431 Request Header Fields Too Large\r\n"]
+    return _answer(refusal(problem), b"431 Request Header Fields Too Large", default_headers)
+
+
+def _answer(error: ProxyError, status: bytes, default_headers) -> bytes:
+    """The whole HTTP/1.1 answer of `error` in the OpenAI error shape, connection closed."""
+    body = json.dumps(error.body()).encode()
+    head = [b"HTTP/1.1 " + status + b"\r\n"]
     head += [name + b": " + value + b"\r\n" for name, value in default_headers]
     head += [b"content-type: application/json\r\n", b"content-length: %d\r\n" % len(body),
              b"connection: close\r\n\r\n"]
@@ -87,6 +103,37 @@ def httptools_protocol(limits: HeadLimits) -> type:
             self._raw = 0  # bytes fed while in a head, none of which completed one (a head still arriving)
             self._size = self._count = 0  # the current head's exact size and number of headers
             self._problem: str | None = None
+            self._head_clock = None  # closes the connection unless a whole head arrives in time
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._head_clock = self.loop.call_later(limits.timeout_s, self._head_timed_out)
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if self._head_clock is None and not self.transport.is_closing():  # the next head's time starts now
+                self._head_clock = self.loop.call_later(limits.timeout_s, self._head_timed_out)
+
+        def connection_lost(self, exc) -> None:
+            self._stop_head_clock()
+            super().connection_lost(exc)
+
+        def _stop_head_clock(self) -> None:
+            if self._head_clock is not None:
+                self._head_clock.cancel()
+                self._head_clock = None
+
+        def _head_timed_out(self) -> None:
+            self._head_clock = None
+            if not self._in_head or self.transport.is_closing():
+                return
+            if self._raw or self._size:  # part of a head came: say why the connection ends
+                problem = (f"the request head did not arrive whole within {limits.timeout_s:g} s "
+                           f"(--head-timeout-s); send it at once")
+                log.warning("408 from %s: %s", "%s:%d" % self.client if self.client else "?", problem)
+                self.transport.write(_answer(HeadTimeout(problem, code="request_timeout"), b"408 Request Timeout",
+                                             self.server_state.default_headers))
+            self.transport.close()
 
         def data_received(self, data: bytes) -> None:
             # uvicorn's own, with the head's limits: a parse stopped by them is a 431, not a 400
@@ -140,6 +187,8 @@ def httptools_protocol(limits: HeadLimits) -> type:
 
         def on_headers_complete(self) -> None:
             self._in_head, self._heads, self._raw = False, self._heads + 1, 0
+            self._size = self._count = 0
+            self._stop_head_clock()
             super().on_headers_complete()
 
         def on_message_complete(self) -> None:
@@ -179,6 +228,6 @@ def limited_protocol(limits: HeadLimits) -> type:
 def server_options(settings) -> dict:
     """uvicorn.run's (and uvicorn.Config's) options for the proxy's `settings` (proxy/settings.py): its host,
     port, and the protocol with the head limits."""
-    limits = HeadLimits(settings.max_header_bytes, settings.max_headers)
+    limits = HeadLimits(settings.max_header_bytes, settings.max_headers, settings.head_timeout_s)
     return dict(host=settings.host, port=settings.port, http=limited_protocol(limits),
                 h11_max_incomplete_event_size=settings.max_header_bytes)
