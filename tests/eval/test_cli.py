@@ -203,3 +203,20 @@ def test_embedding_shows_progress_on_stderr_unless_no_progress(quiet):
         # tqdm's bar, prompts embedded out of all (the bar clears itself at the end: its last refresh may be
         # short of 100% when the embedding is fast)
         assert re.search(r"embedding: +\d+%.*\| *\d+/400 ", done.stderr), done.stderr
+
+
+def test_the_replay_gives_a_head_that_reads_ngrams_the_prompt_texts():
+    import numpy as np
+
+    from moe_cohort.eval.replay import decode_tokens
+    from moe_cohort.eval.replay_cli import continuous_policies
+    from moe_cohort.train.profile_head import fit_profile_head
+    from moe_cohort.train.targets import profiles
+
+    ts = random_traces(30, num_experts=12, top_k=2, max_prompt=0, max_decode=6, seed=9)
+    x = np.random.default_rng(0).normal(size=(30, 5)).astype(np.float32)  # [N, D]
+    texts = [str(t) for t in ts.texts]
+    head = fit_profile_head(x, profiles(ts), ts.top_k, texts=texts)
+    assert head.ngram_dim > 0
+    policies = continuous_policies(ts, decode_tokens(ts), 4, x=x, head=head)
+    np.testing.assert_allclose(policies["text-profile"].vectors, head.predict(x, texts).reshape(30, -1), rtol=1e-6)
