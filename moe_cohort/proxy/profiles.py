@@ -88,7 +88,7 @@ def make_predictor(settings: Settings, threads: int | None = None) -> Predictor 
             x = embedder.encode(list(texts))  # [N, D] float32, L2-normalised
         if head is None:
             return [Prediction(row) for row in x]
-        return [Prediction.of_profile(p) for p in head.predict(x)]  # [L, E] each
+        return [Prediction.of_profile(p) for p in head.predict(x, list(texts))]  # [L, E] each (a head may read n-grams)
 
     if head is None:
         return Predictor(predict, ResidentEmbedding, "embedding")

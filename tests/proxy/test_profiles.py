@@ -38,3 +38,28 @@ def test_the_default_encoder_is_the_static_distillation_of_the_packaged_model(tm
     assert asked == [packaged]  # distilled from the packaged MiniLM (once: then from the cache)
     (prediction,) = predictor.predict(["How do I sort a list in Python?"])
     assert predictor.kind == "embedding" and prediction.vector.shape == (8,) and prediction.compact is None  # no head
+
+
+def test_a_folder_with_a_head_that_reads_ngrams_predicts_profiles_from_the_texts(tmp_path):
+    """`cohort train`'s heads read the prompt's hashed n-grams beside the embedding: the proxy passes the texts."""
+    import numpy as np
+    from tokenizers import Tokenizer
+
+    from moe_cohort.admission.wire import expand
+    from moe_cohort.encoder.embedding import resolve_model
+    from moe_cohort.encoder.profile import ProfileHead
+    from moe_cohort.encoder.static import save_static
+    from moe_cohort.proxy.profiles import make_predictor
+    from moe_cohort.proxy.settings import Settings
+
+    tokenizer = Tokenizer.from_file(str(Path(resolve_model(None)) / "tokenizer.json"))
+    weights = np.random.default_rng(0).standard_normal((tokenizer.get_vocab_size(), 8)).astype(np.float32)  # [V, 8]
+    folder = save_static(tokenizer, weights, tmp_path / "enc")
+    layers, experts, ngrams = 2, 4, 16
+    weight = np.zeros((8 + ngrams, layers * experts), np.float32)  # [F, L*E]: the n-gram part alone decides
+    weight[8:, 0] = 4.0  # any n-gram of the text puts expert 0 of layer 0 on
+    ProfileHead(weight, np.zeros(layers * experts, np.float32), layers, experts, top_k=1, ngram_dim=ngrams).save(folder)
+    predictor = make_predictor(Settings(encoder=str(folder)))
+    (prediction,) = predictor.predict(["How do I sort a list in Python?"])
+    assert predictor.kind == "profile" and prediction.vector.shape == (layers * experts,)
+    assert prediction.vector[0] > 0 and expand(prediction.compact, layers, experts)[0, 0] > 0
