@@ -178,9 +178,12 @@ def add_setting_flags(parser, flags: FlagTable) -> None:
 
 
 def flag_overrides(args, flags: FlagTable) -> dict[str, object]:
-    """The Settings overrides that the parsed `args` carry for `flags` (None where not given)."""
+    """The Settings overrides that the parsed `args` carry for `flags` (None where not given). A repeated flag
+    gives a tuple setting its values, and a text setting its values joined by commas (--backend A --backend B)."""
+    tuples = {f.name for f in fields(Settings) if str(f.type).startswith("tuple")}
     values = {dest: getattr(args, dest) for dest, _, _ in flags.values()}
-    return {dest: ",".join(v) if isinstance(v, list) else v for dest, v in values.items()}
+    return {dest: (tuple(v) if dest in tuples else ",".join(v)) if isinstance(v, list) else v
+            for dest, v in values.items()}
 
 
 def load_settings(overrides: Mapping[str, object] | None = None, environ: Mapping[str, str] | None = None, *,

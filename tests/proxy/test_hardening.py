@@ -416,6 +416,22 @@ def test_allowed_policies_setting(env, expected):
     assert load_settings(environ={"COHORT_TRUST_CLIENT_HINTS": "1"}).trust_client_hints is True
 
 
+def test_allowed_policies_from_the_command_line():
+    """`cohort serve --allowed-policy oea --allowed-policy 'xshare;m=8'`, parsed as cohort serve parses it."""
+    import argparse
+
+    from moe_cohort.proxy import cli
+    from moe_cohort.proxy.settings import flag_overrides, load_settings
+
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    args = parser.parse_args(["--allowed-policy", "oea", "--allowed-policy", "xshare;m=8", "--backend", "http://a",
+                              "--backend", "http://b"])
+    settings = load_settings(flag_overrides(args, cli._FLAGS), environ={})
+    assert settings.allowed_policies == ("oea", "xshare;m=8;k0=1")
+    assert settings.backend_urls == ("http://a", "http://b")
+
+
 def test_a_bad_allowed_policy_names_the_setting():
     from moe_cohort.proxy.settings import SettingsError, load_settings
 
