@@ -66,10 +66,14 @@ class ProfileHead:
         if x.shape[-1] != self.dim:
             raise ValueError(f"embeddings have dimension {x.shape[-1]}, the head expects {self.dim}")
         flat = head_features(x.reshape(-1, self.dim), [texts] if isinstance(texts, str) else texts, self.ngram_dim)
-        y = flat @ self.weight + self.bias  # [N, L*E]
+        return self.from_features(flat).reshape(x.shape[:-1] + (self.num_layers, self.num_experts))
+
+    def from_features(self, f: np.ndarray) -> np.ndarray:  # [N, F] -> [N, L*E]
+        """Predicted flat profiles of what the head reads (`head_features`), e.g. kept by the online learner."""
+        y = f @ self.weight + self.bias  # [N, L*E]
         if self.mix > 0 and self.memory_x is not None:
-            y = (1.0 - self.mix) * y + self.mix * self._neighbour_mean(flat)
-        return np.clip(y, 0.0, 1.0).reshape(x.shape[:-1] + (self.num_layers, self.num_experts))
+            y = (1.0 - self.mix) * y + self.mix * self._neighbour_mean(f)
+        return np.clip(y, 0.0, 1.0)
 
     def _neighbour_mean(self, x: np.ndarray) -> np.ndarray:  # [N, D] -> [N, L*E]
         norms = np.linalg.norm(x, axis=1, keepdims=True)

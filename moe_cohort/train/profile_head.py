@@ -43,9 +43,18 @@ def fit_profile_head(x: np.ndarray, prof: np.ndarray, top_k: int, alphas: Sequen
     """Ridge from embeddings x [N, D] (with `texts`, one per row: and their hashed n-grams, `ngram_dim`
     of them) to profiles prof [N, L, E], penalty by leave-one-out error, blended (weight `mix`) with the
     profiles of the `neighbours` nearest of these requests."""
-    n, layers, experts = prof.shape
     ngram_dim = ngram_dim if texts is not None else 0
-    x = np.asarray(head_features(np.asarray(x, np.float32), texts, ngram_dim), dtype=np.float64)  # [N, F]
+    f = head_features(np.asarray(x, np.float32), texts, ngram_dim)  # [N, F]
+    return fit_head_features(f, prof, top_k, alphas, mix=mix, neighbours=neighbours, temperature=temperature,
+                             ngram_dim=ngram_dim)
+
+
+def fit_head_features(f: np.ndarray, prof: np.ndarray, top_k: int, alphas: Sequence[float] = DEFAULT_ALPHAS, *,
+                      mix: float = DEFAULT_MIX, neighbours: int = DEFAULT_NEIGHBOURS,
+                      temperature: float = DEFAULT_TEMPERATURE, ngram_dim: int = 0) -> ProfileHead:
+    """`fit_profile_head` on what the head reads, f [N, F] (encoder.profile.head_features with `ngram_dim`)."""
+    n, layers, experts = prof.shape
+    x = np.asarray(f, dtype=np.float64)  # [N, F]
     y = prof.reshape(n, -1).astype(np.float64)  # [N, L*E]
     x_mean, y_mean = x.mean(axis=0), y.mean(axis=0)
     u, s, vt = np.linalg.svd(x - x_mean, full_matrices=False)  # [N, r], [r], [r, D]

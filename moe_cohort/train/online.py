@@ -1,0 +1,197 @@
+"""Learn the profile head from the served model's own routing, online: observations in, a head out.
+
+The proxy (proxy/learning.py) hands the learner each observed request as what the head reads
+(encoder.profile.head_features: the unit embedding beside the prompt's hashed n-grams, never the
+text) and its observed counts (traces.observed). The learner keeps a bounded uniform sample of all
+observations (`Reservoir`, Vitter's algorithm R), refits the head on it (train.profile_head's ridge
++ neighbours, penalty by leave-one-out) once `first_fit` observations are in and then whenever enough
+new ones arrived (`LearnConfig.refit_every`, and at least a quarter of what the last fit saw, so the
+cost of fitting stays a bounded share of the traffic), and swaps the new head in with one assignment
+(readers in other threads see the old head or the new one, never a mix).
+
+Its live quality signal: each observation that arrives after the current head was fitted is one the
+head never saw; `live_fit()` is the mean overlap (the share of the observed profile's mass the
+prediction covers, sum min(p, o) / sum o) over the most recent `recent` of them, beside the overlap of
+the reservoir's mean profile (what a head that learned nothing would score).
+
+`save(folder)` / `OnlineLearner.load(folder)` keep the reservoir and the head across restarts
+(npz files, no pickles; written to a temporary name and renamed, so a crash leaves the last state).
+Not thread-safe: one thread observes and refits (the proxy's learning worker); `head` may be read anywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from moe_cohort.encoder.ngrams import DEFAULT_NGRAM_DIM
+from moe_cohort.encoder.profile import HEAD_FILE, ProfileHead, load_profile_head
+from moe_cohort.traces.observed import Observed
+from moe_cohort.train.profile_head import fit_head_features
+
+log = logging.getLogger(__name__)
+
+RESERVOIR_FILE = "reservoir.npz"
+
+
+@dataclass(frozen=True)
+class LearnConfig:
+    capacity: int = 1000  # observations kept (a uniform sample of all seen); memory ~ capacity * (F + L*E) * 2 bytes
+    first_fit: int = 16  # observations before the first head
+    refit_every: int = 50  # new observations between fits, at least (and a quarter of what the last fit saw)
+    ngram_dim: int = DEFAULT_NGRAM_DIM  # hashed n-gram features beside the embedding (encoder.ngrams)
+    recent: int = 100  # unseen observations the live fit is measured over
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.capacity < 2 or not 2 <= self.first_fit <= self.capacity or self.refit_every < 1 or self.recent < 1:
+            raise ValueError(f"learning settings: need capacity >= first_fit >= 2, refit_every >= 1 and recent >= 1, "
+                             f"got {self}")
+
+
+class Reservoir:
+    """A uniform sample of at most `capacity` of the (features [F], profile [P]) rows added so far."""
+
+    def __init__(self, capacity: int, seed: int = 0) -> None:
+        self.capacity, self.seen, self.size = capacity, 0, 0
+        self.rng = np.random.default_rng(seed)
+        self.features: np.ndarray | None = None  # [capacity, F] float32 once the first row came
+        self.profiles: np.ndarray | None = None  # [capacity, P] float32
+
+    def add(self, f: np.ndarray, y: np.ndarray) -> None:
+        """Keep row (f, y) with probability capacity / seen, in place of a uniformly chosen kept row."""
+        if self.features is None:
+            self.features = np.zeros((self.capacity, f.shape[-1]), np.float32)
+            self.profiles = np.zeros((self.capacity, y.shape[-1]), np.float32)
+        self.seen += 1
+        if self.size < self.capacity:
+            slot, self.size = self.size, self.size + 1
+        else:
+            slot = int(self.rng.integers(self.seen))
+            if slot >= self.capacity:
+                return
+        self.features[slot], self.profiles[slot] = f, y
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray]:  # [n, F], [n, P] copies
+        return self.features[: self.size].copy(), self.profiles[: self.size].copy()
+
+
+class OnlineLearner:
+    """A reservoir of observations and the head fitted on it (`head`: None until `first_fit` of them)."""
+
+    def __init__(self, config: LearnConfig = LearnConfig(), key: str = "") -> None:
+        self.config, self.key = config, key  # key: what the features depend on (the encoder), checked on load
+        self.reservoir = Reservoir(config.capacity, config.seed)
+        self.head: ProfileHead | None = None
+        self.fitted_on, self.fitted_at = 0, 0.0  # observations seen at the last fit; its time.time()
+        self.shape: tuple[int, int, int] | None = None  # (L, E, top_k) of the served model
+        self._fit_recent: deque[tuple[float, float]] = deque(maxlen=config.recent)  # (head, mean) overlaps
+
+    @property
+    def observed(self) -> int:
+        """Observations ever added (this learner and the ones it was loaded from)."""
+        return self.reservoir.seen
+
+    def observe(self, features: np.ndarray, observed: Sequence[Observed]) -> None:
+        """Add observations: features [n, F] (encoder.profile.head_features) of the requests `observed`."""
+        for f, obs in zip(np.asarray(features, np.float32), observed):
+            shape = (obs.num_layers, obs.num_experts, obs.top_k)
+            if self.shape is None:
+                self.shape = shape
+            elif shape != self.shape:
+                raise ValueError(f"an observation of {shape[0]} layers x {shape[1]} experts, top {shape[2]}, where the "
+                                 f"learner holds {self.shape}: a different model; start it afresh (--data-dir)")
+            y = obs.profile().ravel()  # [L*E]
+            if self.head is not None:  # an observation the current head never saw: the live fit
+                self._fit_recent.append((_overlap(self.head.from_features(f[None])[0], y),
+                                         _overlap(self.mean_profile(), y)))
+            self.reservoir.add(f, y)
+
+    def due(self) -> bool:
+        """Whether enough new observations arrived for a (re)fit."""
+        seen, cfg = self.reservoir.seen, self.config
+        if self.head is None:
+            return self.reservoir.size >= cfg.first_fit
+        return seen - self.fitted_on >= max(cfg.refit_every, self.fitted_on // 4)
+
+    def refit(self) -> ProfileHead:
+        """Fit a head on the reservoir and swap it in."""
+        f, y = self.reservoir.arrays()  # [n, F], [n, L*E]
+        layers, experts, top_k = self.shape
+        start = time.perf_counter()
+        head = fit_head_features(f, y.reshape(len(y), layers, experts), top_k, ngram_dim=self.config.ngram_dim)
+        self.head, self.fitted_on, self.fitted_at = head, self.reservoir.seen, time.time()
+        self._fit_recent.clear()
+        log.info("online profile head: refitted on %d of %d observations in %.2f s (alpha %g)",
+                 len(f), self.reservoir.seen, time.perf_counter() - start, head.alpha)
+        return head
+
+    def mean_profile(self) -> np.ndarray:  # [L*E]
+        return self.reservoir.profiles[: self.reservoir.size].mean(axis=0)
+
+    def live_fit(self) -> tuple[float, float, int] | None:
+        """(head's mean overlap, the mean profile's, how many) over the recent observations the head never saw."""
+        if not self._fit_recent:
+            return None
+        head, mean = np.mean(np.asarray(self._fit_recent), axis=0)
+        return float(head), float(mean), len(self._fit_recent)
+
+    # ---- persistence -----------------------------------------------------------------------------
+
+    def save(self, folder: str | Path) -> None:
+        """Write the reservoir and the head to `folder` (each file replaced atomically)."""
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        if self.head is not None:
+            tmp = folder / ".tmp"
+            os.replace(self.head.save(tmp), folder / HEAD_FILE)
+            tmp.rmdir()
+        r = self.reservoir
+        meta = {"key": self.key, "seen": r.seen, "size": r.size, "shape": self.shape, "fitted_on": self.fitted_on,
+                "fitted_at": self.fitted_at, "rng": r.rng.bit_generator.state}
+        arrays = {"meta": np.array(json.dumps(meta))}
+        if r.features is not None:
+            arrays.update(features=r.features[: r.size].astype(np.float16), profiles=r.profiles[: r.size].astype(np.float16))
+        part = folder / (RESERVOIR_FILE + ".part")
+        with open(part, "wb") as fh:
+            np.savez(fh, **arrays)
+        os.replace(part, folder / RESERVOIR_FILE)
+
+    @classmethod
+    def load(cls, folder: str | Path, config: LearnConfig = LearnConfig(), key: str = "") -> OnlineLearner:
+        """The learner saved in `folder`; a fresh one when there is none or it was learned with another `key`."""
+        learner, path = cls(config, key), Path(folder) / RESERVOIR_FILE
+        if not path.is_file():
+            return learner
+        with np.load(path, allow_pickle=False) as z:
+            meta = json.loads(str(z["meta"]))
+            if meta["key"] != key:
+                log.warning("%s was learned with %r, not %r: starting afresh", path, meta["key"], key)
+                return learner
+            if meta["size"]:
+                learner.reservoir.features = np.zeros((config.capacity, z["features"].shape[1]), np.float32)
+                learner.reservoir.profiles = np.zeros((config.capacity, z["profiles"].shape[1]), np.float32)
+                keep = min(meta["size"], config.capacity)
+                learner.reservoir.features[:keep] = z["features"][:keep]
+                learner.reservoir.profiles[:keep] = z["profiles"][:keep]
+                learner.reservoir.size = keep
+        learner.reservoir.seen, learner.fitted_on, learner.fitted_at = meta["seen"], meta["fitted_on"], meta["fitted_at"]
+        learner.reservoir.rng.bit_generator.state = meta["rng"]
+        learner.shape = tuple(meta["shape"]) if meta["shape"] else None
+        learner.head = load_profile_head(folder) if learner.fitted_on else None
+        log.info("online profile head: loaded %d observations (%d seen)%s from %s", learner.reservoir.size,
+                 learner.reservoir.seen, ", and the head fitted on them" if learner.head else "", folder)
+        return learner
+
+
+def _overlap(predicted: np.ndarray, observed: np.ndarray) -> float:
+    """sum min(p, o) / sum o: the share of the observed profile's mass the prediction covers."""
+    return float(np.minimum(predicted, observed).sum() / max(float(observed.sum()), 1e-12))

@@ -1,0 +1,126 @@
+"""The online learner: the reservoir's uniform sample, the refit schedule, the swap, persistence, the live fit."""
+
+import numpy as np
+import pytest
+
+from moe_cohort.traces.observed import Observed
+from moe_cohort.train.online import LearnConfig, OnlineLearner, Reservoir
+from moe_cohort.train.profile_head import fit_head_features
+
+LAYERS, EXPERTS, K = 2, 6, 2
+
+
+def _stream(n, seed=0, clusters=3):
+    """n observations of `clusters` kinds of request: features say the kind, each kind prefers its own experts."""
+    rng = np.random.default_rng(seed)
+    kinds = rng.integers(clusters, size=n)
+    features = np.eye(clusters, 8)[kinds] + 0.05 * rng.normal(size=(n, 8))
+    observed = []
+    for kind in kinds:
+        decode = np.zeros((LAYERS, EXPERTS), np.int64)
+        for layer in range(LAYERS):
+            decode[layer, [2 * kind, 2 * kind + 1]] = 10  # 10 generated tokens, each picks its kind's two experts
+        observed.append(Observed(np.zeros_like(decode), decode, 4, 10))
+    return features.astype(np.float32), observed
+
+
+def test_reservoir_keeps_every_row_with_the_same_probability():
+    capacity, stream, runs = 4, 12, 3000
+    hits = np.zeros(stream)
+    for seed in range(runs):
+        r = Reservoir(capacity, seed)
+        for i in range(stream):
+            r.add(np.array([float(i)]), np.array([0.0]))
+        assert r.size == capacity and r.seen == stream
+        hits[r.arrays()[0][:, 0].astype(int)] += 1
+    expected = runs * capacity / stream  # 1000 each; binomial sd ~ 26
+    assert np.abs(hits - expected).max() < 120, hits
+
+
+def test_first_head_after_first_fit_observations_then_refits_on_schedule():
+    learner = OnlineLearner(LearnConfig(capacity=200, first_fit=10, refit_every=5, ngram_dim=0))
+    f, obs = _stream(130)
+    learner.observe(f[:9], obs[:9])
+    assert not learner.due() and learner.head is None
+    learner.observe(f[9:10], obs[9:10])
+    assert learner.due()
+    learner.refit()
+    learner.observe(f[10:14], obs[10:14])
+    assert not learner.due()  # 4 new < refit_every
+    learner.observe(f[14:15], obs[14:15])
+    assert learner.due()
+    learner.refit()  # fitted on 15
+    learner.observe(f[15:100], obs[15:100])
+    learner.refit()  # fitted on 100: the next needs a quarter of that, 25 new
+    learner.observe(f[100:124], obs[100:124])
+    assert not learner.due()
+    learner.observe(f[124:125], obs[124:125])
+    assert learner.due()
+
+
+def test_refit_is_the_offline_fit_of_the_reservoir_and_swaps_a_new_head_in():
+    learner = OnlineLearner(LearnConfig(capacity=30, first_fit=10, ngram_dim=0))
+    f, obs = _stream(50)
+    learner.observe(f[:20], obs[:20])
+    old = learner.refit()
+    old_weight = old.weight.copy()
+    learner.observe(f[20:], obs[20:])
+    new = learner.refit()
+    assert learner.head is new and new is not old
+    np.testing.assert_array_equal(old.weight, old_weight)  # a reader holding the old head keeps a whole one
+    x, y = learner.reservoir.arrays()
+    direct = fit_head_features(x, y.reshape(-1, LAYERS, EXPERTS), K)
+    np.testing.assert_allclose(new.from_features(f), direct.from_features(f), rtol=1e-5, atol=1e-6)
+
+
+def test_the_learned_head_predicts_each_kind_and_its_live_fit_beats_the_mean():
+    learner = OnlineLearner(LearnConfig(capacity=100, first_fit=30, ngram_dim=0))
+    f, obs = _stream(80, seed=3)
+    learner.observe(f[:40], obs[:40])
+    learner.refit()
+    assert learner.live_fit() is None  # nothing unseen yet
+    learner.observe(f[40:], obs[40:])
+    head_fit, mean_fit, count = learner.live_fit()
+    assert count == 40 and head_fit > 0.9 and mean_fit < 0.5
+    predicted = learner.head.from_features(f[40:]).reshape(-1, LAYERS, EXPERTS)
+    truth = np.stack([o.profile() for o in obs[40:]])
+    assert np.abs(predicted - truth).max() < 0.2
+
+
+def test_a_restart_keeps_the_reservoir_the_head_and_the_sampling(tmp_path):
+    config = LearnConfig(capacity=20, first_fit=10, ngram_dim=0)
+    f, obs = _stream(60, seed=4)
+    straight = OnlineLearner(config, key="enc")
+    straight.observe(f[:40], obs[:40])
+    straight.refit()
+    straight.save(tmp_path)
+    back = OnlineLearner.load(tmp_path, config, key="enc")
+    assert (back.observed, back.fitted_on, back.shape) == (40, 40, (LAYERS, EXPERTS, K))
+    np.testing.assert_allclose(back.head.from_features(f), straight.head.from_features(f), atol=1e-3)
+    straight.observe(f[40:], obs[40:])
+    back.observe(f[40:], obs[40:])  # the random replacement goes on where it stopped
+    np.testing.assert_allclose(back.reservoir.arrays()[0], straight.reservoir.arrays()[0], atol=1e-2)
+
+
+def test_state_learned_with_another_encoder_is_not_loaded(tmp_path):
+    f, obs = _stream(12)
+    learner = OnlineLearner(LearnConfig(first_fit=10, ngram_dim=0), key="static")
+    learner.observe(f, obs)
+    learner.refit()
+    learner.save(tmp_path)
+    fresh = OnlineLearner.load(tmp_path, LearnConfig(first_fit=10, ngram_dim=0), key="BAAI/bge-small-en-v1.5")
+    assert fresh.observed == 0 and fresh.head is None
+
+
+def test_an_observation_of_another_model_is_refused():
+    learner = OnlineLearner(LearnConfig(ngram_dim=0))
+    f, obs = _stream(2)
+    learner.observe(f[:1], obs[:1])
+    other = Observed(np.zeros((3, EXPERTS), np.int64), np.ones((3, EXPERTS), np.int64), 1, 1)
+    with pytest.raises(ValueError, match="a different model"):
+        learner.observe(f[1:], [other])
+
+
+def test_settings_that_cannot_work_are_refused():
+    with pytest.raises(ValueError, match="first_fit"):
+        LearnConfig(capacity=5, first_fit=10)
