@@ -84,7 +84,8 @@ def measure_model(ts: TraceSet, sizes: list[int], slots: list[int], seeds: int, 
             plans = evaluate_continuous(tokens, s, {**base, "learned": learned}, lengths, cost, ts.num_layers,
                                         seeds=seeds)["plans"]
             row[s] = {k: {"saving": plans[k]["saving"], "std": plans[k]["saving_std"]} for k in ("learned", "offline", REFERENCE)}
-            row[s]["of_offline"] = plans["learned"]["saving"] / plans["offline"]["saving"]
+            offline_saving = plans["offline"]["saving"]
+            row[s]["of_offline"] = plans["learned"]["saving"] / offline_saving if offline_saving else float("nan")
         report(f"  N = {n:>4}: " + "; ".join(
             f"S = {s}: learned {row[s]['learned']['saving']:.2%} ± {row[s]['learned']['std']:.2%}, offline "
             f"{row[s]['offline']['saving']:.2%}, reference {row[s][REFERENCE]['saving']:.2%} "
