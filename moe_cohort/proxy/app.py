@@ -33,6 +33,7 @@ from moe_cohort.proxy.admission import AdmissionGate, Profiler
 from moe_cohort.proxy.http.errors import BackendStatusError, BackendUnreachable, ProxyError
 from moe_cohort.proxy.http.fastpath import FastPath
 from moe_cohort.proxy.hints import HintRules
+from moe_cohort.proxy.learning import Learning, learned_folder, load_learner, relay_answer
 from moe_cohort.proxy.http.limits import HeadLimits
 from moe_cohort.proxy.metrics import ProxyMetrics
 from moe_cohort.proxy.http.middleware import RequestContext, access_log
@@ -43,6 +44,7 @@ from moe_cohort.proxy.relay import add_relay_routes
 from moe_cohort.proxy.replicas import ReplicaSet
 from moe_cohort.proxy.settings import Settings, load_settings
 from moe_cohort.proxy.streaming import StreamRelay, Upstream, unless_client_leaves
+from moe_cohort.train.online import OnlineLearner
 
 log = logging.getLogger(__name__)
 
@@ -55,9 +57,11 @@ CLIENT_CLOSED = 499  # the client left before its answer (nginx's code); in the 
 class Proxy:
     """The request path, independent of routing: auth, parse, admit, forward, relay."""
 
-    def __init__(self, settings: Settings, predictor: Predictor | None) -> None:
+    def __init__(self, settings: Settings, predictor: Predictor | None, learner: OnlineLearner | None = None) -> None:
         self.settings, self.predictor = settings, predictor
         self.metrics = ProxyMetrics()
+        self.learning = None if learner is None or predictor is None else Learning(
+            learner, predictor.features, learned_folder(settings), self.metrics, settings.learn_sample_rate)
         clients = [BackendClient(url, timeout_s=settings.request_timeout_s, connect_timeout_s=settings.connect_timeout_s)
                    for url in settings.backend_urls]
         self.backend = clients[0]  # the one backend, or the first replica (Batch API code without a gate)
@@ -72,6 +76,8 @@ class Proxy:
 
     async def close(self) -> None:
         self.gate.close()
+        if self.learning is not None:
+            await asyncio.to_thread(self.learning.close)
         await self.replicas.close()
 
     def relay_client(self) -> BackendClient:
@@ -117,7 +123,9 @@ class Proxy:
         admission, answer, backend_s = answered
         self.metrics.requests.labels(preq.route, str(answer.status_code)).inc()
         own = self.metrics.own_time(preq.route, started, admission, backend_s)
-        return Response(answer.content, status_code=answer.status_code,
+        content = relay_answer(answer.content, preq.text, preq.body, self.learning) if answer.status_code == 200 \
+            else answer.content
+        return Response(content, status_code=answer.status_code,
                         headers=cohort_headers(admission, backend_s, own), media_type=answer.content_type)
 
     async def _forward(self, preq: ProxyRequest, path: str, headers: dict[str, str]):
@@ -149,7 +157,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     if not settings.backend_urls:
         raise ValueError("settings.backend_url is empty; pass --backend URL (or run `cohort serve` without it "
                          "to start the embedded vLLM backend)")
-    proxy = Proxy(settings, make_predictor(settings, threads=settings.encoder_threads))
+    learner = load_learner(settings) if settings.learn else None
+    proxy = Proxy(settings, make_predictor(settings, threads=settings.encoder_threads,
+                                           learned=(lambda: learner.head) if learner else None), learner)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -201,7 +211,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         except ProxyError as exc:
             return JSONResponse({"status": "backend unavailable", **({"backend": settings.backend_url,
                                  "detail": exc.message} if shown else {})}, status_code=503)
-        return JSONResponse({"status": "ok", **({"backend": settings.backend_url} if shown else {})})
+        return JSONResponse({"status": "ok", **({"backend": settings.backend_url} if shown else {}),
+                             "admission": _admission_health(proxy)})
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
@@ -212,6 +223,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     # added last, so outermost: around the fast path too
     app.add_middleware(RequestContext, limits=HeadLimits(settings.max_header_bytes, settings.max_headers))
     return app
+
+
+def _admission_health(proxy: Proxy) -> dict:
+    """What admission runs on: a learned head, a trained folder's, embeddings only, or nothing (FCFS)."""
+    if proxy.predictor is None:
+        return {"mode": "first come, first served (--encoder none)"}
+    out = {"mode": proxy.predictor.mode()}
+    return {**out, "learning": proxy.learning.describe()} if proxy.learning is not None else out
 
 
 def error_answer(proxy: Proxy, request: Request, exc: ProxyError, route: str) -> Response:
@@ -231,7 +250,8 @@ async def _replicas_health(proxy: Proxy, shown: bool) -> Response:
     replicas = [{"backend": c.base_url, "healthy": ok, "in_flight": int(busy), "max_in_flight": int(cap)}
                 for c, ok, busy, cap in zip(proxy.replicas.clients, up, router.busy, router.capacity)]
     status = "ok" if all(up) else "degraded" if any(up) else "backend unavailable"
-    return JSONResponse({"status": status, "routing": router.routing, **({"replicas": replicas} if shown else {})},
+    return JSONResponse({"status": status, "routing": router.routing, **({"replicas": replicas} if shown else {}),
+                         "admission": _admission_health(proxy)},
                         status_code=200 if any(up) else 503)
 
 

@@ -50,6 +50,10 @@ _FLAGS = {
     "--max-file-bytes": ("max_file_bytes", int, "largest file uploaded to /v1/files (Batch API input)"),
     "--data-dir": ("data_dir", str, "Batch API storage: uploaded files, results, SQLite records "
                                     "(default: $XDG_DATA_HOME/moe-cohort or ~/.local/share/moe-cohort)"),
+    "--learn-sample-rate": ("learn_sample_rate", float, "with --learn: share of requests observed once the "
+                                                         "reservoir is full (until then every one)"),
+    "--learn-capacity": ("learn_capacity", int, "with --learn: observations kept (a uniform sample of all seen)"),
+    "--learn-refit-every": ("learn_refit_every", int, "with --learn: new observations between refits, at least"),
 }
 BACKEND_WAIT_S = 30.0
 
@@ -65,6 +69,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "prediction and carries it: vllm_xargs.moe_profile for an engine running "
                         "moe_cohort.backend.scheduler.ExpertAwareScheduler, x-cohort-key for a router such as llm-d's (default: "
                         "a request that finds a free slot goes at once, without them; env COHORT_FORWARD_PROFILES)")
+    parser.add_argument("--learn", action="store_true", default=None, help="learn the profile head online from the "
+                        "served model's routing of answered requests (vLLM's routed_experts field: start vLLM with "
+                        "--enable-return-routed-experts); kept in --data-dir/learned across restarts (env COHORT_LEARN)")
     parser.add_argument("--protect-metrics", action="store_true", default=None, help="/metrics needs an --api-key and "
                         "/health shows callers without one only its status (env COHORT_PROTECT_METRICS)")
     parser.add_argument("--trust-client-hints", action="store_true", default=None, help="forward what clients send "
@@ -88,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
     overrides = flag_overrides(args, _FLAGS)
     overrides.update(api_keys=tuple(args.api_keys) if args.api_keys else None, log_prompts=args.log_prompts,
                      protect_metrics=args.protect_metrics, forward_profiles=args.forward_profiles,
-                     api_docs=args.api_docs, trust_client_hints=args.trust_client_hints)
+                     api_docs=args.api_docs, trust_client_hints=args.trust_client_hints, learn=args.learn)
     try:
         settings = load_settings(overrides, config=args.config, flags={**_FLAGS, "--api-key": ("api_keys", list, "")})
     except SettingsError as exc:

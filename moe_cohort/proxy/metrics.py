@@ -25,6 +25,20 @@ class ProxyMetrics:
                                      buckets=OWN_BUCKETS, registry=r)
         self.in_flight = Gauge("cohort_in_flight", "Requests at the backend now", registry=r)
         self.waiting = Gauge("cohort_waiting", "Requests being profiled or waiting for a backend slot", registry=r)
+        # online learning of the profile head (proxy/learning.py, --learn)
+        self.learned_profiles = Counter("cohort_learned_profiles", "Observed expert profiles of answered requests "
+                                        "the profile head learned from, by source", ["source"], registry=r)
+        self.learned_dropped = Counter("cohort_learned_dropped", "Observations not learned from: invalid, or over "
+                                       "the backlog", ["reason"], registry=r)
+        self.learned_refits = Counter("cohort_learned_refits", "Refits of the learned profile head", registry=r)
+        self.learned_head_age = Gauge("cohort_learned_head_age_seconds", "Seconds since the learned head was "
+                                      "fitted (NaN: none yet)", registry=r)
+        self.learned_head_observations = Gauge("cohort_learned_head_observations", "Observations the learned head "
+                                               "was fitted on", registry=r)
+        self.learned_head_fit = Gauge("cohort_learned_head_fit", "Mean share of the observed profile the prediction "
+                                      "covers, over recent observations the head was not fitted on: the learned "
+                                      "head's, and the mean profile's (what learning nothing scores)", ["predictor"],
+                                      registry=r)
 
     def own_time(self, route: str, started: float | None, admission, backend_s: float) -> float | None:
         """The proxy's own seconds for a request so far (proxy.protocol.own_seconds), observed under `route`."""

@@ -21,9 +21,13 @@ import threading
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+import numpy as np
+
 from moe_cohort.admission.resident import ResidentEmbedding, ResidentExperts
 from moe_cohort.admission.router import ResidentFactory
 from moe_cohort.admission.wire import Prediction
+from moe_cohort.encoder.ngrams import DEFAULT_NGRAM_DIM
+from moe_cohort.encoder.profile import ProfileHead
 from moe_cohort.proxy.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -38,6 +42,8 @@ class Predictor:
     predict: PredictFn
     resident_factory: ResidentFactory  # vector size -> the resident set that scores such vectors
     kind: str  # "profile" or "embedding"
+    features: Callable[[Sequence[str]], np.ndarray] | None = None  # texts -> [N, F] what a learned head reads
+    mode: Callable[[], str] = lambda: "embeddings"  # what admission runs on now (/health)
 
 
 def encoder_problem(settings: Settings) -> str | None:
@@ -68,28 +74,46 @@ def limit_threads(threads: int) -> None:
     threadpool_limits(limits=threads)
 
 
-def make_predictor(settings: Settings, threads: int | None = None) -> Predictor | None:
+def make_predictor(settings: Settings, threads: int | None = None,
+                   learned: Callable[[], ProfileHead | None] | None = None) -> Predictor | None:
     """The encoder (+ profile head) of the settings; None with `--encoder none`. `threads`: an ONNX
-    encoder's threads (default: one per core; torch's are set by `limit_threads`)."""
+    encoder's threads (default: one per core; torch's are set by `limit_threads`). `learned`: the online
+    learner's latest head (proxy.learning), read per prediction; it wins over the folder's head once there
+    is one, and until then the folder's head or, without one, no prediction (first come, first served)."""
     if settings.encoder.lower() == "none":
         return None
     from moe_cohort.encoder.embedding import Embedder
-    from moe_cohort.encoder.profile import load_profile_head
+    from moe_cohort.encoder.profile import head_features, load_profile_head
 
     embedder = Embedder(settings.encoder or None, max_seq_len=settings.encoder_max_seq_len,
                         cache_size=settings.encoder_cache, threads=threads)
-    head = load_profile_head(embedder.source)
+    trained = load_profile_head(embedder.source)
     log.info("encoder loaded: %s (%s)", embedder.source,
-             "with a profile head: admission by expected new experts" if head else "no profile head: nearest embedding")
+             "with a profile head: admission by expected new experts" if trained else "no profile head: nearest embedding")
     lock = threading.Lock()  # online admission and Batch API jobs predict from different threads; tokenizers are not re-entrant
 
-    def predict(texts: Sequence[str]) -> list[Prediction]:
+    def embed(texts: Sequence[str]) -> np.ndarray:  # [N, D] float32, L2-normalised
         with lock:
-            x = embedder.encode(list(texts))  # [N, D] float32, L2-normalised
-        if head is None:
-            return [Prediction(row) for row in x]
-        return [Prediction.of_profile(p) for p in head.predict(x, list(texts))]  # [L, E] each (a head may read n-grams)
+            return embedder.encode(list(texts))
 
-    if head is None:
-        return Predictor(predict, ResidentEmbedding, "embedding")
-    return Predictor(predict, lambda size: ResidentExperts(1, size), "profile")
+    def head() -> ProfileHead | None:
+        return (learned() if learned else None) or trained
+
+    def predict(texts: Sequence[str]) -> list[Prediction | None]:
+        x, current = embed(texts), head()
+        if current is None:
+            return [Prediction(row) for row in x] if learned is None else [None] * len(x)
+        return [Prediction.of_profile(p) for p in current.predict(x, list(texts))]  # [L, E] each (a head may read n-grams)
+
+    def features(texts: Sequence[str]) -> np.ndarray:  # [N, F] what a learned head reads (the encoder's cache hits)
+        return head_features(embed(texts), list(texts), DEFAULT_NGRAM_DIM)  # train.online.LearnConfig's default
+
+    def mode() -> str:
+        if learned is not None and learned() is not None:
+            return "learned head"
+        return "trained head" if trained else "first come, first served until the first learned head" if learned \
+            else "embeddings"
+
+    if trained is None and learned is None:
+        return Predictor(predict, ResidentEmbedding, "embedding", features, mode)
+    return Predictor(predict, lambda size: ResidentExperts(1, size), "profile", features, mode)

@@ -91,6 +91,11 @@ class Settings:
     # load their JavaScript from a CDN)
     api_docs: bool = False
     protect_metrics: bool = False  # /metrics needs a key, /health without one says only its status (needs api_keys)
+    # online learning of the profile head from the served model's routing (proxy/learning.py): off by default
+    learn: bool = False
+    learn_sample_rate: float = 1.0  # share of requests observed once the reservoir is full (until then: all)
+    learn_capacity: int = 1000  # observations kept (a uniform sample of all), in --data-dir/learned
+    learn_refit_every: int = 50  # new observations between refits, at least (and a quarter of the last fit's)
     # Offline batches (`cohort batch run` and the Batch API, see proxy/batch/run.py)
     data_dir: str = ""  # Batch API files + SQLite records ("" = $XDG_DATA_HOME/moe-cohort, else ~/.local/share/moe-cohort)
     max_file_bytes: int = 200 * 1024 * 1024  # largest uploaded batch file (OpenAI's limit)
@@ -135,6 +140,14 @@ class Settings:
                      "max_header_bytes", "max_headers"):
             if getattr(self, name) < 1:
                 raise _bad(name, f"must be >= 1, got {getattr(self, name)}")
+        if self.learn and self.encoder.lower() == "none":
+            raise _bad("learn", "needs an encoder (the head it learns reads the prompt's embedding); drop --encoder none")
+        if not 0 <= self.learn_sample_rate <= 1:
+            raise _bad("learn_sample_rate", f"must be a share in [0, 1], got {self.learn_sample_rate}")
+        if self.learn_capacity < 16 or self.learn_refit_every < 1:
+            raise _bad("learn_capacity" if self.learn_capacity < 16 else "learn_refit_every",
+                       f"need learn_capacity >= 16 (the first head is fitted on 16) and learn_refit_every >= 1, got "
+                       f"{self.learn_capacity} and {self.learn_refit_every}")
         if not 0 < self.head_timeout_s < float("inf"):
             raise _bad("head_timeout_s", f"must be a finite number > 0, got {self.head_timeout_s}")
         for name in ("max_queue_ms", "keepalive_s", "request_timeout_s", "connect_timeout_s", "encoder_cache",

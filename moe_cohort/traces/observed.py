@@ -56,6 +56,11 @@ class Observed:
         counts, tokens = (self.decode, self.decode_tokens) if self.decode_tokens else (self.prompt, self.prompt_tokens)
         return (counts / max(tokens, 1)).astype(np.float32)
 
+    def padded(self, num_experts: int) -> Observed:
+        """The same counts over `num_experts` experts (the ones added picked by no token)."""
+        pad = ((0, 0), (0, num_experts - self.num_experts))
+        return Observed(np.pad(self.prompt, pad), np.pad(self.decode, pad), self.prompt_tokens, self.decode_tokens)
+
     def to_wire(self) -> dict[str, Any]:
         """A JSON-able object: {"prompt_tokens", "decode_tokens", "counts": base64 .npy [2, L, E] uint32}."""
         return {"prompt_tokens": self.prompt_tokens, "decode_tokens": self.decode_tokens,

@@ -103,17 +103,37 @@ class OnlineLearner:
     def observe(self, features: np.ndarray, observed: Sequence[Observed]) -> None:
         """Add observations: features [n, F] (encoder.profile.head_features) of the requests `observed`."""
         for f, obs in zip(np.asarray(features, np.float32), observed):
-            shape = (obs.num_layers, obs.num_experts, obs.top_k)
-            if self.shape is None:
-                self.shape = shape
-            elif shape != self.shape:
-                raise ValueError(f"an observation of {shape[0]} layers x {shape[1]} experts, top {shape[2]}, where the "
-                                 f"learner holds {self.shape}: a different model; start it afresh (--data-dir)")
-            y = obs.profile().ravel()  # [L*E]
+            y = self._fitted(obs).profile().ravel()  # [L*E]
             if self.head is not None:  # an observation the current head never saw: the live fit
                 self._fit_recent.append((_overlap(self.head.from_features(f[None])[0], y),
                                          _overlap(self.mean_profile(), y)))
             self.reservoir.add(f, y)
+
+    def _fitted(self, obs: Observed) -> Observed:
+        """`obs` at the learner's width. A source that sees only expert ids (vLLM's routed experts) knows the
+        experts up to the largest id seen: before the first head the width grows (an expert no earlier request
+        picked has count 0 in all of them, so padding loses nothing), a narrower observation is padded."""
+        shape = (obs.num_layers, obs.num_experts, obs.top_k)
+        if self.shape is None:
+            self.shape = shape
+        if shape == self.shape:
+            return obs
+        layers, experts, top_k = self.shape
+        if (shape[0], shape[2]) == (layers, top_k) and (shape[1] < experts or self.head is None):
+            if shape[1] > experts:
+                self._widen(shape[1])
+            return obs.padded(self.shape[1])
+        raise ValueError(f"an observation of {shape[0]} layers x {shape[1]} experts, top {shape[2]}, where the "
+                         f"learner holds {self.shape}: a different model; start it afresh (--data-dir)")
+
+    def _widen(self, experts: int) -> None:
+        layers, old, top_k = self.shape
+        r = self.reservoir
+        if r.profiles is not None:
+            grown = np.zeros((r.capacity, layers, experts), np.float32)
+            grown[:, :, :old] = r.profiles.reshape(r.capacity, layers, old)
+            r.profiles = grown.reshape(r.capacity, layers * experts)
+        self.shape = (layers, experts, top_k)
 
     def due(self) -> bool:
         """Whether enough new observations arrived for a (re)fit."""

@@ -124,3 +124,21 @@ def test_an_observation_of_another_model_is_refused():
 def test_settings_that_cannot_work_are_refused():
     with pytest.raises(ValueError, match="first_fit"):
         LearnConfig(capacity=5, first_fit=10)
+
+
+def test_experts_seen_later_widen_the_learner_before_its_first_head_and_are_refused_after():
+    learner = OnlineLearner(LearnConfig(capacity=50, first_fit=10, ngram_dim=0))
+    f, obs = _stream(30)
+    decode = np.zeros((LAYERS, 4), np.int64)
+    decode[:, :2] = 10
+    narrow = [Observed(np.zeros_like(decode), decode, 4, 10)] * 30  # the first kind: its ids name experts < 4 only
+    learner.observe(f[:1], narrow[:1])
+    assert learner.shape[1] == 4
+    learner.observe(f[1:20], obs[1:20])
+    assert learner.shape == (LAYERS, EXPERTS, K)
+    np.testing.assert_array_equal(learner.reservoir.profiles[0].reshape(LAYERS, EXPERTS)[:, 4:], 0)
+    learner.refit()
+    learner.observe(f[20:21], narrow[20:21])  # narrower: padded
+    wider = Observed(np.zeros((LAYERS, 9), np.int64), np.ones((LAYERS, 9), np.int64), 1, 1)
+    with pytest.raises(ValueError, match="a different model"):
+        learner.observe(f[21:22], [wider])

@@ -1,0 +1,174 @@
+"""Online learning in the proxy: the served model's routing of answered requests teaches admission's profile head.
+
+With `--learn` the proxy pairs each observed request's head features (its prompt's embedding and
+hashed n-grams, computed from the encoder's cache in a worker thread; never the text) with the
+expert counts the engine reports for it (traces.observed), keeps them in a train.online.OnlineLearner,
+refits the head off the event loop when enough new ones arrived, swaps it in (admission reads
+`Learning.head` per prediction) and saves reservoir and head under `--data-dir`/learned after each
+refit, so a restart keeps what was learned. Until its first head, admission runs on the trained
+folder's head if the encoder has one, else first come, first served.
+
+Where the counts come from:
+- vLLM's `routed_experts` field (`from_answer`): a non-streamed answer of a server started with
+  `--enable-return-routed-experts` (vLLM 0.32, Model Runner V2) carries, per choice, base64 `.npy`
+  [tokens - 1, L, k]; the proxy reads it with the answer's `usage.prompt_tokens` and strips it from
+  what the client receives unless the client asked for it (sent vLLM's `routed_experts_prompt_start`).
+
+`--learn-sample-rate` bounds the cost once the reservoir is full: until then every answered request
+is observed, after that this share of them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+
+from moe_cohort.encoder.profile import ProfileHead
+from moe_cohort.proxy.metrics import ProxyMetrics
+from moe_cohort.traces.observed import BadObservation, Observed, decode_npy, from_routed_experts
+from moe_cohort.train.online import LearnConfig, OnlineLearner
+
+log = logging.getLogger(__name__)
+
+ROUTED_EXPERTS, PROMPT_START = "routed_experts", "routed_experts_prompt_start"
+MAX_BACKLOG = 1000  # observations waiting for the worker; more are dropped (counted), never the event loop blocked
+Featurize = Callable[[Sequence[str]], np.ndarray]  # texts -> [N, F] what the head reads
+
+
+class Learning:
+    """The proxy's learner: `add` observations from the event loop; the worker thread learns from them."""
+
+    def __init__(self, learner: OnlineLearner, featurize: Featurize, folder: Path, metrics: ProxyMetrics,
+                 sample_rate: float = 1.0) -> None:
+        self.learner, self.featurize, self.folder, self.metrics = learner, featurize, folder, metrics
+        self.sample_rate = sample_rate
+        self._pending: list[tuple[str, Observed, str]] = []
+        self._busy = False
+        self._lock = threading.Lock()
+        self._executor = ThreadPoolExecutor(1, "cohort-learn")
+        self._random = random.Random(0)
+        metrics.learned_head_age.set_function(lambda: time.time() - learner.fitted_at if learner.head else float("nan"))
+        metrics.learned_head_observations.set_function(lambda: learner.fitted_on if learner.head else 0)
+        for i, label in enumerate(("head", "mean")):
+            metrics.learned_head_fit.labels(label).set_function(lambda i=i: _fit(learner, i))
+
+    @property
+    def head(self) -> ProfileHead | None:
+        """The latest learned head (None before the first fit); one attribute read, safe from any thread."""
+        return self.learner.head
+
+    def describe(self) -> dict:
+        """What /health shows of the learning."""
+        learner = self.learner
+        out = {"observed": learner.observed, "head_fitted_on": learner.fitted_on if learner.head else 0}
+        if learner.head is None:
+            out["first_head_after"] = learner.config.first_fit
+        return out
+
+    def sampled(self) -> bool:
+        """Whether to observe the next request: all until the reservoir is full, then `sample_rate` of them."""
+        full = self.learner.reservoir.seen >= self.learner.config.capacity
+        return not full or self._random.random() < self.sample_rate
+
+    def add(self, text: str, observed: Observed, source: str) -> None:
+        """Queue one observation of a request whose prompt is `text` (the worker learns from it)."""
+        with self._lock:
+            if len(self._pending) >= MAX_BACKLOG:
+                self.metrics.learned_dropped.labels("backlog").inc()
+                return
+            self._pending.append((text, observed, source))
+            if self._busy:
+                return
+            self._busy = True
+        self._executor.submit(self._drain)
+
+    def observe_routed(self, text: str, body: dict, answer: dict) -> None:
+        """Learn from vLLM's routed experts of the answer's one choice (the request sent `body`)."""
+        try:
+            rows = decode_npy(answer["choices"][0][ROUTED_EXPERTS])
+            prompt_tokens = int((answer.get("usage") or {})["prompt_tokens"])
+            width = self.learner.shape[1] if self.learner.shape else int(rows.max(initial=0)) + 1
+            observed = from_routed_experts(rows, prompt_tokens, width, int(body.get(PROMPT_START) or 0))
+        except (BadObservation, KeyError, TypeError, ValueError) as exc:
+            self.metrics.learned_dropped.labels("invalid").inc()
+            log.warning("cannot learn from an answer's routed experts: %s", exc)
+            return
+        self.add(text, observed, ROUTED_EXPERTS)
+
+    def _drain(self) -> None:
+        """Worker thread: learn from what is queued, refit when due, save after each refit."""
+        while True:
+            with self._lock:
+                batch, self._pending = self._pending, []
+                if not batch:
+                    self._busy = False
+                    return
+            try:
+                self._learn(batch)
+            except Exception:  # a bug here must not stop learning from later answers
+                log.exception("learning from %d observed requests failed", len(batch))
+
+    def _learn(self, batch: list[tuple[str, Observed, str]]) -> None:
+        features = self.featurize([text for text, _, _ in batch])  # [n, F]
+        for f, (_, observed, source) in zip(features, batch):
+            try:
+                self.learner.observe(f[None], [observed])
+            except ValueError as exc:
+                self.metrics.learned_dropped.labels("invalid").inc()
+                log.warning("not learning from an observation: %s", exc)
+                continue
+            self.metrics.learned_profiles.labels(source).inc()
+            if self.learner.due():  # checked per observation: the schedule does not depend on how they were batched
+                self.learner.refit()
+                self.metrics.learned_refits.inc()
+                self.learner.save(self.folder)
+
+    def close(self) -> None:
+        """Finish what is queued, stop the worker, save what was learned since the last refit."""
+        self._executor.shutdown(wait=True)
+        if self.learner.observed:
+            self.learner.save(self.folder)
+
+
+def load_learner(settings) -> OnlineLearner:
+    """The learner of the proxy's settings (`learn_*`), with what an earlier run saved in its data folder."""
+    config = LearnConfig(capacity=settings.learn_capacity, refit_every=settings.learn_refit_every)
+    return OnlineLearner.load(learned_folder(settings), config, key=settings.encoder)
+
+
+def learned_folder(settings) -> Path:
+    return settings.data_path / "learned"
+
+
+def relay_answer(content: bytes, text: str, body: dict, learning: Learning | None) -> bytes:
+    """A non-streamed answer's content as the client gets it: vLLM's routed experts learned from (with
+    `learning`, when sampled) and stripped unless the client asked for them (`body`: the request it sent)."""
+    if b'"routed_experts"' not in content:
+        return content
+    try:
+        answer = json.loads(content)
+        choices = answer.get("choices") or []
+    except (ValueError, AttributeError):
+        return content
+    if (learning is not None and len(choices) == 1 and isinstance(choices[0], dict) and choices[0].get(ROUTED_EXPERTS)
+            and learning.sampled()):
+        learning.observe_routed(text, body, answer)
+    if body.get(PROMPT_START) is not None:
+        return content
+    for choice in choices:
+        if isinstance(choice, dict):
+            choice.pop(ROUTED_EXPERTS, None)
+    return json.dumps(answer, separators=(",", ":")).encode()
+
+
+def _fit(learner: OnlineLearner, i: int) -> float:
+    fit = learner.live_fit()
+    return float("nan") if fit is None else fit[i]

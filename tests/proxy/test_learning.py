@@ -1,0 +1,160 @@
+"""The proxy learns its profile head from the routing a vLLM backend returns (`routed_experts`, vLLM's documented
+format: base64 .npy [tokens - 1, layers, k]), swaps it in, shows it in /metrics and /health, and keeps it across
+a restart. The backend here answers like vLLM 0.32 with --enable-return-routed-experts."""
+
+import asyncio
+import base64
+import io
+import re
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from moe_cohort.proxy.app import create_app
+from moe_cohort.proxy.settings import Settings, SettingsError
+from tests.proxy.servers import answer, body_of, local_backend
+
+LAYERS, EXPERTS, K = 2, 8, 2
+TOPICS = {"python": 0, "cooking": 4}  # a prompt about X routes every generated token to experts X, X + 1 (all layers)
+
+
+def _b64_npy(array):
+    buf = io.BytesIO()
+    np.save(buf, array)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def _routing(prompt: str, prompt_tokens: int = 5, generated: int = 6) -> np.ndarray:  # [tokens - 1, L, k] uint8
+    first = TOPICS["python" if "python" in prompt else "cooking"]
+    rows = np.zeros((prompt_tokens + generated - 1, LAYERS, K), np.uint8)
+    rows[:prompt_tokens] = [7, 6]  # prompt tokens: experts the head must not learn as the answer's
+    rows[prompt_tokens:] = [first, first + 1]
+    return rows
+
+
+async def vllm_like(request):
+    if request.method == "GET":  # /health
+        return answer({})
+    body = await body_of(request)
+    prompt = body["messages"][-1]["content"]
+    return answer({"id": "c", "object": "chat.completion", "model": "tiny",
+                   "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop",
+                                "routed_experts": _b64_npy(_routing(prompt))}],
+                   "usage": {"prompt_tokens": 5, "completion_tokens": 6, "total_tokens": 11}})
+
+
+@pytest.fixture
+def encoder(tmp_path) -> str:
+    from tokenizers import Tokenizer
+
+    from moe_cohort.encoder.embedding import resolve_model
+    from moe_cohort.encoder.static import save_static
+
+    tokenizer = Tokenizer.from_file(str(Path(resolve_model(None)) / "tokenizer.json"))
+    weights = np.random.default_rng(0).standard_normal((tokenizer.get_vocab_size(), 8)).astype(np.float32)
+    return str(save_static(tokenizer, weights, tmp_path / "enc"))
+
+
+def _prompt(i: int) -> str:
+    return f"question {i} about {'python lists' if i % 2 else 'cooking rice'}"
+
+
+async def _serve(url, encoder, data_dir, requests, **extra):
+    app = create_app(Settings(backend_url=url, encoder=encoder, learn=True, data_dir=str(data_dir), **extra))
+    proxy = app.state.proxy
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy") as client:
+            answers = [await client.post("/v1/chat/completions", json={
+                "model": "tiny", "messages": [{"role": "user", "content": _prompt(i)}]}) for i in range(requests)]
+            deadline = time.monotonic() + 30
+            while proxy.learning.learner.observed < requests and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)  # the worker thread learns off the event loop
+            await asyncio.sleep(0.2)
+            health = (await client.get("/health")).json()
+            metrics = (await client.get("/metrics")).text
+            predicted = proxy.predictor.predict(["one more question about python dicts", "about cooking pasta"])
+    finally:
+        await proxy.close()
+    return answers, health, metrics, predicted
+
+
+def _metric(text: str, name: str) -> float:
+    return float(re.search(rf"^{re.escape(name)} (\S+)$", text, re.M).group(1))
+
+
+def test_the_proxy_learns_a_head_from_routed_experts_and_admits_by_it(encoder, tmp_path):
+    async def main():
+        async with local_backend(vllm_like) as url:
+            return await _serve(url, encoder, tmp_path / "data", 20)
+
+    answers, health, metrics, predicted = asyncio.run(main())
+    assert all(a.status_code == 200 and "routed_experts" not in a.json()["choices"][0] for a in answers)
+    assert _metric(metrics, 'cohort_learned_profiles_total{source="routed_experts"}') == 20
+    assert _metric(metrics, "cohort_learned_refits_total") == 1 and _metric(metrics, "cohort_learned_head_observations") == 16
+    head_fit, mean_fit = (_metric(metrics, f'cohort_learned_head_fit{{predictor="{p}"}}') for p in ("head", "mean"))
+    assert head_fit > 0.9 > 0.6 > mean_fit  # the 4 requests after the fit: the head knows them, the mean profile half
+    assert health["admission"] == {"mode": "learned head", "learning": {"observed": 20, "head_fitted_on": 16}}
+    python, cooking = (p.vector.reshape(LAYERS, EXPERTS) for p in predicted)
+    assert set(np.argsort(-python[0])[:2]) == {0, 1} and set(np.argsort(-cooking[0])[:2]) == {4, 5}
+    assert python[:, 6:].max() < 0.05  # the prompt's experts are not the answer's
+
+
+def test_a_restart_admits_by_what_was_learned_and_goes_on_learning(encoder, tmp_path):
+    async def main():
+        async with local_backend(vllm_like) as url:
+            await _serve(url, encoder, tmp_path / "data", 10)  # stopped before its first head (16)
+            return await _serve(url, encoder, tmp_path / "data", 8)
+
+    _, health, metrics, _ = asyncio.run(main())
+    assert health["admission"] == {"mode": "learned head", "learning": {"observed": 18, "head_fitted_on": 16}}
+    assert _metric(metrics, 'cohort_learned_profiles_total{source="routed_experts"}') == 8  # this process's
+
+
+def test_before_the_first_head_requests_go_first_come_first_served(encoder, tmp_path):
+    async def main():
+        async with local_backend(vllm_like) as url:
+            return await _serve(url, encoder, tmp_path / "data", 3)
+
+    _, health, _, predicted = asyncio.run(main())
+    assert health["admission"]["mode"] == "first come, first served until the first learned head"
+    assert health["admission"]["learning"] == {"observed": 3, "head_fitted_on": 0, "first_head_after": 16}
+    assert predicted == [None, None]
+
+
+def test_a_client_that_asked_gets_the_routed_experts_and_bad_ones_are_counted_not_learned(encoder, tmp_path):
+    async def garbled(request):
+        if request.method == "GET":
+            return answer({})
+        body = await body_of(request)
+        routed = "bm90IGFuIGFycmF5" if "bad" in body["messages"][-1]["content"] else _b64_npy(_routing("python"))
+        return answer({"id": "c", "object": "chat.completion", "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": "ok"}, "routed_experts": routed}],
+            "usage": {"prompt_tokens": 5, "completion_tokens": 6, "total_tokens": 11}})
+
+    async def main():
+        async with local_backend(garbled) as url:
+            app = create_app(Settings(backend_url=url, encoder=encoder, learn=True, data_dir=str(tmp_path / "d")))
+            try:
+                async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy") as c:
+                    chat = {"model": "tiny", "messages": [{"role": "user", "content": "a python question"}]}
+                    asked = await c.post("/v1/chat/completions", json={**chat, "routed_experts_prompt_start": 0})
+                    bad = await c.post("/v1/chat/completions", json={**chat, "messages": [
+                        {"role": "user", "content": "a bad one"}]})
+                    await asyncio.sleep(0.3)
+                    return asked, bad, (await c.get("/metrics")).text
+            finally:
+                await app.state.proxy.close()
+
+    asked, bad, metrics = asyncio.run(main())
+    assert asked.json()["choices"][0]["routed_experts"] == _b64_npy(_routing("python"))
+    assert bad.status_code == 200 and "routed_experts" not in bad.json()["choices"][0]
+    assert _metric(metrics, 'cohort_learned_dropped_total{reason="invalid"}') == 1
+    assert _metric(metrics, 'cohort_learned_profiles_total{source="routed_experts"}') == 1
+
+
+def test_learning_needs_an_encoder():
+    with pytest.raises(SettingsError, match="learn.*needs an encoder"):
+        Settings(backend_url="http://x:1", encoder="none", learn=True)
