@@ -8,6 +8,8 @@ One module for both sides, so a renamed key or a changed encoding cannot leave o
 - `PROFILE_KEY`: the request's predicted expert profile in compact form (`compact`), for an engine
   that admits from its own queue by the same rule (backend.scheduler).
 - `RECORD_KEY`: whether the plugin records this request's expert trace.
+- `OBSERVE_KEY`: a token under which the plugin counts this request's experts (prompt and generated tokens
+  apart, counts only) for the proxy's online learning to take (backend.observed_endpoint).
 
 Compact form, for a field that carries flat lists of scalars: per MoE layer the `COMPACT_TOP` most
 frequent experts, each as one int `expert * 256 + q` with q = round(255 * u) in 0..255, layer after
@@ -28,6 +30,7 @@ import numpy as np
 ROUTING_KEY = "moe_routing"
 PROFILE_KEY = "moe_profile"
 RECORD_KEY = "moe_record"
+OBSERVE_KEY = "moe_observe"
 
 COMPACT_TOP = 8
 _LEVELS = 255

@@ -12,6 +12,8 @@ into `SamplingParams.extra_args`:
     moe_record    true/false: record this request's expert trace, honoured only where the operator lets
                   requests ask (env COHORT_RECORD_TRACES=request: those that ask; =1: all, a request
                   may opt out with false; =0, the default: none, and the API server refuses true)
+    moe_observe   a token (a short string, the proxy's): count the request's experts under it for the proxy's
+                  online learning (backend.observed_endpoint); counts only, no text
 """
 
 from __future__ import annotations
@@ -22,17 +24,21 @@ from typing import NamedTuple
 
 import numpy as np
 
-from moe_cohort.admission.wire import RECORD_KEY, ROUTING_KEY
+from moe_cohort.admission.wire import OBSERVE_KEY, RECORD_KEY, ROUTING_KEY
 from moe_cohort.backend.policy import Policy, PolicyError, TopK, parse_policy
 
 PREFILL, DECODE, MIXED = "prefill", "decode", "mixed"
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
+MAX_TOKEN_CHARS = 128
+
+
 @dataclass(frozen=True)
 class RequestOptions:
     policy: Policy
     record: bool
+    observe: str | None = None  # the moe_observe token its expert counts are kept under
     label: str = field(init=False, compare=False)  # canonical policy string (metric label), computed once
 
     def __post_init__(self) -> None:
@@ -80,7 +86,16 @@ def request_options(extra_args: Mapping | None, default_policy: Policy = TopK(),
                                    "with COHORT_RECORD_TRACES=request)")
         else:
             record = asked
-    return RequestOptions(policy, record)
+    return RequestOptions(policy, record, observe_token(extra_args.get(OBSERVE_KEY)))
+
+
+def observe_token(value: object) -> str | None:
+    """A `moe_observe` value: None (absent) or a non-empty string of at most MAX_TOKEN_CHARS; ValueError otherwise."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_TOKEN_CHARS:
+        raise ValueError(f"vllm_xargs.{OBSERVE_KEY} must be a string of 1 to {MAX_TOKEN_CHARS} characters, got {value!r}")
+    return value
 
 
 class Span(NamedTuple):
@@ -122,12 +137,13 @@ class Step:
     group_tokens: tuple[int, ...]  # [G] rows per group
     all_topk: bool  # every span's effective policy is top-k: routing stays as the router chose
     record: bool  # some span is recorded
+    observe: bool = False  # some span's experts are counted (moe_observe)
 
     @property
     def steady(self) -> bool:
-        """True for a decode-only batch that records nothing: the next step with the same requests
+        """True for a decode-only batch that records and counts nothing: the next step with the same requests
         and token counts is the same Step (only positions advance, and nothing reads them then)."""
-        return not self.record and all(s.position >= s.num_prompt_tokens for s in self.spans)
+        return not self.record and not self.observe and all(s.position >= s.num_prompt_tokens for s in self.spans)
 
     @property
     def batch_labels(self) -> tuple[str, str]:
@@ -168,4 +184,5 @@ def build_step(req_ids: Sequence[str], query_start_loc: Sequence[int], positions
         groups=tuple(group_of), token_group=token_group, group_tokens=tuple(group_tokens),
         all_topk=not any(s.rerouted for s in spans),
         record=any(s.options.record for s in spans),
+        observe=any(s.options.observe for s in spans),
     )

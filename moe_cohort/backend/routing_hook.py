@@ -37,6 +37,7 @@ import torch
 
 from moe_cohort.backend.engine_state import RequestOptions, Step, request_options
 from moe_cohort.backend.distinct import distinct_experts
+from moe_cohort.backend.expert_counts import ExpertCounts
 from moe_cohort.backend.metrics import ExpertLoadMetrics
 from moe_cohort.backend.policy import Policy, PolicyError, TopK
 from moe_cohort.backend.recorder import TraceRecorder
@@ -101,6 +102,8 @@ class RoutingHook(TableMode):
         self._plan_of: tuple[Step | None, _Plan | None] = (None, None)  # a reused Step keeps its plan
         self._routed: list[tuple[Kept, Kept | None]] = []  # per layer: ids [n, k] before, after
         self._captured: list[tuple[Kept, Kept]] = []  # per layer: ids [n, k], weights [n, k]
+        self._counted: list[Kept] = []  # per layer: ids [n, k] after the policies, for the observed requests' counts
+        self.counts: ExpertCounts | None = None  # observed requests' expert counts (created with the first)
         self._warned: set[str] = set()
         self.tables: StepTables | None = None
         self._published: Step | None = None  # the step the tables hold (a steady Step is reused)
@@ -141,8 +144,10 @@ class RoutingHook(TableMode):
 
     def finish_request(self, req_id: str, prompt_token_ids: Sequence[int] | None,
                        output_token_ids: Sequence[int]) -> Path | None:
-        """Forget the request; write its trace if it was recorded."""
+        """Forget the request; its expert counts wait for the proxy if it was observed; write its trace if it was recorded."""
         self._options.pop(req_id, None)
+        if self.counts is not None:
+            self.counts.finish(req_id)
         if self._recorder is None or not self._recorder.is_recording(req_id):
             return None
         return self._recorder.finish(req_id, list(prompt_token_ids or []), list(output_token_ids))
@@ -163,6 +168,7 @@ class RoutingHook(TableMode):
             self._plan_of = (step, self._plan)
         self._routed.clear()
         self._captured.clear()
+        self._counted.clear()
 
     def route(self, layer: int, router_logits: torch.Tensor, weights: torch.Tensor,
               ids: torch.Tensor, *, copy: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -190,6 +196,8 @@ class RoutingHook(TableMode):
             self._routed.append((keep(kept_ids), None if new_ids is ids else keep(kept_new)))
         if step.record and self.observe:
             self._captured.append((keep(kept_new), keep(kept_w)))
+        if step.observe and self.observe:
+            self._counted.append(keep(kept_new))
         return new_w, new_ids
 
     def _reroute(self, layer: int, info: LayerInfo, router_logits: torch.Tensor, weights: torch.Tensor,
@@ -238,8 +246,11 @@ class RoutingHook(TableMode):
             self.metrics.flush()
         if step.record and self._captured:
             self._store_rows(step)
+        if step.observe and self._counted:
+            self._count_observed(step)
         self._routed.clear()
         self._captured.clear()
+        self._counted.clear()
 
     def _count_distinct(self, step: Step) -> tuple[list[list[int]], list[list[int]]]:
         """Distinct experts [L][G + 1] before and after the policies, for the layers of this step."""
@@ -263,6 +274,23 @@ class RoutingHook(TableMode):
             if span.options.record:
                 recorder.add_rows(span.req_id, span.options.label, span.position,
                                   ids[span.start:span.end], weights[span.start:span.end])
+
+    def _count_observed(self, step: Step) -> None:
+        if len(self._counted) != len(self.layers):
+            self._warn_once("counted", "counting experts needs every MoE layer per forward; saw %d of %d",
+                            len(self._counted), len(self.layers))
+            return
+        ids = np.stack(_host(self._counted), axis=1)  # [n, L, k]
+        if self.counts is None:
+            self.counts = ExpertCounts(len(self.layers), next(iter(self.layers.values())).num_experts)
+        for span in step.spans:
+            if span.options.observe:
+                self.counts.add(span.req_id, span.options.observe, span.position, span.num_prompt_tokens,
+                                ids[span.start:span.end])
+
+    def take_observed(self, tokens: Sequence[str]) -> dict[str, dict]:
+        """The finished observed requests' counts under `tokens` (backend.expert_counts), handed over once."""
+        return {} if self.counts is None else self.counts.take(tokens)
 
     def _get_recorder(self) -> TraceRecorder:
         if self._recorder is None:

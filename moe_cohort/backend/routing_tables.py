@@ -66,8 +66,8 @@ class TableMode:
 
     def _collect_tables(self, step: Step) -> None:
         """Table mode: what every layer decided, read back once per step (outside any graph)."""
-        recording = step.record and self.observe
-        if self.metrics is None and not recording:
+        recording, counting = step.record and self.observe, step.observe and self.observe
+        if self.metrics is None and not recording and not counting:
             return
         before, after, weights = self.tables.decided(step.num_tokens)    # [L, n, k] each
         layers = sorted(self.layers)
@@ -75,4 +75,6 @@ class TableMode:
             self._routed = [(before[i], after[i]) for i in layers]
         if recording:
             self._captured = [(after[i], weights[i]) for i in layers]
+        if counting:
+            self._counted = [after[i] for i in layers]
 

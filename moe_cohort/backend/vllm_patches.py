@@ -18,7 +18,9 @@ Imported only by `backend.vllm_plugin.register()`. Patched (vLLM 0.32; names unc
 - `GPUModelRunner._model_forward` (the V1 runner; `CPUModelRunner` inherits it): publish the
   step's request spans before the forward (`begin_step`), then metrics and recording (`end_step`).
 - `GPUModelRunner._update_states`: requests in `finished_req_ids` are finished in the hook
-  (their trace is written) before vLLM forgets them.
+  (their trace is written, their expert counts wait for the proxy) before vLLM forgets them.
+- `WorkerBase.cohort_take_observed` (added, not patched): the observed requests' expert counts, for
+  `collective_rpc` from the API server (backend.observed_endpoint).
 
 Not covered: monolithic GPU MoE kernels (they skip `select_experts`), the V2 GPU model runner (the
 plugin chooses V1 where the user did not choose: `choose_model_runner`), and models that route outside
@@ -43,7 +45,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moe_cohort.admission.wire import RECORD_KEY, ROUTING_KEY
+from moe_cohort.admission.wire import OBSERVE_KEY, RECORD_KEY, ROUTING_KEY
 from moe_cohort.backend.engine_state import build_step, request_options
 from moe_cohort.backend.metrics import ExpertLoadMetrics, setup_serving_process, worker_directory
 from moe_cohort.backend.policy import Policy, PolicyError, TopK
@@ -104,6 +106,7 @@ def install(config) -> None:
     _patch_moe_runner()
     _patch_router()
     _patch_model_runner()
+    _add_worker_method()
     STATE.installed = True
 
 
@@ -114,14 +117,14 @@ def validate_extra_args(params, config) -> None:
     from vllm.exceptions import VLLMValidationError
 
     extra = params.extra_args or {}
-    if ROUTING_KEY not in extra and RECORD_KEY not in extra and not config.record_all \
+    if not extra.keys() & {ROUTING_KEY, RECORD_KEY, OBSERVE_KEY} and not config.record_all \
             and isinstance(config.default_policy, TopK):
         return
     try:
         opts = request_options(extra, config.default_policy, config.record_all, config.record_requests, strict=True)
         check_policy(opts.policy, config)
     except (PolicyError, ValueError) as exc:
-        key = ROUTING_KEY if isinstance(exc, PolicyError) else RECORD_KEY
+        key = ROUTING_KEY if isinstance(exc, PolicyError) else OBSERVE_KEY if OBSERVE_KEY in str(exc) else RECORD_KEY
         raise VLLMValidationError(f"invalid vllm_xargs.{key}: {exc}", parameter=f"vllm_xargs.{key}",
                                   value=extra.get(key)) from None
     changes_prefill = not isinstance(opts.policy, TopK) and not opts.policy.decode_only
@@ -412,3 +415,14 @@ def _patch_model_runner() -> None:
 
     GPUModelRunner._model_forward = _model_forward
     GPUModelRunner._update_states = _update_states
+
+
+def take_observed(worker, tokens: list[str]) -> dict[str, dict]:
+    """`collective_rpc("cohort_take_observed", args=(tokens,))`: this worker's finished observed requests' counts."""
+    return STATE.hook.take_observed(tokens) if STATE.hook is not None else {}
+
+
+def _add_worker_method() -> None:
+    from vllm.v1.worker.worker_base import WorkerBase
+
+    WorkerBase.cohort_take_observed = take_observed

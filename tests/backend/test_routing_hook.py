@@ -6,6 +6,7 @@ policy rows, and distinct-expert counts by Python sets.
 
 import logging
 
+import numpy as np
 import pytest
 import torch
 
@@ -198,3 +199,50 @@ def test_the_engine_honours_a_requests_moe_record_only_where_the_operator_lets_r
     assert _hook().options_for("r", asked) == RequestOptions(parse_policy("oea;k0=2"), False)  # kept its policy
     assert _hook(record_requests=True).options_for("r", asked).record is True
     assert _hook(record_all=True).options_for("r", {"moe_record": False}).record is False
+
+
+def test_observed_requests_are_counted_after_their_policy_and_handed_over_once():
+    from moe_cohort.traces.observed import Observed
+
+    hook = _hook()
+    used = []
+    observed, plain = RequestOptions(XSHARE, False, "tok-1"), RequestOptions(TopK(), False)
+    # a prefill of "o" (3 prompt tokens) beside a plain request, then two decode steps of both
+    for index, (qsl, pos) in enumerate([([0, 3, 5], [0, 0]), ([0, 1, 2], [3, 2]), ([0, 1, 2], [4, 3])]):
+        step = build_step(["o", "p"], qsl, pos, [3, 2], [observed, plain])
+        assert step.observe and not step.steady
+        hook.begin_step(step)
+        for layer in range(LAYERS):
+            _, new_ids = hook.route(layer, *_router(qsl[-1], seed=10 * index + layer))
+            used.append((index, layer, new_ids[: qsl[1]].numpy().copy()))
+        hook.end_step()
+    assert hook.take_observed(["tok-1"]) == {}  # still running
+    hook.finish_request("o", [1, 2, 3], [4, 5, 6])
+    got = Observed.from_wire(hook.take_observed(["tok-1"])["tok-1"])
+    want = np.zeros((2, LAYERS, E), np.int64)
+    for index, layer, ids in used:
+        for row, token_ids in enumerate(ids):
+            want[0 if index == 0 else 1, layer, token_ids] += 1
+    np.testing.assert_array_equal(got.prompt, want[0])
+    np.testing.assert_array_equal(got.decode, want[1])
+    assert (got.prompt_tokens, got.decode_tokens) == (3, 2)
+    assert hook.take_observed(["tok-1"]) == {}
+
+
+def test_a_batch_with_nobody_observed_counts_nothing_and_stays_steady():
+    hook = _hook()
+    step = build_step(["p"], [0, 1], [5], [2], [RequestOptions(TopK(), False)])
+    assert step.steady and not step.observe
+    hook.begin_step(step)
+    hook.route(0, *_router(1, 0))
+    hook.end_step()
+    assert hook.counts is None
+
+
+def test_a_moe_observe_token_is_a_short_string():
+    from moe_cohort.backend.engine_state import request_options
+
+    assert request_options({"moe_observe": "p1-7"}).observe == "p1-7"
+    for bad in (7, "", "x" * 129):
+        with pytest.raises(ValueError, match="moe_observe must be a string"):
+            request_options({"moe_observe": bad})
