@@ -60,10 +60,10 @@ class Proxy:
     def __init__(self, settings: Settings, predictor: Predictor | None, learner: OnlineLearner | None = None) -> None:
         self.settings, self.predictor = settings, predictor
         self.metrics = ProxyMetrics()
-        self.learning = None if learner is None or predictor is None else Learning(
-            learner, predictor.features, learned_folder(settings), self.metrics, settings.learn_sample_rate)
         clients = [BackendClient(url, timeout_s=settings.request_timeout_s, connect_timeout_s=settings.connect_timeout_s)
                    for url in settings.backend_urls]
+        self.learning = None if learner is None or predictor is None else Learning(
+            learner, predictor.features, learned_folder(settings), self.metrics, settings.learn_sample_rate, clients[0])
         self.backend = clients[0]  # the one backend, or the first replica (Batch API code without a gate)
         # one backend is a set of one replica; several (--backend repeated) are routed by --routing
         self.replicas = ReplicaSet(clients, [settings.max_in_flight] * len(clients), settings.routing,
@@ -72,7 +72,7 @@ class Proxy:
         profiler = Profiler(predictor.predict, self.metrics.profile_seconds) if predictor else None
         self.gate = AdmissionGate(profiler, self.metrics, replicas=self.replicas, profile_first=settings.forward_profiles)
         self.authorize = Authorizer(settings.api_keys)  # called with a request's headers
-        self.upstream = Upstream(self.gate, self.metrics, settings.keepalive_s)
+        self.upstream = Upstream(self.gate, self.metrics, settings.keepalive_s, self.learning)
 
     async def close(self) -> None:
         self.gate.close()
@@ -108,6 +108,8 @@ class Proxy:
                              rules=HintRules.of(self.settings))
         if self.settings.log_prompts:
             log.info("%s request, policy %s: %r", route, preq.policy, preq.text)
+        if self.learning is not None:
+            self.learning.mark(preq.body)
         return await self.generate(request, preq)
 
     async def generate(self, request: Request, preq: ProxyRequest) -> Response:
@@ -148,6 +150,8 @@ class Proxy:
                     admission = await self.gate.readmit(down)  # another replica; its place kept
         finally:
             if admission is not None:
+                if self.learning is not None:
+                    self.learning.finished(admission.client, preq.body, preq.text)
                 self.gate.release(admission)
 
 

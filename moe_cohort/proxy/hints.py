@@ -8,8 +8,10 @@ Two of them are the proxy's own, never a client's:
   prediction there (--forward-profiles) and otherwise sends none.
 - `moe_record`: makes the plugin write the request's expert trace (with its token ids) to disk on
   the engine's host.
+- `moe_observe`: makes the plugin count the request's experts for the proxy's online learning (--learn);
+  a client's own token would mix its requests into what the proxy learns from.
 
-The proxy drops both from every client body (chat, completions, responses, batch lines) unless the operator
+The proxy drops these from every client body (chat, completions, responses, batch lines) unless the operator
 trusts its callers (`trust_client_hints`, e.g. a gateway in front that predicts profiles itself).
 `moe_routing`, the routing policy, is the product's API and stays the client's to choose, within the
 operator's list when there is one (`allowed_policies`: policy names, any parameters, or exact policies;
@@ -21,9 +23,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable
 
-from moe_cohort.admission.wire import PROFILE_KEY, RECORD_KEY
+from moe_cohort.admission.wire import OBSERVE_KEY, PROFILE_KEY, RECORD_KEY
 
-OWNED_BY_PROXY = (PROFILE_KEY, RECORD_KEY)
+OWNED_BY_PROXY = (PROFILE_KEY, RECORD_KEY, OBSERVE_KEY)
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,14 @@ refits the head off the event loop when enough new ones arrived, swaps it in (ad
 refit, so a restart keeps what was learned. Until its first head, admission runs on the trained
 folder's head if the encoder has one, else first come, first served.
 
-Where the counts come from:
+Where the counts come from (one `Observed` either way):
+- our plugin (`mark` / `finished`): a sampled request goes out with `vllm_xargs.moe_observe` = a token;
+  the plugin counts its experts in the engine and, once it finished, the proxy takes the counts from
+  the replica that served it (`POST /v1/cohort/observed`, backend.observed_endpoint; polled every
+  POLL_S while requests are waiting, given up after GIVE_UP_S). The vLLM server the proxy already
+  talks to serves them, so it works the same embedded and across containers; streamed or not. The
+  proxy marks requests once the (first) backend said it serves that route; one that says it does
+  not (404) leaves the second source, with a warning saying how to turn the first on;
 - vLLM's `routed_experts` field (`from_answer`): a non-streamed answer of a server started with
   `--enable-return-routed-experts` (vLLM 0.32, Model Runner V2) carries, per choice, base64 `.npy`
   [tokens - 1, L, k]; the proxy reads it with the answer's `usage.prompt_tokens` and strips it from
@@ -20,9 +27,12 @@ is observed, after that this share of them.
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import json
 import logging
 import random
+import secrets
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -31,7 +41,10 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from moe_cohort.admission.wire import OBSERVE_KEY
 from moe_cohort.encoder.profile import ProfileHead
+from moe_cohort.proxy.backend import BackendClient
+from moe_cohort.proxy.http.errors import BackendStatusError, ProxyError
 from moe_cohort.proxy.metrics import ProxyMetrics
 from moe_cohort.traces.observed import BadObservation, Observed, decode_npy, from_routed_experts
 from moe_cohort.train.online import LearnConfig, OnlineLearner
@@ -39,6 +52,9 @@ from moe_cohort.train.online import LearnConfig, OnlineLearner
 log = logging.getLogger(__name__)
 
 ROUTED_EXPERTS, PROMPT_START = "routed_experts", "routed_experts_prompt_start"
+PLUGIN, OBSERVED_PATH = "plugin", "/v1/cohort/observed"
+POLL_S, GIVE_UP_S, MAX_TAKE = 0.5, 60.0, 4096  # MAX_TAKE: backend.observed_endpoint.MAX_TOKENS
+PROBE_EVERY_S = 10.0  # how often a backend that did not answer whether it serves the counts is asked again
 MAX_BACKLOG = 1000  # observations waiting for the worker; more are dropped (counted), never the event loop blocked
 Featurize = Callable[[Sequence[str]], np.ndarray]  # texts -> [N, F] what the head reads
 
@@ -47,7 +63,7 @@ class Learning:
     """The proxy's learner: `add` observations from the event loop; the worker thread learns from them."""
 
     def __init__(self, learner: OnlineLearner, featurize: Featurize, folder: Path, metrics: ProxyMetrics,
-                 sample_rate: float = 1.0) -> None:
+                 sample_rate: float = 1.0, backend: BackendClient | None = None) -> None:
         self.learner, self.featurize, self.folder, self.metrics = learner, featurize, folder, metrics
         self.sample_rate = sample_rate
         self._pending: list[tuple[str, Observed, str]] = []
@@ -55,6 +71,12 @@ class Learning:
         self._lock = threading.Lock()
         self._executor = ThreadPoolExecutor(1, "cohort-learn")
         self._random = random.Random(0)
+        self.backend = backend  # asked whether it serves OBSERVED_PATH
+        self.plugin: bool | None = None  # whether it does (None: not known yet)
+        self._probe_after, self._probes = 0.0, set()
+        self._tokens = (f"{secrets.token_hex(4)}-{n}" for n in itertools.count())  # this proxy's moe_observe tokens
+        self._waiting: dict[BackendClient, dict[str, tuple[str, float]]] = {}  # client -> token -> (text, when)
+        self._poller: asyncio.Task | None = None
         metrics.learned_head_age.set_function(lambda: time.time() - learner.fitted_at if learner.head else float("nan"))
         metrics.learned_head_observations.set_function(lambda: learner.fitted_on if learner.head else 0)
         for i, label in enumerate(("head", "mean")):
@@ -89,6 +111,81 @@ class Learning:
                 return
             self._busy = True
         self._executor.submit(self._drain)
+
+    # ---- our plugin's counts ----------------------------------------------------------------------
+
+    def mark(self, body: dict) -> None:
+        """Ask the engine to count this request's experts (a request body about to be forwarded), when sampled
+        and the backend serves the counts (asked once, in the background, before the first request is marked)."""
+        if self.plugin is None:
+            self._probe_soon()
+        elif self.plugin and self.sampled():
+            body["vllm_xargs"] = {**(body.get("vllm_xargs") or {}), OBSERVE_KEY: next(self._tokens)}
+
+    def _probe_soon(self) -> None:
+        if self.backend is None or time.monotonic() < self._probe_after:
+            return
+        self._probe_after = time.monotonic() + PROBE_EVERY_S
+        task = asyncio.get_running_loop().create_task(self._probe(self.backend))
+        self._probes.add(task)
+        task.add_done_callback(self._probes.discard)
+
+    async def _probe(self, client: BackendClient) -> None:
+        """Whether `client` serves OBSERVED_PATH: 200 with its shape (yes), 404/405 (no), else not known yet."""
+        try:
+            answer = await client.request("POST", OBSERVED_PATH, json={"tokens": []})
+            self.plugin = isinstance(json.loads(answer.content).get("observed"), dict)
+        except BackendStatusError as exc:
+            if exc.status_code in (404, 405):
+                self.plugin = False
+        except (ProxyError, ValueError, AttributeError):
+            return
+        if self.plugin is False:
+            log.warning("learning: %s has no %s, so the proxy learns from vLLM's routed_experts answers only; for our "
+                        "plugin's counts run vLLM with it and VLLM_PLUGINS=moe_cohort (cohort serve's embedded vLLM "
+                        "does)", client.base_url, OBSERVED_PATH)
+
+    def finished(self, client: BackendClient, body: dict, text: str) -> None:
+        """A marked request left `client` (answered, failed or abandoned): take its counts from there soon."""
+        token = (body.get("vllm_xargs") or {}).get(OBSERVE_KEY)
+        if token is None or self.plugin is False:
+            return
+        self._waiting.setdefault(client, {})[token] = (text, time.monotonic())
+        if self._poller is None or self._poller.done():
+            self._poller = asyncio.get_running_loop().create_task(self._poll())
+
+    async def _poll(self) -> None:
+        while self._waiting:
+            await asyncio.sleep(POLL_S)
+            for client in list(self._waiting):
+                try:
+                    await self._take(client, self._waiting[client])
+                except Exception:  # a bug or a broken answer must not stop the polling
+                    log.exception("taking observed expert counts from %s failed", client.base_url)
+                if not self._waiting.get(client):
+                    self._waiting.pop(client, None)
+
+    async def _take(self, client: BackendClient, waiting: dict[str, tuple[str, float]]) -> None:
+        try:
+            answer = await client.request("POST", OBSERVED_PATH, json={"tokens": list(waiting)[:MAX_TAKE]})
+        except ProxyError:  # unreachable now (or a replica without the plugin): the tokens wait, and expire
+            answer = None
+        for token, obj in (json.loads(answer.content).get("observed", {}) if answer else {}).items():
+            text, _ = waiting.pop(token, (None, 0.0))
+            if text is None:
+                continue
+            try:
+                self.add(text, Observed.from_wire(obj), PLUGIN)
+            except BadObservation as exc:
+                self.metrics.learned_dropped.labels("invalid").inc()
+                log.warning("cannot learn from the plugin's counts of a request: %s", exc)
+        expired = [t for t, (_, when) in waiting.items() if time.monotonic() - when > GIVE_UP_S]
+        for token in expired:
+            del waiting[token]
+        if expired:
+            self.metrics.learned_dropped.labels("unclaimed").inc(len(expired))
+
+    # ---- vLLM's routed_experts -------------------------------------------------------------------
 
     def observe_routed(self, text: str, body: dict, answer: dict) -> None:
         """Learn from vLLM's routed experts of the answer's one choice (the request sent `body`)."""
@@ -133,6 +230,8 @@ class Learning:
 
     def close(self) -> None:
         """Finish what is queued, stop the worker, save what was learned since the last refit."""
+        if self._poller is not None:
+            self._poller.cancel()
         self._executor.shutdown(wait=True)
         if self.learner.observed:
             self.learner.save(self.folder)
@@ -158,8 +257,9 @@ def relay_answer(content: bytes, text: str, body: dict, learning: Learning | Non
         choices = answer.get("choices") or []
     except (ValueError, AttributeError):
         return content
-    if (learning is not None and len(choices) == 1 and isinstance(choices[0], dict) and choices[0].get(ROUTED_EXPERTS)
-            and learning.sampled()):
+    marked = OBSERVE_KEY in (body.get("vllm_xargs") or {})  # the plugin's counts of it come (once)
+    if (learning is not None and not marked and len(choices) == 1 and isinstance(choices[0], dict)
+            and choices[0].get(ROUTED_EXPERTS) and learning.sampled()):
         learning.observe_routed(text, body, answer)
     if body.get(PROMPT_START) is not None:
         return content

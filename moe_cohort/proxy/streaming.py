@@ -25,6 +25,7 @@ from starlette.responses import StreamingResponse
 
 from moe_cohort.proxy.admission import AdmissionGate
 from moe_cohort.proxy.http.errors import BackendUnreachable, ProxyError
+from moe_cohort.proxy.learning import Learning
 from moe_cohort.proxy.metrics import ProxyMetrics
 from moe_cohort.proxy.cohort_key import cohort_key_header
 from moe_cohort.proxy.protocol import ProxyRequest, cohort_headers, with_profile
@@ -55,6 +56,7 @@ class Upstream:
     gate: AdmissionGate
     metrics: ProxyMetrics
     keepalive_s: float
+    learning: Learning | None = None  # told when a request leaves its replica (proxy.learning)
 
 
 class StreamRelay:
@@ -142,6 +144,8 @@ class StreamRelay:
         if not self._opening and not self._admit.cancelled() and self._admit.exception() is None:
             self._admission = self._admit.result()  # admitted, never opened
         if self._admission is not None:
+            if self.up.learning is not None:
+                self.up.learning.finished(self._admission.client, self.preq.body, self.preq.text)
             self.up.gate.release(self._admission)
             self._admission = None
 

@@ -38,6 +38,8 @@ def _routing(prompt: str, prompt_tokens: int = 5, generated: int = 6) -> np.ndar
 async def vllm_like(request):
     if request.method == "GET":  # /health
         return answer({})
+    if request.path != "/v1/chat/completions":  # a vLLM without our plugin: no /v1/cohort/observed
+        return answer({"detail": "Not Found"}, status=404)
     body = await body_of(request)
     prompt = body["messages"][-1]["content"]
     return answer({"id": "c", "object": "chat.completion", "model": "tiny",
@@ -128,6 +130,8 @@ def test_a_client_that_asked_gets_the_routed_experts_and_bad_ones_are_counted_no
     async def garbled(request):
         if request.method == "GET":
             return answer({})
+        if request.path != "/v1/chat/completions":
+            return answer({"detail": "Not Found"}, status=404)
         body = await body_of(request)
         routed = "bm90IGFuIGFycmF5" if "bad" in body["messages"][-1]["content"] else _b64_npy(_routing("python"))
         return answer({"id": "c", "object": "chat.completion", "choices": [
@@ -158,3 +162,62 @@ def test_a_client_that_asked_gets_the_routed_experts_and_bad_ones_are_counted_no
 def test_learning_needs_an_encoder():
     with pytest.raises(SettingsError, match="learn.*needs an encoder"):
         Settings(backend_url="http://x:1", encoder="none", learn=True)
+
+
+def _plugin_backend(seen_tokens: list):
+    """A vLLM with our plugin: counts the experts of requests marked vllm_xargs.moe_observe, hands them over at
+    POST /v1/cohort/observed (backend.observed_endpoint's format), streams when asked."""
+    from moe_cohort.traces.observed import from_routed_experts
+
+    done = {}
+
+    async def handler(request):
+        if request.method == "GET":
+            return answer({})
+        body = await body_of(request)
+        if request.path == "/v1/cohort/observed":
+            return answer({"observed": {t: done.pop(t) for t in body["tokens"] if t in done}})
+        token = body.get("vllm_xargs", {}).get("moe_observe")
+        seen_tokens.append(token)
+        if token:
+            done[token] = from_routed_experts(_routing(body["messages"][-1]["content"]), 5, EXPERTS).to_wire()
+        if body.get("stream"):
+            from aiohttp import web
+
+            response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await response.prepare(request)
+            await response.write(b'data: {"choices": [{"index": 0, "delta": {"content": "ok"}}]}\n\ndata: [DONE]\n\n')
+            return response
+        return answer({"id": "c", "object": "chat.completion", "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}]})
+
+    return handler
+
+
+def test_the_proxy_learns_from_the_plugins_counts_of_streamed_and_whole_answers(encoder, tmp_path):
+    seen = []
+
+    async def main():
+        async with local_backend(_plugin_backend(seen)) as url:
+            app = create_app(Settings(backend_url=url, encoder=encoder, learn=True, data_dir=str(tmp_path / "d")))
+            proxy = app.state.proxy
+            try:
+                async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy") as c:
+                    for i in range(21):
+                        chat = {"model": "tiny", "messages": [{"role": "user", "content": _prompt(i)}],
+                                "stream": i % 3 == 0, "vllm_xargs": {"moe_observe": "a client's own token"}}
+                        assert (await c.post("/v1/chat/completions", json=chat)).status_code == 200
+                        await asyncio.sleep(0.02)
+                    deadline = time.monotonic() + 30
+                    while proxy.learning.learner.observed < 20 and time.monotonic() < deadline:
+                        await asyncio.sleep(0.1)
+                    await asyncio.sleep(0.2)
+                    return (await c.get("/health")).json(), (await c.get("/metrics")).text
+            finally:
+                await proxy.close()
+
+    health, metrics = asyncio.run(main())
+    assert seen[0] is None  # the first request went before the backend said it serves the counts
+    assert all(t and t != "a client's own token" for t in seen[1:]) and len(set(seen[1:])) == 20
+    assert _metric(metrics, 'cohort_learned_profiles_total{source="plugin"}') == 20
+    assert health["admission"]["mode"] == "learned head" and health["admission"]["learning"]["observed"] == 20
