@@ -325,3 +325,31 @@ def test_metrics_page_has_cohort_families_and_vllm_metrics(server, client):
     for family in ("cohort_moe_distinct_experts_before", "cohort_moe_distinct_experts_after"):
         assert f"# TYPE {family} histogram" in text
     assert "vllm:num_requests_running" in text and "vllm:generation_tokens_total" in text
+
+
+def test_observed_counts_are_the_recorded_trace_counted_and_handed_over_once(server, client, trace_dir):
+    """moe_observe: the plugin counts the request's experts; POST /v1/cohort/observed (our endpoint plugin, over
+    vLLM's collective_rpc) hands them over; they are the request's recorded trace, counted."""
+    from moe_cohort.traces.observed import Observed, from_routed_experts
+
+    response = client.completions.create(model="tiny", prompt="Count the experts of this prompt", max_tokens=7,
+                                         temperature=0, extra_body={"ignore_eos": True, "vllm_xargs": {
+                                             "moe_record": True, "moe_observe": "obs-1", "moe_routing": LYNX}},
+                                         extra_headers={"X-Request-Id": "observed-1"})
+    found, deadline = {}, time.monotonic() + 30
+    while "obs-1" not in found and time.monotonic() < deadline:  # the engine finishes it one step after the answer
+        found = httpx.post(server.url + "/v1/cohort/observed", json={"tokens": ["obs-1", "never-seen"]},
+                           timeout=30).json()["observed"]
+        time.sleep(0.2)
+    got = Observed.from_wire(found["obs-1"])
+    ts = _trace_for(trace_dir, "observed-1")
+    want = from_routed_experts(ts.experts, int(ts.num_prompt_tokens[0]), ts.num_experts)
+    assert (got.prompt_tokens, got.decode_tokens) == (response.usage.prompt_tokens, 6)  # the last token never ran
+    np.testing.assert_array_equal(got.prompt, want.prompt)
+    np.testing.assert_array_equal(got.decode, want.decode)
+    again = httpx.post(server.url + "/v1/cohort/observed", json={"tokens": ["obs-1"]}, timeout=30)
+    assert again.json() == {"observed": {}}
+    bad = httpx.post(server.url + "/v1/cohort/observed", json={"tokens": "obs-1"}, timeout=30)
+    assert bad.status_code == 400 and "tokens" in bad.json()["error"]["message"]
+    with pytest.raises(openai.BadRequestError, match="vllm_xargs.moe_observe must be a string"):
+        client.completions.create(model="tiny", prompt="hi", max_tokens=2, extra_body={"vllm_xargs": {"moe_observe": 3}})
