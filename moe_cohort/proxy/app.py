@@ -168,6 +168,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         await batch_jobs.resume()  # batches that were running when the proxy stopped
+        if proxy.learning is not None:
+            await proxy.learning.probe()  # whether the backend's plugin serves expert counts
         # Everything loaded so far (encoder, FAISS, the app) lives as long as the process: keep it out
         # of the garbage collector's full passes, which otherwise stall every request in flight now
         # and then, longer the more objects are loaded (docs/results.md).

@@ -56,7 +56,8 @@ PLUGIN, OBSERVED_PATH = "plugin", "/v1/cohort/observed"
 POLL_S, GIVE_UP_S, MAX_TAKE = 0.5, 60.0, 4096  # MAX_TAKE: backend.observed_endpoint.MAX_TOKENS
 PROBE_EVERY_S = 10.0  # how often a backend that did not answer whether it serves the counts is asked again
 MAX_BACKLOG = 1000  # observations waiting for the worker; more are dropped (counted), never the event loop blocked
-Featurize = Callable[[Sequence[str]], np.ndarray]  # texts -> [N, F] what the head reads
+# texts -> ([N, F] what the head reads, each text's profile as predicted on arrival [L*E], None where not at hand)
+Featurize = Callable[[Sequence[str]], tuple[np.ndarray, list[np.ndarray | None]]]
 
 
 class Learning:
@@ -121,6 +122,12 @@ class Learning:
             self._probe_soon()
         elif self.plugin and self.sampled():
             body["vllm_xargs"] = {**(body.get("vllm_xargs") or {}), OBSERVE_KEY: next(self._tokens)}
+
+    async def probe(self) -> None:
+        """Ask the backend now whether it serves the plugin's counts (at start-up: the first requests get marked)."""
+        if self.backend is not None and self.plugin is None:
+            self._probe_after = time.monotonic() + PROBE_EVERY_S
+            await self._probe(self.backend)
 
     def _probe_soon(self) -> None:
         if self.backend is None or time.monotonic() < self._probe_after:
@@ -214,10 +221,10 @@ class Learning:
                 log.exception("learning from %d observed requests failed", len(batch))
 
     def _learn(self, batch: list[tuple[str, Observed, str]]) -> None:
-        features = self.featurize([text for text, _, _ in batch])  # [n, F]
-        for f, (_, observed, source) in zip(features, batch):
+        features, predicted = self.featurize([text for text, _, _ in batch])  # [n, F], n x [L*E] or None
+        for f, p, (_, observed, source) in zip(features, predicted, batch):
             try:
-                self.learner.observe(f[None], [observed])
+                self.learner.observe(f[None], [observed], None if p is None else [p])
             except ValueError as exc:
                 self.metrics.learned_dropped.labels("invalid").inc()
                 log.warning("not learning from an observation: %s", exc)

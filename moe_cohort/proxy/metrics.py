@@ -35,10 +35,10 @@ class ProxyMetrics:
                                       "fitted (NaN: none yet)", registry=r)
         self.learned_head_observations = Gauge("cohort_learned_head_observations", "Observations the learned head "
                                                "was fitted on", registry=r)
-        self.learned_head_fit = Gauge("cohort_learned_head_fit", "Mean share of the observed profile the prediction "
-                                      "covers, over recent observations the head was not fitted on: the learned "
-                                      "head's, and the mean profile's (what learning nothing scores)", ["predictor"],
-                                      registry=r)
+        self.learned_head_fit = Gauge("cohort_learned_head_fit", "Mean share of a request's observed profile that "
+                                      "its prediction covers, over the latest observed requests (none seen by a head "
+                                      "when predicted): the head's, and the mean profile's (what learning nothing "
+                                      "scores)", ["predictor"], registry=r)
 
     def own_time(self, route: str, started: float | None, admission, backend_s: float) -> float | None:
         """The proxy's own seconds for a request so far (proxy.protocol.own_seconds), observed under `route`."""

@@ -14,10 +14,12 @@ thread; a batch run (proxy/batch/order.py) calls it once over the whole file.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import sys
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -42,7 +44,8 @@ class Predictor:
     predict: PredictFn
     resident_factory: ResidentFactory  # vector size -> the resident set that scores such vectors
     kind: str  # "profile" or "embedding"
-    features: Callable[[Sequence[str]], np.ndarray] | None = None  # texts -> [N, F] what a learned head reads
+    # texts -> ([N, F] what a learned head reads, each text's profile predicted on arrival [L*E] or None)
+    features: Callable[[Sequence[str]], tuple[np.ndarray, list[np.ndarray | None]]] | None = None
     mode: Callable[[], str] = lambda: "embeddings"  # what admission runs on now (/health)
 
 
@@ -99,14 +102,26 @@ def make_predictor(settings: Settings, threads: int | None = None,
     def head() -> ProfileHead | None:
         return (learned() if learned else None) or trained
 
+    recent = RecentFeatures() if learned is not None else None
+
     def predict(texts: Sequence[str]) -> list[Prediction | None]:
         x, current = embed(texts), head()
         if current is None:
             return [Prediction(row) for row in x] if learned is None else [None] * len(x)
-        return [Prediction.of_profile(p) for p in current.predict(x, list(texts))]  # [L, E] each (a head may read n-grams)
+        f = head_features(x, list(texts), current.ngram_dim)  # [N, F] (a head may read n-grams)
+        flat = current.from_features(f)  # [N, L*E]
+        if recent is not None and current.ngram_dim == DEFAULT_NGRAM_DIM:
+            recent.put(texts, f, flat)
+        shape = (current.num_layers, current.num_experts)
+        return [Prediction.of_profile(p.reshape(shape)) for p in flat]
 
-    def features(texts: Sequence[str]) -> np.ndarray:  # [N, F] what a learned head reads (the encoder's cache hits)
-        return head_features(embed(texts), list(texts), DEFAULT_NGRAM_DIM)  # train.online.LearnConfig's default
+    def features(texts: Sequence[str]) -> tuple[np.ndarray, list[np.ndarray | None]]:
+        """What a learned head reads of `texts` [N, F] (train.online.LearnConfig's n-grams), and each text's profile
+        as predicted on its arrival [L*E] (None: not at hand): from `recent` when the texts were predicted lately."""
+        cached = recent.get(texts) if recent is not None else None
+        if cached is not None:
+            return cached
+        return head_features(embed(texts), list(texts), DEFAULT_NGRAM_DIM), [None] * len(texts)
 
     def mode() -> str:
         if learned is not None and learned() is not None:
@@ -117,3 +132,36 @@ def make_predictor(settings: Settings, threads: int | None = None,
     if trained is None and learned is None:
         return Predictor(predict, ResidentEmbedding, "embedding", features, mode)
     return Predictor(predict, lambda size: ResidentExperts(1, size), "profile", features, mode)
+
+
+class RecentFeatures:
+    """The head features [F] and predicted profile [L*E] of the last `size` texts predicted, by text digest: the
+    online learner pairs them with the request's observed profile when its answer is in, without reading the
+    text again (its n-grams cost more than the rest of learning from it) and with the prediction admission used
+    (its live fit). float16 features: ~9 KB a text with the default n-grams, 2,048 texts ~18 MB."""
+
+    def __init__(self, size: int = 2048) -> None:
+        self.size = size
+        self._items: OrderedDict[bytes, tuple[np.ndarray, np.ndarray]] = OrderedDict()
+        self._lock = threading.Lock()  # put from the predicting thread, get from the learning one
+
+    def put(self, texts: Sequence[str], f: np.ndarray, predicted: np.ndarray) -> None:
+        with self._lock:
+            for text, row, p in zip(texts, f.astype(np.float16), predicted):
+                key = _digest(text)
+                self._items[key] = (row, p)
+                self._items.move_to_end(key)
+            while len(self._items) > self.size:
+                self._items.popitem(last=False)
+
+    def get(self, texts: Sequence[str]) -> tuple[np.ndarray, list[np.ndarray]] | None:
+        """All of `texts`' entries, or None when one is missing."""
+        with self._lock:
+            found = [self._items.get(_digest(t)) for t in texts]
+        if any(item is None for item in found):
+            return None
+        return np.stack([row for row, _ in found]).astype(np.float32), [p for _, p in found]
+
+
+def _digest(text: str) -> bytes:
+    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()

@@ -9,10 +9,11 @@ new ones arrived (`LearnConfig.refit_every`, and at least a quarter of what the 
 cost of fitting stays a bounded share of the traffic), and swaps the new head in with one assignment
 (readers in other threads see the old head or the new one, never a mix).
 
-Its live quality signal: each observation that arrives after the current head was fitted is one the
-head never saw; `live_fit()` is the mean overlap (the share of the observed profile's mass the
-prediction covers, sum min(p, o) / sum o) over the most recent `recent` of them, beside the overlap of
-the reservoir's mean profile (what a head that learned nothing would score).
+Its live quality signal: each observation is of a request no head had seen when admission predicted
+its profile on arrival (that prediction is passed in when at hand; else the current head predicts it,
+having never seen it either); `live_fit()` is the mean overlap (the share of the observed profile's
+mass the prediction covers, sum min(p, o) / sum o) over the most recent `recent` of them, beside the
+overlap of the reservoir's mean profile (what a head that learned nothing would score).
 
 `save(folder)` / `OnlineLearner.load(folder)` keep the reservoir and the head across restarts
 (npz files, no pickles; written to a temporary name and renamed, so a crash leaves the last state).
@@ -100,31 +101,36 @@ class OnlineLearner:
         """Observations ever added (this learner and the ones it was loaded from)."""
         return self.reservoir.seen
 
-    def observe(self, features: np.ndarray, observed: Sequence[Observed]) -> None:
-        """Add observations: features [n, F] (encoder.profile.head_features) of the requests `observed`."""
-        for f, obs in zip(np.asarray(features, np.float32), observed):
+    def observe(self, features: np.ndarray, observed: Sequence[Observed],
+                predicted: Sequence[np.ndarray | None] | None = None) -> None:
+        """Add observations: features [n, F] (encoder.profile.head_features) of the requests `observed`; `predicted`:
+        each one's profile [L*E] as admission predicted it before the request ran (None: the current head's)."""
+        predicted = predicted if predicted is not None else [None] * len(observed)
+        for f, obs, p in zip(np.asarray(features, np.float32), observed, predicted):
             y = self._fitted(obs).profile().ravel()  # [L*E]
-            if self.head is not None:  # an observation the current head never saw: the live fit
-                self._fit_recent.append((_overlap(self.head.from_features(f[None])[0], y),
-                                         _overlap(self.mean_profile(), y)))
+            if p is None and self.head is not None:  # an observation the current head never saw
+                p = self.head.from_features(f[None])[0]
+            if p is not None and len(p) == len(y):  # the live fit
+                self._fit_recent.append((_overlap(p, y), _overlap(self.mean_profile(), y)))
             self.reservoir.add(f, y)
 
     def _fitted(self, obs: Observed) -> Observed:
         """`obs` at the learner's width. A source that sees only expert ids (vLLM's routed experts) knows the
         experts up to the largest id seen: before the first head the width grows (an expert no earlier request
         picked has count 0 in all of them, so padding loses nothing), a narrower observation is padded."""
-        shape = (obs.num_layers, obs.num_experts, obs.top_k)
+        layers, experts = obs.num_layers, obs.num_experts
         if self.shape is None:
-            self.shape = shape
-        if shape == self.shape:
+            self.shape = (layers, experts, obs.top_k)
+        # experts per token: the most seen (a pruning routing policy picks fewer than the model's top-k)
+        self.shape = self.shape[:2] + (max(self.shape[2], obs.top_k),)
+        if (layers, experts) == self.shape[:2]:
             return obs
-        layers, experts, top_k = self.shape
-        if (shape[0], shape[2]) == (layers, top_k) and (shape[1] < experts or self.head is None):
-            if shape[1] > experts:
-                self._widen(shape[1])
+        if layers == self.shape[0] and (experts < self.shape[1] or self.head is None):
+            if experts > self.shape[1]:
+                self._widen(experts)
             return obs.padded(self.shape[1])
-        raise ValueError(f"an observation of {shape[0]} layers x {shape[1]} experts, top {shape[2]}, where the "
-                         f"learner holds {self.shape}: a different model; start it afresh (--data-dir)")
+        raise ValueError(f"an observation of {layers} layers x {experts} experts where the learner holds "
+                         f"{self.shape[0]} x {self.shape[1]}: a different model; start it afresh (--data-dir)")
 
     def _widen(self, experts: int) -> None:
         layers, old, top_k = self.shape
@@ -149,7 +155,6 @@ class OnlineLearner:
         start = time.perf_counter()
         head = fit_head_features(f, y.reshape(len(y), layers, experts), top_k, ngram_dim=self.config.ngram_dim)
         self.head, self.fitted_on, self.fitted_at = head, self.reservoir.seen, time.time()
-        self._fit_recent.clear()
         log.info("online profile head: refitted on %d of %d observations in %.2f s (alpha %g)",
                  len(f), self.reservoir.seen, time.perf_counter() - start, head.alpha)
         return head
@@ -158,7 +163,7 @@ class OnlineLearner:
         return self.reservoir.profiles[: self.reservoir.size].mean(axis=0)
 
     def live_fit(self) -> tuple[float, float, int] | None:
-        """(head's mean overlap, the mean profile's, how many) over the recent observations the head never saw."""
+        """(the predictions' mean overlap, the mean profile's, how many) over the most recent observations."""
         if not self._fit_recent:
             return None
         head, mean = np.mean(np.asarray(self._fit_recent), axis=0)

@@ -221,3 +221,18 @@ def test_the_proxy_learns_from_the_plugins_counts_of_streamed_and_whole_answers(
     assert all(t and t != "a client's own token" for t in seen[1:]) and len(set(seen[1:])) == 20
     assert _metric(metrics, 'cohort_learned_profiles_total{source="plugin"}') == 20
     assert health["admission"]["mode"] == "learned head" and health["admission"]["learning"]["observed"] == 20
+
+
+def test_a_proxy_that_starts_asks_the_backend_first_and_marks_its_first_request(encoder, tmp_path):
+    seen = []
+
+    async def main():
+        async with local_backend(_plugin_backend(seen)) as url:
+            app = create_app(Settings(backend_url=url, encoder=encoder, learn=True, data_dir=str(tmp_path / "d")))
+            async with app.router.lifespan_context(app):  # what uvicorn runs at start-up
+                async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy") as c:
+                    chat = {"model": "tiny", "messages": [{"role": "user", "content": _prompt(1)}]}
+                    assert (await c.post("/v1/chat/completions", json=chat)).status_code == 200
+
+    asyncio.run(main())
+    assert seen[0] is not None

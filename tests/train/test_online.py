@@ -116,7 +116,7 @@ def test_an_observation_of_another_model_is_refused():
     learner = OnlineLearner(LearnConfig(ngram_dim=0))
     f, obs = _stream(2)
     learner.observe(f[:1], obs[:1])
-    other = Observed(np.zeros((3, EXPERTS), np.int64), np.ones((3, EXPERTS), np.int64), 1, 1)
+    other = Observed(np.zeros((3, EXPERTS), np.int64), np.ones((3, EXPERTS), np.int64), 1, 1)  # 3 layers, not 2
     with pytest.raises(ValueError, match="a different model"):
         learner.observe(f[1:], [other])
 
@@ -142,3 +142,11 @@ def test_experts_seen_later_widen_the_learner_before_its_first_head_and_are_refu
     wider = Observed(np.zeros((LAYERS, 9), np.int64), np.ones((LAYERS, 9), np.int64), 1, 1)
     with pytest.raises(ValueError, match="a different model"):
         learner.observe(f[21:22], [wider])
+
+
+def test_a_pruning_policy_picking_fewer_experts_per_token_is_the_same_model():
+    learner = OnlineLearner(LearnConfig(ngram_dim=0))
+    f, obs = _stream(2)
+    pruned = Observed(obs[1].prompt, obs[1].decode // 2, 4, 10)  # one expert per token and layer, not two
+    learner.observe(f, [obs[0], pruned])
+    assert learner.shape == (LAYERS, EXPERTS, K) and learner.reservoir.size == 2

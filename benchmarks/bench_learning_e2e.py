@@ -1,0 +1,221 @@
+"""End to end through vLLM CPU: a proxy that starts with no head and learns one from the served model (issue 26).
+
+    python -m benchmarks.bench_learning_e2e [--model-dir DIR] [--first 200] [--warm 800] [--clients 64]
+        [--slots 16] [--max-tokens 32] [--engine-side]
+
+The served model is the tiny MoE trained on text (`cohort make-tiny-moe --trained`, built and cached if
+--model-dir has none), on a vLLM CPU server with the moe-cohort plugin and max_num_seqs = --slots.
+Prompts: $COHORT_DATA/prompts/mixed.jsonl under the project's split, the training side in a seeded
+order, the held-out side for the measured runs. --clients closed-loop clients each send their next
+prompt when their answer came (so at most clients - slots requests wait), `ignore_eos`, --max-tokens.
+
+Proxy side (`cohort serve --max-in-flight SLOTS`, a fresh process each):
+- fcfs: `--encoder none`, on the first --first training prompts and on the held-out ones;
+- learning: `--learn` with an empty --data-dir and the default (static) encoder: the first --first
+  training prompts (it starts with no head), the training prompts up to --warm observed, then the
+  held-out ones (it keeps learning from them, as it would in service);
+- offline: the static encoder with the head fitted (train.profile_head) on every training prompt's
+  observed profile, collected by a learning proxy over the whole training side (what `cohort train
+  --traces` fits on recorded traces of the same prompts), on the same two prompt sets.
+With --engine-side, the same three on a second server with `--scheduler-cls ExpertAwareScheduler` and
+the proxy forwarding at once with the profiles (`--forward-profiles --max-in-flight 256`).
+
+Each measured set prints, from the plugin's counters: decode expert loads per GENERATED token (the
+distinct experts of each forward's decode tokens, summed over layers and forwards, over the decode
+tokens), decode tokens per forward (fewer tokens per forward touch fewer experts by themselves) and the
+wall time; and for the learning proxy its observed count and mode from /health.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import re
+import shutil
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import aiohttp
+import numpy as np
+
+from benchmarks.bench_proxy import post, start_proxy
+from moe_cohort.train.heldout import prompt_texts
+from moe_cohort.traces.split import split_requests
+
+TRAINED = Path.home() / ".cache" / "moe-cohort" / "trained-tiny-moe-model"
+
+
+def counters(backend: str) -> dict[str, float]:
+    """Decode-group sums of the plugin's counters: expert loads (after the policy), layer-forwards, tokens."""
+    with urllib.request.urlopen(backend + "/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+
+    def total(name: str) -> float:
+        return sum(float(v) for v in re.findall(rf'^{name}\{{[^}}]*phase="decode"[^}}]*\}} ([0-9.e+]+)$', text, re.M))
+
+    return {"loads": total("cohort_moe_expert_loads_after_total"), "forwards": total("cohort_moe_layer_forwards_total"),
+            "tokens": total("cohort_moe_routed_tokens_total")}
+
+
+async def send(url: str, prompts: list[str], clients: int, max_tokens: int) -> float:
+    """Closed loop: `clients` clients, each sends the next prompt when its answer came; wall seconds."""
+    queue = list(reversed(prompts))
+
+    async def client(http: aiohttp.ClientSession) -> None:
+        while queue:
+            body = {"model": "tiny", "messages": [{"role": "user", "content": queue.pop()}], "max_tokens": max_tokens,
+                    "ignore_eos": True, "truncate_prompt_tokens": 256}
+            await post(http, url + "/v1/chat/completions", body)
+
+    start = time.perf_counter()
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=clients),
+                                     timeout=aiohttp.ClientTimeout(total=3600)) as http:
+        await asyncio.gather(*(client(http) for _ in range(clients)))
+    return time.perf_counter() - start
+
+
+def measure(name: str, backend: str, proxy: str, prompts: list[str], args, layers: int) -> dict:
+    before = counters(backend)
+    wall = asyncio.run(send(proxy, prompts, args.clients, args.max_tokens))
+    time.sleep(1.5)  # the worker publishes its counters at most once a second while busy
+    after = counters(backend)
+    d = {k: after[k] - before[k] for k in before}
+    row = {"run": name, "requests": len(prompts), "loads_per_token": d["loads"] / max(d["tokens"], 1),
+           "tokens_per_forward": d["tokens"] * layers / max(d["forwards"], 1), "wall_s": wall}
+    health = _health(proxy)
+    if "learning" in health.get("admission", {}):
+        row["admission"] = health["admission"]
+    print(f"{name:>28}: {row['loads_per_token']:6.3f} decode expert loads per generated token, "
+          f"{row['tokens_per_forward']:5.2f} decode tokens per forward, wall {wall:6.1f} s ({len(prompts)} requests)"
+          + (f"  [{health['admission']['mode']}, {health['admission']['learning']['observed']} observed]"
+             if "admission" in row else ""), flush=True)
+    return row
+
+
+def _health(url: str) -> dict:
+    with urllib.request.urlopen(url + "/health", timeout=30) as resp:
+        return json.loads(resp.read())
+
+
+def wait_learned(proxy: str, sent: int, timeout_s: float = 120.0) -> None:
+    """Until the learning proxy has taken the counts of every request sent, or stopped taking more for 5 s."""
+    deadline, last, since = time.monotonic() + timeout_s, -1, time.monotonic()
+    while time.monotonic() < deadline:
+        observed = _health(proxy)["admission"]["learning"]["observed"]
+        if observed >= sent:
+            return
+        if observed != last:
+            last, since = observed, time.monotonic()
+        elif time.monotonic() - since > 5:
+            print(f"  (learned from {observed} of {sent} requests)")
+            return
+        time.sleep(0.5)
+
+
+def offline_encoder(learned: Path, out: Path) -> Path:
+    """The static encoder's folder with the head fitted on every observation `learned` holds."""
+    from moe_cohort.encoder.embedding import resolve_model
+    from moe_cohort.train.online import LearnConfig, OnlineLearner
+
+    learner = OnlineLearner.load(learned, LearnConfig(capacity=100_000), key="static")
+    shutil.copytree(resolve_model("static"), out)
+    learner.refit().save(out)
+    print(f"offline head: fitted on all {learner.reservoir.size} training prompts' observed profiles")
+    return out
+
+
+def runs(backend: str, flags: list[str], train: list[str], held: list[str], args, layers: int, work: Path) -> list[dict]:
+    out = []
+    first, warm = train[: args.first], train[args.first: args.warm]
+    proc, proxy = start_proxy(backend, "--encoder", "none", *flags)
+    try:
+        out += [measure("fcfs, first prompts", backend, proxy, first, args, layers),
+                measure("fcfs, held-out", backend, proxy, held, args, layers)]
+    finally:
+        proc.terminate(), proc.wait(30)
+    proc, proxy = start_proxy(backend, "--learn", "--data-dir", str(Path(tempfile.mkdtemp(dir=work))), *flags)
+    try:
+        out.append(measure(f"learning, first {len(first)}", backend, proxy, first, args, layers))
+        asyncio.run(send(proxy, warm, args.clients, args.max_tokens))
+        wait_learned(proxy, args.warm)
+        out.append(measure(f"learning, held-out after {args.warm}", backend, proxy, held, args, layers))
+    finally:
+        proc.terminate(), proc.wait(60)
+    data = Path(tempfile.mkdtemp(dir=work))  # every training prompt observed once: what the offline head fits on
+    proc, proxy = start_proxy(backend, "--learn", "--learn-capacity", "100000", "--data-dir", str(data), *flags)
+    try:
+        asyncio.run(send(proxy, train, args.clients, args.max_tokens))
+        wait_learned(proxy, len(train))
+    finally:
+        proc.terminate(), proc.wait(60)  # saves what it learned
+    encoder = offline_encoder(data / "learned", Path(tempfile.mkdtemp(dir=work)) / "offline")
+    proc, proxy = start_proxy(backend, "--encoder", str(encoder), *flags)
+    try:
+        out += [measure("offline head, first prompts", backend, proxy, first, args, layers),
+                measure("offline head, held-out", backend, proxy, held, args, layers)]
+    finally:
+        proc.terminate(), proc.wait(30)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model-dir", default=str(TRAINED), help="the trained tiny MoE (built here if missing)")
+    p.add_argument("--first", type=int, default=200)
+    p.add_argument("--warm", type=int, default=800)
+    p.add_argument("--clients", type=int, default=64)
+    p.add_argument("--slots", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--limit", type=int, help="at most this many training and this many held-out prompts (a quick run)")
+    p.add_argument("--engine-side", action="store_true")
+    p.add_argument("--json", help="also write the rows here")
+    args = p.parse_args()
+    from moe_cohort.devtools.train_moe import RECIPES, train_tiny_moe
+    from moe_cohort.proxy.vllm_server import start
+
+    model = Path(args.model_dir)
+    if not (model / "config.json").is_file():
+        train_tiny_moe(model, RECIPES["full"])
+    layers = json.loads((model / "config.json").read_text())["num_hidden_layers"]
+    texts = prompt_texts()
+    train_idx, held_idx = split_requests(len(texts), groups=texts)
+    train = [texts[i] for i in train_idx]
+    random.Random(0).shuffle(train)
+    held = [texts[i] for i in held_idx]
+    if args.limit:
+        train, held = train[: args.limit], held[: args.limit]
+    print(f"{len(train)} training prompts (seeded order), {len(held)} held-out; {args.clients} clients, "
+          f"{args.slots} slots, {args.max_tokens} tokens each; model {model}")
+    work = Path(tempfile.mkdtemp(prefix="bench-learning-"))
+    rows = {}
+    try:
+        with start(model, max_num_seqs=args.slots, max_model_len=1024) as server:
+            print("\n-- proxy-side admission (the proxy holds --slots requests at the backend)")
+            rows["proxy"] = runs(server.url, ["--max-in-flight", str(args.slots)], train, held, args, layers, work)
+        if args.engine_side:
+            with start(model, max_num_seqs=args.slots, max_model_len=1024,
+                       extra_args=["--scheduler-cls", "moe_cohort.backend.scheduler.ExpertAwareScheduler"]) as server:
+                print("\n-- engine-side admission (ExpertAwareScheduler; the proxy forwards at once with the profiles)")
+                rows["engine"] = runs(server.url, ["--max-in-flight", "256", "--forward-profiles"], train, held, args,
+                                      layers, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    for side, side_rows in rows.items():
+        by = {r["run"]: r for r in side_rows}
+        fcfs, off = by["fcfs, held-out"]["loads_per_token"], by["offline head, held-out"]["loads_per_token"]
+        learned = by[f"learning, held-out after {args.warm}"]
+        print(f"{side}: held-out saving against fcfs: learning {1 - learned['loads_per_token'] / fcfs:+.1%}, offline "
+              f"head {1 - off / fcfs:+.1%}; tokens per forward learning {learned['tokens_per_forward']:.2f} vs fcfs "
+              f"{by['fcfs, held-out']['tokens_per_forward']:.2f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()
