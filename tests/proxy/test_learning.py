@@ -236,3 +236,25 @@ def test_a_proxy_that_starts_asks_the_backend_first_and_marks_its_first_request(
 
     asyncio.run(main())
     assert seen[0] is not None
+
+
+def test_the_learner_gets_each_requests_features_and_arrival_prediction_without_reading_it_again(encoder):
+    from moe_cohort.encoder.ngrams import DEFAULT_NGRAM_DIM
+    from moe_cohort.encoder.profile import ProfileHead, head_features
+    from moe_cohort.proxy.profiles import make_predictor
+
+    rng = np.random.default_rng(0)
+    head = ProfileHead(rng.normal(size=(8 + DEFAULT_NGRAM_DIM, LAYERS * EXPERTS)).astype(np.float32),
+                       np.zeros(LAYERS * EXPERTS, np.float32), LAYERS, EXPERTS, top_k=K, ngram_dim=DEFAULT_NGRAM_DIM)
+    predictor = make_predictor(Settings(encoder=encoder), learned=lambda: head)
+    texts = ["a question about python", "about cooking rice"]
+    predicted = predictor.predict(texts)
+    features, at_arrival = predictor.features(texts)
+    from moe_cohort.encoder.embedding import Embedder
+
+    x = Embedder(encoder).encode(texts)  # [2, 8]
+    np.testing.assert_allclose(features, head_features(x, texts, DEFAULT_NGRAM_DIM), atol=1e-3)
+    for p, q in zip(predicted, at_arrival):
+        np.testing.assert_array_equal(p.vector, q)
+    _, unknown = predictor.features(["never predicted"])
+    assert unknown == [None]
