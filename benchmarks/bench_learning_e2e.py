@@ -5,8 +5,9 @@
 
 The served model is the tiny MoE trained on text (`cohort make-tiny-moe --trained`, built and cached if
 --model-dir has none), on a vLLM CPU server with the moe-cohort plugin and max_num_seqs = --slots.
-Prompts: $COHORT_DATA/prompts/mixed.jsonl under the project's split, the training side in a seeded
-order, the held-out side for the measured runs. --clients closed-loop clients each send their next
+Prompts: $COHORT_DATA/prompts/mixed.jsonl under the project's split, each side in a seeded order (the
+file groups its prompts by source, which would favour first come, first served), the held-out side for
+the measured runs. --clients closed-loop clients each send their next
 prompt when their answer came (so at most clients - slots requests wait), `ignore_eos`, --max-tokens.
 
 Proxy side (`cohort serve --max-in-flight SLOTS`, a fresh process each):
@@ -16,7 +17,7 @@ Proxy side (`cohort serve --max-in-flight SLOTS`, a fresh process each):
   held-out ones (it keeps learning from them, as it would in service);
 - offline: the static encoder with the head fitted (train.profile_head) on every training prompt's
   observed profile, collected by a learning proxy over the whole training side (what `cohort train
-  --traces` fits on recorded traces of the same prompts), on the same two prompt sets.
+  --traces` fits on recorded traces of the same prompts), on the held-out prompts.
 With --engine-side, the same three on a second server with `--scheduler-cls ExpertAwareScheduler` and
 the proxy forwarding at once with the profiles (`--forward-profiles --max-in-flight 256`).
 
@@ -155,9 +156,8 @@ def runs(backend: str, flags: list[str], train: list[str], held: list[str], args
         proc.terminate(), proc.wait(60)  # saves what it learned
     encoder = offline_encoder(data / "learned", Path(tempfile.mkdtemp(dir=work)) / "offline")
     proc, proxy = start_proxy(backend, "--encoder", str(encoder), *flags)
-    try:
-        out += [measure("offline head, first prompts", backend, proxy, first, args, layers),
-                measure("offline head, held-out", backend, proxy, held, args, layers)]
+    try:  # (not on the first prompts: the offline head was fitted on them)
+        out.append(measure("offline head, held-out", backend, proxy, held, args, layers))
     finally:
         proc.terminate(), proc.wait(30)
     return out
@@ -184,9 +184,9 @@ def main() -> None:
     layers = json.loads((model / "config.json").read_text())["num_hidden_layers"]
     texts = prompt_texts()
     train_idx, held_idx = split_requests(len(texts), groups=texts)
-    train = [texts[i] for i in train_idx]
-    random.Random(0).shuffle(train)
-    held = [texts[i] for i in held_idx]
+    train, held = [texts[i] for i in train_idx], [texts[i] for i in held_idx]
+    random.Random(0).shuffle(train)  # arrivals in no order (mixed.jsonl groups its prompts by source)
+    random.Random(1).shuffle(held)
     if args.limit:
         train, held = train[: args.limit], held[: args.limit]
     print(f"{len(train)} training prompts (seeded order), {len(held)} held-out; {args.clients} clients, "

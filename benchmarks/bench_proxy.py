@@ -48,6 +48,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -151,17 +152,21 @@ def overhead(backend: str, concurrency: list[int], per_client: int, rounds: int,
     """Part 1 for one encoder ("none": no embedding, the prompt "hi"; else distinct `prompts`); with
     `replica`, also a proxy fronting `backend` and `replica` ("proxy2")."""
     procs, proxies = [], {}
+    encoder, learn = encoder.removesuffix("+learn"), encoder.endswith("+learn")
+    # "+learn": the proxy learns its head from the backend's counts of every request (issue 26)
+    learning = ["--learn", "--data-dir", tempfile.mkdtemp(prefix="bench-proxy-learn-")] if learn else []
     for name, backends in [("proxy", backend)] + ([("proxy2", f"{backend},{replica}")] if replica else []):
         # the embedding cache off: each load restarts at the first prompt, and every request should pay
-        proc, url = start_proxy(backends, "--encoder", encoder, "--max-in-flight", "256",
+        proc, url = start_proxy(backends, "--encoder", encoder, "--max-in-flight", "256", *learning,
                                 env={"COHORT_ENCODER_CACHE": "0"})
         procs.append(proc)
         proxies[name] = (url, proc.pid)
     texts = None if encoder == "none" else prompts
     try:
-        print(f"encoder {encoder or 'default'!r}; whole answers (max_tokens=1):")
+        print(f"encoder {encoder or 'default'!r}{', learning' if learn else ''}; whole answers (max_tokens=1):")
         compare(backend, proxies, concurrency, per_client, rounds, stream=False, prompts=texts)
-        print(f"encoder {encoder or 'default'!r}; streams (max_tokens=8), time to the first chunk:")
+        print(f"encoder {encoder or 'default'!r}{', learning' if learn else ''}; streams (max_tokens=8), time to the "
+              f"first chunk:")
         compare(backend, proxies, [c for c in concurrency if c <= 16], per_client, rounds, stream=True, prompts=texts)
     finally:
         for proc in procs:
@@ -292,7 +297,8 @@ def main() -> None:
     parser.add_argument("--moe-layers", type=int, default=4, help="MoE layers of the backend's model (tiny MoE: 4)")
     parser.add_argument("--slots", type=int, default=16, help="part 2: requests in flight (the backend's max_num_seqs)")
     parser.add_argument("--overhead-encoders", default="none,",
-                        help="part 1: the proxy's encoders, comma-separated ('' = the default; default %(default)r)")
+                        help="part 1: the proxy's encoders, comma-separated ('' = the default; NAME+learn: with "
+                             "--learn; default %(default)r)")
     parser.add_argument("--encoder", default="", help="part 2: the admission encoder (a `cohort train` folder brings "
                         "its profile head; default: the packaged MiniLM, nearest embedding)")
     parser.add_argument("--model-dir", default=None, help="the MoE to serve when no --backend (default: the random tiny MoE)")
