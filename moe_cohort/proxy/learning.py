@@ -1,8 +1,8 @@
 """Online learning in the proxy: the served model's routing of answered requests teaches admission's profile head.
 
 With `--learn` the proxy pairs each observed request's head features (its prompt's embedding and
-hashed n-grams, computed from the encoder's cache in a worker thread; never the text) with the
-expert counts the engine reports for it (traces.observed), keeps them in a train.online.OnlineLearner,
+hashed n-grams, kept from its prediction on arrival or computed in the worker thread; never the text)
+with the expert counts the engine reports for it (traces.observed), keeps them in a train.online.OnlineLearner,
 refits the head off the event loop when enough new ones arrived, swaps it in (admission reads
 `Learning.head` per prediction) and saves reservoir and head under `--data-dir`/learned after each
 refit, so a restart keeps what was learned. Until its first head, admission runs on the trained
@@ -16,7 +16,7 @@ Where the counts come from (one `Observed` either way):
   talks to serves them, so it works the same embedded and across containers; streamed or not. The
   proxy marks requests once the (first) backend said it serves that route; one that says it does
   not (404) leaves the second source, with a warning saying how to turn the first on;
-- vLLM's `routed_experts` field (`from_answer`): a non-streamed answer of a server started with
+- vLLM's `routed_experts` field (`relay_answer`): a non-streamed answer of a server started with
   `--enable-return-routed-experts` (vLLM 0.32, Model Runner V2) carries, per choice, base64 `.npy`
   [tokens - 1, L, k]; the proxy reads it with the answer's `usage.prompt_tokens` and strips it from
   what the client receives unless the client asked for it (sent vLLM's `routed_experts_prompt_start`).
