@@ -66,12 +66,12 @@ class Reservoir:
         self.rng = np.random.default_rng(seed)
         self.features: np.ndarray | None = None  # [capacity, F] float32 once the first row came
         self.profiles: np.ndarray | None = None  # [capacity, P] float32
+        self.total: np.ndarray | None = None  # [P] float64: the kept profiles' sum (their mean without a pass)
 
     def add(self, f: np.ndarray, y: np.ndarray) -> None:
         """Keep row (f, y) with probability capacity / seen, in place of a uniformly chosen kept row."""
         if self.features is None:
-            self.features = np.zeros((self.capacity, f.shape[-1]), np.float32)
-            self.profiles = np.zeros((self.capacity, y.shape[-1]), np.float32)
+            self.allocate(f.shape[-1], y.shape[-1])
         self.seen += 1
         if self.size < self.capacity:
             slot, self.size = self.size, self.size + 1
@@ -79,7 +79,17 @@ class Reservoir:
             slot = int(self.rng.integers(self.seen))
             if slot >= self.capacity:
                 return
+            self.total -= self.profiles[slot]
         self.features[slot], self.profiles[slot] = f, y
+        self.total += self.profiles[slot]
+
+    def allocate(self, num_features: int, num_profile: int) -> None:
+        self.features = np.zeros((self.capacity, num_features), np.float32)
+        self.profiles = np.zeros((self.capacity, num_profile), np.float32)
+        self.total = np.zeros(num_profile, np.float64)
+
+    def mean(self) -> np.ndarray:  # [P]
+        return (self.total / max(self.size, 1)).astype(np.float32)
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray]:  # [n, F], [n, P] copies
         return self.features[: self.size].copy(), self.profiles[: self.size].copy()
@@ -139,6 +149,7 @@ class OnlineLearner:
             grown = np.zeros((r.capacity, layers, experts), np.float32)
             grown[:, :, :old] = r.profiles.reshape(r.capacity, layers, old)
             r.profiles = grown.reshape(r.capacity, layers * experts)
+            r.total = np.pad(r.total.reshape(layers, old), ((0, 0), (0, experts - old))).ravel()
         self.shape = (layers, experts, top_k)
 
     def due(self) -> bool:
@@ -160,7 +171,7 @@ class OnlineLearner:
         return head
 
     def mean_profile(self) -> np.ndarray:  # [L*E]
-        return self.reservoir.profiles[: self.reservoir.size].mean(axis=0)
+        return self.reservoir.mean()
 
     def live_fit(self) -> tuple[float, float, int] | None:
         """(the predictions' mean overlap, the mean profile's, how many) over the most recent observations."""
@@ -202,12 +213,10 @@ class OnlineLearner:
                 log.warning("%s was learned with %r, not %r: starting afresh", path, meta["key"], key)
                 return learner
             if meta["size"]:
-                learner.reservoir.features = np.zeros((config.capacity, z["features"].shape[1]), np.float32)
-                learner.reservoir.profiles = np.zeros((config.capacity, z["profiles"].shape[1]), np.float32)
-                keep = min(meta["size"], config.capacity)
-                learner.reservoir.features[:keep] = z["features"][:keep]
-                learner.reservoir.profiles[:keep] = z["profiles"][:keep]
-                learner.reservoir.size = keep
+                r, keep = learner.reservoir, min(meta["size"], config.capacity)
+                r.allocate(z["features"].shape[1], z["profiles"].shape[1])
+                r.features[:keep], r.profiles[:keep] = z["features"][:keep], z["profiles"][:keep]
+                r.size, r.total = keep, r.profiles[:keep].sum(axis=0, dtype=np.float64)
         learner.reservoir.seen, learner.fitted_on, learner.fitted_at = meta["seen"], meta["fitted_on"], meta["fitted_at"]
         learner.reservoir.rng.bit_generator.state = meta["rng"]
         learner.shape = tuple(meta["shape"]) if meta["shape"] else None

@@ -37,6 +37,14 @@ def test_reservoir_keeps_every_row_with_the_same_probability():
     assert np.abs(hits - expected).max() < 120, hits
 
 
+def test_the_reservoirs_running_mean_is_the_mean_of_what_it_keeps():
+    r = Reservoir(5, seed=3)
+    rng = np.random.default_rng(3)
+    for _ in range(40):  # most adds replace a kept row
+        r.add(rng.normal(size=2), rng.random(3))
+        np.testing.assert_allclose(r.mean(), r.arrays()[1].mean(axis=0), rtol=1e-5, atol=1e-6)
+
+
 def test_first_head_after_first_fit_observations_then_refits_on_schedule():
     learner = OnlineLearner(LearnConfig(capacity=200, first_fit=10, refit_every=5, ngram_dim=0))
     f, obs = _stream(130)
