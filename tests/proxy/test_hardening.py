@@ -520,3 +520,21 @@ def test_the_head_timeout_neither_cuts_a_slow_answer_nor_a_second_request(tmp_pa
         backend.shutdown()
         backend.server_close()
     assert answers == [200, 200]
+
+
+def test_an_idle_kept_alive_connection_outlives_the_clients_pool_expiry(tmp_path):
+    """httpx (and the openai client) drop a pooled connection after 5 s idle; uvicorn's own keep-alive closed it at
+    5 s too, so a request sent on it as the server closed it was a ReadError (a POST is not retried). The proxy
+    keeps it for its head timeout (10 s by default): the client always closes first."""
+    with ProxyThread(Settings(backend_url="http://127.0.0.1:9", port=free_port(), encoder="none",
+                              data_dir=str(tmp_path))) as proxy, \
+            socket.create_connection(("127.0.0.1", _port(proxy)), timeout=20) as sock:
+        for _ in range(2):
+            sock.sendall(b"GET /v1/cohort-unknown HTTP/1.1\r\nHost: proxy\r\n\r\n")
+            received = b""
+            while b"\r\n\r\n" not in received or not received.rstrip().endswith(b"}"):
+                chunk = sock.recv(65536)
+                assert chunk, "the proxy closed the idle connection before its head timeout"
+                received += chunk
+            assert received.startswith(b"HTTP/1.1 404")
+            time.sleep(6)  # past uvicorn's default keep-alive (5 s), within the head timeout (10 s)

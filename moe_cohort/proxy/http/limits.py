@@ -227,7 +227,9 @@ def limited_protocol(limits: HeadLimits) -> type:
 
 def server_options(settings) -> dict:
     """uvicorn.run's (and uvicorn.Config's) options for the proxy's `settings` (proxy/settings.py): its host,
-    port, and the protocol with the head limits."""
+    port, and the protocol with the head limits. An idle keep-alive connection is closed after head_timeout_s
+    (10 s), not uvicorn's 5 s: httpx and the openai client drop theirs after 5 s, so the client closes first,
+    never a connection the server closes as a request goes out on it (a ReadError, not retried for a POST)."""
     limits = HeadLimits(settings.max_header_bytes, settings.max_headers, settings.head_timeout_s)
     return dict(host=settings.host, port=settings.port, http=limited_protocol(limits),
-                h11_max_incomplete_event_size=settings.max_header_bytes)
+                h11_max_incomplete_event_size=settings.max_header_bytes, timeout_keep_alive=settings.head_timeout_s)
