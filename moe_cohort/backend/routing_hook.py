@@ -18,8 +18,9 @@ the same decisions: rows whose effective policy is top-k keep exactly the router
 - eager (default on CPU): `route` calls `backend.selection.select_experts_mixed` on the
   sub-batch of re-routed rows, skipping steps where every row is top-k.
 
-Over 250 lines because the per-step bookkeeping of metrics and recording (what `route` keeps
-and `end_step` publishes) is one state machine with the routing; table mode is in
+Over 300 lines because the per-step bookkeeping of metrics, recording and the observed requests'
+expert counts (what `route` keeps and `end_step` publishes; the counting itself is
+`backend.expert_counts`) is one state machine with the routing; table mode is in
 `backend.routing_tables`.
 """
 
