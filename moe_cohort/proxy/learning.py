@@ -75,7 +75,8 @@ class Learning:
         self.backend = backend  # asked whether it serves OBSERVED_PATH
         self.plugin: bool | None = None  # whether it does (None: not known yet)
         self._probe_after, self._probes = 0.0, set()
-        self._tokens = (f"{secrets.token_hex(4)}-{n}" for n in itertools.count())  # this proxy's moe_observe tokens
+        prefix = secrets.token_hex(4)  # this proxy's: several proxies may share a backend
+        self._tokens = (f"{prefix}-{n}" for n in itertools.count())  # moe_observe tokens
         self._waiting: dict[BackendClient, dict[str, tuple[str, float]]] = {}  # client -> token -> (text, when)
         self._poller: asyncio.Task | None = None
         metrics.learned_head_age.set_function(lambda: time.time() - learner.fitted_at if learner.head else float("nan"))
