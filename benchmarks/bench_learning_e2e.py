@@ -42,7 +42,6 @@ import urllib.request
 from pathlib import Path
 
 import aiohttp
-import numpy as np
 
 from benchmarks.bench_proxy import post, start_proxy
 from moe_cohort.train.heldout import prompt_texts
