@@ -20,7 +20,7 @@ from typing import Iterable
 
 import numpy as np
 
-from moe_cohort.traces.observed import Observed
+from moe_cohort.traces.observed import Observed, count_experts
 
 log = logging.getLogger(__name__)
 
@@ -53,9 +53,7 @@ class ExpertCounts:
         split = min(max(num_prompt - position, 0), len(ids))  # rows [0, split) are prompt tokens
         for part, rows in ((0, ids[:split]), (1, ids[split:])):
             if len(rows):
-                cell = np.arange(self.num_layers)[None, :, None] * self.num_experts + rows.astype(np.int64)  # [n, L, k]
-                live.counts[part] += np.bincount(cell.ravel(), minlength=self.num_layers * self.num_experts).reshape(
-                    self.num_layers, self.num_experts)
+                live.counts[part] += count_experts(rows, self.num_experts)  # [L, E]
                 live.tokens[part] += len(rows)
         live.until = position + len(ids)
 

@@ -90,10 +90,12 @@ def from_routed_experts(rows: np.ndarray, prompt_tokens: int, num_experts: int, 
     if rows.size and (rows.min() < 0 or rows.max() >= num_experts):
         raise BadObservation(f"routed experts name experts outside [0, {num_experts})")
     split = min(max(prompt_tokens - prompt_start, 0), len(rows))
-    return Observed(_counts(rows[:split], num_experts), _counts(rows[split:], num_experts), split, len(rows) - split)
+    return Observed(count_experts(rows[:split], num_experts), count_experts(rows[split:], num_experts), split,
+                    len(rows) - split)
 
 
-def _counts(rows: np.ndarray, num_experts: int) -> np.ndarray:  # [n, L, k] -> [L, E]
+def count_experts(rows: np.ndarray, num_experts: int) -> np.ndarray:  # [n, L, k] -> [L, E] int64
+    """How many of the rows (tokens) picked each expert at each layer."""
     layers = rows.shape[1]
     cell = np.arange(layers)[None, :, None] * num_experts + rows.astype(np.int64)  # [n, L, k]
     return np.bincount(cell.ravel(), minlength=layers * num_experts).reshape(layers, num_experts)
