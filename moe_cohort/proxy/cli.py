@@ -50,10 +50,12 @@ _FLAGS = {
     "--max-file-bytes": ("max_file_bytes", int, "largest file uploaded to /v1/files (Batch API input)"),
     "--data-dir": ("data_dir", str, "Batch API storage: uploaded files, results, SQLite records "
                                     "(default: $XDG_DATA_HOME/moe-cohort or ~/.local/share/moe-cohort)"),
-    "--learn-sample-rate": ("learn_sample_rate", float, "with --learn: share of requests observed once the "
-                                                         "reservoir is full (until then every one)"),
+    "--learn-sample-rate": ("learn_sample_rate", float, "with --learn: share of the requests the reservoir does "
+                                                         "not keep that are observed anyway, for the live fit "
+                                                         "(the reservoir keeps every request until it is full, "
+                                                         "then capacity / seen of them)"),
     "--learn-capacity": ("learn_capacity", int, "with --learn: observations kept (a uniform sample of all seen)"),
-    "--learn-refit-every": ("learn_refit_every", int, "with --learn: new observations between refits, at least"),
+    "--learn-refit-every": ("learn_refit_every", int, "with --learn: kept observations between refits, at least"),
 }
 BACKEND_WAIT_S = 30.0
 

@@ -21,8 +21,10 @@ Where the counts come from (one `Observed` either way):
   [tokens - 1, L, k]; the proxy reads it with the answer's `usage.prompt_tokens` and strips it from
   what the client receives unless the client asked for it (sent vLLM's `routed_experts_prompt_start`).
 
-`--learn-sample-rate` bounds the cost once the reservoir is full: until then every answered request
-is observed, after that this share of them.
+Which requests are observed: the reservoir decides on arrival whether it will keep a request (every
+one until it is full, then capacity / seen of them: train.online.Reservoir), and only those, plus
+`--learn-sample-rate` of the others, are counted; the others feed the live fit only. So the engine
+counts, and the proxy learns from, a share of the traffic that falls as it goes on.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ log = logging.getLogger(__name__)
 
 ROUTED_EXPERTS, PROMPT_START = "routed_experts", "routed_experts_prompt_start"
 PLUGIN, OBSERVED_PATH = "plugin", "/v1/cohort/observed"
+LIVE_ONLY = "-live"  # the end of the moe_observe token of a request observed for the live fit only
 POLL_S, GIVE_UP_S, MAX_TAKE = 0.5, 60.0, 4096  # MAX_TAKE: backend.observed_endpoint.MAX_TOKENS
 PROBE_EVERY_S = 10.0  # how often a backend that did not answer whether it serves the counts is asked again
 MAX_BACKLOG = 1000  # observations waiting for the worker; more are dropped (counted), never the event loop blocked
@@ -67,7 +70,7 @@ class Learning:
                  sample_rate: float = 1.0, backend: BackendClient | None = None) -> None:
         self.learner, self.featurize, self.folder, self.metrics = learner, featurize, folder, metrics
         self.sample_rate = sample_rate
-        self._pending: list[tuple[str, Observed, str]] = []
+        self._pending: list[tuple[str, Observed, str, bool]] = []  # text, counts, source, kept
         self._busy = False
         self._lock = threading.Lock()
         self._executor = ThreadPoolExecutor(1, "cohort-learn")
@@ -77,7 +80,7 @@ class Learning:
         self._probe_after, self._probes = 0.0, set()
         prefix = secrets.token_hex(4)  # this proxy's: several proxies may share a backend
         self._tokens = (f"{prefix}-{n}" for n in itertools.count())  # moe_observe tokens
-        self._waiting: dict[BackendClient, dict[str, tuple[str, float]]] = {}  # client -> token -> (text, when)
+        self._waiting: dict[BackendClient, dict[str, tuple[str, float, bool]]] = {}  # client -> token -> (text, when, kept)
         self._poller: asyncio.Task | None = None
         metrics.learned_head_age.set_function(lambda: time.time() - learner.fitted_at if learner.head else float("nan"))
         metrics.learned_head_observations.set_function(lambda: learner.fitted_on if learner.head else 0)
@@ -97,18 +100,20 @@ class Learning:
             out["first_head_after"] = learner.config.first_fit
         return out
 
-    def sampled(self) -> bool:
-        """Whether to observe the next request: all until the reservoir is full, then `sample_rate` of them."""
-        full = self.learner.reservoir.seen >= self.learner.config.capacity
-        return not full or self._random.random() < self.sample_rate
+    def sample(self) -> bool | None:
+        """Whether to observe the next request: True when the reservoir keeps it, False for one of the others
+        observed anyway (`sample_rate` of them: the live fit), None when not observed."""
+        if self.learner.reservoir.offer():
+            return True
+        return False if self._random.random() < self.sample_rate else None
 
-    def add(self, text: str, observed: Observed, source: str) -> None:
+    def add(self, text: str, observed: Observed, source: str, kept: bool) -> None:
         """Queue one observation of a request whose prompt is `text` (the worker learns from it)."""
         with self._lock:
             if len(self._pending) >= MAX_BACKLOG:
                 self.metrics.learned_dropped.labels("backlog").inc()
                 return
-            self._pending.append((text, observed, source))
+            self._pending.append((text, observed, source, kept))
             if self._busy:
                 return
             self._busy = True
@@ -121,8 +126,9 @@ class Learning:
         and the backend serves the counts (asked once, in the background, before the first request is marked)."""
         if self.plugin is None:
             self._probe_soon()
-        elif self.plugin and self.sampled():
-            body["vllm_xargs"] = {**(body.get("vllm_xargs") or {}), OBSERVE_KEY: next(self._tokens)}
+        elif self.plugin and (kept := self.sample()) is not None:  # the token says which (a request may never end)
+            token = next(self._tokens) + ("" if kept else LIVE_ONLY)
+            body["vllm_xargs"] = {**(body.get("vllm_xargs") or {}), OBSERVE_KEY: token}
 
     async def probe(self) -> None:
         """Ask the backend now whether it serves the plugin's counts (at start-up: the first requests get marked)."""
@@ -158,7 +164,7 @@ class Learning:
         token = (body.get("vllm_xargs") or {}).get(OBSERVE_KEY)
         if token is None or self.plugin is False:
             return
-        self._waiting.setdefault(client, {})[token] = (text, time.monotonic())
+        self._waiting.setdefault(client, {})[token] = (text, time.monotonic(), not token.endswith(LIVE_ONLY))
         if self._poller is None or self._poller.done():
             self._poller = asyncio.get_running_loop().create_task(self._poll())
 
@@ -173,21 +179,21 @@ class Learning:
                 if not self._waiting.get(client):
                     self._waiting.pop(client, None)
 
-    async def _take(self, client: BackendClient, waiting: dict[str, tuple[str, float]]) -> None:
+    async def _take(self, client: BackendClient, waiting: dict[str, tuple[str, float, bool]]) -> None:
         try:
             answer = await client.request("POST", OBSERVED_PATH, json={"tokens": list(waiting)[:MAX_TAKE]})
         except ProxyError:  # unreachable now (or a replica without the plugin): the tokens wait, and expire
             answer = None
         for token, obj in (json.loads(answer.content).get("observed", {}) if answer else {}).items():
-            text, _ = waiting.pop(token, (None, 0.0))
+            text, _, kept = waiting.pop(token, (None, 0.0, False))
             if text is None:
                 continue
             try:
-                self.add(text, Observed.from_wire(obj), PLUGIN)
+                self.add(text, Observed.from_wire(obj), PLUGIN, kept)
             except BadObservation as exc:
                 self.metrics.learned_dropped.labels("invalid").inc()
                 log.warning("cannot learn from the plugin's counts of a request: %s", exc)
-        expired = [t for t, (_, when) in waiting.items() if time.monotonic() - when > GIVE_UP_S]
+        expired = [t for t, (_, when, _) in waiting.items() if time.monotonic() - when > GIVE_UP_S]
         for token in expired:
             del waiting[token]
         if expired:
@@ -195,8 +201,8 @@ class Learning:
 
     # ---- vLLM's routed_experts -------------------------------------------------------------------
 
-    def observe_routed(self, text: str, body: dict, answer: dict) -> None:
-        """Learn from vLLM's routed experts of the answer's one choice (the request sent `body`)."""
+    def observe_routed(self, text: str, body: dict, answer: dict, kept: bool) -> None:
+        """Learn from vLLM's routed experts of the answer's one choice (the request sent `body`; `kept`: `sample`'s)."""
         try:
             rows = decode_npy(answer["choices"][0][ROUTED_EXPERTS])
             prompt_tokens = int((answer.get("usage") or {})["prompt_tokens"])
@@ -206,7 +212,7 @@ class Learning:
             self.metrics.learned_dropped.labels("invalid").inc()
             log.warning("cannot learn from an answer's routed experts: %s", exc)
             return
-        self.add(text, observed, ROUTED_EXPERTS)
+        self.add(text, observed, ROUTED_EXPERTS, kept)
 
     def _drain(self) -> None:
         """Worker thread: learn from what is queued, refit when due, save after each refit."""
@@ -221,11 +227,11 @@ class Learning:
             except Exception:  # a bug here must not stop learning from later answers
                 log.exception("learning from %d observed requests failed", len(batch))
 
-    def _learn(self, batch: list[tuple[str, Observed, str]]) -> None:
-        features, predicted = self.featurize([text for text, _, _ in batch])  # [n, F], n x [L*E] or None
-        for f, p, (_, observed, source) in zip(features, predicted, batch):
+    def _learn(self, batch: list[tuple[str, Observed, str, bool]]) -> None:
+        features, predicted = self.featurize([text for text, *_ in batch])  # [n, F], n x [L*E] or None
+        for f, p, (_, observed, source, kept) in zip(features, predicted, batch):
             try:
-                self.learner.observe(f[None], [observed], None if p is None else [p])
+                self.learner.observe(f[None], [observed], [p], [kept])
             except ValueError as exc:
                 self.metrics.learned_dropped.labels("invalid").inc()
                 log.warning("not learning from an observation: %s", exc)
@@ -267,8 +273,8 @@ def relay_answer(content: bytes, text: str, body: dict, learning: Learning | Non
         return content
     marked = OBSERVE_KEY in (body.get("vllm_xargs") or {})  # the plugin's counts of it come (once)
     if (learning is not None and not marked and len(choices) == 1 and isinstance(choices[0], dict)
-            and choices[0].get(ROUTED_EXPERTS) and learning.sampled()):
-        learning.observe_routed(text, body, answer)
+            and choices[0].get(ROUTED_EXPERTS) and (kept := learning.sample()) is not None):
+        learning.observe_routed(text, body, answer, kept)
     if body.get(PROMPT_START) is not None:
         return content
     for choice in choices:

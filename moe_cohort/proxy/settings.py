@@ -93,7 +93,7 @@ class Settings:
     protect_metrics: bool = False  # /metrics needs a key, /health without one says only its status (needs api_keys)
     # online learning of the profile head from the served model's routing (proxy/learning.py): off by default
     learn: bool = False
-    learn_sample_rate: float = 1.0  # share of requests observed once the reservoir is full (until then: all)
+    learn_sample_rate: float = 0.05  # share of the requests the reservoir does not keep observed anyway (live fit)
     learn_capacity: int = 1000  # observations kept (a uniform sample of all), in --data-dir/learned
     learn_refit_every: int = 50  # new observations between refits, at least (and a quarter of the last fit's)
     # Offline batches (`cohort batch run` and the Batch API, see proxy/batch/run.py)

@@ -3,11 +3,13 @@
 The proxy (proxy/learning.py) hands the learner each observed request as what the head reads
 (encoder.profile.head_features: the unit embedding beside the prompt's hashed n-grams, never the
 text) and its observed counts (traces.observed). The learner keeps a bounded uniform sample of all
-observations (`Reservoir`, Vitter's algorithm R), refits the head on it (train.profile_head's ridge
-+ neighbours, penalty by leave-one-out) once `first_fit` observations are in and then whenever enough
-new ones arrived (`LearnConfig.refit_every`, and at least a quarter of what the last fit saw, so the
-cost of fitting stays a bounded share of the traffic), and swaps the new head in with one assignment
-(readers in other threads see the old head or the new one, never a mix).
+requests offered to it (`Reservoir`, Vitter's algorithm R, which decides before a request runs whether
+it will be kept, so only those need observing), refits the head on it (train.profile_head's ridge +
+neighbours, penalty by leave-one-out) once `first_fit` rows are in and then whenever enough rows
+changed (`LearnConfig.refit_every`, and at least a quarter of what the last fit saw). Once the
+reservoir is full a request is kept with probability capacity / seen, so observations and refits grow
+rarer as traffic goes on: their cost per request falls as 1 / seen. The new head is swapped in with
+one assignment (readers in other threads see the old head or the new one, never a mix).
 
 Its live quality signal: each observation is of a request no head had seen when admission predicted
 its profile on arrival (that prediction is passed in when at hand; else the current head predicts it,
@@ -17,7 +19,8 @@ overlap of the reservoir's mean profile (what a head that learned nothing would 
 
 `save(folder)` / `OnlineLearner.load(folder)` keep the reservoir and the head across restarts
 (npz files, no pickles; written to a temporary name and renamed, so a crash leaves the last state).
-Not thread-safe: one thread observes and refits (the proxy's learning worker); `head` may be read anywhere.
+Not thread-safe: one thread observes and refits (the proxy's learning worker); `head` may be read, and
+`reservoir.offer` called, from anywhere.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -36,11 +40,13 @@ import numpy as np
 from moe_cohort.encoder.ngrams import DEFAULT_NGRAM_DIM
 from moe_cohort.encoder.profile import HEAD_FILE, ProfileHead, load_profile_head
 from moe_cohort.traces.observed import Observed
-from moe_cohort.train.profile_head import fit_head_features
+from moe_cohort.train.profile_head import DEFAULT_ALPHAS, fit_head_features
 
 log = logging.getLogger(__name__)
 
 RESERVOIR_FILE = "reservoir.npz"
+STATE_KEYS = {"key", "observed", "seen", "size", "shape", "fitted_on", "fitted_at", "stored_at_fit", "stored", "rng",
+              "coin"}
 
 
 @dataclass(frozen=True)
@@ -59,29 +65,49 @@ class LearnConfig:
 
 
 class Reservoir:
-    """A uniform sample of at most `capacity` of the (features [F], profile [P]) rows added so far."""
+    """A uniform sample of at most `capacity` of the (features [F], profile [P]) rows offered so far.
+
+    Vitter's algorithm R with its coin tossed first: `offer()` counts one more candidate and says whether
+    the sample takes it (the first `capacity`, then each with probability capacity / seen), before anything
+    of it is known; `put` then stores the row, in place of a uniformly chosen kept one once full. So the
+    proxy asks the engine to count only the requests the reservoir will keep: capacity * (1 + ln(seen /
+    capacity)) of `seen` in expectation, a share that falls as traffic goes on. `add` is both at once.
+    `offer` may be called from any thread; `put` from one.
+    """
 
     def __init__(self, capacity: int, seed: int = 0) -> None:
         self.capacity, self.seen, self.size = capacity, 0, 0
-        self.rng = np.random.default_rng(seed)
+        self.stored = 0  # rows ever put (kept)
+        self.rng = np.random.default_rng(seed)  # the slots `put` replaces
+        self.coin = np.random.default_rng([seed, 1])  # `offer`'s draws, under `_lock`
+        self._lock = threading.Lock()
         self.features: np.ndarray | None = None  # [capacity, F] float32 once the first row came
         self.profiles: np.ndarray | None = None  # [capacity, P] float32
         self.total: np.ndarray | None = None  # [P] float64: the kept profiles' sum (their mean without a pass)
 
-    def add(self, f: np.ndarray, y: np.ndarray) -> None:
-        """Keep row (f, y) with probability capacity / seen, in place of a uniformly chosen kept row."""
+    def offer(self) -> bool:
+        """One more candidate: whether the sample keeps it (then `put` its row when it is known)."""
+        with self._lock:
+            self.seen += 1
+            return self.seen <= self.capacity or self.coin.random() * self.seen < self.capacity
+
+    def put(self, f: np.ndarray, y: np.ndarray) -> None:
+        """Store a kept row: appended while there is room, else in place of a uniformly chosen kept row."""
         if self.features is None:
             self.allocate(f.shape[-1], y.shape[-1])
-        self.seen += 1
         if self.size < self.capacity:
             slot, self.size = self.size, self.size + 1
         else:
-            slot = int(self.rng.integers(self.seen))
-            if slot >= self.capacity:
-                return
+            slot = int(self.rng.integers(self.capacity))
             self.total -= self.profiles[slot]
         self.features[slot], self.profiles[slot] = f, y
         self.total += self.profiles[slot]
+        self.stored += 1
+
+    def add(self, f: np.ndarray, y: np.ndarray) -> None:
+        """Offer row (f, y) and store it if kept."""
+        if self.offer():
+            self.put(f, y)
 
     def allocate(self, num_features: int, num_profile: int) -> None:
         self.features = np.zeros((self.capacity, num_features), np.float32)
@@ -102,27 +128,32 @@ class OnlineLearner:
         self.config, self.key = config, key  # key: what the features depend on (the encoder), checked on load
         self.reservoir = Reservoir(config.capacity, config.seed)
         self.head: ProfileHead | None = None
-        self.fitted_on, self.fitted_at = 0, 0.0  # observations seen at the last fit; its time.time()
+        self.fitted_on, self.fitted_at = 0, 0.0  # rows the last fit saw; its time.time()
+        self.stored_at_fit = 0  # the reservoir's `stored` then
         self.shape: tuple[int, int, int] | None = None  # (L, E, top_k) of the served model
+        self.observed = 0  # observations ever learned from, kept or not (this learner and the ones it was loaded from)
         self._fit_recent: deque[tuple[float, float]] = deque(maxlen=config.recent)  # (head, mean) overlaps
 
-    @property
-    def observed(self) -> int:
-        """Observations ever added (this learner and the ones it was loaded from)."""
-        return self.reservoir.seen
 
     def observe(self, features: np.ndarray, observed: Sequence[Observed],
-                predicted: Sequence[np.ndarray | None] | None = None) -> None:
+                predicted: Sequence[np.ndarray | None] | None = None, kept: Sequence[bool] | None = None) -> None:
         """Add observations: features [n, F] (encoder.profile.head_features) of the requests `observed`; `predicted`:
-        each one's profile [L*E] as admission predicted it before the request ran (None: the current head's)."""
+        each one's profile [L*E] as admission predicted it before the request ran (None: the current head's);
+        `kept`: whether the reservoir took each one when it was offered (None: offer them now; False: they only
+        feed the live fit)."""
         predicted = predicted if predicted is not None else [None] * len(observed)
-        for f, obs, p in zip(np.asarray(features, np.float32), observed, predicted):
+        kept = kept if kept is not None else [None] * len(observed)
+        for f, obs, p, keep in zip(np.asarray(features, np.float32), observed, predicted, kept, strict=True):
             y = self._fitted(obs).profile().ravel()  # [L*E]
             if p is None and self.head is not None:  # an observation the current head never saw
                 p = self.head.from_features(f[None])[0]
             if p is not None and len(p) == len(y):  # the live fit
                 self._fit_recent.append((_overlap(p, y), _overlap(self.mean_profile(), y)))
-            self.reservoir.add(f, y)
+            self.observed += 1
+            if keep is None:
+                keep = self.reservoir.offer()
+            if keep:
+                self.reservoir.put(f, y)
 
     def _fitted(self, obs: Observed) -> Observed:
         """`obs` at the learner's width. A source that sees only expert ids (vLLM's routed experts) knows the
@@ -153,22 +184,33 @@ class OnlineLearner:
         self.shape = (layers, experts, top_k)
 
     def due(self) -> bool:
-        """Whether enough new observations arrived for a (re)fit."""
-        seen, cfg = self.reservoir.seen, self.config
+        """Whether the reservoir changed enough for a (re)fit: `first_fit` rows for the first head, then
+        `refit_every` new rows, and at least a quarter of the rows the last fit saw."""
+        r, cfg = self.reservoir, self.config
         if self.head is None:
-            return self.reservoir.size >= cfg.first_fit
-        return seen - self.fitted_on >= max(cfg.refit_every, self.fitted_on // 4)
+            return r.size >= cfg.first_fit
+        return r.stored - self.stored_at_fit >= max(cfg.refit_every, self.fitted_on // 4)
 
     def refit(self) -> ProfileHead:
         """Fit a head on the reservoir and swap it in."""
         f, y = self.reservoir.arrays()  # [n, F], [n, L*E]
         layers, experts, top_k = self.shape
         start = time.perf_counter()
-        head = fit_head_features(f, y.reshape(len(y), layers, experts), top_k, ngram_dim=self.config.ngram_dim)
-        self.head, self.fitted_on, self.fitted_at = head, self.reservoir.seen, time.time()
+        head = fit_head_features(f, y.reshape(len(y), layers, experts), top_k, self._alphas(),
+                                 ngram_dim=self.config.ngram_dim)
+        self.head, self.fitted_on, self.fitted_at = head, len(f), time.time()
+        self.stored_at_fit = self.reservoir.stored
         log.info("online profile head: refitted on %d of %d observations in %.2f s (alpha %g)",
                  len(f), self.reservoir.seen, time.perf_counter() - start, head.alpha)
         return head
+
+    def _alphas(self) -> Sequence[float]:
+        """The penalties a refit tries: all of them first, then the last fit's and its neighbours (the choice
+        moves slowly as the reservoir grows; 3 leave-one-out passes instead of 7)."""
+        if self.head is None or self.head.alpha not in DEFAULT_ALPHAS:
+            return DEFAULT_ALPHAS
+        i = DEFAULT_ALPHAS.index(self.head.alpha)
+        return DEFAULT_ALPHAS[max(i - 1, 0): i + 2]
 
     def mean_profile(self) -> np.ndarray:  # [L*E]
         return self.reservoir.mean()
@@ -191,8 +233,9 @@ class OnlineLearner:
             os.replace(self.head.save(tmp), folder / HEAD_FILE)
             tmp.rmdir()
         r = self.reservoir
-        meta = {"key": self.key, "seen": r.seen, "size": r.size, "shape": self.shape, "fitted_on": self.fitted_on,
-                "fitted_at": self.fitted_at, "rng": r.rng.bit_generator.state}
+        meta = {"key": self.key, "observed": self.observed, "seen": r.seen, "size": r.size, "shape": self.shape,
+                "fitted_on": self.fitted_on, "fitted_at": self.fitted_at, "stored_at_fit": self.stored_at_fit,
+                "stored": r.stored, "rng": r.rng.bit_generator.state, "coin": r.coin.bit_generator.state}
         arrays = {"meta": np.array(json.dumps(meta))}
         if r.features is not None:
             arrays.update(features=r.features[: r.size].astype(np.float16), profiles=r.profiles[: r.size].astype(np.float16))
@@ -212,13 +255,19 @@ class OnlineLearner:
             if meta["key"] != key:
                 log.warning("%s was learned with %r, not %r: starting afresh", path, meta["key"], key)
                 return learner
+            if not STATE_KEYS <= meta.keys():
+                log.warning("%s was saved by an older moe-cohort (no %s): starting afresh", path,
+                            ", ".join(sorted(STATE_KEYS - meta.keys())))
+                return learner
             if meta["size"]:
                 r, keep = learner.reservoir, min(meta["size"], config.capacity)
                 r.allocate(z["features"].shape[1], z["profiles"].shape[1])
                 r.features[:keep], r.profiles[:keep] = z["features"][:keep], z["profiles"][:keep]
                 r.size, r.total = keep, r.profiles[:keep].sum(axis=0, dtype=np.float64)
-        learner.reservoir.seen, learner.fitted_on, learner.fitted_at = meta["seen"], meta["fitted_on"], meta["fitted_at"]
-        learner.reservoir.rng.bit_generator.state = meta["rng"]
+        r = learner.reservoir
+        learner.observed, learner.fitted_on, learner.fitted_at = meta["observed"], meta["fitted_on"], meta["fitted_at"]
+        r.seen, r.stored, learner.stored_at_fit = meta["seen"], meta["stored"], meta["stored_at_fit"]
+        r.rng.bit_generator.state, r.coin.bit_generator.state = meta["rng"], meta["coin"]
         learner.shape = tuple(meta["shape"]) if meta["shape"] else None
         learner.head = load_profile_head(folder) if learner.fitted_on else None
         log.info("online profile head: loaded %d observations (%d seen)%s from %s", learner.reservoir.size,

@@ -7,7 +7,7 @@ word n-grams beside them (encoder.ngrams; encoder.profile.head_features): on the
 both models in ../shared/data, 4-fold replays at S = 16 and 32 kept 68% of the reference with them
 against 54% without (gpt-oss-20b, static encoder) and 68% against 59% (DeepSeek-V2-Lite;
 docs/results.md, issue 25). Ridge with an unpenalised intercept,
-closed form through one SVD of the centred features; the penalty is chosen from `alphas` by
+closed form through the spectrum of the centred features (`_spectrum`); the penalty is chosen from `alphas` by
 exact leave-one-out error (for ridge, the LOO residual is the residual over 1 - h_ii, with h
 the hat matrix), so no request is ever scored by a fit that saw it. Only the training side of
 the project's split (traces.split) is ever passed in. The fitted requests are also kept as the
@@ -57,10 +57,11 @@ def fit_head_features(f: np.ndarray, prof: np.ndarray, top_k: int, alphas: Seque
     x = np.asarray(f, dtype=np.float64)  # [N, F]
     y = prof.reshape(n, -1).astype(np.float64)  # [N, L*E]
     x_mean, y_mean = x.mean(axis=0), y.mean(axis=0)
-    u, s, vt = np.linalg.svd(x - x_mean, full_matrices=False)  # [N, r], [r], [r, D]
+    xc = x - x_mean  # [N, F]
+    u, s2 = _spectrum(xc)  # [N, r], [r]: xc = u diag(sqrt(s2)) v^T
     uty = u.T @ (y - y_mean)  # [r, L*E]
-    alpha = min(alphas, key=lambda a: _loo_error(u, s, uty, y - y_mean, a)) if len(alphas) > 1 else alphas[0]
-    weight = vt.T @ ((s / (s**2 + alpha))[:, None] * uty)  # [D, L*E]
+    alpha = min(alphas, key=lambda a: _loo_error(u, s2, uty, y - y_mean, a)) if len(alphas) > 1 else alphas[0]
+    weight = xc.T @ (u @ (uty / (s2 + alpha)[:, None]))  # [F, L*E] = v diag(s / (s2 + alpha)) u^T y
     bias = y_mean - x_mean @ weight  # [L*E]
     log.info("profile head: %d requests, dim %d -> %d x %d, alpha %g", n, x.shape[1], layers, experts, alpha)
     unit = x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)  # [N, D]
@@ -71,9 +72,21 @@ def fit_head_features(f: np.ndarray, prof: np.ndarray, top_k: int, alphas: Seque
                        neighbours=neighbours, temperature=temperature, mix=mix, ngram_dim=ngram_dim)
 
 
-def _loo_error(u: np.ndarray, s: np.ndarray, uty: np.ndarray, yc: np.ndarray, alpha: float) -> float:
+def _spectrum(xc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The left singular vectors u [N, r] and squared singular values s2 [r] of xc [N, F]. With fewer
+    requests than features (the online learner's reservoir: 1,000 x 4,352), from the eigenvectors of the
+    Gram matrix xc xc^T [N, N] (4x cheaper than the SVD there; its null direction, the centring's, has
+    s2 = 0 and so no weight); else the thin SVD."""
+    if len(xc) <= xc.shape[1]:
+        s2, u = np.linalg.eigh(xc @ xc.T)
+        return u, np.maximum(s2, 0.0)
+    u, s, _ = np.linalg.svd(xc, full_matrices=False)
+    return u, s**2
+
+
+def _loo_error(u: np.ndarray, s2: np.ndarray, uty: np.ndarray, yc: np.ndarray, alpha: float) -> float:
     """Mean squared leave-one-out residual of the ridge fit with penalty `alpha` (intercept included)."""
-    shrink = s**2 / (s**2 + alpha)  # [r]
+    shrink = s2 / (s2 + alpha)  # [r]
     fitted = u @ (shrink[:, None] * uty)  # [N, L*E]
     h = (u**2) @ shrink + 1.0 / len(u)  # [N] hat diagonal, the intercept's 1/N included
     return float((((yc - fitted) / (1.0 - h)[:, None]) ** 2).mean())

@@ -15,6 +15,7 @@ import pytest
 
 from moe_cohort.proxy.app import create_app
 from moe_cohort.proxy.settings import Settings, SettingsError
+from moe_cohort.train.online import Reservoir
 from tests.proxy.servers import answer, body_of, local_backend
 
 LAYERS, EXPERTS, K = 2, 8, 2
@@ -221,6 +222,39 @@ def test_the_proxy_learns_from_the_plugins_counts_of_streamed_and_whole_answers(
     assert all(t and t != "a client's own token" for t in seen[1:]) and len(set(seen[1:])) == 20
     assert _metric(metrics, 'cohort_learned_profiles_total{source="plugin"}') == 20
     assert health["admission"]["mode"] == "learned head" and health["admission"]["learning"]["observed"] == 20
+
+
+def test_once_the_reservoir_is_full_the_proxy_marks_only_what_it_keeps_and_a_sample_for_the_live_fit(encoder, tmp_path):
+    """capacity 16, 120 requests: the engine counts the first 16, then each request the reservoir keeps (with
+    probability 16 / n) and a sample-rate share of the others, whose counts feed the live fit only."""
+    seen = []
+
+    async def main():
+        async with local_backend(_plugin_backend(seen)) as url:
+            app = create_app(Settings(backend_url=url, encoder=encoder, learn=True, learn_capacity=16,
+                                      learn_sample_rate=0.25, data_dir=str(tmp_path / "d")))
+            learning = app.state.proxy.learning
+            async with app.router.lifespan_context(app):  # asks the backend first: every request is offered
+                async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy") as c:
+                    for i in range(120):
+                        chat = {"model": "tiny", "messages": [{"role": "user", "content": _prompt(i)}]}
+                        assert (await c.post("/v1/chat/completions", json=chat)).status_code == 200
+                    marked = [t for t in seen if t]
+                    deadline = time.monotonic() + 30
+                    while learning.learner.observed < len(marked) and time.monotonic() < deadline:
+                        await asyncio.sleep(0.1)
+                    return learning.learner, marked
+
+    learner, marked = asyncio.run(main())
+    kept = [t for t in marked if not t.endswith("-live")]
+    reservoir = learner.reservoir
+    assert reservoir.seen == 120 and reservoir.size == 16 and learner.observed == len(marked)
+    same_coin = Reservoir(16, seed=0)  # the proxy's reservoir offered 120 requests: these were the kept ones
+    assert len(kept) == sum(same_coin.offer() for _ in range(120)) == reservoir.stored  # and only they were stored
+    assert abs(len(kept) - 16 * (1 + sum(1 / n for n in range(17, 121)))) < 15, len(kept)  # ~48 in expectation
+    live_only = len(marked) - len(kept)
+    assert 0.1 * (120 - len(kept)) < live_only < 0.4 * (120 - len(kept)), live_only
+    assert learner.live_fit()[2] >= live_only  # the live-only ones were measured, never stored
 
 
 def test_a_proxy_that_starts_asks_the_backend_first_and_marks_its_first_request(encoder, tmp_path):

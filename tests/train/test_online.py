@@ -5,7 +5,7 @@ import pytest
 
 from moe_cohort.traces.observed import Observed
 from moe_cohort.train.online import LearnConfig, OnlineLearner, Reservoir
-from moe_cohort.train.profile_head import fit_head_features
+from moe_cohort.train.profile_head import DEFAULT_ALPHAS, fit_head_features
 
 LAYERS, EXPERTS, K = 2, 6, 2
 
@@ -37,6 +37,40 @@ def test_reservoir_keeps_every_row_with_the_same_probability():
     assert np.abs(hits - expected).max() < 120, hits
 
 
+def test_the_reservoir_decides_before_it_sees_a_row_and_keeps_few_once_full():
+    """offer() then put() is algorithm R: candidate n is kept with probability capacity / n, so of N candidates
+    capacity * (1 + H_N - H_capacity) are stored in expectation (harmonic numbers), and each stored one takes
+    a uniformly chosen slot."""
+    capacity, stream, runs = 5, 200, 2000
+    kept_at, stored = np.zeros(stream), []
+    for seed in range(runs):
+        r = Reservoir(capacity, seed)
+        for i in range(stream):
+            if r.offer():
+                kept_at[i] += 1
+                r.put(np.array([float(i)]), np.array([0.0]))
+        stored.append(r.stored)
+        assert r.size == capacity and r.seen == stream
+    n = np.arange(1, stream + 1)
+    expected = runs * np.minimum(1.0, capacity / n)
+    assert np.abs(kept_at - expected).max() < 4 * np.sqrt(expected.max()) + 1, kept_at[:12]
+    harmonic = np.cumsum(1.0 / n)
+    assert np.mean(stored) == pytest.approx(capacity * (1 + harmonic[-1] - harmonic[capacity - 1]), rel=0.03)
+
+
+def test_observations_the_reservoir_did_not_keep_feed_only_the_live_fit():
+    learner = OnlineLearner(LearnConfig(capacity=100, first_fit=20, ngram_dim=0))
+    f, obs = _stream(40, seed=5)
+    learner.observe(f[:20], obs[:20])
+    learner.refit()
+    before = learner.reservoir.arrays()[0]
+    learner.observe(f[20:], obs[20:], kept=[False] * 20)
+    assert learner.live_fit()[2] == 20 and learner.reservoir.seen == 20 and not learner.due()
+    np.testing.assert_array_equal(learner.reservoir.arrays()[0], before)
+    learner.observe(f[20:], obs[20:], kept=[True] * 20)  # offered (and kept) elsewhere, before they ran
+    assert learner.reservoir.size == 40 and learner.reservoir.seen == 20
+
+
 def test_the_reservoirs_running_mean_is_the_mean_of_what_it_keeps():
     r = Reservoir(5, seed=3)
     rng = np.random.default_rng(3)
@@ -64,6 +98,24 @@ def test_first_head_after_first_fit_observations_then_refits_on_schedule():
     assert not learner.due()
     learner.observe(f[124:125], obs[124:125])
     assert learner.due()
+    learner.refit()  # fitted on the 125 rows
+    learner.observe(f[125:], obs[125:], kept=[False] * 5)  # not kept: no row changed
+    assert learner.reservoir.stored == 125 and not learner.due()
+
+
+def test_once_full_refits_come_after_a_quarter_of_the_rows_changed_so_ever_fewer_requests_cost_one():
+    config = LearnConfig(capacity=40, first_fit=10, refit_every=5, ngram_dim=0)
+    learner = OnlineLearner(config)
+    f, obs = _stream(1, seed=6)
+    refits_at = []
+    for n in range(1, 4001):
+        learner.observe(f, obs)
+        if learner.due():
+            learner.refit()
+            refits_at.append(n)
+    assert learner.reservoir.seen == 4000 and learner.fitted_on == 40
+    late = np.diff(refits_at)[-4:]  # each a quarter of the reservoir (10 rows) changed: at 10 x n / 40 requests
+    assert len(refits_at) < 40 and (late > 200).all(), refits_at
 
 
 def test_refit_is_the_offline_fit_of_the_reservoir_and_swaps_a_new_head_in():
@@ -77,7 +129,9 @@ def test_refit_is_the_offline_fit_of_the_reservoir_and_swaps_a_new_head_in():
     assert learner.head is new and new is not old
     np.testing.assert_array_equal(old.weight, old_weight)  # a reader holding the old head keeps a whole one
     x, y = learner.reservoir.arrays()
-    direct = fit_head_features(x, y.reshape(-1, LAYERS, EXPERTS), K)
+    i = DEFAULT_ALPHAS.index(old.alpha)  # a refit tries the last penalty and its neighbours
+    direct = fit_head_features(x, y.reshape(-1, LAYERS, EXPERTS), K, DEFAULT_ALPHAS[max(i - 1, 0): i + 2])
+    assert new.alpha == direct.alpha
     np.testing.assert_allclose(new.from_features(f), direct.from_features(f), rtol=1e-5, atol=1e-6)
 
 
@@ -103,11 +157,25 @@ def test_a_restart_keeps_the_reservoir_the_head_and_the_sampling(tmp_path):
     straight.refit()
     straight.save(tmp_path)
     back = OnlineLearner.load(tmp_path, config, key="enc")
-    assert (back.observed, back.fitted_on, back.shape) == (40, 40, (LAYERS, EXPERTS, K))
+    assert (back.observed, back.fitted_on, back.shape) == (40, 20, (LAYERS, EXPERTS, K))  # 20 rows kept of 40
     np.testing.assert_allclose(back.head.from_features(f), straight.head.from_features(f), atol=1e-3)
     straight.observe(f[40:], obs[40:])
     back.observe(f[40:], obs[40:])  # the random replacement goes on where it stopped
     np.testing.assert_allclose(back.reservoir.arrays()[0], straight.reservoir.arrays()[0], atol=1e-2)
+
+
+def test_state_saved_by_an_older_version_is_not_loaded(tmp_path):
+    import json
+
+    learner = OnlineLearner(LearnConfig(capacity=20, first_fit=10, ngram_dim=0), key="enc")
+    learner.observe(*_stream(12))
+    learner.save(tmp_path)
+    with np.load(tmp_path / "reservoir.npz") as z:
+        arrays = dict(z)
+    meta = json.loads(str(arrays["meta"]))
+    del meta["coin"]  # what the reservoir saved before it decided on arrival
+    np.savez(tmp_path / "reservoir.npz", **{**arrays, "meta": np.array(json.dumps(meta))})
+    assert OnlineLearner.load(tmp_path, learner.config, key="enc").observed == 0
 
 
 def test_state_learned_with_another_encoder_is_not_loaded(tmp_path):

@@ -6,7 +6,7 @@ import pytest
 from moe_cohort.encoder.profile import load_profile_head
 from moe_cohort.traces.split import split_requests
 from moe_cohort.traces.synthetic import synthetic_traces
-from moe_cohort.train.profile_head import _loo_error, fit_profile_head, train_profile_head
+from moe_cohort.train.profile_head import _loo_error, _spectrum, fit_profile_head, train_profile_head
 from moe_cohort.train.targets import profiles
 
 
@@ -18,28 +18,30 @@ def _ridge(x, y, alpha):
     return w, ym - xm @ w
 
 
-def test_fit_equals_the_normal_equations_for_its_chosen_penalty():
+@pytest.mark.parametrize("n, d", [(40, 6), (12, 30)])  # the SVD; the Gram matrix's eigenvectors (fewer requests)
+def test_fit_equals_the_normal_equations_for_its_chosen_penalty(n, d):
     rng = np.random.default_rng(0)
-    x = rng.normal(size=(40, 6))
-    prof = np.clip(rng.random((40, 2, 3)) + x[:, :1, None] * 0.1, 0, 1)
+    x = rng.normal(size=(n, d))
+    prof = np.clip(rng.random((n, 2, 3)) + x[:, :1, None] * 0.1, 0, 1)
     head = fit_profile_head(x, prof, top_k=1, alphas=(0.5,))
-    w, b = _ridge(x, prof.reshape(40, -1), 0.5)
+    w, b = _ridge(x, prof.reshape(n, -1), 0.5)
     np.testing.assert_allclose(head.weight, w, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(head.bias, b, rtol=1e-4, atol=1e-5)
 
 
-def test_leave_one_out_error_equals_refitting_without_each_request():
+@pytest.mark.parametrize("n, d", [(15, 4), (9, 20)])
+def test_leave_one_out_error_equals_refitting_without_each_request(n, d):
     rng = np.random.default_rng(1)
-    x, y = rng.normal(size=(15, 4)), rng.normal(size=(15, 3))
-    u, s, _ = np.linalg.svd(x - x.mean(0), full_matrices=False)
+    x, y = rng.normal(size=(n, d)), rng.normal(size=(n, 3))
+    u, s2 = _spectrum(x - x.mean(0))
     yc = y - y.mean(0)
     for alpha in (0.1, 2.0):
         errors = []
-        for i in range(15):
-            keep = np.arange(15) != i
+        for i in range(n):
+            keep = np.arange(n) != i
             w, b = _ridge(x[keep], y[keep], alpha)
             errors.append(((y[i] - (x[i] @ w + b)) ** 2).mean())
-        np.testing.assert_allclose(_loo_error(u, s, u.T @ yc, yc, alpha), np.mean(errors), rtol=1e-8)
+        np.testing.assert_allclose(_loo_error(u, s2, u.T @ yc, yc, alpha), np.mean(errors), rtol=1e-8)
 
 
 def test_train_profile_head_fits_the_training_side_only_and_saves_beside_the_encoder(tmp_path):
