@@ -6,7 +6,9 @@ Part 1, overhead: clients send tiny completions (max_tokens=1) directly to vLLM 
 proxy, alternating, at 1, 16 and 64 concurrent clients; prints latency p50/p99 and throughput of
 each, and the added p50/p99; then the same for streams (max_tokens=8) timed to their first chunk,
 at up to 16 clients. Once per encoder of --overhead-encoders (default: none, i.e. first come first
-served, and the default encoder ""): with an encoder every request carries a distinct prompt of
+served, and the default encoder ""; NAME+learn: that encoder with `--learn`, its learning phase of
+--learn-warm requests timed apart, so the measured runs are what learning costs once it has seen that
+much traffic): with an encoder every request carries a distinct prompt of
 mixed.jsonl (the same bodies go direct) and the proxy's embedding cache is off, so each is
 embedded and profiled on arrival. The proxy admits up to 256 at once, above the clients, so no request waits for a slot:
 the added latency is the proxy's own work (relay, embedding, admission). Beside it: the CPU per
@@ -44,6 +46,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
+import json
 import os
 import re
 import subprocess
@@ -148,9 +151,10 @@ def start_proxy(backend: str, *flags: str, env: dict[str, str] | None = None) ->
 
 
 def overhead(backend: str, concurrency: list[int], per_client: int, rounds: int, encoder: str,
-             prompts: list[str], replica: str | None = None) -> None:
+             prompts: list[str], replica: str | None = None, learn_warm: int = 0) -> None:
     """Part 1 for one encoder ("none": no embedding, the prompt "hi"; else distinct `prompts`); with
-    `replica`, also a proxy fronting `backend` and `replica` ("proxy2")."""
+    `replica`, also a proxy fronting `backend` and `replica` ("proxy2"); a learning proxy first answers
+    `learn_warm` requests (its learning phase, timed apart)."""
     procs, proxies = [], {}
     encoder, learn = encoder.removesuffix("+learn"), encoder.endswith("+learn")
     # "+learn": the proxy learns its head from the backend's counts of every request (issue 26)
@@ -163,6 +167,8 @@ def overhead(backend: str, concurrency: list[int], per_client: int, rounds: int,
         proxies[name] = (url, proc.pid)
     texts = None if encoder == "none" else prompts
     try:
+        if learn and learn_warm:
+            warm_up(*proxies["proxy"], learn_warm, texts)
         print(f"encoder {encoder or 'default'!r}{', learning' if learn else ''}; whole answers (max_tokens=1):")
         compare(backend, proxies, concurrency, per_client, rounds, stream=False, prompts=texts)
         print(f"encoder {encoder or 'default'!r}{', learning' if learn else ''}; streams (max_tokens=8), time to the "
@@ -172,6 +178,19 @@ def overhead(backend: str, concurrency: list[int], per_client: int, rounds: int,
         for proc in procs:
             proc.terminate()
             proc.wait(30)
+
+
+def warm_up(url: str, pid: int, requests: int, prompts: list[str] | None) -> None:
+    """`requests` tiny completions through the learning proxy at `url` (64 clients); prints its CPU per request
+    over them and what it learned (/health)."""
+    cpu, start = cpu_seconds(pid), time.perf_counter()
+    latencies, _, _ = asyncio.run(load(url + "/v1/completions", 64, max(1, requests // 64), False, prompts))
+    time.sleep(2 * 0.5)  # the last counts are taken from the backend every 0.5 s
+    cpu, wall = cpu_seconds(pid) - cpu, time.perf_counter() - start
+    with urllib.request.urlopen(url + "/health", timeout=10) as resp:
+        learning = json.load(resp)["admission"]["learning"]
+    print(f"learning phase: {len(latencies) + 3 * 64} requests in {wall:.0f} s, proxy CPU "
+          f"{cpu / (len(latencies) + 3 * 64) * 1000:.2f} ms/request; then /health learning: {learning}")
 
 
 def cpu_seconds(pid: int) -> float:
@@ -299,6 +318,8 @@ def main() -> None:
     parser.add_argument("--overhead-encoders", default="none,",
                         help="part 1: the proxy's encoders, comma-separated ('' = the default; NAME+learn: with "
                              "--learn; default %(default)r)")
+    parser.add_argument("--learn-warm", type=int, default=0, help="part 1, NAME+learn: requests through the learning "
+                        "proxy before the measured runs (its learning phase, reported apart; default none)")
     parser.add_argument("--encoder", default="", help="part 2: the admission encoder (a `cohort train` folder brings "
                         "its profile head; default: the packaged MiniLM, nearest embedding)")
     parser.add_argument("--model-dir", default=None, help="the MoE to serve when no --backend (default: the random tiny MoE)")
@@ -347,7 +368,7 @@ def main() -> None:
         if not args.skip_overhead:
             for encoder in args.overhead_encoders.split(","):
                 overhead(args.backend, [int(c) for c in args.concurrency.split(",")], args.requests_per_client,
-                         args.rounds, encoder.strip(), prompts, second.url if second else None)
+                         args.rounds, encoder.strip(), prompts, second.url if second else None, args.learn_warm)
         prompts = prompts[: args.prompts]
         if args.skip_admission:
             pass

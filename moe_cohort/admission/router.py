@@ -91,6 +91,15 @@ class ReplicaRouter:
         self._vectors.pop(key)  # KeyError for a key that is not waiting
         next(q for q in self.queues if key in q).remove(key)
 
+    def update(self, key: Hashable, vector: np.ndarray | None) -> None:
+        """A new prediction for a waiting request (a newer profile head's); it keeps its place in the queue."""
+        if key in self.pool:
+            self.pool.update(key, vector)
+        elif key in self._vectors:
+            self._vectors[key] = vector
+        else:
+            raise KeyError(f"{key!r} is not waiting")
+
     def admit(self, now: float) -> list[tuple[Hashable, int]]:
         """Fill the free slots now: (key, replica) per admission, in admission order."""
         out = []

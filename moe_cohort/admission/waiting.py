@@ -75,6 +75,11 @@ class WaitingPool:
         self._count += 1
         self.profiled[row] = self._store(row, vector)
 
+    def update(self, key: Hashable, vector: np.ndarray | None) -> None:
+        """A new prediction for a waiting request; its place in arrival order is kept."""
+        row = self.rows[key]
+        self.profiled[row] = self._store(row, vector)
+
     def remove(self, key: Hashable) -> None:
         row = self.rows.pop(key)
         self.keys[row], self.active[row], self.profiled[row] = None, False, False

@@ -77,6 +77,7 @@ class Proxy:
     async def close(self) -> None:
         self.gate.close()
         if self.learning is not None:
+            await self.learning.flush(timeout_s=2.0)  # the counts of requests answered just before
             await asyncio.to_thread(self.learning.close)
         await self.replicas.close()
 
@@ -188,7 +189,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.proxy = proxy
     access_log.setLevel(logging.INFO if settings.access_log else logging.WARNING)
     _add_error_handlers(app, proxy)
-    batch_jobs = BatchJobs(settings, proxy.backend, proxy.predictor, gate=proxy.gate)
+    batch_jobs = BatchJobs(settings, proxy.backend, proxy.predictor, gate=proxy.gate, learning=proxy.learning)
     add_batch_api(app, batch_jobs, proxy.authorize, settings.max_file_bytes)
 
     async def chat_completions(request: Request) -> Response:

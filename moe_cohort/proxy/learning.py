@@ -171,13 +171,25 @@ class Learning:
     async def _poll(self) -> None:
         while self._waiting:
             await asyncio.sleep(POLL_S)
-            for client in list(self._waiting):
-                try:
-                    await self._take(client, self._waiting[client])
-                except Exception:  # a bug or a broken answer must not stop the polling
-                    log.exception("taking observed expert counts from %s failed", client.base_url)
-                if not self._waiting.get(client):
-                    self._waiting.pop(client, None)
+            await self._take_all()
+
+    async def flush(self, timeout_s: float = 5.0) -> None:
+        """Take the counts of the finished requests still waiting for them now, until none waits or `timeout_s`
+        passed (the end of a batch run, a shutdown): the poller would have, POLL_S later."""
+        deadline = time.monotonic() + timeout_s
+        while self._waiting and time.monotonic() < deadline:
+            await self._take_all()
+            if self._waiting:
+                await asyncio.sleep(0.05)
+
+    async def _take_all(self) -> None:
+        for client in list(self._waiting):
+            try:
+                await self._take(client, self._waiting[client])
+            except Exception:  # a bug or a broken answer must not stop the polling
+                log.exception("taking observed expert counts from %s failed", client.base_url)
+            if not self._waiting.get(client):
+                self._waiting.pop(client, None)
 
     async def _take(self, client: BackendClient, waiting: dict[str, tuple[str, float, bool]]) -> None:
         try:

@@ -129,6 +129,23 @@ def test_remove_and_errors():
     assert set(ROUTINGS) == {"round-robin", "least-loaded", "affinity"}
 
 
+@pytest.mark.parametrize("routing", ROUTINGS)
+def test_an_update_changes_a_waiting_requests_prediction_and_keeps_its_place(routing):
+    """Two replicas, one running A each; B waits first, then A2 and x (no prediction yet). x learns it is A: with
+    affinity it goes before B (it adds nothing), in arrival order otherwise; B keeps its place before A2."""
+    router = ReplicaRouter([2, 2], routing)
+    for key, vector in [("a", A), ("a'", A)]:
+        router.add(key, vector, 0.0)
+    router.admit(0.0)
+    for key, vector in [("b", B), ("a2", A2), ("x", None)]:
+        router.add(key, vector, 0.0)
+    router.update("x", A)
+    got = [key for key, _ in router.admit(0.0)]
+    assert got == (["x", "a2"] if routing == "affinity" else ["b", "a2"]), got
+    with pytest.raises(KeyError, match="not waiting"):
+        router.update("a", B)
+
+
 def _held(resident) -> tuple[int, np.ndarray]:
     return (0, np.zeros(1)) if resident is None or resident.count == 0 else (resident.count, resident.log_idle)
 

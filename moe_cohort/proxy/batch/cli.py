@@ -28,6 +28,10 @@ _FLAGS = {
     "--request-timeout-s": ("request_timeout_s", float, "backend timeout per request"),
     "--backend-api-key": ("backend_api_key", str, "API key to send to the backend"),
     "--max-line-bytes": ("max_body_bytes", int, "longest input line accepted"),
+    "--data-dir": ("data_dir", str, "with --learn: where the learned head is kept (its learned/ folder; the same as "
+                                    "cohort serve's)"),
+    "--learn-sample-rate": ("learn_sample_rate", float, "with --learn: share of the requests the reservoir does not "
+                                                         "keep that are observed anyway, for the live fit"),
 }
 MAX_LISTED_ERRORS = 20
 
@@ -43,6 +47,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run_parser.add_argument("--dry-run", action="store_true", help="validate and predict only; write the sending order, send nothing")
     run_parser.add_argument("--plan", type=Path, help="where --dry-run writes the plan (default: OUTPUT + .plan.jsonl)")
     run_parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    run_parser.add_argument("--learn", action="store_true", default=None,
+                            help="learn the profile head from the backend's routing of this batch's answers as it "
+                                 "runs (our plugin's counts, or vLLM's routed_experts), re-predicting the requests "
+                                 "next in line with each new head; starts from, and saves to, --data-dir's "
+                                 "learned/ (env COHORT_LEARN)")
     run_parser.add_argument("--engine", choices=("local", "ray"), default="local",
                             help="local: this process sends; ray: Ray Data sends, to every --backend "
                                  "(comma-separated replicas), see proxy/batch/ray.py")
@@ -53,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
         return _fail(f"--output {args.output} is a folder; give a file path for the results, "
                      f"e.g. {args.output / 'results.jsonl'}")
     try:
-        settings = load_settings(flag_overrides(args, _FLAGS), flags=_FLAGS)
+        settings = load_settings({**flag_overrides(args, _FLAGS), "learn": args.learn}, flags=_FLAGS)
     except SettingsError as exc:
         return _fail(str(exc))
     if not settings.backend_url and not args.dry_run:
@@ -61,6 +70,9 @@ def run(args: argparse.Namespace) -> int:
     from moe_cohort.proxy.profiles import encoder_problem
 
     problem = encoder_problem(settings) or (_ray_problem() if args.engine == "ray" else _one_backend(settings))
+    if settings.learn and (args.engine == "ray" or args.dry_run):
+        problem = problem or ("--learn learns from answers as the local runner gets them; drop --learn for "
+                              f"{'--engine ray' if args.engine == 'ray' else '--dry-run'}")
     if problem:
         return _fail(problem)
     from moe_cohort.proxy.batch.format import read_batch_file
@@ -76,12 +88,14 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if not batch.requests and not batch.errors:
         return _fail(f"{args.input} has no requests")
+    from moe_cohort.proxy.learning import load_learner
     from moe_cohort.proxy.profiles import make_predictor
 
-    predictor = make_predictor(settings)
+    learner = load_learner(settings) if settings.learn else None
+    predictor = make_predictor(settings, learned=(lambda: learner.head) if learner else None)
     if args.dry_run:
         return _dry_run(args, settings, batch, predictor)
-    return _execute(args, settings, batch, predictor)
+    return _execute(args, settings, batch, predictor, learner)
 
 
 def _dry_run(args, settings: Settings, batch, predictor) -> int:
@@ -100,7 +114,7 @@ def _dry_run(args, settings: Settings, batch, predictor) -> int:
     return 0
 
 
-def _execute(args, settings: Settings, batch, predictor) -> int:
+def _execute(args, settings: Settings, batch, predictor, learner) -> int:
     from moe_cohort.proxy.batch.run import RunAborted
     from moe_cohort.proxy.batch.journal import Journal, JournalError, JournalPaths
 
@@ -110,8 +124,10 @@ def _execute(args, settings: Settings, batch, predictor) -> int:
     except (JournalError, OSError) as exc:
         return _fail(str(exc))
     try:
-        run = _run_ray if args.engine == "ray" else lambda *a, **k: asyncio.run(_run(*a, **k))
-        stats = run(settings, batch, journal, predictor, progress=not args.no_progress, skip_invalid=args.skip_invalid)
+        progress, skip = not args.no_progress, args.skip_invalid
+        stats = _run_ray(settings, batch, journal, predictor, progress=progress, skip_invalid=skip) \
+            if args.engine == "ray" else \
+            asyncio.run(_run(settings, batch, journal, predictor, learner, progress=progress, skip_invalid=skip))
     except RunAborted as exc:
         return _fail(f"{exc}\nresults so far are in {paths.output}; run the same command again to finish the rest", 1)
     except KeyboardInterrupt:
@@ -122,18 +138,26 @@ def _execute(args, settings: Settings, batch, predictor) -> int:
     return 0
 
 
-async def _run(settings: Settings, batch, journal, predictor, *, progress: bool, skip_invalid: bool):
+async def _run(settings: Settings, batch, journal, predictor, learner, *, progress: bool, skip_invalid: bool):
     from moe_cohort.proxy.backend import BackendClient
     from moe_cohort.proxy.batch.core import RunConfig
     from moe_cohort.proxy.batch.run import run_batch
+    from moe_cohort.proxy.learning import Learning, learned_folder
+    from moe_cohort.proxy.metrics import ProxyMetrics
 
     backend = BackendClient.from_settings(settings)
+    learning = None if learner is None else Learning(learner, predictor.features, learned_folder(settings),
+                                                     ProxyMetrics(), settings.learn_sample_rate, backend)
     finished = sum(1 for r in batch.requests if r.line in journal.done)
     with _ProgressBar(len(batch.requests), finished, enabled=progress) as bar:
         try:
             return await run_batch(batch, journal, backend, predictor, RunConfig.from_settings(settings),
-                                   skip_invalid=skip_invalid, on_progress=bar.update)
+                                   skip_invalid=skip_invalid, on_progress=bar.update, learning=learning)
         finally:
+            if learning is not None:
+                await learning.flush()  # the last answers' counts
+                await asyncio.to_thread(learning.close)  # what it learned is saved for the next run (and serve)
+                _learned(learner, learned_folder(settings))
             await backend.close()
 
 
@@ -199,6 +223,12 @@ def _summary(stats, journal, paths) -> None:
         saving = f", routing policy saved {loads.policy_saving:.1%} of them" if loads.policy_saving else ""
         print(f"backend decode steps: {loads.per_forward:.2f} distinct experts per MoE layer "
               f"({loads.after:,.0f} expert loads over {loads.forwards:,.0f} layer-steps){saving}", file=sys.stderr)
+
+
+def _learned(learner, folder: Path) -> None:
+    head = f"a head fitted on {learner.fitted_on}" if learner.head is not None else \
+        f"no head yet (the first after {learner.config.first_fit})"
+    print(f"learned: {learner.observed} observed requests, {head}; saved in {folder}", file=sys.stderr)
 
 
 def _list_errors(path: Path, errors) -> None:

@@ -50,8 +50,10 @@ RETRY_S = (5.0, 300.0)  # first and longest pause while the backend is unreachab
 
 
 class BatchJobs:
-    def __init__(self, settings: Settings, backend, predictor, gate=None, *, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, settings: Settings, backend, predictor, gate=None, *, clock: Callable[[], float] = time.time,
+                 learning=None) -> None:
         self.settings, self.backend, self.predictor = settings, backend, predictor  # BackendClient, proxy.profiles.Predictor
+        self.learning = learning  # proxy.learning.Learning of `cohort serve --learn`: batches learn too
         self.gate = gate  # proxy.admission.AdmissionGate
         self.clock = clock  # epoch seconds: completion windows
         self.config = RunConfig.from_settings(settings, metrics_interval_s=0)
@@ -214,7 +216,7 @@ class BatchJobs:
         try:
             await run_batch(parsed, journal, self.backend, self.predictor, self.config, skip_invalid=False,
                             on_progress=progress, stop=job.stop, gate=self.gate, deadline=job.expires_at,
-                            clock=self.clock, seat=self.share.seat(job.owner, job.id))
+                            clock=self.clock, seat=self.share.seat(job.owner, job.id), learning=self.learning)
         except RunAborted as exc:
             log.warning("batch %s paused: %s; retrying", job.id, exc)
             return job.stop.is_set()

@@ -71,6 +71,14 @@ class ExpertOrder:
     def finished(self, request: BatchRequest) -> None:
         self.router.release(request.line)
 
+    def refresh(self, vectors: dict[int, np.ndarray | None]) -> None:
+        """New predictions by input line (a newer profile head's, proxy/batch/run.py); the waiting ones among
+        them are re-scored in place, the others when they join the pool. The lines chosen already stay chosen."""
+        self.vectors.update(vectors)
+        for line in vectors:
+            if line in self.router.pool:
+                self.router.update(line, vectors[line])
+
 
 def make_order(requests: Sequence[BatchRequest], predictor: Predictor | None, concurrency: int, *,
                window: int = DEFAULT_WINDOW) -> Order:

@@ -7,7 +7,8 @@ Batch API's jobs and benchmarks/bench_batch.py.
    backend; a slot that frees goes at once to the waiting request that best fits the requests out
    now (proxy/batch/order.py: admission by the predictor's expert profiles, predicted once for the
    whole file, or file order without a predictor), so the backend stays full and its resident set
-   stays alike. With `gate` (the proxy's online admission, proxy/admission.py) each request also
+   stays alike; with `learning` (proxy/learning.py) the answers teach the online learner, and each new
+   head re-predicts the requests next in line (proxy/batch/follow.py). With `gate` (the proxy's online admission, proxy/admission.py) each request also
    takes a background slot, so batch work only uses backend capacity that interactive requests
    leave free, on the replica the gate gives the slot on (`cohort serve` with several --backend); with
    `seat` (the Batch API's batches) each also holds one of the slots all running batches share, handed
@@ -32,7 +33,7 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Awaitable, Callable, Sequence
 
 import numpy as np
 
@@ -42,12 +43,14 @@ from moe_cohort.proxy.backend import BackendClient
 from moe_cohort.proxy.admission import AdmissionGate
 from moe_cohort.proxy.batch.core import (Abort, Answered, BatchCore, Outcome, Retry, RunConfig, RunStats, Send, Stop, TimedOut,
                               Unreachable, invalid_records)
-from moe_cohort.proxy.batch.order import make_order
+from moe_cohort.proxy.batch.follow import follow_heads
+from moe_cohort.proxy.batch.order import ExpertOrder, make_order
 from moe_cohort.proxy.batch.share import Seat
 from moe_cohort.proxy.batch.format import BatchFile, BatchRequest
 from moe_cohort.proxy.http.errors import BackendStatusError, BackendTimeout, BackendUnreachable
 from moe_cohort.proxy.expert_loads import ExpertLoads, fetch_expert_loads
 from moe_cohort.proxy.batch.journal import Journal, JournalError, Record
+from moe_cohort.proxy.learning import Learning, relay_answer
 from moe_cohort.proxy.profiles import Predictor
 
 log = logging.getLogger(__name__)
@@ -76,11 +79,12 @@ async def run_batch(batch: BatchFile, journal: Journal, backend: BackendClient, 
                     config: RunConfig, *, skip_invalid: bool = True, on_progress: ProgressFn | None = None,
                     stop: asyncio.Event | None = None, gate: AdmissionGate | None = None,
                     deadline: float | None = None, clock: Callable[[], float] = time.time,
-                    seat: Seat | None = None) -> RunStats:
+                    seat: Seat | None = None, learning: Learning | None = None) -> RunStats:
     """Finish every line of `batch` that `journal` has not: invalid ones into the error file (`skip_invalid`),
     the rest sent in admission order (`predictor`: proxy/profiles.py; None: file order). Returns when all are committed, `stop` is set, or `clock()` reaches
     `deadline`; raises RunAborted when the backend stays unreachable or the journal cannot be written.
-    `seat` (proxy/batch/share.py): each request also holds one of the slots the running batches share."""
+    `seat` (proxy/batch/share.py): each request also holds one of the slots the running batches share.
+    `learning` (proxy/learning.py, with `predictor` made to read its head): the run learns from its answers."""
     if skip_invalid:
         journal.commit(invalid_records(batch, journal.done))
     pending = [r for r in batch.requests if r.line not in journal.done]
@@ -91,7 +95,11 @@ async def run_batch(batch: BatchFile, journal: Journal, backend: BackendClient, 
     log.info("%d requests to send, %d at a time, in %s", len(pending), config.concurrency,
              "file order" if predictor is None else f"admission by {predictor.kind}")
     core = BatchCore(pending, config, stats, order=order, deadline=deadline)
-    driver = _Driver(core, journal, backend, gate, on_progress or (lambda stats: None), clock, seat)
+    driver = _Driver(core, journal, backend, gate, on_progress or (lambda stats: None), clock, seat, learning)
+    if learning is not None:
+        await learning.probe()  # the first requests are marked when the backend counts experts
+        if isinstance(order, ExpertOrder):
+            driver.follow = lambda: follow_heads(lambda: learning.head, predictor.predict, order, lambda: core.waiting)
     return await driver.run(stop or asyncio.Event())
 
 
@@ -105,8 +113,11 @@ def write_plan(path: str | Path, requests: Sequence[BatchRequest], concurrency: 
 
 class _Driver:
     def __init__(self, core: BatchCore, journal: Journal, backend: BackendClient, gate: AdmissionGate | None,
-                 on_progress: ProgressFn, clock: Callable[[], float], seat: Seat | None) -> None:
+                 on_progress: ProgressFn, clock: Callable[[], float], seat: Seat | None,
+                 learning: Learning | None = None) -> None:
         self.core, self.journal, self.backend, self.gate, self.seat = core, journal, backend, gate, seat
+        self.learning = learning
+        self.follow: Callable[[], Awaitable[None]] | None = None  # runs beside the sends (follow_heads)
         self.on_progress, self.clock = on_progress, clock
         self.headers = bearer(core.config.api_key)
         self.records: asyncio.Queue[Record | None] = asyncio.Queue()  # None: no more
@@ -136,6 +147,8 @@ class _Driver:
                 helpers = [tg.create_task(raise_when_set(stop))]
                 if loads0 is not None:
                     helpers.append(tg.create_task(self._watch_loads(loads0)))
+                if self.follow is not None:
+                    helpers.append(tg.create_task(self.follow()))
                 async with asyncio.TaskGroup() as senders:
                     await self._dispatch(senders)
                 for task in helpers:
@@ -200,9 +213,14 @@ class _Driver:
     async def _attempt(self, send: Send, client: BackendClient, slot=None) -> Outcome:
         """One POST; the backend's answer or failure as the core's Outcome (errors translated here)."""
         headers = {**self.headers, "x-request-id": send.request_id}
+        body, text, learning = send.request.body, send.request.text, self.learning
+        if learning is not None:
+            body = {**body}
+            learning.mark(body)  # when sampled: the engine counts this request's experts
         try:
-            answer = await client.request("POST", send.request.url, json=send.request.body, headers=headers)
-            return Answered(answer.status_code, _decode(answer.content))
+            answer = await client.request("POST", send.request.url, json=body, headers=headers)
+            content = answer.content if learning is None else relay_answer(answer.content, text, body, learning)
+            return Answered(answer.status_code, _decode(content))
         except BackendStatusError as exc:
             return Answered(exc.status_code, _decode(exc.content))
         except BackendTimeout as exc:
@@ -211,6 +229,9 @@ class _Driver:
             if slot is not None and await self.gate.failover(slot, exc):
                 raise _Refused() from exc
             return Unreachable(exc.message)
+        finally:
+            if learning is not None:
+                learning.finished(client, body, text)
 
     async def _write(self) -> None:
         """The one journal writer: what finished while a commit was on disk goes together in the next one."""

@@ -14,6 +14,7 @@ from moe_cohort.proxy.app import create_app
 from moe_cohort.proxy.batch.store import BatchStore
 from moe_cohort.proxy.settings import Settings
 from tests.proxy.servers import ProxyThread
+from tests.proxy.test_learning import encoder  # noqa: F401 (a fixture)
 
 
 def request_line(cid, content, max_tokens=6, **body):
@@ -87,6 +88,21 @@ def test_upload_create_poll_download(proxy):
     with pytest.raises(openai.BadRequestError, match="has purpose 'batch_output'; a batch reads a file uploaded"):
         client.batches.create(input_file_id=batch.output_file_id, endpoint="/v1/chat/completions",
                               completion_window="24h")
+
+
+def test_a_batch_of_a_learning_proxy_teaches_its_head(vllm_server, encoder, tmp_path):
+    """`cohort serve --learn`: the Batch API's requests are counted by the plugin and learned from like online ones."""
+    with ProxyThread(settings(vllm_server, tmp_path, encoder=encoder, learn=True)) as proxy:
+        client = client_for(proxy)
+        upload = client.files.create(file=("r.jsonl", jsonl([request_line(f"q{i}", f"question {i}") for i in range(20)])),
+                                     purpose="batch")
+        batch = client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h")
+        assert wait_for(client, batch.id).request_counts.completed == 20
+        deadline = time.monotonic() + 30
+        while (learning := httpx.get(proxy.url + "/health").json()["admission"]["learning"])["observed"] < 20:
+            assert time.monotonic() < deadline, learning
+            time.sleep(0.2)
+    assert learning["head_fitted_on"] >= 16
 
 
 def test_invalid_file_fails_with_line_numbers(proxy):

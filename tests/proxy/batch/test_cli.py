@@ -9,6 +9,7 @@ import time
 import pytest
 
 from moe_cohort.cli import main
+from tests.proxy.test_learning import encoder  # noqa: F401 (a fixture)
 
 
 def request_line(cid, content, max_tokens=4, url="/v1/chat/completions"):
@@ -132,6 +133,29 @@ def test_output_from_another_input_is_never_mixed(vllm_server, tmp_path, capsys)
     assert main([*base, "--input", str(first)]) == 0
     assert main([*base, "--input", str(other)]) == 2
     assert "belongs to another run" in capsys.readouterr().err and len(results(out)) == 1
+
+
+def test_learn_learns_from_the_plugins_counts_and_keeps_the_head_for_the_next_run(vllm_server, encoder, tmp_path,
+                                                                                capsys):
+    """The real vLLM CPU server with our plugin counts each request's experts; the run learns a head from 24 of
+    them (the first after 16) and saves it under --data-dir/learned, where the next run (and cohort serve) start."""
+    src = write(tmp_path / "in.jsonl", [request_line(f"r{i}", f"question {i} about {'python' if i % 2 else 'rice'}")
+                                        for i in range(24)])
+    data = tmp_path / "data"
+    args = ["batch", "run", "--input", str(src), "--output", str(tmp_path / "out.jsonl"), "--backend", vllm_server.url,
+            "--encoder", encoder, "--learn", "--data-dir", str(data), "--concurrency", "4", "--no-progress"]
+    assert main(args) == 0
+    err = capsys.readouterr().err
+    assert "done: 24 succeeded" in err and "learned: 24 observed requests, a head fitted on" in err, err
+    assert (data / "learned" / "reservoir.npz").exists() and (data / "learned" / "expert_profile_head.npz").exists()
+
+
+def test_learn_is_refused_where_no_answer_comes_back_to_learn_from(tmp_path, capsys):
+    src = write(tmp_path / "in.jsonl", [request_line("a", "hi")])
+    code = main(["batch", "run", "--input", str(src), "--output", str(tmp_path / "out.jsonl"), "--dry-run", "--learn",
+                 "--encoder", "static"])
+    assert code == 2 and "--learn learns from answers as the local runner gets them; drop --learn for --dry-run" \
+        in capsys.readouterr().err
 
 
 @pytest.mark.integration
