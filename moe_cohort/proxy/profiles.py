@@ -105,12 +105,14 @@ def make_predictor(settings: Settings, threads: int | None = None,
     recent = RecentFeatures() if learned is not None else None
 
     def predict(texts: Sequence[str]) -> list[Prediction | None]:
-        x, current = embed(texts), head()
+        current = head()
         if current is None:
-            return [Prediction(row) for row in x] if learned is None else [None] * len(x)
-        f = head_features(x, list(texts), current.ngram_dim)  # [N, F] (a head may read n-grams)
+            return [Prediction(row) for row in embed(texts)] if learned is None else [None] * len(texts)
+        learning = recent is not None and current.ngram_dim == DEFAULT_NGRAM_DIM
+        cached = recent.get(texts) if learning else None  # texts predicted lately, again by a newer head
+        f = cached[0] if cached else head_features(embed(texts), list(texts), current.ngram_dim)  # [N, F]
         flat = current.from_features(f)  # [N, L*E]
-        if recent is not None and current.ngram_dim == DEFAULT_NGRAM_DIM:
+        if learning:
             recent.put(texts, f, flat)
         shape = (current.num_layers, current.num_experts)
         return [Prediction.of_profile(p.reshape(shape)) for p in flat]

@@ -292,3 +292,32 @@ def test_the_learner_gets_each_requests_features_and_arrival_prediction_without_
         np.testing.assert_array_equal(p.vector, q)
     _, unknown = predictor.features(["never predicted"])
     assert unknown == [None]
+
+
+def test_a_newer_head_predicts_texts_seen_lately_from_their_kept_features(encoder, monkeypatch):
+    """A batch re-predicts the requests next in line with each new head: from the features kept at their first
+    prediction, without embedding them or hashing their n-grams again; a text not seen lately is read."""
+    from moe_cohort.encoder.embedding import Embedder
+    from moe_cohort.encoder.ngrams import DEFAULT_NGRAM_DIM
+    from moe_cohort.encoder.profile import ProfileHead, head_features
+    from moe_cohort.proxy.profiles import make_predictor
+
+    rng = np.random.default_rng(1)
+    heads = [ProfileHead(rng.normal(size=(8 + DEFAULT_NGRAM_DIM, LAYERS * EXPERTS)).astype(np.float32),
+                         np.zeros(LAYERS * EXPERTS, np.float32), LAYERS, EXPERTS, top_k=K, ngram_dim=DEFAULT_NGRAM_DIM)
+             for _ in range(2)]
+    current = [heads[0]]
+    predictor = make_predictor(Settings(encoder=encoder), learned=lambda: current[0])
+    texts = ["a question about python", "about cooking rice"]
+    predictor.predict(texts)
+    expected = heads[1].from_features(head_features(Embedder(encoder).encode(texts), texts, DEFAULT_NGRAM_DIM))
+
+    def read_again(self, texts):
+        raise AssertionError(f"read again: {texts}")
+
+    monkeypatch.setattr(Embedder, "encode", read_again)
+    current[0] = heads[1]
+    again = predictor.predict(texts)
+    np.testing.assert_allclose([p.vector for p in again], expected, atol=2e-3)  # from float16 features
+    with pytest.raises(AssertionError, match="read again"):
+        predictor.predict(["a text not seen lately"])
