@@ -30,19 +30,22 @@ counts, and the proxy learns from, a share of the traffic that falls as it goes 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import logging
+import os
 import random
 import secrets
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Sequence, TypeVar
 
 import numpy as np
 
+from moe_cohort.admission.waiting import one_blas_thread  # the learner's fits and predictions too
 from moe_cohort.admission.wire import OBSERVE_KEY
 from moe_cohort.encoder.profile import ProfileHead
 from moe_cohort.proxy.backend import BackendClient
@@ -52,6 +55,7 @@ from moe_cohort.traces.observed import BadObservation, Observed, decode_npy, fro
 from moe_cohort.train.online import LearnConfig, OnlineLearner
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 ROUTED_EXPERTS, PROMPT_START = "routed_experts", "routed_experts_prompt_start"
 PLUGIN, OBSERVED_PATH = "plugin", "/v1/cohort/observed"
@@ -73,7 +77,7 @@ class Learning:
         self._pending: list[tuple[str, Observed, str, bool]] = []  # text, counts, source, kept
         self._busy = False
         self._lock = threading.Lock()
-        self._executor = ThreadPoolExecutor(1, "cohort-learn")
+        self._executor = ThreadPoolExecutor(1, "cohort-learn", initializer=_behind_serving)
         self._random = random.Random(0)
         self.backend = backend  # asked whether it serves OBSERVED_PATH
         self.plugin: bool | None = None  # whether it does (None: not known yet)
@@ -235,7 +239,8 @@ class Learning:
                     self._busy = False
                     return
             try:
-                self._learn(batch)
+                with one_blas_thread():
+                    self._learn(batch)
             except Exception:  # a bug here must not stop learning from later answers
                 log.exception("learning from %d observed requests failed", len(batch))
 
@@ -254,6 +259,13 @@ class Learning:
                 self.metrics.learned_refits.inc()
                 self.learner.save(self.folder)
 
+    async def in_background(self, fn: Callable[..., T], *args) -> T:
+        """fn(*args) on the learning worker, behind serving (a batch's re-predictions: proxy/batch/follow.py)."""
+        def call() -> T:
+            with one_blas_thread():
+                return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(self._executor, call)
+
     def close(self) -> None:
         """Finish what is queued, stop the worker, save what was learned since the last refit."""
         if self._poller is not None:
@@ -261,6 +273,15 @@ class Learning:
         self._executor.shutdown(wait=True)
         if self.learner.observed:
             self.learner.save(self.folder)
+
+
+def _behind_serving() -> None:
+    """The learning worker's thread runs at the lowest CPU priority (Linux's nice is per thread): on a machine it
+    shares with vLLM, a refit must not take the CPU that vLLM's API server needs to start the next request
+    (bench_batch_learning: without this a learning batch kept the engine at 8-11 decode tokens per forward
+    where the same head without learning kept 14.4)."""
+    with contextlib.suppress(OSError, AttributeError):  # not Linux: the default priority
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
 
 
 def load_learner(settings) -> OnlineLearner:

@@ -321,3 +321,29 @@ def test_a_newer_head_predicts_texts_seen_lately_from_their_kept_features(encode
     np.testing.assert_allclose([p.vector for p in again], expected, atol=2e-3)  # from float16 features
     with pytest.raises(AssertionError, match="read again"):
         predictor.predict(["a text not seen lately"])
+
+
+def test_the_learner_works_behind_serving_at_the_lowest_priority_on_one_blas_thread(tmp_path):
+    """Its refits and a batch's re-predictions run on the learning worker: Linux nice 19 (a refit must not take
+    the CPU vLLM's API server needs to start the next request), BLAS on one thread (no spinning helpers)."""
+    import os
+    import threading
+
+    from threadpoolctl import threadpool_info
+
+    from moe_cohort.proxy.learning import Learning
+    from moe_cohort.proxy.metrics import ProxyMetrics
+    from moe_cohort.train.online import OnlineLearner
+
+    def where() -> tuple[int, set[int]]:
+        blas = {lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas"}
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id()), blas
+
+    learning = Learning(OnlineLearner(), lambda texts: (np.zeros((len(texts), 1)), [None] * len(texts)),
+                        tmp_path, ProxyMetrics())
+    try:
+        nice, blas = asyncio.run(learning.in_background(where))
+    finally:
+        learning.close()
+    assert nice == 19 and blas == {1}, (nice, blas)
+    assert where()[0] < 19  # the serving threads keep theirs

@@ -99,7 +99,8 @@ async def run_batch(batch: BatchFile, journal: Journal, backend: BackendClient, 
     if learning is not None:
         await learning.probe()  # the first requests are marked when the backend counts experts
         if isinstance(order, ExpertOrder):
-            driver.follow = lambda: follow_heads(lambda: learning.head, predictor.predict, order, lambda: core.waiting)
+            driver.follow = lambda: follow_heads(lambda: learning.head, predictor.predict, order, lambda: core.waiting,
+                                                 learning.in_background)
     return await driver.run(stop or asyncio.Event())
 
 
