@@ -43,12 +43,6 @@ def _blas() -> ThreadpoolController:
     return ThreadpoolController()  # inspects the loaded BLAS libraries once
 
 
-def one_blas_thread():
-    """A context in which BLAS runs on one thread (threadpoolctl; process-wide while it lasts): small products
-    gain nothing from more, and OpenBLAS's other threads busy-wait on cores an inference server needs."""
-    return _blas().limit(limits=1, user_api="blas")
-
-
 class WaitingPool:
     """Waiting requests by key, each with its vector ([L*E] profile, [D] embedding, or None) and arrival time.
 
@@ -110,7 +104,7 @@ class WaitingPool:
     def _best(self, resident: Resident, eligible: np.ndarray, seq: np.ndarray) -> int:
         rows = int(np.flatnonzero(eligible)[-1]) + 1  # rows past the last eligible one need no score
         scores = np.full(len(eligible), np.inf)  # [capacity], lower is better
-        with one_blas_thread():
+        with _blas().limit(limits=1, user_api="blas"):
             scores[:rows] = resident.scores(self.matrix[:rows])  # ResidentEmbedding: higher is better
         if isinstance(resident, ResidentEmbedding):
             scores[:rows] = -scores[:rows]

@@ -44,8 +44,8 @@ from pathlib import Path
 from typing import Callable, Sequence, TypeVar
 
 import numpy as np
+from threadpoolctl import threadpool_limits
 
-from moe_cohort.admission.waiting import one_blas_thread  # the learner's fits and predictions too
 from moe_cohort.admission.wire import OBSERVE_KEY
 from moe_cohort.encoder.profile import ProfileHead
 from moe_cohort.proxy.backend import BackendClient
@@ -282,6 +282,12 @@ def _behind_serving() -> None:
     where the same head without learning kept 14.4)."""
     with contextlib.suppress(OSError, AttributeError):  # not Linux: the default priority
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+
+
+def one_blas_thread() -> threadpool_limits:
+    """BLAS on one thread while the learner fits or predicts (every BLAS loaded by then: a fresh inspection):
+    its other threads would busy-wait on the cores vLLM needs (OpenBLAS); admission's scoring runs on one too."""
+    return threadpool_limits(limits=1, user_api="blas")
 
 
 def load_learner(settings) -> OnlineLearner:
