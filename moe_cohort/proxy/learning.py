@@ -71,7 +71,7 @@ class Learning:
     """The proxy's learner: `add` observations from the event loop; the worker thread learns from them."""
 
     def __init__(self, learner: OnlineLearner, featurize: Featurize, folder: Path, metrics: ProxyMetrics,
-                 sample_rate: float = 1.0, backend: BackendClient | None = None) -> None:
+                 sample_rate: float = 0.05, backend: BackendClient | None = None) -> None:
         self.learner, self.featurize, self.folder, self.metrics = learner, featurize, folder, metrics
         self.sample_rate = sample_rate
         self._pending: list[tuple[str, Observed, str, bool]] = []  # text, counts, source, kept
