@@ -3,7 +3,8 @@
     cohort batch run --input requests.jsonl --output results.jsonl --backend http://127.0.0.1:8000
 
 The whole file is validated first (nothing is sent if a line is bad, unless --skip-invalid), then
-every request's expert profile (or embedding) is predicted once, then requests are sent with
+every request's expert profile (or embedding) is predicted once (with --learn, again by each head
+learned from the batch's own answers, for the requests next in line), then requests are sent with
 --concurrency (the backend's max_num_seqs) at the backend, each freed slot going to the waiting
 request that best fits those out now (--encoder none keeps file order). Results and failures are appended as they finish, with a journal next to the output
 (`results.jsonl.journal`): after a crash or kill, the same command finishes the rest.

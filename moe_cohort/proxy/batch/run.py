@@ -8,11 +8,11 @@ Batch API's jobs and benchmarks/bench_batch.py.
    now (proxy/batch/order.py: admission by the predictor's expert profiles, predicted once for the
    whole file, or file order without a predictor), so the backend stays full and its resident set
    stays alike; with `learning` (proxy/learning.py) the answers teach the online learner, and each new
-   head re-predicts the requests next in line (proxy/batch/follow.py). With `gate` (the proxy's online admission, proxy/admission.py) each request also
-   takes a background slot, so batch work only uses backend capacity that interactive requests
-   leave free, on the replica the gate gives the slot on (`cohort serve` with several --backend); with
-   `seat` (the Batch API's batches) each also holds one of the slots all running batches share, handed
-   out round-robin over tenants (proxy/batch/share.py);
+   head re-predicts the requests next in line (proxy/batch/follow.py). With `gate` (the proxy's online
+   admission, proxy/admission.py) each request also takes a background slot, so batch work only uses
+   backend capacity that interactive requests leave free, on the replica the gate gives the slot on
+   (`cohort serve` with several --backend); with `seat` (the Batch API's batches) each also holds one
+   of the slots all running batches share, handed out round-robin over tenants (proxy/batch/share.py);
 4. retries, backoff and what fails a request: proxy/batch/core.py decides; an unreachable backend
    (after the retries) stops the run with RunAborted, and a rerun resumes;
 5. finished requests are committed to the journal (proxy/batch/journal.py) in groups by one writer.
