@@ -33,7 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.bench_learning_e2e import TRAINED, counters, offline_encoder
+from benchmarks.bench_learning_e2e import TRAINED, counters, offline_encoder, trained_model
 from moe_cohort.train.heldout import prompt_texts
 
 
@@ -88,13 +88,9 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--json", help="also write the rows here")
     args = p.parse_args()
-    from moe_cohort.devtools.train_moe import RECIPES, train_tiny_moe
     from moe_cohort.proxy.vllm_server import start
 
-    model = Path(args.model_dir)
-    if not (model / "config.json").is_file():
-        train_tiny_moe(model, RECIPES["full"])
-    layers = json.loads((model / "config.json").read_text())["num_hidden_layers"]
+    model, layers = trained_model(args.model_dir)
     prompts = prompt_texts()
     random.Random(0).shuffle(prompts)
     work = Path(tempfile.mkdtemp(prefix="bench-batch-learning-"))

@@ -162,6 +162,16 @@ def runs(backend: str, flags: list[str], train: list[str], held: list[str], args
     return out
 
 
+def trained_model(model_dir: str) -> tuple[Path, int]:
+    """The trained tiny MoE in `model_dir` (trained there first if missing) and its layer count."""
+    from moe_cohort.devtools.train_moe import RECIPES, train_tiny_moe
+
+    model = Path(model_dir)
+    if not (model / "config.json").is_file():
+        train_tiny_moe(model, RECIPES["full"])
+    return model, json.loads((model / "config.json").read_text())["num_hidden_layers"]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model-dir", default=str(TRAINED), help="the trained tiny MoE (built here if missing)")
@@ -174,13 +184,9 @@ def main() -> None:
     p.add_argument("--engine-side", action="store_true")
     p.add_argument("--json", help="also write the rows here")
     args = p.parse_args()
-    from moe_cohort.devtools.train_moe import RECIPES, train_tiny_moe
     from moe_cohort.proxy.vllm_server import start
 
-    model = Path(args.model_dir)
-    if not (model / "config.json").is_file():
-        train_tiny_moe(model, RECIPES["full"])
-    layers = json.loads((model / "config.json").read_text())["num_hidden_layers"]
+    model, layers = trained_model(args.model_dir)
     texts = prompt_texts()
     train_idx, held_idx = split_requests(len(texts), groups=texts)
     train, held = [texts[i] for i in train_idx], [texts[i] for i in held_idx]
