@@ -25,6 +25,9 @@ Which requests are observed: the reservoir decides on arrival whether it will ke
 one until it is full, then capacity / seen of them: train.online.Reservoir), and only those, plus
 `--learn-sample-rate` of the others, are counted; the others feed the live fit only. So the engine
 counts, and the proxy learns from, a share of the traffic that falls as it goes on.
+
+Over 300 lines because the marking, the polling of the counts, the worker that learns and the
+worker's place behind serving share one object's state (tokens waiting per replica, the queue).
 """
 
 from __future__ import annotations
