@@ -20,7 +20,6 @@ from typing import Sequence
 import numpy as np
 
 DEFAULT_NGRAM_DIM = 4096
-ORDERS = (1, 2)  # words and word pairs
 _TOKEN = re.compile(r"\w+|[^\w\s]")
 
 
@@ -29,8 +28,10 @@ def hashed_ngrams(texts: Sequence[str], dim: int = DEFAULT_NGRAM_DIM) -> np.ndar
     out = np.zeros((len(texts), dim), np.float32)
     for i, text in enumerate(texts):
         words = _TOKEN.findall(str(text).lower())
-        grams = [" ".join(words[j:j + n]) for n in ORDERS for j in range(len(words) - n + 1)]
-        if grams:
-            np.add.at(out[i], [zlib.crc32(g.encode()) % dim for g in grams], 1.0)
+        hashes = [zlib.crc32(w.encode()) for w in words]  # 1-grams
+        # 2-grams: crc32 continues from the first word's, so crc32("a b") costs only " b"
+        hashes += [zlib.crc32((" " + b).encode(), h) for h, b in zip(hashes, words[1:])]
+        if hashes:
+            out[i] = np.bincount(np.asarray(hashes, np.int64) % dim, minlength=dim)
     out = np.log1p(out)
     return out / np.maximum(np.linalg.norm(out, axis=1, keepdims=True), 1e-12)

@@ -17,3 +17,21 @@ def test_rows_are_unit_log_counts_of_hashed_words_and_word_pairs():
     np.testing.assert_allclose(got[0], want / np.linalg.norm(want), rtol=1e-6)
     assert not got[1].any()  # an empty text is all zero
     np.testing.assert_array_equal(hashed_ngrams(["hi, HI there"], dim=64)[0], got[0])  # case-blind
+
+
+def test_matches_the_direct_count_on_random_texts():
+    """Each n-gram joined and hashed on its own, counted one by one: the same rows."""
+    from moe_cohort.encoder.ngrams import _TOKEN
+
+    rng = np.random.default_rng(0)
+    vocab = ["the", "code", "def", "(", ")", ":", "x", "y", "rice", "é", "42", ",", "?"]
+    texts = [" ".join(rng.choice(vocab, size=int(rng.integers(0, 30)))) for _ in range(50)]
+    want = np.zeros((len(texts), 128))
+    for i, text in enumerate(texts):
+        words = _TOKEN.findall(text.lower())
+        for n in (1, 2):
+            for j in range(len(words) - n + 1):
+                want[i, zlib.crc32(" ".join(words[j:j + n]).encode()) % 128] += 1
+    want = np.log1p(want)
+    want /= np.maximum(np.linalg.norm(want, axis=1, keepdims=True), 1e-12)
+    np.testing.assert_allclose(hashed_ngrams(texts, dim=128), want, rtol=1e-6, atol=1e-7)
