@@ -1,0 +1,22 @@
+"""benchmarks/bench_batch_learning's batch file and per-quarter rates; benchmarks/bench_refit's timing."""
+
+from benchmarks.bench_batch_learning import _rates, batch_file
+from benchmarks.bench_refit import time_refit
+from moe_cohort.proxy.batch.format import read_batch_file
+
+
+def test_the_batch_file_is_a_valid_openai_batch_of_the_prompts(tmp_path):
+    path = batch_file(tmp_path / "in.jsonl", ["why?", "how?"], max_tokens=7)
+    parsed = read_batch_file(path, default_policy="topk", max_line_bytes=10_000)
+    assert not parsed.errors and [r.text for r in parsed.requests] == ["why?", "how?"]
+    assert all(r.body["max_tokens"] == 7 and r.body["ignore_eos"] for r in parsed.requests)
+
+
+def test_rates_are_loads_per_generated_token_and_tokens_per_forward():
+    before = {"loads": 10.0, "forwards": 8.0, "tokens": 20.0}
+    after = {"loads": 70.0, "forwards": 16.0, "tokens": 50.0}  # 60 loads, 30 tokens, 8 layer-forwards of 4 layers
+    assert _rates(before, after, layers=4) == (2.0, 15.0)
+
+
+def test_a_refit_is_timed():
+    assert 0 < time_refit(20, 2, 4, 2, repeats=1) < 60
