@@ -227,11 +227,12 @@ class _Driver:
         except BackendTimeout as exc:
             return TimedOut(exc.message)
         except BackendUnreachable as exc:
+            client = None  # refused, or down: no counts to ask it for (a resent attempt is marked afresh)
             if slot is not None and await self.gate.failover(slot, exc):
                 raise _Refused() from exc
             return Unreachable(exc.message)
         finally:
-            if learning is not None:
+            if learning is not None and client is not None:
                 learning.finished(client, body, text)
 
     async def _write(self) -> None:
