@@ -79,8 +79,9 @@ def read_lengths(path: str | Path, request_ids: np.ndarray) -> np.ndarray:  # [N
 
 def evaluate_continuous(tokens: DecodeTokens, slots: int, policies: Mapping[str, Policy], lengths: Lengths,
                         cost: CostModel, num_layers: int, *, seeds: int = 5, max_wait: float | None = None,
-                        random_draws: int = 4) -> dict:
+                        random_draws: int = 4, clients: int | None = None) -> dict:
     """Replay random order and every policy over `seeds` seeds; rows as in the module docstring.
+    With `clients`, closed-loop clients send the requests (eval.replay), else all arrive at step 0.
 
     Each seed's random baseline is the mean of `random_draws` random orders with that seed's
     lengths: on a few hundred requests one random order alone is a noisy yardstick.
@@ -92,10 +93,10 @@ def evaluate_continuous(tokens: DecodeTokens, slots: int, policies: Mapping[str,
     with threadpool_limits(limits=1, user_api="blas"):
         for seed in range(seeds):
             lens = lengths(seed)
-            runs["random"].append([shuffled.run(tokens, lens, slots, seed * random_draws + j, max_wait)
+            runs["random"].append([shuffled.run(tokens, lens, slots, seed * random_draws + j, max_wait, clients=clients)
                                    for j in range(random_draws)])
             for name, policy in policies.items():
-                runs.setdefault(name, []).append([policy.run(tokens, lens, slots, seed, max_wait)])
+                runs.setdefault(name, []).append([policy.run(tokens, lens, slots, seed, max_wait, clients=clients)])
     rows = {name: summary_row(rs, runs["random"], cost, num_layers) for name, rs in runs.items()}
     non_moe = non_moe_us_per_step(rows["random"], cost)
     ref = rows.get(REFERENCE, {}).get("saving", 0.0)
@@ -105,7 +106,7 @@ def evaluate_continuous(tokens: DecodeTokens, slots: int, policies: Mapping[str,
         row["tokens_per_s"] = 1e6 / row["step_us_per_token"]
         row["seeds"] = seeds
     log.info("continuous replay at S = %d: %d policies x %d seeds", slots, len(rows), seeds)
-    return {"engine": "continuous", "slots": slots, "num_requests": len(tokens), "decode_mode": tokens.mode,
+    return {"engine": "continuous", "slots": slots, "clients": clients, "num_requests": len(tokens), "decode_mode": tokens.mode,
             "cost_model": cost.name, "non_moe_us_per_step": non_moe, "plans": rows}
 
 

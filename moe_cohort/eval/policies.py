@@ -46,9 +46,10 @@ class Policy:
         return ReplicaRouter(slots, self.routing, max_wait=max_wait, resident_factory=factory)
 
     def run(self, tokens: DecodeTokens, lengths: np.ndarray, slots: int | Sequence[int], seed: int = 0,
-            max_wait: float | None = None, times: np.ndarray | None = None) -> Replay:
+            max_wait: float | None = None, times: np.ndarray | None = None, clients: int | None = None) -> Replay:
         """One replay of replicas of `slots` slots (an int: one engine); `times` [N] sorted arrival steps,
-        taken by the requests in their joining order (None: all at step 0); `max_wait` in steps."""
+        taken by the requests in their joining order (None: all at step 0), or `clients` closed-loop
+        clients sending them in that order (eval.replay); `max_wait` in steps."""
         n = len(tokens)
         order = np.random.default_rng(seed).permutation(n) if self.shuffle else self.order
         order = np.arange(n) if order is None else np.asarray(order, np.int64)
@@ -57,7 +58,7 @@ class Policy:
             arrivals = np.empty(n, np.int64)
             arrivals[order] = times  # the k-th request of the order arrives at times[k]
         router = self.router([slots] if isinstance(slots, int) else slots, max_wait)
-        return replay(tokens, lengths, router, vectors=self.vectors, order=order, arrivals=arrivals)
+        return replay(tokens, lengths, router, vectors=self.vectors, order=order, arrivals=arrivals, clients=clients)
 
 
 def random_order() -> Policy:

@@ -10,7 +10,11 @@ distinct experts of r's residents' current tokens; its loads are those counts su
 (Doubleword's expert loads, per decode forward).
 
 Time is in steps: requests that arrive at the same step join the router together (in `order`) before
-it fills the free slots; requests that finish at the same step all leave before it does.
+it fills the free slots; requests that finish at the same step all leave before it does. With
+`clients` C (closed-loop clients, as a load generator or a user population runs them) requests join
+in `order`: C at step 0, then one more for each request that finishes, at the step it finishes, so at
+most C - S wait; what an engine kept full by C clients sees, where "all arrive at step 0" lets the
+router choose from every request at once.
 
 Decode tokens: traces with generated tokens use them (a request runs for as many steps as it
 generated); prompt-only traces use the decode proxy of traces.loads: a request's step t takes
@@ -111,11 +115,16 @@ class Replay:
 
 
 def replay(tokens: DecodeTokens, lengths: np.ndarray, router: ReplicaRouter, *, vectors: np.ndarray | None = None,
-           order: np.ndarray | None = None, arrivals: np.ndarray | None = None) -> Replay:
+           order: np.ndarray | None = None, arrivals: np.ndarray | None = None, clients: int | None = None) -> Replay:
     """Run every request through the router's replicas; `lengths` [N] >= 1 output tokens, `vectors` [N, F]
     what the router fits requests by (None: none, FCFS), `order` [N] the order in which requests arriving
-    at the same step join (default: index order), `arrivals` [N] steps (default: all at 0)."""
+    at the same step join (default: index order), `arrivals` [N] steps (default: all at 0), `clients`
+    closed-loop clients (default: none, every request arrives at its step; not with `arrivals`)."""
     n = len(lengths)
+    if clients is not None and (clients < 1 or arrivals is not None):
+        raise ValueError(f"clients must be >= 1 and come without arrivals, got {clients} and "
+                         f"{'arrivals' if arrivals is not None else 'none'}")
+    released = n if clients is None else min(clients, n)  # requests the clients have sent so far
     arrivals = np.zeros(n, np.int64) if arrivals is None else np.asarray(arrivals, np.int64)
     order = np.arange(n) if order is None else np.asarray(order, np.int64)
     pending = order[np.argsort(arrivals[order], kind="stable")]  # [N] by arrival, ties in `order`
@@ -125,7 +134,7 @@ def replay(tokens: DecodeTokens, lengths: np.ndarray, router: ReplicaRouter, *, 
     spans: list[tuple[int, int, int]] = []
     now = head = finished = violations = 0
     while finished < n:
-        while head < n and arrivals[pending[head]] <= now:
+        while head < released and arrivals[pending[head]] <= now:
             r = int(pending[head])
             router.add(r, None if vectors is None else vectors[r], int(arrivals[r]))  # joins late in a full span
             head += 1
@@ -139,7 +148,7 @@ def replay(tokens: DecodeTokens, lengths: np.ndarray, router: ReplicaRouter, *, 
             continue
         rows = np.flatnonzero(busy)
         span = int((lengths[slot_req[rows]] - slot_t[rows]).min())
-        if head < n and not busy.all():
+        if head < released and not busy.all():
             span = min(span, max(int(arrivals[pending[head]]) - now, 1))
         if not busy.all() and head > len(admitted):  # a free slot while an arrived request waits
             violations += span
@@ -153,6 +162,7 @@ def replay(tokens: DecodeTokens, lengths: np.ndarray, router: ReplicaRouter, *, 
             router.release(int(slot_req[slot]))
             slot_req[slot] = -1
             finished += 1
+            released = min(released + (clients is not None), n)  # its client sends the next request
     if violations and router.routing in BOUNDED:
         raise RuntimeError(f"{router.routing}: a replica had a free slot while requests waited for {violations} steps")
     k = np.array(spans, dtype=np.int64).reshape(-1, 3)

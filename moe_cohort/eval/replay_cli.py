@@ -53,6 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--moe-share", type=share, default=None, help="MoE share of a random-order step (default 0.73)")
     parser.add_argument("--max-wait", type=nonnegative_float, default=None,
                         help="fairness bound in steps; an overdue request goes first (default: none)")
+    parser.add_argument("--clients", type=positive_int, default=None,
+                        help="closed-loop clients sending the requests (at most clients - S wait; default: every "
+                             "request waits from the start)")
     parser.add_argument("--replicas", type=positive_int, default=None,
                         help="R replicas of --slots each behind a router (eval.replicas; default: one engine)")
     parser.add_argument("--routing", choices=("round-robin", "least-loaded", "affinity", "all"), default="all",
@@ -71,6 +74,8 @@ def run(args: argparse.Namespace) -> int:
     problem = path_problem(args) or engine_problem(args) or encoder_problem(args.encoder)
     if args.replicas is not None and args.report:
         problem = "--report draws one engine against S; leave it out with --replicas"
+    if args.clients is not None and (args.replicas is not None or args.report):
+        problem = "--clients replays one engine at --slots; leave out --replicas and --report"
     if problem:
         return fail(problem, "replay")
     try:
@@ -115,7 +120,7 @@ def run_continuous(args: argparse.Namespace, ts: TraceSet, plan: Plan | None, te
     x, head = text
     policies = continuous_policies(ts, tokens, args.slots, x=x, head=head, plan=plan, batch_size=args.batch_size)
     return evaluate_continuous(tokens, args.slots, policies, lengths, cost, ts.num_layers, seeds=args.seeds,
-                               max_wait=args.max_wait)
+                               max_wait=args.max_wait, clients=args.clients)
 
 
 def run_replicas(args: argparse.Namespace, ts: TraceSet, text: tuple) -> dict:

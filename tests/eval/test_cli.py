@@ -96,6 +96,24 @@ def test_continuous_engine_json_keeps_the_plans_shape_and_the_report_draws_both_
     assert all("moe_us_per_token" in row for r in report["static"] for row in r["plans"].values())
 
 
+def test_closed_loop_clients_leave_the_reference_less_to_choose_from(tmp_path, capsys):
+    from moe_cohort.traces.synthetic import synthetic_traces
+
+    path = save_traces(tmp_path / "s.npz", synthetic_traces(90, num_experts=16, num_layers=3, top_k=2, seed=1))
+    common = ["replay", "--traces", str(path), "--slots", "4", "--json", "--encoder", "none", "--lengths", "fixed",
+              "--mean-length", "6", "--seeds", "2"]
+    saving = {}
+    for clients in (None, 5, 90):
+        assert main(common + ([] if clients is None else ["--clients", str(clients)])) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["clients"] == clients
+        saving[clients] = out["plans"]["reference"]["saving"]
+    assert saving[90] == saving[None]  # as many clients as requests: every request waits from the start
+    assert 0 < saving[5] < saving[None]  # one request waiting at most: little to choose from
+    assert main([a for a in common if a != "--json"] + ["--clients", "5"]) == 0
+    assert "S = 4 slots, 5 closed-loop clients" in capsys.readouterr().out
+
+
 def test_replay_rejects_a_bad_cost_model_and_eval_needs_a_batch_size(trace_file, capsys):
     assert main(["replay", "--traces", str(trace_file), "--encoder", "none", "--cost-model", "warp-drive"]) == 2
     assert "cost model" in capsys.readouterr().err
@@ -172,6 +190,8 @@ def _run(args, capsys) -> tuple[int, str, str]:
     ("replay", ["--moe-share", "2"], "--moe-share"),
     ("replay", ["--non-moe-us", "-1"], "--non-moe-us"),
     ("replay", ["--max-wait", "-3"], "--max-wait"),
+    ("replay", ["--clients", "0"], "--clients"),
+    ("replay", ["--clients", "8", "--replicas", "2"], "--clients"),
     ("replay", ["--sweep", "4,,x", "--report", "{tmp}/r"], "--sweep"),
 ])
 def test_a_bad_argument_is_one_line_naming_the_flag_before_any_work(trace_file, tmp_path, capsys, command, extra, flag):

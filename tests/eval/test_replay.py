@@ -23,9 +23,10 @@ def _token_sets(ts, r, t, mode):
     return [set(ts.experts[row, l].tolist()) for l in range(ts.num_layers)]
 
 
-def _brute(ts, lengths, policy, slots, mode, arrivals=None, max_wait=None, seed=0):
-    """One step at a time through `policy`'s router: arrivals join (in the policy's order), free slots
-    fill, every replica loads its residents' experts, finished requests leave. -> loads, tokens, order, replica."""
+def _brute(ts, lengths, policy, slots, mode, arrivals=None, max_wait=None, seed=0, clients=None):
+    """One step at a time through `policy`'s router: arrivals join (in the policy's order; with `clients`,
+    the first `clients` of it, then one more per finished request), free slots fill, every replica loads
+    its residents' experts, finished requests leave. -> loads, tokens, order, replica."""
     n = len(lengths)
     arrivals = np.zeros(n, int) if arrivals is None else arrivals
     router = policy.router(slots, max_wait)
@@ -35,8 +36,9 @@ def _brute(ts, lengths, policy, slots, mode, arrivals=None, max_wait=None, seed=
     req, t = {p: -1 for p in places}, {p: 0 for p in places}
     added, order, replica, now, loads, tokens, done = set(), [], {}, 0, 0, 0, 0
     while done < n:
+        sent = set(join[: n if clients is None else clients + done])
         for i in sorted(range(n), key=lambda q: (arrivals[q], list(join).index(q))):
-            if arrivals[i] <= now and i not in added:
+            if arrivals[i] <= now and i not in added and i in sent:
                 router.add(i, None if policy.vectors is None else policy.vectors[i], now)
                 added.add(i)
         for key, rep in router.admit(now):
@@ -100,6 +102,33 @@ def test_fairness_bound_and_arrivals_follow_the_step_by_step_replay():
     assert got.order.tolist() == order and int(got.loads.sum()) == loads
     assert (got.start >= times).all()
     assert got.order.tolist() != policy.run(tok, lengths, 2, times=times).order.tolist()  # the bound acted
+
+
+@pytest.mark.parametrize("clients", [1, 4, 7, 30])
+@pytest.mark.parametrize("slots", [[3], [2, 2]])
+def test_closed_loop_clients_follow_the_step_by_step_replay(clients, slots):
+    ts = random_traces(18, max_prompt=6, max_decode=5, seed=clients)
+    lengths = np.random.default_rng(clients).integers(1, 9, size=len(ts))
+    tok = decode_tokens(ts, "real")
+    for policy in (random_order(), Policy("affinity", decode_profiles(tok, ts).reshape(len(ts), -1))):
+        got = policy.run(tok, lengths, slots if len(slots) > 1 else slots[0], seed=5, clients=clients)
+        loads, tokens, order, replica = _brute(ts, lengths, policy, slots, "real", seed=5, clients=clients)
+        assert (int(got.loads.sum()), got.tokens, got.order.tolist(), got.replica.tolist()) == (loads, tokens, order, replica)
+        assert got.tokens == lengths.sum()
+    profile = Policy("affinity", decode_profiles(tok, ts).reshape(len(ts), -1))
+    open_loop = profile.run(tok, lengths, slots[0], seed=5)
+    assert profile.run(tok, lengths, slots[0], seed=5, clients=len(ts)).order.tolist() == open_loop.order.tolist()
+    if clients <= slots[0]:  # no more clients than slots: nothing ever waits, so arrival order it is
+        assert profile.run(tok, lengths, slots[0], seed=5, clients=clients).order.tolist() == list(range(len(ts)))
+
+
+def test_clients_refuse_arrival_times_and_zero():
+    ts = random_traces(4, max_prompt=4, seed=1)
+    tok, lengths = decode_tokens(ts), np.ones(4, np.int64)
+    with pytest.raises(ValueError, match="clients must be >= 1"):
+        random_order().run(tok, lengths, 2, clients=0)
+    with pytest.raises(ValueError, match="without arrivals"):
+        random_order().run(tok, lengths, 2, clients=2, times=np.zeros(4, np.int64))
 
 
 def test_decode_profiles_are_the_training_profiles():
