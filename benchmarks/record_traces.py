@@ -1,11 +1,13 @@
 """Record expert traces of a served MoE through the moe-cohort vLLM plugin (prefill and real decode).
 
     python -m benchmarks.record_traces --model MODEL_DIR --out TRACE_DIR [--prompts mixed.jsonl]
-        [--limit N] [--max-num-seqs 16] [--mean-tokens 64] [--seed 0]
+        [--limit N] [--max-num-seqs 16] [--mean-tokens 64 | --max-tokens N] [--seed 0]
 
 Starts a vLLM CPU server on MODEL_DIR with COHORT_RECORD_TRACES=1, sends every prompt of the
 prompt set (file order) as a chat completion (sampled, temperature 0.8, seed per request; output
-length drawn from a lognormal of mean --mean-tokens, 8..256), stops the server, and rewrites each
+length drawn from a lognormal of mean --mean-tokens, 8..256; or with --max-tokens N the requests
+bench_learning_e2e sends: N tokens each, `ignore_eos`, the server's default sampling, the prompt cut
+to its last 256 tokens), stops the server, and rewrites each
 recorded file as TRACE_DIR/<prompt id>.npz with the prompt's own text, its id as request id, its
 category, and `extra["split"]` ("train" or "heldout" under traces.split, as the trained tiny MoE
 was trained). With every prompt recorded, file-name order is the prompt set's order, so
@@ -43,9 +45,13 @@ def output_lengths(n: int, mean: float, seed: int) -> np.ndarray:
     return np.clip(np.round(raw), 8, 256).astype(int)
 
 
-def send(url: str, text: str, max_tokens: int, seed: int) -> None:
-    body = {"model": "tiny", "messages": [{"role": "user", "content": text}], "max_tokens": int(max_tokens),
-            "temperature": 0.8, "seed": seed, "min_tokens": min(8, int(max_tokens))}
+def send(url: str, text: str, max_tokens: int, seed: int | None) -> None:
+    """One chat completion: sampled at temperature 0.8 with `seed`, or (seed None) as bench_learning_e2e sends it."""
+    body = {"model": "tiny", "messages": [{"role": "user", "content": text}], "max_tokens": int(max_tokens)}
+    if seed is None:
+        body |= {"ignore_eos": True, "truncate_prompt_tokens": 256}
+    else:
+        body |= {"temperature": 0.8, "seed": seed, "min_tokens": min(8, int(max_tokens))}
     req = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=600) as resp:
@@ -59,7 +65,7 @@ def relabel(raw_dir: Path, out_dir: Path, rows: list[dict], side: dict[str, str]
     written = 0
     for path in sorted(raw_dir.glob("*.npz")):
         ts = load_trace_file(path)
-        row = by_prompt.get(str(ts.texts[0])) if ts.texts is not None else None
+        row = _match(by_prompt, str(ts.texts[0])) if ts.texts is not None else None
         if row is None:
             log.warning("%s: prompt text not in the prompt set; skipped", path.name)
             continue
@@ -73,6 +79,14 @@ def relabel(raw_dir: Path, out_dir: Path, rows: list[dict], side: dict[str, str]
     return written
 
 
+def _match(by_prompt: dict[str, dict], text: str) -> dict | None:
+    """The prompt row of a recorded prompt text: whole, or (a prompt cut to its last tokens) by its ending."""
+    if text in by_prompt:
+        return by_prompt[text]
+    tail = text[-200:]
+    return next((row for prompt, row in by_prompt.items() if len(tail) >= 50 and prompt.endswith(tail)), None)
+
+
 def record(args: argparse.Namespace) -> Path:
     prompts = args.prompts or data_path(PROMPTS)
     rows = read_prompts(prompts)[: args.limit or None]
@@ -80,13 +94,15 @@ def record(args: argparse.Namespace) -> Path:
     side = {r["id"]: "train" for r in train} | {r["id"]: "heldout" for r in held}
     out, raw = Path(args.out), Path(args.out) / "raw"
     raw.mkdir(parents=True, exist_ok=True)
-    lengths = output_lengths(len(rows), args.mean_tokens, args.seed)
+    lengths = output_lengths(len(rows), args.mean_tokens, args.seed) if args.max_tokens is None else \
+        np.full(len(rows), args.max_tokens)
+    seed = lambda i: None if args.max_tokens is not None else args.seed + i  # noqa: E731
     env = {"COHORT_RECORD_TRACES": "1", "COHORT_TRACE_DIR": str(raw)}
     t0 = time.perf_counter()
     with start(args.model, extra_env=env, max_num_seqs=args.max_num_seqs, max_model_len=1024,
                extra_args=["--no-enable-prefix-caching"], log_path=out / "vllm.log", timeout=600) as server:
         with ThreadPoolExecutor(args.max_num_seqs) as pool:
-            list(pool.map(lambda i: send(server.url, rows[i]["text"], lengths[i], args.seed + i), range(len(rows))))
+            list(pool.map(lambda i: send(server.url, rows[i]["text"], lengths[i], seed(i)), range(len(rows))))
         time.sleep(2.0)  # the recorder writes a request one engine step after it finishes
     seconds = time.perf_counter() - t0
     written = relabel(raw, out, rows, side)
@@ -119,6 +135,7 @@ def main(argv=None) -> int:
     parser.add_argument("--limit", type=int, default=0, help="first N prompts only (0: all)")
     parser.add_argument("--max-num-seqs", type=int, default=16)
     parser.add_argument("--mean-tokens", type=float, default=64)
+    parser.add_argument("--max-tokens", type=int, help="N tokens per request, as bench_learning_e2e sends them")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
