@@ -8,7 +8,8 @@ each, and the added p50/p99; then the same for streams (max_tokens=8) timed to t
 at up to 16 clients. Once per encoder of --overhead-encoders (default: none, i.e. first come first
 served, and the default encoder ""; NAME+learn: that encoder with `--learn`, its learning phase of
 --learn-warm requests timed apart, so the measured runs are what learning costs once it has seen that
-much traffic): with an encoder every request carries a distinct prompt of
+much traffic, then the head it learned served by a proxy without `--learn`, so that learning's own
+cost is the difference of the two and not the head's predictions): with an encoder every request carries a distinct prompt of
 mixed.jsonl (the same bodies go direct) and the proxy's embedding cache is off, so each is
 embedded and profiled on arrival. The proxy admits up to 256 at once, above the clients, so no request waits for a slot:
 the added latency is the proxy's own work (relay, embedding, admission). Beside it: the CPU per
@@ -49,6 +50,7 @@ import itertools
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -151,14 +153,15 @@ def start_proxy(backend: str, *flags: str, env: dict[str, str] | None = None) ->
 
 
 def overhead(backend: str, concurrency: list[int], per_client: int, rounds: int, encoder: str,
-             prompts: list[str], replica: str | None = None, learn_warm: int = 0) -> None:
+             prompts: list[str], replica: str | None = None, learn_warm: int = 0, settle: int = 0) -> None:
     """Part 1 for one encoder ("none": no embedding, the prompt "hi"; else distinct `prompts`); with
     `replica`, also a proxy fronting `backend` and `replica` ("proxy2"); a learning proxy first answers
-    `learn_warm` requests (its learning phase, timed apart)."""
+    `learn_warm` requests (its learning phase, timed apart), any other `settle` requests (untimed)."""
     procs, proxies = [], {}
     encoder, learn = encoder.removesuffix("+learn"), encoder.endswith("+learn")
     # "+learn": the proxy learns its head from the backend's counts of every request (issue 26)
-    learning = ["--learn", "--data-dir", tempfile.mkdtemp(prefix="bench-proxy-learn-")] if learn else []
+    data_dir = tempfile.mkdtemp(prefix="bench-proxy-learn-")
+    learning = ["--learn", "--data-dir", data_dir] if learn else []
     for name, backends in [("proxy", backend)] + ([("proxy2", f"{backend},{replica}")] if replica else []):
         # the embedding cache off: each load restarts at the first prompt, and every request should pay
         proc, url = start_proxy(backends, "--encoder", encoder, "--max-in-flight", "256", *learning,
@@ -169,20 +172,57 @@ def overhead(backend: str, concurrency: list[int], per_client: int, rounds: int,
     try:
         if learn and learn_warm:
             warm_up(*proxies["proxy"], learn_warm, texts)
+        elif settle:
+            asyncio.run(load(proxies["proxy"][0] + "/v1/completions", 64, max(1, settle // 64), False, texts))
+        before = learning_cpu(proxies["proxy"][0])
         print(f"encoder {encoder or 'default'!r}{', learning' if learn else ''}; whole answers (max_tokens=1):")
         compare(backend, proxies, concurrency, per_client, rounds, stream=False, prompts=texts)
         print(f"encoder {encoder or 'default'!r}{', learning' if learn else ''}; streams (max_tokens=8), time to the "
               f"first chunk:")
         compare(backend, proxies, [c for c in concurrency if c <= 16], per_client, rounds, stream=True, prompts=texts)
+        if learn:
+            print_learning_cpu("the measured runs", before, learning_cpu(proxies["proxy"][0]))
     finally:
         for proc in procs:
             proc.terminate()
-            proc.wait(30)
+            proc.wait(30)  # a learning proxy saves its head on the way out
+    if learn and learn_warm:
+        print("the head it learned, served without --learn (after 1,024 requests untimed):")
+        overhead(backend, concurrency, per_client, rounds, learned_encoder(encoder, Path(data_dir)), prompts, replica,
+                 settle=1024)
+
+
+def learned_encoder(encoder: str, data_dir: Path) -> str:
+    """An encoder folder: `encoder`'s model with the head a learning proxy saved in `data_dir`."""
+    from moe_cohort.encoder.embedding import resolve_model
+    from moe_cohort.encoder.profile import HEAD_FILE
+
+    out = data_dir / "learned-encoder"
+    shutil.copytree(resolve_model(encoder or "static"), out)
+    shutil.copy(data_dir / "learned" / HEAD_FILE, out / HEAD_FILE)
+    return str(out)
+
+
+def learning_cpu(url: str) -> dict[str, float]:
+    """The proxy's learning CPU seconds by thread (cohort_learning_cpu_seconds_total) and its requests answered."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    out = {m[0]: float(m[1]) for m in re.findall(r'^cohort_learning_cpu_seconds_total\{thread="(\w+)"\} (\S+)$', text, re.M)}
+    out["requests"] = sum(float(v) for v in re.findall(r"^cohort_requests_total\{[^}]*\} (\S+)$", text, re.M))
+    return out
+
+
+def print_learning_cpu(what: str, before: dict[str, float], after: dict[str, float]) -> None:
+    requests = after["requests"] - before["requests"]
+    per = {k: (after.get(k, 0.0) - before.get(k, 0.0)) / max(requests, 1) * 1e6 for k in ("worker", "event_loop")}
+    print(f"learning's own CPU over {what} ({requests:.0f} requests, cohort_learning_cpu_seconds_total): worker "
+          f"{per['worker']:.0f} us/request, event loop {per['event_loop']:.0f} us/request")
 
 
 def warm_up(url: str, pid: int, requests: int, prompts: list[str] | None) -> None:
     """`requests` tiny completions through the learning proxy at `url` (64 clients); prints its CPU per request
-    over them and what it learned (/health)."""
+    over them, learning's own part, and what it learned (/health)."""
+    before = learning_cpu(url)
     cpu, start = cpu_seconds(pid), time.perf_counter()
     latencies, _, _ = asyncio.run(load(url + "/v1/completions", 64, max(1, requests // 64), False, prompts))
     time.sleep(2 * 0.5)  # the last counts are taken from the backend every 0.5 s
@@ -191,6 +231,7 @@ def warm_up(url: str, pid: int, requests: int, prompts: list[str] | None) -> Non
         learning = json.load(resp)["admission"]["learning"]
     print(f"learning phase: {len(latencies) + 3 * 64} requests in {wall:.0f} s, proxy CPU "
           f"{cpu / (len(latencies) + 3 * 64) * 1000:.2f} ms/request; then /health learning: {learning}")
+    print_learning_cpu("the learning phase", before, learning_cpu(url))
 
 
 def cpu_seconds(pid: int) -> float:

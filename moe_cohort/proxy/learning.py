@@ -203,6 +203,7 @@ class Learning:
             answer = await client.request("POST", OBSERVED_PATH, json={"tokens": list(waiting)[:MAX_TAKE]})
         except ProxyError:  # unreachable now (or a replica without the plugin): the tokens wait, and expire
             answer = None
+        started = time.thread_time()
         for token, obj in (json.loads(answer.content).get("observed", {}) if answer else {}).items():
             text, _, kept = waiting.pop(token, (None, 0.0, False))
             if text is None:
@@ -217,6 +218,7 @@ class Learning:
             del waiting[token]
         if expired:
             self.metrics.learned_dropped.labels("unclaimed").inc(len(expired))
+        self.metrics.learning_cpu.labels("event_loop").inc(time.thread_time() - started)
 
     # ---- vLLM's routed_experts -------------------------------------------------------------------
 
@@ -241,11 +243,13 @@ class Learning:
                 if not batch:
                     self._busy = False
                     return
+            started = time.thread_time()
             try:
                 with one_blas_thread():
                     self._learn(batch)
             except Exception:  # a bug here must not stop learning from later answers
                 log.exception("learning from %d observed requests failed", len(batch))
+            self.metrics.learning_cpu.labels("worker").inc(time.thread_time() - started)
 
     def _learn(self, batch: list[tuple[str, Observed, str, bool]]) -> None:
         features, predicted = self.featurize([text for text, *_ in batch])  # [n, F], n x [L*E] or None
@@ -265,8 +269,12 @@ class Learning:
     async def in_background(self, fn: Callable[..., T], *args) -> T:
         """fn(*args) on the learning worker, behind serving (a batch's re-predictions: proxy/batch/follow.py)."""
         def call() -> T:
-            with one_blas_thread():
-                return fn(*args)
+            started = time.thread_time()
+            try:
+                with one_blas_thread():
+                    return fn(*args)
+            finally:
+                self.metrics.learning_cpu.labels("worker").inc(time.thread_time() - started)
         return await asyncio.get_running_loop().run_in_executor(self._executor, call)
 
     def close(self) -> None:

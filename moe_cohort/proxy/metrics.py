@@ -31,6 +31,9 @@ class ProxyMetrics:
         self.learned_dropped = Counter("cohort_learned_dropped", "Observations not learned from: invalid, or over "
                                        "the backlog", ["reason"], registry=r)
         self.learned_refits = Counter("cohort_learned_refits", "Refits of the learned profile head", registry=r)
+        self.learning_cpu = Counter("cohort_learning_cpu_seconds", "CPU seconds online learning took, by thread: the "
+                                    "learning worker (features, observations, refits, a batch's re-predictions) and "
+                                    "the event loop (reading the engine's counts)", ["thread"], registry=r)
         self.learned_head_age = Gauge("cohort_learned_head_age_seconds", "Seconds since the learned head was "
                                       "fitted (NaN: none yet)", registry=r)
         self.learned_head_observations = Gauge("cohort_learned_head_observations", "Observations the learned head "

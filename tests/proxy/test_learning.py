@@ -222,6 +222,8 @@ def test_the_proxy_learns_from_the_plugins_counts_of_streamed_and_whole_answers(
     assert all(t and t != "a client's own token" for t in seen[1:]) and len(set(seen[1:])) == 20
     assert _metric(metrics, 'cohort_learned_profiles_total{source="plugin"}') == 20
     assert health["admission"]["mode"] == "learned head" and health["admission"]["learning"]["observed"] == 20
+    worker, loop = (_metric(metrics, f'cohort_learning_cpu_seconds_total{{thread="{t}"}}') for t in ("worker", "event_loop"))
+    assert 0 < loop < worker < 30  # the worker featurized, observed and refitted; the loop read the counts
 
 
 def test_once_the_reservoir_is_full_the_proxy_marks_only_what_it_keeps_and_a_sample_for_the_live_fit(encoder, tmp_path):
