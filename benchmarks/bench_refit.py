@@ -1,11 +1,17 @@
-"""What one refit of the online learner's head costs, by reservoir size and model shape (issue 26).
+"""What the online learner's head costs: one refit by reservoir size, and one prediction (issue 26).
 
-    python -m benchmarks.bench_refit [--sizes 250,500,1000] [--repeats 3]
+    python -m benchmarks.bench_refit [--sizes 250,500,1000] [--repeats 3] [--predictions 300]
 
 The learner (train.online) refits train.profile_head's ridge + leave-one-out penalty on its whole
 reservoir: n observations of F = 256 + 4096 features (the static encoder's embedding and the hashed
 n-grams) against profiles of L x E = 24 x 32 (gpt-oss-20b) or 26 x 64 (DeepSeek-V2-Lite). The cost
 depends on the shapes only, so the rows are random. Prints the median wall time over --repeats.
+
+Then what the proxy pays per request for a head fitted on n rows: the n-grams of one prompt of
+mixed.jsonl ($COHORT_DATA; real texts, since their sparsity is what the prediction reads) and the
+head's prediction from its features (ProfileHead.from_features, ridge and neighbours), beside the
+same products over every feature (f @ weight, f @ memory.T): median microseconds over --predictions
+prompts, one at a time, BLAS on one thread as the proxy's admission runs.
 """
 
 from __future__ import annotations
@@ -15,7 +21,11 @@ import time
 
 import numpy as np
 
-from moe_cohort.encoder.ngrams import DEFAULT_NGRAM_DIM
+from threadpoolctl import threadpool_limits
+
+from moe_cohort.encoder.ngrams import DEFAULT_NGRAM_DIM, hashed_ngrams
+from moe_cohort.encoder.profile import head_features
+from moe_cohort.train.heldout import prompt_texts
 from moe_cohort.train.profile_head import fit_head_features
 
 SHAPES = {"gpt-oss-20b": (24, 32, 4), "DeepSeek-V2-Lite": (26, 64, 6)}  # layers, experts, top-k
@@ -35,15 +45,48 @@ def time_refit(n: int, layers: int, experts: int, top_k: int, repeats: int, seed
     return float(np.median(times))
 
 
+def time_predict(n: int, layers: int, experts: int, top_k: int, texts: list[str], seed: int = 0) -> dict[str, float]:
+    """Median microseconds per prompt: its n-grams, the head's prediction, and the dense products it replaces."""
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(len(texts), EMBEDDING_DIM)).astype(np.float32)  # [P, D] stand-in embeddings
+    f = head_features(x, texts, DEFAULT_NGRAM_DIM)  # [P, F] real n-grams
+    prof = rng.dirichlet(np.ones(experts), size=(n, layers)).astype(np.float32) * top_k  # [n, L, E]
+    head = fit_head_features(f[rng.integers(0, len(texts), n)], prof, top_k, (1.0,), ngram_dim=DEFAULT_NGRAM_DIM)
+    memory_t = np.ascontiguousarray(head.memory_x.T)  # [F, n]
+
+    def median_us(fn) -> float:
+        times = []
+        for i in range(len(texts)):
+            start = time.perf_counter()
+            fn(i)
+            times.append(time.perf_counter() - start)
+        return float(np.median(times) * 1e6)
+
+    with threadpool_limits(1, "blas"):
+        return {"ngrams": median_us(lambda i: hashed_ngrams(texts[i: i + 1], DEFAULT_NGRAM_DIM)),
+                "predict": median_us(lambda i: head.from_features(f[i: i + 1])),
+                "dense products": median_us(lambda i: (f[i: i + 1] @ head.weight, f[i: i + 1] @ memory_t))}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", default="250,500,1000", help="reservoir sizes (observations)")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--predictions", type=int, default=300, help="prompts timed one by one (0: no prediction timing)")
     args = p.parse_args()
+    sizes = [int(s) for s in args.sizes.split(",")]
     print(f"{'model':<18} {'n':>6} {'refit s':>8}")
     for model, shape in SHAPES.items():
-        for n in (int(s) for s in args.sizes.split(",")):
+        for n in sizes:
             print(f"{model:<18} {n:>6} {time_refit(n, *shape, args.repeats):>8.2f}", flush=True)
+    if not args.predictions:
+        return
+    texts = prompt_texts()[: args.predictions]
+    print(f"\none request, median us over {len(texts)} prompts: n-grams; prediction; the dense products it replaces")
+    for model, shape in SHAPES.items():
+        for n in sizes:
+            t = time_predict(n, *shape, texts)
+            print(f"{model:<18} {n:>6} {t['ngrams']:>8.0f} {t['predict']:>8.0f} {t['dense products']:>8.0f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
-"""benchmarks/bench_batch_learning's batch file and per-quarter rates; benchmarks/bench_refit's timing."""
+"""benchmarks/bench_batch_learning's batch file and per-quarter rates; benchmarks/bench_refit's timings."""
 
 from benchmarks.bench_batch_learning import _rates, batch_file
-from benchmarks.bench_refit import time_refit
+from benchmarks.bench_refit import time_predict, time_refit
 from moe_cohort.proxy.batch.format import read_batch_file
 
 
@@ -20,3 +20,9 @@ def test_rates_are_loads_per_generated_token_and_tokens_per_forward():
 
 def test_a_refit_is_timed():
     assert 0 < time_refit(20, 2, 4, 2, repeats=1) < 60
+
+
+def test_a_prediction_is_timed_against_the_dense_products():
+    texts = [f"question {i}: how do I sort a list in python" for i in range(12)]
+    t = time_predict(30, 2, 4, 2, texts)
+    assert set(t) == {"ngrams", "predict", "dense products"} and all(0 < v < 1e6 for v in t.values())

@@ -75,3 +75,35 @@ def test_a_head_that_reads_ngrams_saves_and_loads_them(tmp_path):
     np.testing.assert_allclose(load_profile_head(tmp_path).predict(x, texts), want, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="one text per embedding"):
         head.predict(x, texts[:1])
+
+
+@pytest.mark.parametrize("ngrams", [512, 32])  # 32: a batch uses over half the features (the dense path)
+def test_a_prediction_reads_only_the_features_a_prompt_uses_and_equals_the_dense_products(ngrams):
+    from moe_cohort.encoder.profile import head_features
+
+    rng = np.random.default_rng(9)
+    dim, layers, experts, memory = 8, 3, 6, 40
+    texts = [f"prompt {i} about " + " ".join(rng.choice(["rust", "soup", "proof", "loop", "tax"], 4)) for i in range(60)]
+    x = rng.normal(size=(60, dim)).astype(np.float32)
+    f = head_features(x, texts, ngrams)  # [60, F]
+    head = ProfileHead(weight=rng.normal(size=(dim + ngrams, layers * experts)).astype(np.float32),
+                       bias=rng.normal(size=layers * experts).astype(np.float32), num_layers=layers,
+                       num_experts=experts, top_k=2, memory_x=f[:memory], memory_y=rng.random((memory, layers * experts)),
+                       neighbours=4, temperature=10.0, mix=0.5, ngram_dim=ngrams)
+    if ngrams == 512:
+        assert (f[0] != 0).sum() < (dim + ngrams) // 4  # what makes it pay: a prompt sets few n-gram buckets
+    else:
+        assert 2 * f.any(axis=0).sum() > dim + ngrams
+
+    def dense(rows):  # the same head by whole products
+        sim = rows / np.linalg.norm(rows, axis=1, keepdims=True) @ f[:memory].T  # [n, M]
+        out = []
+        for i, s in enumerate(sim):
+            near = np.argsort(-s)[:4]
+            w = np.exp(10.0 * (s[near] - s.max()))
+            out.append(0.5 * (rows[i] @ head.weight + head.bias) + 0.5 * (w / w.sum()) @ head.memory_y[near])
+        return np.clip(np.array(out), 0, 1)
+
+    for rows in (f[memory:memory + 1], f[memory:], f):  # one request (sparse path), a batch, one past half (dense)
+        np.testing.assert_allclose(head.from_features(rows), dense(rows), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(head.predict(x[45], texts[45]).reshape(-1), dense(f[45:46])[0], rtol=1e-5, atol=1e-5)
