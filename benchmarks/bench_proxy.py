@@ -8,8 +8,8 @@ each, and the added p50/p99; then the same for streams (max_tokens=8) timed to t
 at up to 16 clients. Once per encoder of --overhead-encoders (default: none, i.e. first come first
 served, and the default encoder ""; NAME+learn: that encoder with `--learn`, its learning phase of
 --learn-warm requests timed apart, so the measured runs are what learning costs once it has seen that
-much traffic, then the head it learned served by a proxy without `--learn`, so that learning's own
-cost is the difference of the two and not the head's predictions): with an encoder every request carries a distinct prompt of
+much traffic, with learning's own CPU from its counter (cohort_learning_cpu_seconds_total); then the
+head it learned, served by a proxy without `--learn`): with an encoder every request carries a distinct prompt of
 mixed.jsonl (the same bodies go direct) and the proxy's embedding cache is off, so each is
 embedded and profiled on arrival. The proxy admits up to 256 at once, above the clients, so no request waits for a slot:
 the added latency is the proxy's own work (relay, embedding, admission). Beside it: the CPU per
@@ -207,7 +207,8 @@ def learning_cpu(url: str) -> dict[str, float]:
     """The proxy's learning CPU seconds by thread (cohort_learning_cpu_seconds_total) and its requests answered."""
     with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
         text = resp.read().decode()
-    out = {m[0]: float(m[1]) for m in re.findall(r'^cohort_learning_cpu_seconds_total\{thread="(\w+)"\} (\S+)$', text, re.M)}
+    pattern = r'^cohort_learning_cpu_seconds_total\{thread="(\w+)"\} (\S+)$'
+    out = {m[0]: float(m[1]) for m in re.findall(pattern, text, re.M)}
     out["requests"] = sum(float(v) for v in re.findall(r"^cohort_requests_total\{[^}]*\} (\S+)$", text, re.M))
     return out
 

@@ -106,8 +106,8 @@ def evaluate_continuous(tokens: DecodeTokens, slots: int, policies: Mapping[str,
         row["tokens_per_s"] = 1e6 / row["step_us_per_token"]
         row["seeds"] = seeds
     log.info("continuous replay at S = %d: %d policies x %d seeds", slots, len(rows), seeds)
-    return {"engine": "continuous", "slots": slots, "clients": clients, "num_requests": len(tokens), "decode_mode": tokens.mode,
-            "cost_model": cost.name, "non_moe_us_per_step": non_moe, "plans": rows}
+    return {"engine": "continuous", "slots": slots, "clients": clients, "num_requests": len(tokens),
+            "decode_mode": tokens.mode, "cost_model": cost.name, "non_moe_us_per_step": non_moe, "plans": rows}
 
 
 def summary_row(runs: list[list[Replay]], randoms: list[list[Replay]], cost: CostModel, num_layers: int) -> dict:
