@@ -1,7 +1,7 @@
 """End to end through vLLM CPU: a proxy that starts with no head and learns one from the served model (issue 26).
 
     python -m benchmarks.bench_learning_e2e [--model-dir DIR] [--first 200] [--warm 800] [--clients 64]
-        [--slots 16] [--max-tokens 32] [--engine-side]
+        [--slots 16] [--max-tokens 32] [--engine-side | --engine-side-only]
 
 The served model is the tiny MoE trained on text (`cohort make-tiny-moe --trained`, built and cached if
 --model-dir has none), on a vLLM CPU server with the moe-cohort plugin and max_num_seqs = --slots.
@@ -182,6 +182,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--limit", type=int, help="at most this many training and this many held-out prompts (a quick run)")
     p.add_argument("--engine-side", action="store_true")
+    p.add_argument("--engine-side-only", action="store_true", help="the engine-side runs alone (no proxy side)")
     p.add_argument("--json", help="also write the rows here")
     args = p.parse_args()
     from moe_cohort.proxy.vllm_server import start
@@ -199,10 +200,11 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="bench-learning-"))
     rows = {}
     try:
-        with start(model, max_num_seqs=args.slots, max_model_len=1024) as server:
-            print("\n-- proxy-side admission (the proxy holds --slots requests at the backend)")
-            rows["proxy"] = runs(server.url, ["--max-in-flight", str(args.slots)], train, held, args, layers, work)
-        if args.engine_side:
+        if not args.engine_side_only:
+            with start(model, max_num_seqs=args.slots, max_model_len=1024) as server:
+                print("\n-- proxy-side admission (the proxy holds --slots requests at the backend)")
+                rows["proxy"] = runs(server.url, ["--max-in-flight", str(args.slots)], train, held, args, layers, work)
+        if args.engine_side or args.engine_side_only:
             with start(model, max_num_seqs=args.slots, max_model_len=1024,
                        extra_args=["--scheduler-cls", "moe_cohort.backend.scheduler.ExpertAwareScheduler"]) as server:
                 print("\n-- engine-side admission (ExpertAwareScheduler; the proxy forwards at once with the profiles)")

@@ -104,7 +104,7 @@ def print_engine(path: str) -> None:
     for side, rows in data.items():
         by = {r["run"]: r for r in rows}
         fcfs = by[E2E_ROWS["fcfs"]]["loads_per_token"]
-        print(f"\nengine ({side} side, {path})")
+        print(f"\nthe engine, {side}-side admission ({path})")
         for r in rows:
             if "held-out" in r["run"]:
                 print(f"{r['run']:<34} {r['loads_per_token']:>7.3f} {1 - r['loads_per_token'] / fcfs:>+8.1%}   "
