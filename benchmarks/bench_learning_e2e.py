@@ -23,8 +23,10 @@ the proxy forwarding at once with the profiles (`--forward-profiles --max-in-fli
 
 Each measured set prints, from the plugin's counters: decode expert loads per GENERATED token (the
 distinct experts of each forward's decode tokens, summed over layers and forwards, over the decode
-tokens), decode tokens per forward (fewer tokens per forward touch fewer experts by themselves) and the
-wall time; and for the learning proxy its observed count and mode from /health.
+tokens), decode tokens per forward (fewer tokens per forward touch fewer experts by themselves), the
+wall time, the mean number of requests waiting in vLLM's queue and in the proxy (sampled every 0.2 s:
+the pool admission chose from; the rest of the clients' requests are running or in transit); and for
+the learning proxy its observed count and mode from /health.
 """
 
 from __future__ import annotations
@@ -37,11 +39,13 @@ import random
 import re
 import shutil
 import tempfile
+import threading
 import time
 import urllib.request
 from pathlib import Path
 
 import aiohttp
+import numpy as np
 
 from benchmarks.bench_proxy import post, start_proxy
 from moe_cohort.train.heldout import prompt_texts
@@ -79,19 +83,42 @@ async def send(url: str, prompts: list[str], clients: int, max_tokens: int) -> f
     return time.perf_counter() - start
 
 
+def waiting(backend: str, proxy: str) -> tuple[float, float]:
+    """Requests waiting now: in vLLM's queue (vllm:num_requests_waiting) and in the proxy (cohort_waiting)."""
+    def gauge(url: str, name: str) -> float:
+        with urllib.request.urlopen(url + "/metrics", timeout=30) as resp:
+            return sum(float(v) for v in re.findall(rf"^{name}(?:{{[^}}]*}})? ([0-9.e+]+)$", resp.read().decode(), re.M))
+
+    return gauge(backend, "vllm:num_requests_waiting"), gauge(proxy, "cohort_waiting")
+
+
 def measure(name: str, backend: str, proxy: str, prompts: list[str], args, layers: int) -> dict:
     before = counters(backend)
+    samples: list[tuple[float, float]] = []
+    done = threading.Event()
+
+    def sample() -> None:  # the pools admission chose from, every 0.2 s
+        while not done.wait(0.2):
+            samples.append(waiting(backend, proxy))
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
     wall = asyncio.run(send(proxy, prompts, args.clients, args.max_tokens))
+    done.set()
+    sampler.join()
     time.sleep(1.5)  # the worker publishes its counters at most once a second while busy
     after = counters(backend)
     d = {k: after[k] - before[k] for k in before}
+    engine_pool, proxy_pool = np.mean(samples, axis=0) if samples else (float("nan"), float("nan"))
     row = {"run": name, "requests": len(prompts), "loads_per_token": d["loads"] / max(d["tokens"], 1),
-           "tokens_per_forward": d["tokens"] * layers / max(d["forwards"], 1), "wall_s": wall}
+           "tokens_per_forward": d["tokens"] * layers / max(d["forwards"], 1), "wall_s": wall,
+           "waiting_engine": float(engine_pool), "waiting_proxy": float(proxy_pool)}
     health = _health(proxy)
     if "learning" in health.get("admission", {}):
         row["admission"] = health["admission"]
     print(f"{name:>28}: {row['loads_per_token']:6.3f} decode expert loads per generated token, "
-          f"{row['tokens_per_forward']:5.2f} decode tokens per forward, wall {wall:6.1f} s ({len(prompts)} requests)"
+          f"{row['tokens_per_forward']:5.2f} decode tokens per forward, wall {wall:6.1f} s ({len(prompts)} requests), "
+          f"waiting {engine_pool:4.1f} in vLLM + {proxy_pool:4.1f} in the proxy"
           + (f"  [{health['admission']['mode']}, {health['admission']['learning']['observed']} observed]"
              if "admission" in row else ""), flush=True)
     return row
