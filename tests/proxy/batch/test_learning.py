@@ -69,3 +69,35 @@ def test_a_learning_batch_run_learns_from_its_answers_and_groups_the_rest_by_the
     assert alike >= 30, (alike, topics)
     first_alike = next(i for i, (a, b) in enumerate(zip(topics, topics[1:])) if a == b)
     assert first_alike >= 16  # no head before 16 observations: file order until then
+
+
+def test_a_request_a_refused_replica_never_ran_is_learned_once_from_the_replica_that_ran_it(encoder, tmp_path):
+    from moe_cohort.proxy.admission import AdmissionGate
+    from moe_cohort.proxy.replicas import ReplicaSet
+    from tests.proxy.test_replicas import refused_url
+
+    parsed, prompts, tokens = _batch(tmp_path, 24), [], []
+    learner = OnlineLearner(LearnConfig(capacity=200, first_fit=16, ngram_dim=4096), key=encoder)
+    predictor = make_predictor(Settings(encoder=encoder), learned=lambda: learner.head)
+
+    async def main():
+        async with local_backend(_slow(_plugin_backend(tokens), prompts)) as url:
+            live, down = BackendClient(url, timeout_s=5), BackendClient(refused_url(), timeout_s=5)
+            gate = AdmissionGate(None, ProxyMetrics(), ReplicaSet([down, live], [2, 2], "least-loaded"))
+            learning = Learning(learner, predictor.features, tmp_path / "learned", ProxyMetrics(), 0.0, live)
+            journal = Journal.open(JournalPaths.for_output(tmp_path / "out.jsonl"), parsed.journal_meta)
+            try:
+                stats = await run_batch(parsed, journal, live, predictor, CONFIG, gate=gate, learning=learning)
+                await learning.flush()
+                return stats, {client.base_url for client in learning._waiting}, learning.metrics
+            finally:
+                journal.close()
+                await asyncio.to_thread(learning.close)
+                await live.close()
+                await down.close()
+
+    stats, waiting_on, metrics = asyncio.run(main())
+    assert stats.succeeded == 24 and sorted(prompts) == sorted(_prompt(i) for i in range(24))  # each ran once
+    assert learner.observed == 24 and len(set(tokens)) == 24  # learned once each, from the replica that ran it
+    assert waiting_on == set()  # no token left waiting on the replica that refused it (it would expire as unclaimed)
+    assert metrics.registry.get_sample_value("cohort_learned_dropped_total", {"reason": "unclaimed"}) is None
