@@ -2,10 +2,12 @@
 
     python -m benchmarks.bench_refit [--sizes 250,500,1000] [--repeats 3] [--predictions 300]
 
-The learner (train.online) refits train.profile_head's ridge + leave-one-out penalty on its whole
-reservoir: n observations of F = 256 + 4096 features (the static encoder's embedding and the hashed
-n-grams) against profiles of L x E = 24 x 32 (gpt-oss-20b) or 26 x 64 (DeepSeek-V2-Lite). The cost
-depends on the shapes only, so the rows are random. Prints the median wall time over --repeats.
+The learner (train.online) refits train.profile_head's ridge + neighbours on its whole reservoir: n
+observations of F = 256 + 4096 features (a stand-in embedding and the hashed n-grams of prompts of
+mixed.jsonl, $COHORT_DATA: real texts, since the refit reads their sparsity) against random profiles
+of L x E = 24 x 32 (gpt-oss-20b) or 26 x 64 (DeepSeek-V2-Lite). Prints the median wall time over
+--repeats of a refit that searches its penalty (3 leave-one-out candidates: while the reservoir grows,
+and every 4th refit once it is full) and of one that reuses the last penalty (the others).
 
 Then what the proxy pays per request for a head fitted on n rows: the n-grams of one prompt of
 mixed.jsonl ($COHORT_DATA; real texts, since their sparsity is what the prediction reads) and the
@@ -32,15 +34,17 @@ SHAPES = {"gpt-oss-20b": (24, 32, 4), "DeepSeek-V2-Lite": (26, 64, 6)}  # layers
 EMBEDDING_DIM = 256  # the static encoder's
 
 
-def time_refit(n: int, layers: int, experts: int, top_k: int, repeats: int, seed: int = 0) -> float:
-    """Median seconds of fit_head_features on n random rows of the learner's shapes."""
+def time_refit(n: int, layers: int, experts: int, top_k: int, repeats: int, texts: list[str],
+               alphas: tuple[float, ...] = (0.3, 1.0, 3.0), seed: int = 0) -> float:
+    """Median seconds of fit_head_features on n rows of the learner's shapes (the texts cycled) and `alphas`."""
     rng = np.random.default_rng(seed)
-    f = rng.random((n, EMBEDDING_DIM + DEFAULT_NGRAM_DIM), dtype=np.float32)  # [n, F]
+    rows = [texts[i % len(texts)] for i in range(n)]
+    f = head_features(rng.normal(size=(n, EMBEDDING_DIM)).astype(np.float32), rows, DEFAULT_NGRAM_DIM)  # [n, F]
     prof = rng.dirichlet(np.ones(experts), size=(n, layers)).astype(np.float32)  # [n, L, E]
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        fit_head_features(f, prof, top_k, ngram_dim=DEFAULT_NGRAM_DIM)
+        fit_head_features(f, prof, top_k, alphas, ngram_dim=DEFAULT_NGRAM_DIM)
         times.append(time.perf_counter() - start)
     return float(np.median(times))
 
@@ -75,13 +79,15 @@ def main() -> None:
     p.add_argument("--predictions", type=int, default=300, help="prompts timed one by one (0: no prediction timing)")
     args = p.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
-    print(f"{'model':<18} {'n':>6} {'refit s':>8}")
+    texts = prompt_texts()
+    print(f"{'model':<18} {'n':>6} {'search s':>9} {'reuse s':>8}")
     for model, shape in SHAPES.items():
         for n in sizes:
-            print(f"{model:<18} {n:>6} {time_refit(n, *shape, args.repeats):>8.2f}", flush=True)
+            search, reuse = (time_refit(n, *shape, args.repeats, texts, a) for a in ((0.3, 1.0, 3.0), (1.0,)))
+            print(f"{model:<18} {n:>6} {search:>9.2f} {reuse:>8.2f}", flush=True)
     if not args.predictions:
         return
-    texts = prompt_texts()[: args.predictions]
+    texts = texts[: args.predictions]
     print(f"\none request, median us over {len(texts)} prompts: n-grams; prediction; the dense products it replaces")
     for model, shape in SHAPES.items():
         for n in sizes:

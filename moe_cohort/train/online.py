@@ -5,7 +5,8 @@ The proxy (proxy/learning.py) hands the learner each observed request as what th
 text) and its observed counts (traces.observed). The learner keeps a bounded uniform sample of all
 requests offered to it (`Reservoir`, Vitter's algorithm R, which decides before a request runs whether
 it will be kept, so only those need observing), refits the head on it (train.profile_head's ridge +
-neighbours, penalty by leave-one-out) once `first_fit` rows are in and then whenever enough rows
+neighbours, penalty by leave-one-out, searched while the reservoir grows and at every SEARCH_EVERY-th
+refit once it is full, reused in between) once `first_fit` rows are in and then whenever enough rows
 changed (`LearnConfig.refit_every`, and at least a quarter of what the last fit saw). Once the
 reservoir is full a request is kept with probability capacity / seen, so observations and refits grow
 rarer as traffic goes on: their cost per request falls as 1 / seen. The new head is swapped in with
@@ -43,6 +44,8 @@ from moe_cohort.traces.observed import Observed
 from moe_cohort.train.profile_head import DEFAULT_ALPHAS, fit_head_features
 
 log = logging.getLogger(__name__)
+
+SEARCH_EVERY = 4  # once the reservoir is full, every 4th refit searches the penalty (the others reuse the last)
 
 RESERVOIR_FILE = "reservoir.npz"
 STATE_KEYS = {"key", "observed", "seen", "size", "shape", "fitted_on", "fitted_at", "stored_at_fit", "stored", "rng",
@@ -132,6 +135,7 @@ class OnlineLearner:
         self.stored_at_fit = 0  # the reservoir's `stored` then
         self.shape: tuple[int, int, int] | None = None  # (L, E, top_k) of the served model
         self.observed = 0  # observations ever learned from, kept or not (this learner and the ones it was loaded from)
+        self.refits = 0  # by this learner (not saved: a restarted one searches its penalty at its first refit)
         self._fit_recent: deque[tuple[float, float]] = deque(maxlen=config.recent)  # (head, mean) overlaps
 
 
@@ -199,16 +203,19 @@ class OnlineLearner:
         head = fit_head_features(f, y.reshape(len(y), layers, experts), top_k, self._alphas(),
                                  ngram_dim=self.config.ngram_dim)
         self.head, self.fitted_on, self.fitted_at = head, len(f), time.time()
-        self.stored_at_fit = self.reservoir.stored
+        self.stored_at_fit, self.refits = self.reservoir.stored, self.refits + 1
         log.info("online profile head: refitted on %d of %d observations in %.2f s (alpha %g)",
                  len(f), self.reservoir.seen, time.perf_counter() - start, head.alpha)
         return head
 
     def _alphas(self) -> Sequence[float]:
-        """The penalties a refit tries: all of them first, then the last fit's and its neighbours (the choice
-        moves slowly as the reservoir grows; 3 leave-one-out passes instead of 7)."""
+        """The penalties a refit tries: all of them first; while the reservoir grows, and every SEARCH_EVERY-th
+        refit once it is full, the last fit's and its neighbours (the choice moves slowly; 3 leave-one-out
+        passes instead of 7); else the last fit's alone, which train.profile_head solves without the spectrum."""
         if self.head is None or self.head.alpha not in DEFAULT_ALPHAS:
             return DEFAULT_ALPHAS
+        if self.reservoir.size >= self.reservoir.capacity and self.refits % SEARCH_EVERY:
+            return (self.head.alpha,)
         i = DEFAULT_ALPHAS.index(self.head.alpha)
         return DEFAULT_ALPHAS[max(i - 1, 0): i + 2]
 

@@ -7,7 +7,8 @@ word n-grams beside them (encoder.ngrams; encoder.profile.head_features): on the
 both models in ../shared/data, 4-fold replays at S = 16 and 32 kept 68% of the reference with them
 against 54% without (gpt-oss-20b, static encoder) and 68% against 59% (DeepSeek-V2-Lite;
 docs/results.md, issue 25). Ridge with an unpenalised intercept,
-closed form through the spectrum of the centred features (`_spectrum`); the penalty is chosen from `alphas` by
+closed form through the spectrum of the centred features (`_spectrum`; with one penalty, a Cholesky
+solve); the penalty is chosen from `alphas` by
 exact leave-one-out error (for ridge, the LOO residual is the residual over 1 - h_ii, with h
 the hat matrix), so no request is ever scored by a fit that saw it. Only the training side of
 the project's split (traces.split) is ever passed in. The fitted requests are also kept as the
@@ -20,9 +21,12 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import numpy as np
+import scipy.linalg
+import scipy.sparse
 
 from moe_cohort.encoder.ngrams import DEFAULT_NGRAM_DIM
 from moe_cohort.encoder.profile import ProfileHead, head_features
@@ -56,13 +60,11 @@ def fit_head_features(f: np.ndarray, prof: np.ndarray, top_k: int, alphas: Seque
     n, layers, experts = prof.shape
     x = np.asarray(f, dtype=np.float64)  # [N, F]
     y = prof.reshape(n, -1).astype(np.float64)  # [N, L*E]
-    x_mean, y_mean = x.mean(axis=0), y.mean(axis=0)
-    xc = x - x_mean  # [N, F]
-    u, s2 = _spectrum(xc)  # [N, r], [r]: xc = u diag(sqrt(s2)) v^T
-    uty = u.T @ (y - y_mean)  # [r, L*E]
-    alpha = min(alphas, key=lambda a: _loo_error(u, s2, uty, y - y_mean, a)) if len(alphas) > 1 else alphas[0]
-    weight = xc.T @ (u @ (uty / (s2 + alpha)[:, None]))  # [F, L*E] = v diag(s / (s2 + alpha)) u^T y
-    bias = y_mean - x_mean @ weight  # [L*E]
+    y_mean = y.mean(axis=0)
+    cols = _Columns.of(x)
+    alpha, coef = _ridge_coefficients(cols, y - y_mean, alphas)  # [N, L*E]
+    weight = cols.centred_t_dot(coef)  # [F, L*E] = xc^T coef
+    bias = y_mean - cols.mean @ weight  # [L*E]
     log.info("profile head: %d requests, dim %d -> %d x %d, alpha %g", n, x.shape[1], layers, experts, alpha)
     unit = x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)  # [N, D]
     return ProfileHead(weight=weight.astype(np.float32), bias=bias.astype(np.float32), num_layers=layers,
@@ -72,16 +74,67 @@ def fit_head_features(f: np.ndarray, prof: np.ndarray, top_k: int, alphas: Seque
                        neighbours=neighbours, temperature=temperature, mix=mix, ngram_dim=ngram_dim)
 
 
-def _spectrum(xc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The left singular vectors u [N, r] and squared singular values s2 [r] of xc [N, F]. With fewer
-    requests than features (the online learner's reservoir: 1,000 x 4,352), from the eigenvectors of the
-    Gram matrix xc xc^T [N, N] (4x cheaper than the SVD there; its null direction, the centring's, has
+def _ridge_coefficients(cols: _Columns, yc: np.ndarray, alphas: Sequence[float]) -> tuple[float, np.ndarray]:
+    """(alpha, coef [N, P]) with the ridge weight = xc^T coef, xc = x - its mean: the penalty of least
+    leave-one-out error among `alphas` through the spectrum, or with one penalty a Cholesky solve of the
+    centred Gram matrix (no spectrum: the online learner's refits between searches)."""
+    if len(alphas) == 1 and cols.rows <= cols.features:
+        gram = cols.centred_gram()  # [N, N]
+        gram[np.diag_indices_from(gram)] += alphas[0]
+        return alphas[0], scipy.linalg.cho_solve(scipy.linalg.cho_factor(gram), yc)
+    u, s2 = _spectrum(cols)  # [N, r], [r]: xc = u diag(sqrt(s2)) v^T
+    uty = u.T @ yc  # [r, P]
+    alpha = min(alphas, key=lambda a: _loo_error(u, s2, uty, yc, a)) if len(alphas) > 1 else alphas[0]
+    return alpha, u @ (uty / (s2 + alpha)[:, None])  # v diag(s / (s2 + alpha)) u^T y = xc^T of this
+
+
+def _spectrum(cols: _Columns) -> tuple[np.ndarray, np.ndarray]:
+    """The left singular vectors u [N, r] and squared singular values s2 [r] of the centred features. With
+    fewer requests than features (the online learner's reservoir: 1,000 x 4,352), from the eigenvectors of
+    the centred Gram matrix [N, N] (4x cheaper than the SVD there; its null direction, the centring's, has
     s2 = 0 and so no weight); else the thin SVD."""
-    if len(xc) <= xc.shape[1]:
-        s2, u = np.linalg.eigh(xc @ xc.T)
+    if cols.rows <= cols.features:
+        s2, u = np.linalg.eigh(cols.centred_gram())
         return u, np.maximum(s2, 0.0)
-    u, s, _ = np.linalg.svd(xc, full_matrices=False)
+    u, s, _ = np.linalg.svd(cols.x - cols.mean, full_matrices=False)
     return u, s**2
+
+
+@dataclass(frozen=True)
+class _Columns:
+    """Features x [N, F] and their mean, split once for the products a fit needs: the mostly-zero columns
+    (a prompt sets a few hundred of the 4,096 hashed n-grams) as a scipy.sparse matrix, the rest dense.
+    The centred products are taken without forming x - mean."""
+
+    x: np.ndarray  # [N, F] float64
+    mean: np.ndarray  # [F]
+    sparse: np.ndarray  # [F] bool: mostly zero
+    sparse_part: scipy.sparse.csr_matrix  # [N, F_sparse]
+
+    @classmethod
+    def of(cls, x: np.ndarray) -> _Columns:
+        sparse = np.count_nonzero(x, axis=0) * 2 < len(x)
+        return cls(x, x.mean(axis=0), sparse, scipy.sparse.csr_matrix(x[:, sparse]))
+
+    @property
+    def rows(self) -> int:
+        return self.x.shape[0]
+
+    @property
+    def features(self) -> int:
+        return self.x.shape[1]
+
+    def centred_gram(self) -> np.ndarray:  # [N, N] (x - mean)(x - mean)^T
+        dense = self.x[:, ~self.sparse]
+        gram = dense @ dense.T + (self.sparse_part @ self.sparse_part.T).toarray()
+        r = self.x @ self.mean  # [N]
+        return gram - r[:, None] - r[None, :] + self.mean @ self.mean
+
+    def centred_t_dot(self, coef: np.ndarray) -> np.ndarray:  # [N, P] -> [F, P] (x - mean)^T coef
+        out = np.empty((self.features, coef.shape[1]))
+        out[~self.sparse] = self.x[:, ~self.sparse].T @ coef
+        out[self.sparse] = self.sparse_part.T @ coef
+        return out - np.outer(self.mean, coef.sum(axis=0))
 
 
 def _loo_error(u: np.ndarray, s2: np.ndarray, uty: np.ndarray, yc: np.ndarray, alpha: float) -> float:

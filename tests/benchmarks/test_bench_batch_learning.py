@@ -19,7 +19,8 @@ def test_rates_are_loads_per_generated_token_and_tokens_per_forward():
 
 
 def test_a_refit_is_timed():
-    assert 0 < time_refit(20, 2, 4, 2, repeats=1) < 60
+    texts = ["why is the sky blue", "sort a list in python", "a soup for winter"]
+    assert 0 < time_refit(20, 2, 4, 2, 1, texts) < 60 and 0 < time_refit(20, 2, 4, 2, 1, texts, (1.0,)) < 60
 
 
 def test_a_prediction_is_timed_against_the_dense_products():

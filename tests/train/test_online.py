@@ -135,6 +135,28 @@ def test_refit_is_the_offline_fit_of_the_reservoir_and_swaps_a_new_head_in():
     np.testing.assert_allclose(new.from_features(f), direct.from_features(f), rtol=1e-5, atol=1e-6)
 
 
+def test_once_full_the_learner_searches_its_penalty_every_fourth_refit_and_reuses_it_between():
+    from moe_cohort.train.online import SEARCH_EVERY
+
+    learner = OnlineLearner(LearnConfig(capacity=30, first_fit=10, ngram_dim=0))
+    f, obs = _stream(200, seed=5)
+    learner.observe(f[:10], obs[:10])
+    learner.refit()  # the first fit tries every penalty
+    tried = []
+    for i in range(10, 200, 10):
+        learner.observe(f[i: i + 10], obs[i: i + 10])
+        alphas, last = learner._alphas(), learner.head.alpha
+        tried.append(len(alphas))
+        new = learner.refit()
+        x, y = learner.reservoir.arrays()
+        direct = fit_head_features(x, y.reshape(-1, LAYERS, EXPERTS), K, alphas)
+        assert new.alpha == direct.alpha and (len(alphas) > 1 or new.alpha == last)
+        np.testing.assert_allclose(new.from_features(f), direct.from_features(f), rtol=1e-5, atol=1e-6)
+    # refits 2..20 (the first fit is 1): the 2nd still grows (20 rows); once full the 5th, 9th, 13th, 17th search
+    searched = [t > 1 for t in tried]
+    assert SEARCH_EVERY == 4 and searched == [True] + [n % 4 == 1 for n in range(3, 21)], tried
+
+
 def test_the_learned_head_predicts_each_kind_and_its_live_fit_beats_the_mean():
     learner = OnlineLearner(LearnConfig(capacity=100, first_fit=30, ngram_dim=0))
     f, obs = _stream(80, seed=3)

@@ -6,7 +6,7 @@ import pytest
 from moe_cohort.encoder.profile import load_profile_head
 from moe_cohort.traces.split import split_requests
 from moe_cohort.traces.synthetic import synthetic_traces
-from moe_cohort.train.profile_head import _loo_error, _spectrum, fit_profile_head, train_profile_head
+from moe_cohort.train.profile_head import _Columns, _loo_error, _spectrum, fit_profile_head, train_profile_head
 from moe_cohort.train.targets import profiles
 
 
@@ -29,11 +29,41 @@ def test_fit_equals_the_normal_equations_for_its_chosen_penalty(n, d):
     np.testing.assert_allclose(head.bias, b, rtol=1e-4, atol=1e-5)
 
 
+def _with_sparse_columns(x, rng):
+    """x with its last columns mostly zero, as hashed n-grams are."""
+    x = x.copy()
+    tail = x[:, x.shape[1] // 3:]
+    tail[rng.random(tail.shape) < 0.85] = 0.0
+    return x
+
+
+@pytest.mark.parametrize("alphas", [(0.5,), (0.05, 0.5, 5.0)])  # a Cholesky solve; the spectrum and leave-one-out
+def test_fit_on_sparse_features_equals_the_normal_equations_on_either_path(alphas):
+    rng = np.random.default_rng(2)
+    x = _with_sparse_columns(rng.normal(size=(14, 45)), rng)
+    prof = np.clip(rng.random((14, 2, 3)) + x[:, :1, None] * 0.1, 0, 1)
+    head = fit_profile_head(x, prof, top_k=1, alphas=alphas)
+    w, b = _ridge(x, prof.reshape(14, -1), head.alpha)
+    np.testing.assert_allclose(head.weight, w, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(head.bias, b, rtol=1e-4, atol=1e-5)
+
+
+def test_the_centred_products_equal_the_dense_ones():
+    rng = np.random.default_rng(3)
+    x = _with_sparse_columns(rng.normal(size=(20, 30)), rng)
+    c = rng.normal(size=(20, 4))
+    xc = x - x.mean(0)
+    cols = _Columns.of(x)
+    assert cols.sparse.sum() == 20  # the mostly-zero ones go through scipy.sparse
+    np.testing.assert_allclose(cols.centred_gram(), xc @ xc.T, rtol=1e-10, atol=1e-10)
+    np.testing.assert_allclose(cols.centred_t_dot(c), xc.T @ c, rtol=1e-10, atol=1e-10)
+
+
 @pytest.mark.parametrize("n, d", [(15, 4), (9, 20)])
 def test_leave_one_out_error_equals_refitting_without_each_request(n, d):
     rng = np.random.default_rng(1)
     x, y = rng.normal(size=(n, d)), rng.normal(size=(n, 3))
-    u, s2 = _spectrum(x - x.mean(0))
+    u, s2 = _spectrum(_Columns.of(x))
     yc = y - y.mean(0)
     for alpha in (0.1, 2.0):
         errors = []
