@@ -39,7 +39,8 @@ through `cohort serve --backend A --backend B --routing X` for X in round-robin,
 affinity (--slots in flight per replica, --encoder), the distinct experts per layer per decode
 forward summed over both servers' counters, and the wall time.
 Without --backend, a tiny-MoE vLLM CPU server is started (and stopped) here. The proxy runs as
-its own process (`cohort serve`), as in production.
+its own process (`cohort serve`), as in production. Over 300 lines on purpose: its parts share the one
+backend it starts (vLLM CPU takes minutes to start), and one run measures them side by side.
 """
 
 from __future__ import annotations

@@ -20,8 +20,8 @@ experts are, and the blend of both admits better than either (bench_continuous).
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Sequence
 
 import numpy as np
