@@ -211,6 +211,7 @@ def main() -> None:
     p.add_argument("--engine-side", action="store_true")
     p.add_argument("--engine-side-only", action="store_true", help="the engine-side runs alone (no proxy side)")
     p.add_argument("--json", help="also write the rows here")
+    p.add_argument("--keep", help="copy the runs' data folders (learned heads, the offline encoder) here")
     args = p.parse_args()
     from moe_cohort.proxy.vllm_server import start
 
@@ -238,6 +239,8 @@ def main() -> None:
                 rows["engine"] = runs(server.url, ["--max-in-flight", "256", "--forward-profiles"], train, held, args,
                                       layers, work)
     finally:
+        if args.keep:
+            shutil.copytree(work, args.keep, dirs_exist_ok=True)
         shutil.rmtree(work, ignore_errors=True)
     for side, side_rows in rows.items():
         by = {r["run"]: r for r in side_rows}

@@ -19,7 +19,9 @@ each with --clients closed-loop clients (at most clients - slots wait, as in the
 every request waiting from the start (the replay of issue 25's tables). Printed per row: decode
 expert loads per generated token and the saving against fcfs in the e2e run's order, then mean and
 spread of that saving over --orders other seeded orders; with --e2e (bench_learning_e2e --json) the
-engine's held-out rows beside them.
+engine's held-out rows beside them; with --heads DIR (bench_learning_e2e --keep DIR) every profile
+head saved under DIR (the learning proxy's last head, the offline one) replayed the same way, so a
+head the engine served can be told apart from the serving.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
+from moe_cohort.encoder.profile import HEAD_FILE, load_profile_head
 from moe_cohort.eval.policies import Policy, by_embedding, by_profile, fixed_order
 from moe_cohort.eval.replay import decode_profiles, decode_tokens
 from moe_cohort.traces.format import TraceSet
@@ -90,12 +93,19 @@ def replay_rows(ts: TraceSet, rows: dict[str, Policy], slots: int, clients: int 
             for name, v in out.items()}
 
 
+def saved_heads(folder: str, x: np.ndarray, texts: list[str]) -> dict[str, Policy]:
+    """A policy per profile head saved under `folder`, predicting from embeddings x [n, D] of `texts`."""
+    return {str(path.parent.relative_to(folder)): by_profile(load_profile_head(path.parent).predict(x, texts))
+            for path in sorted(Path(folder).rglob(HEAD_FILE))}
+
+
 def print_rows(title: str, result: dict) -> None:
-    print(f"\n{title}\n{'admission':<16} {'loads/token':>11} {'vs fcfs':>8}   other orders (mean +- std)")
+    width = max(16, *(len(name) for name in result))
+    print(f"\n{title}\n{'admission':<{width}} {'loads/token':>11} {'vs fcfs':>8}   other orders (mean +- std)")
     for name, r in result.items():
         others = np.array(r["saving_others"])
         spread = f"{others.mean():+.1%} +- {others.std():.1%}" if len(others) else ""
-        print(f"{name:<16} {r['loads_per_token']:>11.3f} {r['saving']:>+8.1%}   {spread}")
+        print(f"{name:<{width}} {r['loads_per_token']:>11.3f} {r['saving']:>+8.1%}   {spread}")
 
 
 def print_engine(path: str) -> None:
@@ -119,6 +129,7 @@ def main() -> None:
     p.add_argument("--warm", type=int, default=800, help="training prompts the learning proxy had seen")
     p.add_argument("--orders", type=int, default=10, help="other seeded orders for the spread")
     p.add_argument("--e2e", help="bench_learning_e2e --json output, printed beside")
+    p.add_argument("--heads", help="replay every profile head saved under this folder (bench_learning_e2e --keep)")
     p.add_argument("--json", help="also write the rows here")
     args = p.parse_args()
     ts = load_traces(args.traces)
@@ -128,6 +139,8 @@ def main() -> None:
           f"{ts.num_experts} experts, top-{ts.top_k}; decode tokens per request {held_ts.num_decode_tokens.min()}.."
           f"{held_ts.num_decode_tokens.max()}; S = {args.slots}")
     rows = policies(ts, train, held, args.warm)
+    if args.heads:  # as the e2e proxies served them: the static embedding and the n-grams
+        rows |= saved_heads(args.heads, embeddings(list(held_ts.texts), "static"), [str(t) for t in held_ts.texts])
     out = {}
     for clients in (args.clients, None):
         key = f"{clients} closed-loop clients" if clients else "every request waiting from the start"

@@ -44,3 +44,19 @@ def test_a_prompt_cut_to_its_last_tokens_finds_its_row():
     assert _match(rows, full[-900:])["id"] == 1  # what the recorder decodes of a prompt cut to its last tokens
     assert _match(rows, "nothing like it " * 10) is None
     assert _match(rows, "assistant\n") is None  # too short an ending to tell prompts apart
+
+
+def test_every_saved_head_is_replayed_as_it_predicts(tmp_path):
+    from benchmarks.bench_replay_vs_engine import saved_heads
+    from moe_cohort.train.profile_head import fit_profile_head
+
+    ts = random_traces(30, num_experts=12, top_k=2, max_prompt=0, max_decode=9, seed=4)
+    tok = decode_tokens(ts)
+    x = np.random.default_rng(4).normal(size=(30, 5)).astype(np.float32)
+    texts = [f"prompt number {i}" for i in range(30)]
+    head = fit_profile_head(x, decode_profiles(tok, ts), 2, texts=texts)
+    head.save(tmp_path / "run" / "learned")
+    policies = saved_heads(str(tmp_path), x, texts)
+    assert list(policies) == ["run/learned"]
+    want = by_profile(head.predict(x, texts)).run(tok, tok.cycle, 3, clients=6)
+    assert policies["run/learned"].run(tok, tok.cycle, 3, clients=6).order.tolist() == want.order.tolist()
