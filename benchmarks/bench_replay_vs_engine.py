@@ -43,7 +43,7 @@ from moe_cohort.train.heldout import embeddings, prompt_texts
 from moe_cohort.train.profile_head import fit_profile_head
 from moe_cohort.train.targets import profiles
 
-E2E_ROWS = {"fcfs": "fcfs, held-out", "offline head": "offline head, held-out"}  # bench_learning_e2e's names
+FCFS_ROW = "fcfs, held-out"  # bench_learning_e2e's name of the baseline
 
 
 def e2e_sides(ts: TraceSet) -> tuple[np.ndarray, np.ndarray]:
@@ -113,7 +113,7 @@ def print_engine(path: str) -> None:
     data = json.loads(Path(path).read_text())
     for side, rows in data.items():
         by = {r["run"]: r for r in rows}
-        fcfs = by[E2E_ROWS["fcfs"]]["loads_per_token"]
+        fcfs = by[FCFS_ROW]["loads_per_token"]
         print(f"\nthe engine, {side}-side admission ({path})")
         for r in rows:
             if "held-out" in r["run"]:
