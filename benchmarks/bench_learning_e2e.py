@@ -165,11 +165,16 @@ def runs(backend: str, flags: list[str], train: list[str], held: list[str], args
                 measure("fcfs, held-out", backend, proxy, held, args, layers)]
     finally:
         proc.terminate(), proc.wait(30)
-    proc, proxy = start_proxy(backend, "--learn", "--data-dir", str(Path(tempfile.mkdtemp(dir=work))), *flags)
+    learned = Path(tempfile.mkdtemp(dir=work))
+    proc, proxy = start_proxy(backend, "--learn", "--data-dir", str(learned), *flags)
     try:
         out.append(measure(f"learning, first {len(first)}", backend, proxy, first, args, layers))
         asyncio.run(send(proxy, warm, args.clients, args.max_tokens))
         wait_learned(proxy, args.warm)
+        if args.no_refit_held_out:  # the same learner restarted from what it saved, refitting nothing from here on
+            proc.terminate(), proc.wait(60)
+            proc, proxy = start_proxy(backend, "--learn", "--data-dir", str(learned), "--learn-refit-every", "1000000",
+                                      *flags)
         out.append(measure(f"learning, held-out after {args.warm}", backend, proxy, held, args, layers))
     finally:
         proc.terminate(), proc.wait(60)
@@ -212,6 +217,8 @@ def main() -> None:
     p.add_argument("--engine-side-only", action="store_true", help="the engine-side runs alone (no proxy side)")
     p.add_argument("--json", help="also write the rows here")
     p.add_argument("--keep", help="copy the runs' data folders (learned heads, the offline encoder) here")
+    p.add_argument("--no-refit-held-out", action="store_true", help="a diagnosis: the learning proxy, restarted from "
+                   "what it learned, observes the held-out prompts but refits nothing while they run")
     args = p.parse_args()
     from moe_cohort.proxy.vllm_server import start
 
