@@ -36,7 +36,6 @@ import asyncio
 import json
 import os
 import random
-import re
 import shutil
 import tempfile
 import threading
@@ -47,7 +46,7 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 
-from benchmarks.bench_proxy import post, start_proxy
+from benchmarks.bench_proxy import metric_sum, post, scrape, start_proxy
 from moe_cohort.train.heldout import prompt_texts
 from moe_cohort.traces.split import split_requests
 
@@ -56,14 +55,10 @@ TRAINED = Path.home() / ".cache" / "moe-cohort" / "trained-tiny-moe-model"
 
 def counters(backend: str) -> dict[str, float]:
     """Decode-group sums of the plugin's counters: expert loads (after the policy), layer-forwards, tokens."""
-    with urllib.request.urlopen(backend + "/metrics", timeout=30) as resp:
-        text = resp.read().decode()
-
-    def total(name: str) -> float:
-        return sum(float(v) for v in re.findall(rf'^{name}\{{[^}}]*phase="decode"[^}}]*\}} ([0-9.e+]+)$', text, re.M))
-
-    return {"loads": total("cohort_moe_expert_loads_after_total"), "forwards": total("cohort_moe_layer_forwards_total"),
-            "tokens": total("cohort_moe_routed_tokens_total")}
+    text = scrape(backend)
+    names = {"loads": "cohort_moe_expert_loads_after_total", "forwards": "cohort_moe_layer_forwards_total",
+             "tokens": "cohort_moe_routed_tokens_total"}
+    return {key: metric_sum(text, name, phase="decode") for key, name in names.items()}
 
 
 async def send(url: str, prompts: list[str], clients: int, max_tokens: int) -> float:
@@ -85,11 +80,7 @@ async def send(url: str, prompts: list[str], clients: int, max_tokens: int) -> f
 
 def waiting(backend: str, proxy: str) -> tuple[float, float]:
     """Requests waiting now: in vLLM's queue (vllm:num_requests_waiting) and in the proxy (cohort_waiting)."""
-    def gauge(url: str, name: str) -> float:
-        with urllib.request.urlopen(url + "/metrics", timeout=30) as resp:
-            return sum(float(v) for v in re.findall(rf"^{name}(?:{{[^}}]*}})? ([0-9.e+]+)$", resp.read().decode(), re.M))
-
-    return gauge(backend, "vllm:num_requests_waiting"), gauge(proxy, "cohort_waiting")
+    return metric_sum(scrape(backend), "vllm:num_requests_waiting"), metric_sum(scrape(proxy), "cohort_waiting")
 
 
 def measure(name: str, backend: str, proxy: str, prompts: list[str], args, layers: int) -> dict:

@@ -61,6 +61,7 @@ from pathlib import Path
 
 import aiohttp
 import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
 
 from moe_cohort.proxy.vllm_server import free_port
 from moe_cohort.train.heldout import prompt_texts
@@ -204,14 +205,23 @@ def learned_encoder(encoder: str, data_dir: Path) -> str:
     return str(out)
 
 
+def scrape(url: str) -> str:
+    """The Prometheus text a server's /metrics serves."""
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as resp:
+        return resp.read().decode()
+
+
+def metric_sum(text: str, name: str, **labels: str) -> float:
+    """Sum of the samples called `name` whose labels include `labels`, in Prometheus text (prometheus_client's parser)."""
+    return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+               if sample.name == name and labels.items() <= sample.labels.items())
+
+
 def learning_cpu(url: str) -> dict[str, float]:
     """The proxy's learning CPU seconds by thread (cohort_learning_cpu_seconds_total) and its requests answered."""
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
-        text = resp.read().decode()
-    pattern = r'^cohort_learning_cpu_seconds_total\{thread="(\w+)"\} (\S+)$'
-    out = {m[0]: float(m[1]) for m in re.findall(pattern, text, re.M)}
-    out["requests"] = sum(float(v) for v in re.findall(r"^cohort_requests_total\{[^}]*\} (\S+)$", text, re.M))
-    return out
+    text = scrape(url)
+    out = {t: metric_sum(text, "cohort_learning_cpu_seconds_total", thread=t) for t in ("worker", "event_loop")}
+    return out | {"requests": metric_sum(text, "cohort_requests_total")}
 
 
 def print_learning_cpu(what: str, before: dict[str, float], after: dict[str, float]) -> None:
@@ -275,14 +285,11 @@ def compare(backend: str, proxies: dict[str, tuple[str, int]], concurrency: list
 
 def decode_distinct(backend: str) -> tuple[float, float, float]:
     """(decode expert loads, decode layer-forwards, decode tokens x layers) from the plugin's counters."""
-    with urllib.request.urlopen(backend + "/metrics", timeout=10) as resp:
-        text = resp.read().decode()
-
-    def total(name: str) -> float:
-        return sum(float(v) for v in re.findall(rf'^{name}\{{[^}}]*phase="decode"[^}}]*\}} ([0-9.e+]+)$', text, re.M))
-
-    return (total("cohort_moe_batch_expert_loads_after_total"), total("cohort_moe_batch_layer_forwards_total"),
-            total("cohort_moe_routed_tokens_total"))
+    text = scrape(backend)
+    names = ("cohort_moe_batch_expert_loads_after_total", "cohort_moe_batch_layer_forwards_total",
+             "cohort_moe_routed_tokens_total")
+    loads, forwards, tokens = (metric_sum(text, name, phase="decode") for name in names)
+    return loads, forwards, tokens
 
 
 async def send_prompts(url: str, prompts: list[str], clients: int, max_tokens: int) -> float:
