@@ -1,7 +1,7 @@
 """End to end through vLLM CPU: a proxy that starts with no head and learns one from the served model (issue 26).
 
     python -m benchmarks.bench_learning_e2e [--model-dir DIR] [--first 200] [--warm 800] [--clients 64]
-        [--slots 16] [--max-tokens 32] [--engine-side | --engine-side-only]
+        [--slots 16] [--max-tokens 32] [--rounds 3] [--engine-side | --engine-side-only]
 
 The served model is the tiny MoE trained on text (`cohort make-tiny-moe --trained`, built and cached if
 --model-dir has none), on a vLLM CPU server with the moe-cohort plugin and max_num_seqs = --slots.
@@ -14,10 +14,14 @@ Proxy side (`cohort serve --max-in-flight SLOTS`, a fresh process each):
 - fcfs: `--encoder none`, on the first --first training prompts and on the held-out ones;
 - learning: `--learn` with an empty --data-dir and the default (static) encoder: the first --first
   training prompts (it starts with no head), the training prompts up to --warm observed, then the
-  held-out ones (it keeps learning from them, as it would in service);
+  held-out ones, restarted from what it saved (it keeps learning from them, as it would in service);
 - offline: the static encoder with the head fitted (train.profile_head) on every training prompt's
   observed profile, collected by a learning proxy over the whole training side (what `cohort train
   --traces` fits on recorded traces of the same prompts), on the held-out prompts.
+The held-out prompts run --rounds times, fcfs, learning (each round from a copy of the state after
+--warm) and offline in turn on the same server, and the savings are taken against the same round's
+fcfs: one run of each, minutes apart, differed by several points from one vLLM start to the next
+(offline head 25-32% over 8 starts), while interleaved rounds on one server agree to 1-2 points.
 With --engine-side, the same three on a second server with `--scheduler-cls ExpertAwareScheduler` and
 the proxy forwarding at once with the profiles (`--forward-profiles --max-in-flight 256`).
 
@@ -51,6 +55,7 @@ from moe_cohort.train.heldout import prompt_texts
 from moe_cohort.traces.split import split_requests
 
 TRAINED = Path.home() / ".cache" / "moe-cohort" / "trained-tiny-moe-model"
+FCFS_HELD, OFFLINE_HELD = "fcfs, held-out", "offline head, held-out"  # row names (bench_replay_vs_engine reads them)
 
 
 def counters(backend: str) -> dict[str, float]:
@@ -148,41 +153,69 @@ def offline_encoder(learned: Path, out: Path) -> Path:
 
 
 def runs(backend: str, flags: list[str], train: list[str], held: list[str], args, layers: int, work: Path) -> list[dict]:
-    out = []
+    """The first prompts (fcfs, the learning proxy from nothing), the learning up to --warm, the offline head,
+    then --rounds rounds of the held-out prompts, each measuring fcfs, learning and offline in turn."""
     first, warm = train[: args.first], train[args.first: args.warm]
-    proc, proxy = start_proxy(backend, "--encoder", "none", *flags)
-    try:
-        out += [measure("fcfs, first prompts", backend, proxy, first, args, layers),
-                measure("fcfs, held-out", backend, proxy, held, args, layers)]
-    finally:
-        proc.terminate(), proc.wait(30)
-    learned = Path(tempfile.mkdtemp(dir=work))
+    out = [measure_with(backend, ["--encoder", "none", *flags], "fcfs, first prompts", first, args, layers)]
+    learned = Path(tempfile.mkdtemp(dir=work))  # what the learning proxy knows after --warm (saved when it stops)
     proc, proxy = start_proxy(backend, "--learn", "--data-dir", str(learned), *flags)
     try:
         out.append(measure(f"learning, first {len(first)}", backend, proxy, first, args, layers))
         asyncio.run(send(proxy, warm, args.clients, args.max_tokens))
         wait_learned(proxy, args.warm)
-        if args.no_refit_held_out:  # the same learner restarted from what it saved, refitting nothing from here on
-            proc.terminate(), proc.wait(60)
-            proc, proxy = start_proxy(backend, "--learn", "--data-dir", str(learned), "--learn-refit-every", "1000000",
-                                      *flags)
-        out.append(measure(f"learning, held-out after {args.warm}", backend, proxy, held, args, layers))
     finally:
         proc.terminate(), proc.wait(60)
-    data = Path(tempfile.mkdtemp(dir=work))  # every training prompt observed once: what the offline head fits on
+    encoder = offline_encoder(collect_all(backend, flags, train, args, work),
+                              Path(tempfile.mkdtemp(dir=work)) / "offline")
+    learning = ["--learn", *(["--learn-refit-every", "1000000"] if args.no_refit_held_out else [])]
+    for r in range(args.rounds):  # interleaved: the engine's drift over minutes hits all three alike
+        resumed = Path(tempfile.mkdtemp(dir=work))  # a copy: every round resumes from the state after --warm
+        shutil.copytree(learned, resumed, dirs_exist_ok=True)
+        out += [measure_with(backend, ["--encoder", "none", *flags], FCFS_HELD, held, args, layers, r),
+                measure_with(backend, [*learning, "--data-dir", str(resumed), *flags],
+                             f"learning, held-out after {args.warm}", held, args, layers, r),
+                measure_with(backend, ["--encoder", str(encoder), *flags], OFFLINE_HELD, held, args, layers, r)]
+    return out
+
+
+def measure_with(backend: str, proxy_flags: list[str], name: str, prompts: list[str], args, layers: int,
+                 round_: int | None = None) -> dict:
+    """`measure` through a fresh proxy started with `proxy_flags` (stopped after)."""
+    proc, proxy = start_proxy(backend, *proxy_flags)
+    try:
+        row = measure(name, backend, proxy, prompts, args, layers)
+    finally:
+        proc.terminate(), proc.wait(60)
+    return row if round_ is None else {**row, "round": round_}
+
+
+def collect_all(backend: str, flags: list[str], train: list[str], args, work: Path) -> Path:
+    """Every training prompt observed once by a learning proxy (what the offline head fits on): its learned folder."""
+    data = Path(tempfile.mkdtemp(dir=work))
     proc, proxy = start_proxy(backend, "--learn", "--learn-capacity", "100000", "--data-dir", str(data), *flags)
     try:
         asyncio.run(send(proxy, train, args.clients, args.max_tokens))
         wait_learned(proxy, len(train))
     finally:
         proc.terminate(), proc.wait(60)  # saves what it learned
-    encoder = offline_encoder(data / "learned", Path(tempfile.mkdtemp(dir=work)) / "offline")
-    proc, proxy = start_proxy(backend, "--encoder", str(encoder), *flags)
-    try:  # (not on the first prompts: the offline head was fitted on them)
-        out.append(measure("offline head, held-out", backend, proxy, held, args, layers))
-    finally:
-        proc.terminate(), proc.wait(30)
-    return out
+    return data / "learned"
+
+
+def savings(rows: list[dict], name: str) -> np.ndarray:
+    """Per round, the saving of run `name` against the same round's fcfs (held-out rows)."""
+    fcfs = {r.get("round", 0): r["loads_per_token"] for r in rows if r["run"] == FCFS_HELD}
+    return np.array([1 - r["loads_per_token"] / fcfs[r.get("round", 0)] for r in rows if r["run"] == name])
+
+
+def summary(side: str, rows: list[dict], learning: str) -> str:
+    """The held-out savings against each round's fcfs, mean +- std over rounds, and tokens per forward."""
+    def line(name: str) -> str:
+        s = savings(rows, name)
+        tpf = np.mean([r["tokens_per_forward"] for r in rows if r["run"] == name])
+        return f"{name.split(',')[0]} {s.mean():+.1%} +- {s.std():.1%} ({tpf:.2f} tokens per forward)"
+    fcfs_tpf = np.mean([r["tokens_per_forward"] for r in rows if r["run"] == FCFS_HELD])
+    return (f"{side}: held-out saving against fcfs over {len(savings(rows, learning))} rounds: {line(learning)}, "
+            f"{line(OFFLINE_HELD)}; fcfs {fcfs_tpf:.2f} tokens per forward")
 
 
 def trained_model(model_dir: str) -> tuple[Path, int]:
@@ -206,6 +239,7 @@ def main() -> None:
     p.add_argument("--limit", type=int, help="at most this many training and this many held-out prompts (a quick run)")
     p.add_argument("--engine-side", action="store_true")
     p.add_argument("--engine-side-only", action="store_true", help="the engine-side runs alone (no proxy side)")
+    p.add_argument("--rounds", type=int, default=3, help="rounds of the held-out prompts (fcfs, learning, offline each)")
     p.add_argument("--json", help="also write the rows here")
     p.add_argument("--keep", help="copy the runs' data folders (learned heads, the offline encoder) here")
     p.add_argument("--no-refit-held-out", action="store_true", help="a diagnosis: the learning proxy, restarted from "
@@ -241,12 +275,7 @@ def main() -> None:
             shutil.copytree(work, args.keep, dirs_exist_ok=True)
         shutil.rmtree(work, ignore_errors=True)
     for side, side_rows in rows.items():
-        by = {r["run"]: r for r in side_rows}
-        fcfs, off = by["fcfs, held-out"]["loads_per_token"], by["offline head, held-out"]["loads_per_token"]
-        learned = by[f"learning, held-out after {args.warm}"]
-        print(f"{side}: held-out saving against fcfs: learning {1 - learned['loads_per_token'] / fcfs:+.1%}, offline "
-              f"head {1 - off / fcfs:+.1%}; tokens per forward learning {learned['tokens_per_forward']:.2f} vs fcfs "
-              f"{by['fcfs, held-out']['tokens_per_forward']:.2f}")
+        print(summary(side, side_rows, f"learning, held-out after {args.warm}"))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
 

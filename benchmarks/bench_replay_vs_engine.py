@@ -33,6 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.bench_learning_e2e import savings
 from moe_cohort.encoder.profile import HEAD_FILE, load_profile_head
 from moe_cohort.eval.policies import Policy, by_embedding, by_profile, fixed_order
 from moe_cohort.eval.replay import decode_profiles, decode_tokens
@@ -42,8 +43,6 @@ from moe_cohort.traces.split import split_requests
 from moe_cohort.train.heldout import embeddings, prompt_texts
 from moe_cohort.train.profile_head import fit_profile_head
 from moe_cohort.train.targets import profiles
-
-FCFS_ROW = "fcfs, held-out"  # bench_learning_e2e's name of the baseline
 
 
 def e2e_sides(ts: TraceSet) -> tuple[np.ndarray, np.ndarray]:
@@ -109,16 +108,17 @@ def print_rows(title: str, result: dict) -> None:
 
 
 def print_engine(path: str) -> None:
-    """The held-out rows of bench_learning_e2e --json, both sides, as the replay rows print."""
+    """The held-out rows of bench_learning_e2e --json, both sides, as the replay rows print (over its rounds:
+    the mean loads per token and the mean +- std of the saving against each round's fcfs)."""
     data = json.loads(Path(path).read_text())
     for side, rows in data.items():
-        by = {r["run"]: r for r in rows}
-        fcfs = by[FCFS_ROW]["loads_per_token"]
         print(f"\nthe engine, {side}-side admission ({path})")
-        for r in rows:
-            if "held-out" in r["run"]:
-                print(f"{r['run']:<34} {r['loads_per_token']:>7.3f} {1 - r['loads_per_token'] / fcfs:>+8.1%}   "
-                      f"{r['tokens_per_forward']:.2f} decode tokens per forward")
+        for name in dict.fromkeys(r["run"] for r in rows if "held-out" in r["run"]):
+            mine = [r for r in rows if r["run"] == name]
+            s = savings(rows, name)
+            print(f"{name:<34} {np.mean([r['loads_per_token'] for r in mine]):>7.3f} {s.mean():>+8.1%}"
+                  + (f" +- {s.std():.1%} over {len(s)} rounds" if len(s) > 1 else "")
+                  + f"   {np.mean([r['tokens_per_forward'] for r in mine]):.2f} decode tokens per forward")
 
 
 def main() -> None:
