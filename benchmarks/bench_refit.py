@@ -1,6 +1,7 @@
 """What the online learner's head costs: one refit by reservoir size, and one prediction (issue 26).
 
     python -m benchmarks.bench_refit [--sizes 250,500,1000] [--repeats 3] [--predictions 300]
+    python -m benchmarks.bench_refit --service 16000 [--window 2000]
 
 The learner (train.online) refits train.profile_head's ridge + neighbours on its whole reservoir: n
 observations of F = 256 + 4096 features (a stand-in embedding and the hashed n-grams of prompts of
@@ -14,11 +15,19 @@ mixed.jsonl ($COHORT_DATA; real texts, since their sparsity is what the predicti
 head's prediction from its features (ProfileHead.from_features, ridge and neighbours), beside the
 same products over every feature (f @ weight, f @ memory.T): median microseconds over --predictions
 prompts, one at a time, BLAS on one thread as the proxy's admission runs.
+
+--service N: the proxy's learning worker over N requests, as `cohort serve --learn` runs it (default
+capacity 1,000 and sample rate 0.05; the reservoir decides on arrival, its rows and the live-fit ones are
+observed, a refit and a save to a temporary folder when due), the tiny MoE's shape (4 x 64, top-4):
+thread CPU per request in each --window of requests, split into observing, refitting and saving. What
+the proxy's counter cohort_learning_cpu_seconds_total{thread="worker"} counts, without the proxy.
 """
 
 from __future__ import annotations
 
 import argparse
+import random
+import tempfile
 import time
 
 import numpy as np
@@ -28,6 +37,8 @@ from threadpoolctl import threadpool_limits
 from moe_cohort.encoder.ngrams import DEFAULT_NGRAM_DIM, hashed_ngrams
 from moe_cohort.encoder.profile import head_features
 from moe_cohort.train.heldout import prompt_texts
+from moe_cohort.traces.observed import Observed
+from moe_cohort.train.online import LearnConfig, OnlineLearner
 from moe_cohort.train.profile_head import fit_head_features
 
 SHAPES = {"gpt-oss-20b": (24, 32, 4), "DeepSeek-V2-Lite": (26, 64, 6)}  # layers, experts, top-k
@@ -72,12 +83,59 @@ def time_predict(n: int, layers: int, experts: int, top_k: int, texts: list[str]
                 "dense products": median_us(lambda i: (f[i: i + 1] @ head.weight, f[i: i + 1] @ memory_t))}
 
 
+def time_service(requests: int, layers: int, experts: int, top_k: int, texts: list[str], window: int,
+                 sample_rate: float = 0.05, seed: int = 0) -> list[dict[str, float]]:
+    """Per `window` requests, the worker's thread CPU per request (us) observing, refitting and saving."""
+    rng, coin = np.random.default_rng(seed), random.Random(seed)
+    f = head_features(rng.normal(size=(len(texts), EMBEDDING_DIM)).astype(np.float32), texts, DEFAULT_NGRAM_DIM)
+    decode = 32  # tokens generated per request
+    counts = rng.multinomial(decode, np.ones(experts) / experts, size=(len(texts), layers)) * top_k  # [P, L, E]
+    learner, folder = OnlineLearner(LearnConfig()), tempfile.mkdtemp(prefix="bench-refit-")
+    spent, out = np.zeros(3), []  # observe, refit, save: thread seconds in this window
+    with threadpool_limits(1, "blas"):
+        for i in range(requests):
+            j = i % len(texts)
+            kept = learner.reservoir.offer()
+            if kept or coin.random() < sample_rate:
+                # predicted on arrival by the proxy (admission's cost, not learning's)
+                predicted = learner.head.from_features(f[j: j + 1])[0] if learner.head else None
+                obs = Observed(np.zeros((layers, experts), np.int64), counts[j], 8, decode)
+                t0 = time.thread_time()
+                learner.observe(f[j: j + 1], [obs], [predicted], [kept])
+                t1 = t2 = t3 = time.thread_time()
+                if learner.due():
+                    learner.refit()
+                    t2 = time.thread_time()
+                    learner.save(folder)
+                    t3 = time.thread_time()
+                spent += (t1 - t0, t2 - t1, t3 - t2)
+            if (i + 1) % window == 0:
+                us = spent / window * 1e6
+                out.append({"requests": i + 1, "refits": learner.refits, "observe": us[0], "refit": us[1],
+                            "save": us[2], "all": us.sum()})
+                spent[:] = 0
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", default="250,500,1000", help="reservoir sizes (observations)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--predictions", type=int, default=300, help="prompts timed one by one (0: no prediction timing)")
+    p.add_argument("--service", type=int, default=0, help="simulate the learning worker over this many requests")
+    p.add_argument("--window", type=int, default=2000, help="--service: requests per printed row")
     args = p.parse_args()
+    if args.service:
+        print(f"the learning worker, tiny MoE shape (4 x 64, top-4): thread CPU us per request over each {args.window}")
+        rows = time_service(args.service, 4, 64, 4, prompt_texts(), args.window)
+        for row in rows:
+            print(f"requests {row['requests'] - args.window:>6}-{row['requests']:<6} observe {row['observe']:5.0f} "
+                  f"refit {row['refit']:5.0f} save {row['save']:5.0f} all {row['all']:5.0f}"
+                  f"   ({row['refits']} refits so far)", flush=True)
+        late = rows[len(rows) // 2:]
+        print(f"requests {late[0]['requests'] - args.window}-{args.service}: {np.mean([r['all'] for r in late]):.0f} us "
+              f"per request (refits land in few windows: the mean over many is the cost)")
+        return
     sizes = [int(s) for s in args.sizes.split(",")]
     texts = prompt_texts()
     print(f"{'model':<18} {'n':>6} {'search s':>9} {'reuse s':>8}")

@@ -7,9 +7,12 @@ requests offered to it (`Reservoir`, Vitter's algorithm R, which decides before 
 it will be kept, so only those need observing), refits the head on it (train.profile_head's ridge +
 neighbours, penalty by leave-one-out, searched while the reservoir grows and at every SEARCH_EVERY-th
 refit once it is full, reused in between) once `first_fit` rows are in and then whenever enough rows
-changed (`LearnConfig.refit_every`, and at least a quarter of what the last fit saw). Once the
-reservoir is full a request is kept with probability capacity / seen, so observations and refits grow
-rarer as traffic goes on: their cost per request falls as 1 / seen. The new head is swapped in with
+changed (`LearnConfig.refit_every`, and at least a quarter of what the last fit saw while the reservoir
+grows, half of it once full: a full reservoir is a uniform sample of all traffic, and a refit on a
+quarter of new rows from the same traffic buys little but costs the same). Once the reservoir is full a
+request is kept with probability capacity / seen, so observations and refits grow rarer as traffic goes
+on: their cost per request falls as 1 / seen (benchmarks/bench_refit --service: about 0.5 s / seen at
+1,000 rows, refit and save). The new head is swapped in with
 one assignment (readers in other threads see the old head or the new one, never a mix).
 
 Its live quality signal: each observation is of a request no head had seen when admission predicted
@@ -46,6 +49,7 @@ from moe_cohort.train.profile_head import DEFAULT_ALPHAS, fit_head_features
 log = logging.getLogger(__name__)
 
 SEARCH_EVERY = 4  # once the reservoir is full, every 4th refit searches the penalty (the others reuse the last)
+RENEWED_GROWING, RENEWED_FULL = 4, 2  # a refit waits for 1/4 of the last fit's rows to be new (1/2 once full)
 
 RESERVOIR_FILE = "reservoir.npz"
 STATE_KEYS = {"key", "observed", "seen", "size", "shape", "fitted_on", "fitted_at", "stored_at_fit", "stored", "rng",
@@ -189,11 +193,12 @@ class OnlineLearner:
 
     def due(self) -> bool:
         """Whether the reservoir changed enough for a (re)fit: `first_fit` rows for the first head, then
-        `refit_every` new rows, and at least a quarter of the rows the last fit saw."""
+        `refit_every` new rows, and at least a quarter of the rows the last fit saw (half once it is full)."""
         r, cfg = self.reservoir, self.config
         if self.head is None:
             return r.size >= cfg.first_fit
-        return r.stored - self.stored_at_fit >= max(cfg.refit_every, self.fitted_on // 4)
+        share = RENEWED_FULL if r.size >= r.capacity else RENEWED_GROWING
+        return r.stored - self.stored_at_fit >= max(cfg.refit_every, self.fitted_on // share)
 
     def refit(self) -> ProfileHead:
         """Fit a head on the reservoir and swap it in."""

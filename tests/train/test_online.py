@@ -103,19 +103,24 @@ def test_first_head_after_first_fit_observations_then_refits_on_schedule():
     assert learner.reservoir.stored == 125 and not learner.due()
 
 
-def test_once_full_refits_come_after_a_quarter_of_the_rows_changed_so_ever_fewer_requests_cost_one():
+def test_once_full_refits_come_after_half_the_rows_changed_so_ever_fewer_requests_cost_one():
     config = LearnConfig(capacity=40, first_fit=10, refit_every=5, ngram_dim=0)
     learner = OnlineLearner(config)
     f, obs = _stream(1, seed=6)
-    refits_at = []
+    refits_at, stored_at = [], []
     for n in range(1, 4001):
         learner.observe(f, obs)
         if learner.due():
             learner.refit()
             refits_at.append(n)
+            stored_at.append(learner.reservoir.stored)
     assert learner.reservoir.seen == 4000 and learner.fitted_on == 40
-    late = np.diff(refits_at)[-4:]  # each a quarter of the reservoir (10 rows) changed: at 10 x n / 40 requests
-    assert len(refits_at) < 40 and (late > 200).all(), refits_at
+    # growing: a quarter of the last fit's rows (at least refit_every) new; full (40 rows): half of them, 20
+    assert stored_at[:4] == [10, 15, 20, 25] and refits_at[:4] == [10, 15, 20, 25]
+    full = [i for i, n in enumerate(refits_at) if n > 40]
+    assert (np.diff(stored_at)[full[1] - 1:] == 20).all(), stored_at
+    late = np.diff(refits_at)[-3:]  # 20 new rows take about 20 x n / 40 requests
+    assert len(refits_at) < 25 and (late > 300).all(), refits_at
 
 
 def test_refit_is_the_offline_fit_of_the_reservoir_and_swaps_a_new_head_in():
