@@ -109,8 +109,8 @@ def make_predictor(settings: Settings, threads: int | None = None,
         if current is None:
             return [Prediction(row) for row in embed(texts)] if learned is None else [None] * len(texts)
         learning = recent is not None and current.ngram_dim == DEFAULT_NGRAM_DIM
-        cached = recent.get(texts) if learning else None  # texts predicted lately, again by a newer head
-        f = cached[0] if cached else head_features(embed(texts), list(texts), current.ngram_dim)  # [N, F]
+        # texts predicted lately (again by a newer head) from their kept features, the others read now
+        f = kept_or_read(recent, texts)[0] if learning else head_features(embed(texts), list(texts), current.ngram_dim)
         flat = current.from_features(f)  # [N, L*E]
         if learning:
             recent.put(texts, f, flat)
@@ -120,10 +120,19 @@ def make_predictor(settings: Settings, threads: int | None = None,
     def features(texts: Sequence[str]) -> tuple[np.ndarray, list[np.ndarray | None]]:
         """What a learned head reads of `texts` [N, F] (train.online.LearnConfig's n-grams), and each text's profile
         as predicted on its arrival [L*E] (None: not at hand): from `recent` when the texts were predicted lately."""
-        cached = recent.get(texts) if recent is not None else None
-        if cached is not None:
-            return cached
-        return head_features(embed(texts), list(texts), DEFAULT_NGRAM_DIM), [None] * len(texts)
+        if recent is None:
+            return head_features(embed(texts), list(texts), DEFAULT_NGRAM_DIM), [None] * len(texts)
+        return kept_or_read(recent, texts)
+
+    def kept_or_read(recent: RecentFeatures, texts: Sequence[str]) -> tuple[np.ndarray, list[np.ndarray | None]]:
+        """([N, F] features, N predictions or None): kept ones from `recent`, the rest read from the texts now."""
+        found = recent.get(texts)
+        missing = [i for i, item in enumerate(found) if item is None]
+        read = head_features(embed([texts[i] for i in missing]), [texts[i] for i in missing],
+                             DEFAULT_NGRAM_DIM) if missing else None  # [M, F]
+        rows = iter(() if read is None else read)
+        f = np.stack([next(rows) if item is None else item[0].astype(np.float32) for item in found])  # [N, F]
+        return f, [None if item is None else item[1] for item in found]
 
     def mode() -> str:
         if learned is not None and learned() is not None:
@@ -156,13 +165,10 @@ class RecentFeatures:
             while len(self._items) > self.size:
                 self._items.popitem(last=False)
 
-    def get(self, texts: Sequence[str]) -> tuple[np.ndarray, list[np.ndarray]] | None:
-        """All of `texts`' entries, or None when one is missing."""
+    def get(self, texts: Sequence[str]) -> list[tuple[np.ndarray, np.ndarray] | None]:
+        """Per text its (features [F] float16, predicted profile [L*E]) entry, None where there is none."""
         with self._lock:
-            found = [self._items.get(_digest(t)) for t in texts]
-        if any(item is None for item in found):
-            return None
-        return np.stack([row for row, _ in found]).astype(np.float32), [p for _, p in found]
+            return [self._items.get(_digest(t)) for t in texts]
 
 
 def _digest(text: str) -> bytes:

@@ -296,6 +296,39 @@ def test_the_learner_gets_each_requests_features_and_arrival_prediction_without_
     assert unknown == [None]
 
 
+def test_a_batch_with_one_text_not_predicted_reads_only_that_one(encoder, monkeypatch):
+    """The learner's batch mixes requests predicted on arrival with one that was not (evicted, failed): the kept
+    ones keep their features and arrival predictions, only the other is read again."""
+    import moe_cohort.encoder.profile as profile_module
+    from moe_cohort.encoder.ngrams import DEFAULT_NGRAM_DIM
+    from moe_cohort.encoder.profile import ProfileHead
+    from moe_cohort.proxy.profiles import make_predictor
+
+    read = []
+    real = profile_module.head_features
+    monkeypatch.setattr(profile_module, "head_features", lambda x, texts, dim: read.append(list(texts)) or real(x, texts, dim))
+    rng = np.random.default_rng(1)
+    head = ProfileHead(rng.normal(size=(8 + DEFAULT_NGRAM_DIM, LAYERS * EXPERTS)).astype(np.float32),
+                       np.zeros(LAYERS * EXPERTS, np.float32), LAYERS, EXPERTS, top_k=K, ngram_dim=DEFAULT_NGRAM_DIM)
+    predictor = make_predictor(Settings(encoder=encoder), learned=lambda: head)
+    predicted = predictor.predict(["a question about python", "about cooking rice"])
+    read.clear()
+    texts = ["about cooking rice", "never predicted", "a question about python"]
+    features, at_arrival = predictor.features(texts)
+    assert read == [["never predicted"]]
+    np.testing.assert_array_equal(at_arrival[0], predicted[1].vector)
+    np.testing.assert_array_equal(at_arrival[2], predicted[0].vector)
+    assert at_arrival[1] is None and features.shape == (3, 8 + DEFAULT_NGRAM_DIM)
+    np.testing.assert_allclose(features[1], real(predictor_embed(encoder, ["never predicted"]), ["never predicted"],
+                                                 DEFAULT_NGRAM_DIM)[0], atol=1e-5)
+
+
+def predictor_embed(encoder: str, texts: list[str]) -> np.ndarray:
+    from moe_cohort.encoder.embedding import Embedder
+
+    return Embedder(encoder).encode(texts)
+
+
 def test_a_newer_head_predicts_texts_seen_lately_from_their_kept_features(encoder, monkeypatch):
     """A batch re-predicts the requests next in line with each new head: from the features kept at their first
     prediction, without embedding them or hashing their n-grams again; a text not seen lately is read."""
