@@ -2,6 +2,7 @@
 
     python -m benchmarks.bench_continuous [--traces A,B] [--encoders static,base,FOLDER]
         [--finetuned NAME=FOLDER,...] [--slots 8,16,32,64] [--seeds 10] [--learning-curve 50,100,200]
+        [--kept-full]
 
 One table per model and S. The models are the trace folders of --traces (default: both of the data
 folder, DeepSeek-V2-Lite's prompt tokens and gpt-oss-20b's generated tokens). Each is split by
@@ -14,6 +15,9 @@ arrive at step 0; those that fit by a vector (text policies, the reference) join
 each seed, so a seed varies their first admissions and ties, not only the lengths. Decode
 traces (meta.json "tokens": "decode", or requests with generated tokens) run their own tokens for
 as long as they ran; prompt-only traces the decode proxy with lognormal lengths (mean 64, sigma 1).
+With --kept-full, loads per token count the steps with every slot busy only: a server under steady
+load never drains, while a finite replay ends with its last (longest) requests beside free slots
+(eval.engine.evaluate_continuous).
 
 Then, per model: the best text policy's share of the reference against issue 25's targets, the
 worst text policy against random's spread, with --learning-curve the best encoder's profile head
@@ -59,13 +63,13 @@ def main() -> None:
         print(f"\n===== {path} =====")
         ft = finetuned.get(Path(path).name)
         out[path] = measure_model(load_traces(path), _names(args.encoders) + ([ft] if ft else []), _ints(args.slots),
-                                  args.seeds, embed,
+                                  args.seeds, embed, kept_full=args.kept_full,
                                   curve=_ints(args.learning_curve), target=TARGETS.get(Path(path).name, 0.95))
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
 
 
-def measure_model(ts: TraceSet, encoders: list[str], slots: list[int], seeds: int, embed: Embed, *,
+def measure_model(ts: TraceSet, encoders: list[str], slots: list[int], seeds: int, embed: Embed, *, kept_full: bool = False,
                   curve: list[int] = (), target: float = 0.95, report: Callable[[str], None] = print) -> dict:
     """Every S's replay summary (eval.engine) of one trace set's held-out side, the targets and the curve."""
     data = HeldOut.of(ts)
@@ -79,11 +83,12 @@ def measure_model(ts: TraceSet, encoders: list[str], slots: list[int], seeds: in
     lengths = held_lengths(data.held, tokens.mode)
     report(f"held-out: {len(data.held)} of {len(ts)} requests, {tokens.mode} decode tokens "
            f"({'their own lengths' if tokens.mode == 'real' else 'lognormal lengths, mean 64'}); {seeds} seeds")
-    results = [_run(data, tokens, s, text, lengths, seeds, report) for s in slots]
+    results = [_run(data, tokens, s, text, lengths, seeds, report, kept_full) for s in slots]
     summary = {"results": results, "targets": targets(results, target, report)}
     if curve:
         best = _best_encoder(results)
-        summary["learning_curve"] = learning_curve(data, text[best][0], best, tokens, lengths, seeds, curve, report)
+        summary["learning_curve"] = learning_curve(data, text[best][0], best, tokens, lengths, seeds, curve, report,
+                                                   kept_full)
     _admission_cost(text[list(text)[-1]][1], ts.num_layers, ts.num_experts, report)
     return summary
 
@@ -96,7 +101,7 @@ def held_lengths(held: TraceSet, mode: str):
     return lengths_from_spec("lognormal", held.request_ids)
 
 
-def _run(data: HeldOut, tokens, slots: int, text: dict, lengths, seeds: int, report) -> dict:
+def _run(data: HeldOut, tokens, slots: int, text: dict, lengths, seeds: int, report, kept_full: bool = False) -> dict:
     from moe_cohort.encoder.planner import plan_batches
 
     held = data.held_idx
@@ -108,7 +113,8 @@ def _run(data: HeldOut, tokens, slots: int, text: dict, lengths, seeds: int, rep
     policies.update({k: replace(p, shuffle=True) for k, p in policies.items() if p.vectors is not None})
     start = time.perf_counter()
     cost = parse_cost_model("deepseek-v2-lite")
-    result = evaluate_continuous(tokens, slots, policies, lengths, cost, data.held.num_layers, seeds=seeds)
+    result = evaluate_continuous(tokens, slots, policies, lengths, cost, data.held.num_layers, seeds=seeds,
+                                 kept_full=kept_full)
     report(format_engine_table(result) + f"\n({time.perf_counter() - start:.1f} s)\n")
     return result
 
@@ -133,7 +139,7 @@ def targets(results: list[dict], target: float, report=print) -> list[dict]:
 
 
 def learning_curve(data: HeldOut, x: np.ndarray, tag: str, tokens, lengths, seeds: int, sizes: list[int],
-                   report=print) -> list[dict]:
+                   report=print, kept_full: bool = False) -> list[dict]:
     """The `tag` encoder's profile head fitted on n training prompts (seeded subsets; all last), per S of CURVE_SLOTS."""
     rows = []
     report(f"\nlearning curve: text-profile-{tag}, head fitted on n training prompts, share of the reference")
@@ -144,7 +150,8 @@ def learning_curve(data: HeldOut, x: np.ndarray, tag: str, tokens, lengths, seed
         cost = parse_cost_model("deepseek-v2-lite")
         row = {"train_prompts": n}
         for s in CURVE_SLOTS:
-            p = evaluate_continuous(tokens, s, policies, lengths, cost, data.held.num_layers, seeds=seeds)["plans"]["profile"]
+            p = evaluate_continuous(tokens, s, policies, lengths, cost, data.held.num_layers, seeds=seeds,
+                                    kept_full=kept_full)["plans"]["profile"]
             row[s] = {"saving": p["saving"], "saving_std": p["saving_std"], "capture": p["capture"]}
         report(f"  n = {n:>4}: " + "; ".join(f"S = {s}: {row[s]['saving']:.2%} ± {row[s]['saving_std']:.2%} "
                                                f"({row[s]['capture']:.0%})" for s in CURVE_SLOTS))
@@ -201,6 +208,7 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--seeds", type=int, default=10)
     p.add_argument("--learning-curve", default="", help="training prompts of the curve, e.g. 50,100,200 (default: no curve)")
     p.add_argument("--cache", default="/tmp/cohort-bench-cache", help="embedding cache (outside the repository)")
+    p.add_argument("--kept-full", action="store_true", help="loads per token over the steps with every slot busy only")
     p.add_argument("--json", help="also write the results to this file")
     return p.parse_args()
 

@@ -79,9 +79,11 @@ def read_lengths(path: str | Path, request_ids: np.ndarray) -> np.ndarray:  # [N
 
 def evaluate_continuous(tokens: DecodeTokens, slots: int, policies: Mapping[str, Policy], lengths: Lengths,
                         cost: CostModel, num_layers: int, *, seeds: int = 5, max_wait: float | None = None,
-                        random_draws: int = 4, clients: int | None = None) -> dict:
+                        random_draws: int = 4, clients: int | None = None, kept_full: bool = False) -> dict:
     """Replay random order and every policy over `seeds` seeds; rows as in the module docstring.
     With `clients`, closed-loop clients send the requests (eval.replay), else all arrive at step 0.
+    `kept_full`: loads per token (and the saving) over the steps with every slot busy only, as a server
+    under steady load runs; not the drain at the end, where the last requests run with free slots beside.
 
     Each seed's random baseline is the mean of `random_draws` random orders with that seed's
     lengths: on a few hundred requests one random order alone is a noisy yardstick.
@@ -97,7 +99,7 @@ def evaluate_continuous(tokens: DecodeTokens, slots: int, policies: Mapping[str,
                                    for j in range(random_draws)])
             for name, policy in policies.items():
                 runs.setdefault(name, []).append([policy.run(tokens, lens, slots, seed, max_wait, clients=clients)])
-    rows = {name: summary_row(rs, runs["random"], cost, num_layers) for name, rs in runs.items()}
+    rows = {name: summary_row(rs, runs["random"], cost, num_layers, kept_full) for name, rs in runs.items()}
     non_moe = non_moe_us_per_step(rows["random"], cost)
     ref = rows.get(REFERENCE, {}).get("saving", 0.0)
     for row in rows.values():
@@ -106,15 +108,18 @@ def evaluate_continuous(tokens: DecodeTokens, slots: int, policies: Mapping[str,
         row["tokens_per_s"] = 1e6 / row["step_us_per_token"]
         row["seeds"] = seeds
     log.info("continuous replay at S = %d: %d policies x %d seeds", slots, len(rows), seeds)
-    return {"engine": "continuous", "slots": slots, "clients": clients, "num_requests": len(tokens),
+    return {"engine": "continuous", "slots": slots, "clients": clients, "kept_full": kept_full, "num_requests": len(tokens),
             "decode_mode": tokens.mode, "cost_model": cost.name, "non_moe_us_per_step": non_moe, "plans": rows}
 
 
-def summary_row(runs: list[list[Replay]], randoms: list[list[Replay]], cost: CostModel, num_layers: int) -> dict:
-    """Means over each seed's replays, then over seeds; the saving is paired with the seed's random baseline."""
+def summary_row(runs: list[list[Replay]], randoms: list[list[Replay]], cost: CostModel, num_layers: int,
+                kept_full: bool = False) -> dict:
+    """Means over each seed's replays, then over seeds; the saving is paired with the seed's random baseline
+    (loads per token over the steps with every slot busy when `kept_full`)."""
     per_seed = lambda f, rs: np.array([np.mean([f(r) for r in group]) for group in rs])  # noqa: E731  [seeds]
-    lpt = per_seed(lambda r: r.loads_per_token, runs)
-    saving = 1.0 - lpt / per_seed(lambda r: r.loads_per_token, randoms)
+    metric = (lambda r: r.loads_per_token_full) if kept_full else (lambda r: r.loads_per_token)  # noqa: E731
+    lpt = per_seed(metric, runs)
+    saving = 1.0 - lpt / per_seed(metric, randoms)
     moe = per_seed(lambda r: cost.moe_us(r.steps, r.resident, r.loads, num_layers) / r.tokens, runs)
     steps = per_seed(lambda r: r.steps.sum() / r.tokens, runs)
     return {"loads_per_token": float(lpt.mean()), "saving": float(saving.mean()), "saving_std": float(saving.std()),

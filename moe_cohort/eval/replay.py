@@ -99,6 +99,7 @@ class Replay:
     steps: np.ndarray  # [K] steps in each span
     resident: np.ndarray  # [K] resident requests (tokens per step) in each span
     loads: np.ndarray  # [K] loads summed over the span's steps and the layers
+    full: np.ndarray  # [K] bool: the span's replica had every slot busy (not the drain after the last request)
     start: np.ndarray  # [N] step at which each request was admitted
     order: np.ndarray  # [N] requests in admission order
     replica: np.ndarray  # [N] the replica that served each request
@@ -112,6 +113,13 @@ class Replay:
     @property
     def loads_per_token(self) -> float:
         return float(self.loads.sum()) / max(self.tokens, 1)
+
+    @property
+    def loads_per_token_full(self) -> float:
+        """Loads per token over the spans with the engine kept full: a server under steady load never drains,
+        while a finite replay ends with its last requests running alone, fewer tokens sharing each load."""
+        f = self.full
+        return float(self.loads[f].sum()) / max(int((self.steps[f] * self.resident[f]).sum()), 1)
 
 
 def replay(tokens: DecodeTokens, lengths: np.ndarray, router: ReplicaRouter, *, vectors: np.ndarray | None = None,
@@ -155,7 +163,8 @@ def replay(tokens: DecodeTokens, lengths: np.ndarray, router: ReplicaRouter, *, 
         for rep in range(router.replicas):
             mine = rows[slot_rep[rows] == rep]
             if len(mine):
-                spans.append((span, len(mine), span_loads(tokens, slot_req[mine], slot_t[mine], span)))
+                spans.append((span, len(mine), span_loads(tokens, slot_req[mine], slot_t[mine], span),
+                              len(mine) == router.capacity[rep]))
         now += span
         slot_t[rows] += span
         for slot in rows[slot_t[rows] >= lengths[slot_req[rows]]]:
@@ -165,9 +174,9 @@ def replay(tokens: DecodeTokens, lengths: np.ndarray, router: ReplicaRouter, *, 
             released = min(released + (clients is not None), n)  # its client sends the next request
     if violations and router.routing in BOUNDED:
         raise RuntimeError(f"{router.routing}: a replica had a free slot while requests waited for {violations} steps")
-    k = np.array(spans, dtype=np.int64).reshape(-1, 3)
-    return Replay(steps=k[:, 0], resident=k[:, 1], loads=k[:, 2], start=start, order=np.array(admitted, np.int64),
-                  replica=served, violations=violations, makespan=now)
+    k = np.array(spans, dtype=np.int64).reshape(-1, 4)
+    return Replay(steps=k[:, 0], resident=k[:, 1], loads=k[:, 2], full=k[:, 3].astype(bool), start=start,
+                  order=np.array(admitted, np.int64), replica=served, violations=violations, makespan=now)
 
 
 def span_loads(tokens: DecodeTokens, requests: np.ndarray, start: np.ndarray, steps: int) -> int:

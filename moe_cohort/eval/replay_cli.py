@@ -56,6 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--clients", type=positive_int, default=None,
                         help="closed-loop clients sending the requests (at most clients - S wait; default: every "
                              "request waits from the start)")
+    parser.add_argument("--kept-full", action="store_true",
+                        help="loads per token over the steps with every slot busy only (a server under steady load), "
+                             "not the drain at the end where the last requests run beside free slots")
     parser.add_argument("--replicas", type=positive_int, default=None,
                         help="R replicas of --slots each behind a router (eval.replicas; default: one engine)")
     parser.add_argument("--routing", choices=("round-robin", "least-loaded", "affinity", "all"), default="all",
@@ -74,8 +77,9 @@ def run(args: argparse.Namespace) -> int:
     problem = path_problem(args) or engine_problem(args) or encoder_problem(args.encoder)
     if args.replicas is not None and args.report:
         problem = "--report draws one engine against S; leave it out with --replicas"
-    if args.clients is not None and (args.replicas is not None or args.report):
-        problem = "--clients replays one engine at --slots; leave out --replicas and --report"
+    if (args.clients is not None or args.kept_full) and (args.replicas is not None or args.report):
+        problem = (f"{'--clients' if args.clients is not None else '--kept-full'} replays one engine at --slots; "
+                   f"leave out --replicas and --report")
     if problem:
         return fail(problem, "replay")
     try:
@@ -120,7 +124,7 @@ def run_continuous(args: argparse.Namespace, ts: TraceSet, plan: Plan | None, te
     x, head = text
     policies = continuous_policies(ts, tokens, args.slots, x=x, head=head, plan=plan, batch_size=args.batch_size)
     return evaluate_continuous(tokens, args.slots, policies, lengths, cost, ts.num_layers, seeds=args.seeds,
-                               max_wait=args.max_wait, clients=args.clients)
+                               max_wait=args.max_wait, clients=args.clients, kept_full=args.kept_full)
 
 
 def run_replicas(args: argparse.Namespace, ts: TraceSet, text: tuple) -> dict:

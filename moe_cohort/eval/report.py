@@ -62,6 +62,7 @@ ENGINE_HEADER = (f"{'policy':<22} {'loads/token':>11} {'saving':>8} {'(std)':>7}
 def format_engine_table(result: dict) -> str:
     """One row per admission policy of a continuous replay (eval.engine.evaluate_continuous)."""
     clients = f", {result['clients']} closed-loop clients" if result.get("clients") else ""
+    clients += ", steps with every slot busy only" if result.get("kept_full") else ""
     lines = [f"continuous engine, S = {result['slots']} slots{clients}, {result['num_requests']} requests "
              f"({result['decode_mode']} decode), cost model {result['cost_model']}, capture vs reference", ENGINE_HEADER]
     for name, r in result["plans"].items():

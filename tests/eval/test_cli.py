@@ -114,6 +114,23 @@ def test_closed_loop_clients_leave_the_reference_less_to_choose_from(tmp_path, c
     assert "S = 4 slots, 5 closed-loop clients" in capsys.readouterr().out
 
 
+def test_kept_full_leaves_the_drain_out(tmp_path, capsys):
+    from moe_cohort.traces.synthetic import synthetic_traces
+
+    path = save_traces(tmp_path / "s.npz", synthetic_traces(40, num_experts=16, num_layers=3, top_k=2, seed=2))
+    common = ["replay", "--traces", str(path), "--slots", "8", "--json", "--encoder", "none", "--lengths", "lognormal",
+              "--mean-length", "12", "--seeds", "2"]
+    rows = {}
+    for flag in ([], ["--kept-full"]):
+        assert main(common + flag) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["kept_full"] == bool(flag)
+        rows[bool(flag)] = out["plans"]["random"]["loads_per_token"]
+    assert rows[True] < rows[False]  # the drain: the last requests share each load with fewer tokens
+    assert main([a for a in common if a != "--json"] + ["--kept-full"]) == 0
+    assert "S = 8 slots, steps with every slot busy only" in capsys.readouterr().out
+
+
 def test_replay_rejects_a_bad_cost_model_and_eval_needs_a_batch_size(trace_file, capsys):
     assert main(["replay", "--traces", str(trace_file), "--encoder", "none", "--cost-model", "warp-drive"]) == 2
     assert "cost model" in capsys.readouterr().err
@@ -192,6 +209,7 @@ def _run(args, capsys) -> tuple[int, str, str]:
     ("replay", ["--max-wait", "-3"], "--max-wait"),
     ("replay", ["--clients", "0"], "--clients"),
     ("replay", ["--clients", "8", "--replicas", "2"], "--clients"),
+    ("replay", ["--kept-full", "--replicas", "2"], "--kept-full"),
     ("replay", ["--sweep", "4,,x", "--report", "{tmp}/r"], "--sweep"),
 ])
 def test_a_bad_argument_is_one_line_naming_the_flag_before_any_work(trace_file, tmp_path, capsys, command, extra, flag):

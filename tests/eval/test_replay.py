@@ -23,10 +23,11 @@ def _token_sets(ts, r, t, mode):
     return [set(ts.experts[row, l].tolist()) for l in range(ts.num_layers)]
 
 
-def _brute(ts, lengths, policy, slots, mode, arrivals=None, max_wait=None, seed=0, clients=None):
+def _brute(ts, lengths, policy, slots, mode, arrivals=None, max_wait=None, seed=0, clients=None, full=None):
     """One step at a time through `policy`'s router: arrivals join (in the policy's order; with `clients`,
     the first `clients` of it, then one more per finished request), free slots fill, every replica loads
-    its residents' experts, finished requests leave. -> loads, tokens, order, replica."""
+    its residents' experts, finished requests leave. -> loads, tokens, order, replica. `full` (a list):
+    gets (loads, tokens) of every replica-step with all of the replica's slots busy."""
     n = len(lengths)
     arrivals = np.zeros(n, int) if arrivals is None else arrivals
     router = policy.router(slots, max_wait)
@@ -47,12 +48,15 @@ def _brute(ts, lengths, policy, slots, mode, arrivals=None, max_wait=None, seed=
             order.append(key)
         for rep in range(len(slots)):
             union = [set() for _ in range(ts.num_layers)]
-            for p in (p for p in places if p[0] == rep and req[p] >= 0):
+            busy = [p for p in places if p[0] == rep and req[p] >= 0]
+            for p in busy:
                 sets = _token_sets(ts, req[p], t[p], mode)
                 for layer in range(ts.num_layers):
                     union[layer] |= sets[layer] if sets else set()
                 tokens += 1
             loads += sum(len(u) for u in union)
+            if full is not None and len(busy) == slots[rep]:
+                full.append((sum(len(u) for u in union), len(busy)))
         now += 1
         for p in places:
             if req[p] >= 0:
@@ -120,6 +124,20 @@ def test_closed_loop_clients_follow_the_step_by_step_replay(clients, slots):
     assert profile.run(tok, lengths, slots[0], seed=5, clients=len(ts)).order.tolist() == open_loop.order.tolist()
     if clients <= slots[0]:  # no more clients than slots: nothing ever waits, so arrival order it is
         assert profile.run(tok, lengths, slots[0], seed=5, clients=clients).order.tolist() == list(range(len(ts)))
+
+
+@pytest.mark.parametrize("slots,clients", [([3], None), ([4], 6), ([2, 3], None)])
+def test_kept_full_counts_the_steps_with_every_slot_busy(slots, clients):
+    ts = random_traces(20, max_prompt=6, max_decode=5, seed=len(slots) + 2)
+    lengths = np.random.default_rng(9).integers(1, 12, size=len(ts))
+    tok = decode_tokens(ts, "real")
+    for policy in (random_order(), Policy("affinity", decode_profiles(tok, ts).reshape(len(ts), -1))):
+        got = policy.run(tok, lengths, slots if len(slots) > 1 else slots[0], seed=3, clients=clients)
+        full = []
+        _brute(ts, lengths, policy, slots, "real", seed=3, clients=clients, full=full)
+        loads, tokens = np.array(full).sum(axis=0)
+        assert got.loads_per_token_full == pytest.approx(loads / tokens)
+        assert tokens < got.tokens and got.loads_per_token_full != got.loads_per_token  # the drain left out
 
 
 def test_clients_refuse_arrival_times_and_zero():
