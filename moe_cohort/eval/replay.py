@@ -7,7 +7,9 @@ and the batch runner orders by (proxy/batch/order.py): fairness bound first, FCF
 without a vector, the oldest when nobody is resident, else the fewest expected new experts (or the
 nearest embedding), ties to the earliest arrival. A step of replica r loads, per MoE layer, the
 distinct experts of r's residents' current tokens; its loads are those counts summed over layers
-(Doubleword's expert loads, per decode forward).
+(Doubleword's expert loads, per decode forward). `Replay.loads_per_token_full` counts only the spans in
+which the replica had every slot busy: a server under steady load, without the drain that ends a finite
+replay (its last requests running beside free slots, with nothing left to choose).
 
 Time is in steps: requests that arrive at the same step join the router together (in `order`) before
 it fills the free slots; requests that finish at the same step all leave before it does. With
