@@ -209,13 +209,14 @@ def savings(rows: list[dict], name: str) -> np.ndarray:
 
 def summary(side: str, rows: list[dict], learning: str) -> str:
     """The held-out savings against each round's fcfs, mean +- std over rounds, and tokens per forward."""
+    tpf = lambda name: np.mean([r["tokens_per_forward"] for r in rows if r["run"] == name])  # noqa: E731
+
     def line(name: str) -> str:
         s = savings(rows, name)
-        tpf = np.mean([r["tokens_per_forward"] for r in rows if r["run"] == name])
-        return f"{name.split(',')[0]} {s.mean():+.1%} +- {s.std():.1%} ({tpf:.2f} tokens per forward)"
-    fcfs_tpf = np.mean([r["tokens_per_forward"] for r in rows if r["run"] == FCFS_HELD])
-    return (f"{side}: held-out saving against fcfs over {len(savings(rows, learning))} rounds: {line(learning)}, "
-            f"{line(OFFLINE_HELD)}; fcfs {fcfs_tpf:.2f} tokens per forward")
+        return f"{name.split(',')[0]} {s.mean():+.1%} +- {s.std():.1%} ({tpf(name):.2f} tokens per forward)"
+    rounds = sum(r["run"] == FCFS_HELD for r in rows)
+    return (f"{side}: held-out saving against fcfs over {rounds} rounds: {line(learning)}, "
+            f"{line(OFFLINE_HELD)}; fcfs {tpf(FCFS_HELD):.2f} tokens per forward")
 
 
 def trained_model(model_dir: str) -> tuple[Path, int]:
