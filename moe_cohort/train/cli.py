@@ -22,13 +22,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "offline default %(default)s")
     parser.add_argument("--output", required=True, help="folder for the fine-tuned model (a sentence-transformers folder)")
     parser.add_argument("--epochs", type=_positive_float, default=_DEFAULTS.epochs, help="passes over the pairs (default %(default)s)")
-    parser.add_argument("--max-pairs", type=_int_from(2), default=_DEFAULTS.max_pairs, help="training pairs (default %(default)s)")
+    parser.add_argument("--max-pairs", type=_int_from(2), default=_DEFAULTS.max_pairs,
+                        help="training pairs per epoch; with --loss profile, examples per epoch drawn from the training "
+                             "requests (default %(default)s)")
     parser.add_argument("--batch-size", type=_int_from(2), default=_DEFAULTS.batch_size, help="pairs per step (default %(default)s)")
     parser.add_argument("--learning-rate", type=_positive_float, default=_DEFAULTS.learning_rate, help="default %(default)s")
     parser.add_argument("--max-seq-length", type=_int_from(0), default=_DEFAULTS.max_seq_length,
                         help="truncate texts to this many word pieces, in training and in the saved model; 0 keeps the base's (default %(default)s)")
     parser.add_argument("--target", choices=TARGETS, default=DEFAULT_TARGET, help="overlap target (default %(default)s)")
-    parser.add_argument("--loss", choices=LOSSES, default=_DEFAULTS.loss, help="sentence-transformers loss (default %(default)s)")
+    parser.add_argument("--loss", choices=LOSSES, default=_DEFAULTS.loss,
+                        help="profile: learn to predict each request's expert profile (train.profile_loss); cosent, "
+                             "angle, cosine: make cosine track the --target overlap of pairs (default %(default)s)")
     parser.add_argument("--holdout", type=_share, default=_DEFAULTS.holdout,
                         help="share of requests held out for the before/after report (default %(default)s)")
     parser.add_argument("--seed", type=int, default=_DEFAULTS.seed, help="split, pair sampling and training seed (default %(default)s)")
@@ -103,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"cohort train: error: {exc}")
         return 2
     print(f"saved the fine-tuned encoder to {result.output} ({result.device}, {result.train_seconds:.0f} s of training; "
-          f"pairs {result.pair_counts})")
+          f"training examples {result.pair_counts})")
     for name in result.spearman_after:
         print(f"held-out Spearman(cosine, {config.target}) on {name.replace('_', ' ')}: "
               f"{result.spearman_before[name]:.3f} before, {result.spearman_after[name]:.3f} after")

@@ -1,20 +1,27 @@
-"""Fine-tune a sentence encoder so that embedding cosine ranks requests by expert overlap.
+"""Fine-tune a sentence encoder on expert traces: to predict each request's expert profile (the default
+`profile` loss), or so that embedding cosine ranks requests by expert overlap (the pair losses).
 
 Pipeline (`train_encoder`): check the traces (texts, shapes) -> split by request
 (traces.split.split_requests, the project's one split) -> expert profiles and overlap targets
-(train.targets) -> pairs over the training side only (near neighbours, hard negatives against
-the base encoder, random)
--> sentence-transformers training with CoSENT (Su 2022, "CoSENT: a more efficient sentence
+(train.targets) -> for a pair loss, pairs over the training side only (near neighbours, hard
+negatives against the base encoder, random)
+-> sentence-transformers training with the profile loss or CoSENT (Su 2022, "CoSENT: a more efficient sentence
 vector scheme than Sentence-BERT"; `sentence_transformers.losses.CoSENTLoss`) through
 `SentenceTransformerTrainer` -> a normal sentence-transformers folder (loadable by
 `SentenceTransformer(path)` and `cohort plan --encoder PATH`) with `training.json` beside the
-weights: the config, the split (request ids), the pair counts and the held-out Spearman
+weights: the config, the split (request ids), the pair (or request) counts and the held-out Spearman
 correlation between embedding cosine and the target, before and after.
 
 CoSENT only uses the order of the labels within a batch, so the target's scale does not matter,
 only its ranking: exactly what a planner that clusters by cosine consumes. Doubleword ("MoE
 expert co-activations") fine-tuned bge-small on a Jaccard target of expert sets; ours is the
 weighted Jaccard of expert-frequency profiles (train.targets says why).
+
+The `profile` loss (train.profile_loss) needs no pairs: the training requests themselves, each with
+its expert profile, as many examples as the pair objectives' budget (epochs x max_pairs), so the run
+costs about the same number of steps and no pair mining. It is the default: with the profile head
+fitted on it, held-out admission (the engine kept full) kept 98% / 93% of the reference at S = 16 / 32
+on DeepSeek-V2-Lite against CoSENT's 91% / 84%, and as much on gpt-oss-20b (docs/results.md, issue 25).
 
 Checkpoints go to OUTPUT/checkpoints every `save_steps` steps; `resume=True` reloads the saved
 pairs (OUTPUT/pairs.npz) and continues from the newest checkpoint. The Trainer shows a progress
@@ -42,7 +49,8 @@ from moe_cohort.train.targets import DEFAULT_TARGET, TARGETS, counted_tokens, pr
 log = logging.getLogger(__name__)
 
 PAIRS_FILE, REPORT_FILE, CHECKPOINTS = "pairs.npz", "training.json", "checkpoints"
-LOSSES = ("cosent", "angle", "cosine")
+LOSSES = ("profile", "cosent", "angle", "cosine")
+PROFILE_LAYER_LR = 1e-2  # the profile loss's linear layer, which starts at zero (the encoder: learning_rate)
 
 
 class TrainDataError(ValueError):
@@ -53,8 +61,8 @@ class TrainDataError(ValueError):
 class TrainConfig:
     """Everything that decides a training run; stored in training.json and checked on resume.
 
-    Defaults, measured with benchmarks/bench_train.py on the DeepSeek traces (80/20 split, seed 0):
-    188 CoSENT steps of 32 pairs lift held-out B = 16 capture from 73.7% (base) to 99.2%; the
+    Defaults: the loss, by held-out admission on both models (module docstring). The pair settings, measured
+    with benchmarks/bench_train.py on the DeepSeek traces (80/20 split, seed 0): 188 CoSENT steps of 32 pairs lift held-out B = 16 capture from 73.7% (base) to 99.2%; the
     learning rate 5e-5 beat 2e-5 (with the overlap target: 90.9% against 78.4%), the target is
     chosen in train.targets. Texts are truncated to 64 word pieces because a
     CPU step costs about linearly in the padded length, and 77% of the Puffin prompts fit (median 27).
@@ -67,7 +75,7 @@ class TrainConfig:
     warmup_ratio: float = 0.1
     max_seq_length: int | None = 64  # truncation while training and in the saved model; None keeps the base's
     target: str = DEFAULT_TARGET
-    loss: str = "cosent"
+    loss: str = "profile"
     near_frac: float = 0.4
     hard_frac: float = 0.2
     holdout: float = 0.2
@@ -144,12 +152,16 @@ def train_encoder(ts: TraceSet, base: Any, output_dir: str | Path, config: Train
     if config.max_seq_length:
         model.max_seq_length = config.max_seq_length
     if pairs is None:
-        base_emb = _embed(model, ts.texts[train_idx]) if config.hard_frac > 0 else None
-        pairs = build_pairs(ts, prof, train_idx, config, base_emb)
+        pairs = _NO_PAIRS if config.loss == "profile" else build_pairs(
+            ts, prof, train_idx, config, _embed(model, ts.texts[train_idx]) if config.hard_frac > 0 else None)
         _save_pairs(out / PAIRS_FILE, ts, train_idx, held_idx, pairs, config)
-    result.pair_counts = pairs.counts()
+    result.pair_counts = {"requests": len(train_idx)} if config.loss == "profile" else pairs.counts()
     start = time.perf_counter()
-    finetune(model, ts.texts, pairs, out, config, resume=resume, progress=progress, callbacks=callbacks)
+    if config.loss == "profile":
+        finetune_profiles(model, ts.texts[train_idx], prof[train_idx], out, config, resume=resume, progress=progress,
+                          callbacks=callbacks)
+    else:
+        finetune(model, ts.texts, pairs, out, config, resume=resume, progress=progress, callbacks=callbacks)
     result.train_seconds = time.perf_counter() - start
     if len(scored) >= 3:
         result.spearman_after = cosine_spearman(_embed(model, ts.texts[scored]), prof[scored], ts.top_k, config.target)
@@ -159,27 +171,50 @@ def train_encoder(ts: TraceSet, base: Any, output_dir: str | Path, config: Train
 
 def finetune(model, texts: np.ndarray, pairs: PairSet, output_dir: str | Path, config: TrainConfig, *,
              resume: bool = False, progress: bool = True, callbacks: list | None = None) -> Path:
-    """Train `model` in place on `pairs` (indices into `texts`) and save it to `output_dir`."""
-    import torch
+    """Train `model` in place on `pairs` (indices into `texts`) with a pair loss and save it to `output_dir`."""
     from datasets import Dataset
-    from sentence_transformers import SentenceTransformerTrainer, SentenceTransformerTrainingArguments
 
-    out = Path(output_dir)
     data = Dataset.from_dict({"sentence1": texts[pairs.pairs[:, 0]].tolist(), "sentence2": texts[pairs.pairs[:, 1]].tolist(),
                               "score": pairs.labels.astype(float).tolist()})
-    steps = int(np.ceil(config.epochs * np.ceil(len(pairs) / config.batch_size)))
+    return _fit(model, data, _loss(model, config.loss), config.epochs, Path(output_dir), config, {}, resume, progress, callbacks)
+
+
+def finetune_profiles(model, texts: np.ndarray, prof: np.ndarray, output_dir: str | Path, config: TrainConfig, *,
+                      resume: bool = False, progress: bool = True, callbacks: list | None = None) -> Path:
+    """Train `model` in place to predict the profiles prof [n, L, E] of `texts` [n] (train.profile_loss), as many
+    examples as the pair objectives' budget (epochs x max_pairs), and save it to `output_dir`."""
+    from datasets import Dataset
+
+    from moe_cohort.train.profile_loss import PROFILE_LAYER, ProfileLoss, profile_targets
+
+    target = profile_targets(prof)  # [n, L, E]
+    data = Dataset.from_dict({"sentence": texts.tolist(), "label": target.reshape(len(target), -1).tolist()})
+    loss = ProfileLoss(model, target.mean(axis=0))
+    epochs = config.epochs * config.max_pairs / len(texts)
+    return _fit(model, data, loss, epochs, Path(output_dir), config, {rf"^{PROFILE_LAYER}\.": PROFILE_LAYER_LR},
+                resume, progress, callbacks)
+
+
+def _fit(model, data, loss, epochs: float, out: Path, config: TrainConfig, rates: dict[str, float], resume: bool,
+         progress: bool, callbacks: list | None) -> Path:
+    """SentenceTransformerTrainer over `data` for `epochs` with `loss` (`rates`: learning rates of the loss's own
+    parameters by name pattern); checkpoints in out/checkpoints, the model saved to `out`."""
+    import torch
+    from sentence_transformers import SentenceTransformerTrainer, SentenceTransformerTrainingArguments
+
+    steps = int(np.ceil(epochs * np.ceil(len(data) / config.batch_size)))
     cuda = torch.cuda.is_available()
     args = SentenceTransformerTrainingArguments(
-        output_dir=str(out / CHECKPOINTS), num_train_epochs=config.epochs, per_device_train_batch_size=config.batch_size,
+        output_dir=str(out / CHECKPOINTS), num_train_epochs=epochs, per_device_train_batch_size=config.batch_size,
+        learning_rate_mapping=rates,
         learning_rate=config.learning_rate, warmup_steps=int(np.ceil(config.warmup_ratio * steps)),
         seed=config.seed, data_seed=config.seed, save_strategy="steps", save_steps=config.save_steps, save_total_limit=1,
         logging_steps=max(1, min(config.save_steps, steps // 10)), report_to="none", disable_tqdm=not progress,
         bf16=cuda and torch.cuda.is_bf16_supported(), use_cpu=not cuda, dataloader_num_workers=0,
     )
-    trainer = SentenceTransformerTrainer(model=model, args=args, train_dataset=data, loss=_loss(model, config.loss),
-                                         callbacks=callbacks)
+    trainer = SentenceTransformerTrainer(model=model, args=args, train_dataset=data, loss=loss, callbacks=callbacks)
     checkpoint = _latest_checkpoint(out / CHECKPOINTS) if resume else None
-    log.info("training on %s: %d pairs, %d steps%s", model.device, len(pairs), steps,
+    log.info("training on %s: %d examples, %d steps%s", model.device, len(data), steps,
              f", resuming from {checkpoint}" if checkpoint else "")
     trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
     model.save(str(out))
@@ -211,6 +246,9 @@ def _load_base(base: Any):
 
 def _embed(model, texts: np.ndarray) -> np.ndarray:  # [n, d] float32, unit norm
     return np.asarray(model.encode(texts.tolist(), batch_size=64, normalize_embeddings=True, show_progress_bar=False))
+
+
+_NO_PAIRS = PairSet(pairs=np.zeros((0, 2), np.int64), labels=np.zeros(0, np.float32), kinds=np.zeros(0, np.int8))
 
 
 def _has_tokens(ts: TraceSet) -> np.ndarray:  # [N] bool: requests with counted tokens

@@ -8,7 +8,8 @@ import pytest
 from moe_cohort.traces.synthetic import synthetic_traces
 from moe_cohort.train.finetune import PAIRS_FILE, REPORT_FILE, TrainConfig, TrainDataError, check_traces, train_encoder
 
-CONFIG = TrainConfig(epochs=2, max_pairs=192, batch_size=32, learning_rate=3e-3, holdout=0.25, save_steps=1000, seed=0)
+CONFIG = TrainConfig(loss="cosent", epochs=2, max_pairs=192, batch_size=32, learning_rate=3e-3, holdout=0.25,
+                     save_steps=1000, seed=0)
 
 
 def load(path):
@@ -61,7 +62,8 @@ def test_the_report_records_the_split_and_no_pair_touches_the_heldout_side(train
     assert sum(result.pair_counts.values()) == CONFIG.max_pairs
 
 
-def test_an_interrupted_run_resumes_from_its_checkpoint(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("loss", ["cosent", "profile"])
+def test_an_interrupted_run_resumes_from_its_checkpoint(tiny_model_dir, tmp_path, loss):
     from transformers import TrainerCallback
 
     class Crash(TrainerCallback):
@@ -77,7 +79,7 @@ def test_an_interrupted_run_resumes_from_its_checkpoint(tiny_model_dir, tmp_path
                 Record.first_step = state.global_step
 
     ts = synthetic_traces(80, seed=2)
-    config = TrainConfig(epochs=1, max_pairs=224, batch_size=32, save_steps=5, holdout=0.2, hard_frac=0.0)
+    config = TrainConfig(loss=loss, epochs=1, max_pairs=224, batch_size=32, save_steps=5, holdout=0.2, hard_frac=0.0)
     with pytest.raises(KeyboardInterrupt):
         train_encoder(ts, load(tiny_model_dir), tmp_path, config, progress=False, callbacks=[Crash()])
     assert (tmp_path / "checkpoints" / "checkpoint-5").exists() and not (tmp_path / REPORT_FILE).exists()
