@@ -82,7 +82,7 @@ def evaluate_continuous(tokens: DecodeTokens, slots: int, policies: Mapping[str,
                         random_draws: int = 4, clients: int | None = None, kept_full: bool = False) -> dict:
     """Replay random order and every policy over `seeds` seeds; rows as in the module docstring.
     With `clients`, closed-loop clients send the requests (eval.replay), else all arrive at step 0.
-    `kept_full`: loads per token (and the saving) over the steps with every slot busy only, as a server
+    `kept_full`: loads and modelled time per token (and the saving) over the steps with every slot busy only, as a server
     under steady load runs; not the drain at the end, where the last requests run with free slots beside.
 
     Each seed's random baseline is the mean of `random_draws` random orders with that seed's
@@ -120,11 +120,19 @@ def summary_row(runs: list[list[Replay]], randoms: list[list[Replay]], cost: Cos
     metric = (lambda r: r.loads_per_token_full) if kept_full else (lambda r: r.loads_per_token)  # noqa: E731
     lpt = per_seed(metric, runs)
     saving = 1.0 - lpt / per_seed(metric, randoms)
-    moe = per_seed(lambda r: cost.moe_us(r.steps, r.resident, r.loads, num_layers) / r.tokens, runs)
-    steps = per_seed(lambda r: r.steps.sum() / r.tokens, runs)
+    moe = per_seed(lambda r: _per_token(r, kept_full, lambda m: cost.moe_us(r.steps[m], r.resident[m], r.loads[m],
+                                                                             num_layers)), runs)
+    steps = per_seed(lambda r: _per_token(r, kept_full, lambda m: r.steps[m].sum()), runs)
     return {"loads_per_token": float(lpt.mean()), "saving": float(saving.mean()), "saving_std": float(saving.std()),
             "saving_per_seed": saving.tolist(), "moe_us_per_token": float(moe.mean()), "steps_per_token": float(steps.mean()),
             "max_queue_steps": int(max(r.start.max() for group in runs for r in group))}
+
+
+def _per_token(r: Replay, kept_full: bool, total: Callable[[np.ndarray], float]) -> float:
+    """total(spans) [K] bool -> a sum over those spans, per token generated in them: every span, or with
+    `kept_full` those with every slot busy (the time columns then count the same steps as the loads)."""
+    spans = r.full if kept_full else np.ones(len(r.steps), bool)  # [K]
+    return float(total(spans)) / max(int((r.steps[spans] * r.resident[spans]).sum()), 1)
 
 
 def non_moe_us_per_step(random_row: dict, cost: CostModel) -> float:

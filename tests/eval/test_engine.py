@@ -64,6 +64,20 @@ def test_step_time_is_moe_time_plus_the_non_moe_share_of_a_random_step():
     assert row["tokens_per_s"] == pytest.approx(1e6 / row["step_us_per_token"])
 
 
+def test_kept_full_times_the_same_steps_as_it_counts_loads():
+    ts, tok, prof = _setup(60)
+    lengths = lengths_from_spec("lognormal", ts.request_ids, mean=6)
+    out = evaluate_continuous(tok, 4, {}, lengths, COST, ts.num_layers, seeds=1, random_draws=1, kept_full=True)
+    r = random_order().run(tok, lengths(0), 4, 0)
+    full = r.full  # [K] spans with every slot busy; the drain at the end is not
+    assert not full.all()
+    tokens = (r.steps[full] * r.resident[full]).sum()
+    row = out["plans"]["random"]
+    assert row["loads_per_token"] == pytest.approx(r.loads[full].sum() / tokens)
+    assert row["moe_us_per_token"] == pytest.approx(COST.moe_us(r.steps[full], r.resident[full], r.loads[full], 3) / tokens)
+    assert row["steps_per_token"] == pytest.approx(r.steps[full].sum() / tokens)
+
+
 def test_cost_model_is_a_plus_b_u_per_layer_with_a_growing_in_the_tokens():
     cost = PRESETS["deepseek-v2-lite"]
     assert cost.a(8) == 59 and cost.a(128) == 108 and cost.a(68) == pytest.approx(83.5) and cost.a(512) == 108
