@@ -19,9 +19,12 @@ weighted Jaccard of expert-frequency profiles (train.targets says why).
 
 The `profile` loss (train.profile_loss) needs no pairs: the training requests themselves, each with
 its expert profile, as many examples as the pair objectives' budget (epochs x max_pairs), so the run
-costs about the same number of steps and no pair mining. It is the default: with the profile head
-fitted on it, held-out admission (the engine kept full) kept 98% / 93% of the reference at S = 16 / 32
-on DeepSeek-V2-Lite against CoSENT's 91% / 84%, and as much on gpt-oss-20b (docs/results.md, issue 25).
+costs about the same number of steps and no pair mining. It is the default because it wins on both
+models in ../shared/data (docs/results.md, issue 25; the engine kept full, shares of the reference at
+S = 16 / 32): DeepSeek-V2-Lite held out, 99% / 93% against CoSENT's 91% / 84%; gpt-oss-20b, where the
+held-out side is too small to tell encoders apart, in 4 folds of the training side with the encoder
+fine-tuned per fold (benchmarks/bench_predictor_cv.py), 86% / 83% against CoSENT's 82% / 70% and the
+untuned MiniLM's 79% / 77%. Longer texts (max_seq_length 128) did not help there (88% / 79%).
 
 Checkpoints go to OUTPUT/checkpoints every `save_steps` steps; `resume=True` reloads the saved
 pairs (OUTPUT/pairs.npz) and continues from the newest checkpoint. The Trainer shows a progress
