@@ -58,6 +58,7 @@ def test_variants_override_the_training_config_by_field():
         parse_variant("x:epoch=2")
 
 
+@pytest.mark.integration  # trains a tiny sentence encoder per fold
 def test_each_folds_encoder_is_trained_on_the_other_folds_only(tmp_path):
     from tests.train.conftest import build_tiny_model
 
