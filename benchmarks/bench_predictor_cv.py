@@ -37,7 +37,6 @@ from moe_cohort.traces.format import TraceSet
 from moe_cohort.traces.importers import load_traces
 from moe_cohort.train.heldout import HeldOut, data_path, embeddings
 from moe_cohort.train.profile_head import fit_profile_head
-from moe_cohort.train.targets import profiles
 
 from benchmarks.bench_continuous import MODELS, held_lengths
 
@@ -46,9 +45,7 @@ Embed = Callable[[list, str | None], np.ndarray]  # (texts, encoder) -> [N, D]
 
 def training_folds(ts: TraceSet, k: int, seed: int = 1) -> list[np.ndarray]:
     """K disjoint sorted index arrays covering the training side's requests with counted tokens; one text, one fold."""
-    data = HeldOut.of(ts)
-    prof = profiles(ts)
-    train = data.train_idx[prof[data.train_idx].sum(axis=(1, 2)) > 0]  # [M]
+    train = HeldOut.of(ts).fit_idx  # [M]
     keys = np.unique(ts.texts[train].astype(str), return_inverse=True)[1].ravel()  # [M] text group
     fold_of_group = np.random.default_rng(seed).permutation(keys.max() + 1) % k  # [G]
     return [train[fold_of_group[keys] == f] for f in range(k)]
@@ -77,20 +74,6 @@ def _typed(value: str, default):
     return type(default)(value) if default is not None else int(value)
 
 
-def fold_profiles(ts: TraceSet, fit: np.ndarray, fold: np.ndarray, encoders: list[str], finetune: dict[str, dict],
-                  embed: Embed, workdir: Path, base: str | None = None) -> dict[str, np.ndarray]:
-    """name -> predicted profiles [n, L, E] of the `fold` requests, every predictor fitted on `fit` only."""
-    texts = [str(t) for t in ts.texts]
-    prof = profiles(ts)
-    out = {}
-    for enc in encoders:
-        out[f"text-profile-{enc}"] = _head_on(embed(texts, None if enc == "base" else enc), ts, fit, fold, prof)
-    for name, overrides in finetune.items():
-        folder = fine_tune(ts.subset(fit), workdir / name, overrides, base)
-        out[f"text-profile-{name}"] = _head_on(embed(texts, str(folder)), ts, fit, fold, prof)
-    return out
-
-
 def fine_tune(fit: TraceSet, folder: Path, overrides: dict, base: str | None = None) -> Path:
     """`cohort train`'s encoder (no head) on every request of `fit`, into a fresh `folder`."""
     import shutil
@@ -103,23 +86,24 @@ def fine_tune(fit: TraceSet, folder: Path, overrides: dict, base: str | None = N
     return train_encoder(fit, base or DEFAULT_MODEL, folder, config, progress=False).output
 
 
-def _head_on(x: np.ndarray, ts: TraceSet, fit: np.ndarray, fold: np.ndarray, prof: np.ndarray) -> np.ndarray:
-    texts = np.array([str(t) for t in ts.texts])
-    head = fit_profile_head(x[fit], prof[fit], ts.top_k, texts=list(texts[fit]))
-    return head.predict(x[fold], list(texts[fold]))  # [n, L, E]
-
-
 def measure_cv(ts: TraceSet, encoders: list[str], finetune: dict[str, dict], slots: list[int], seeds: int, embed: Embed,
                workdir: Path, *, folds: int = 4, base: str | None = None, report: Callable[[str], None] = print) -> dict:
     """Per policy and S: the saving of each fold and the share of the reference (sums over folds)."""
     cost = parse_cost_model("deepseek-v2-lite")
+    texts = [str(t) for t in ts.texts]
+    prof = HeldOut.of(ts).all_profiles  # [N, L, E]
+    fixed = {f"text-profile-{enc}": embed(texts, None if enc == "base" else enc) for enc in encoders}  # [N, D] each
     savings: dict[str, dict[int, list[float]]] = {}
     parts = training_folds(ts, folds)
     for f, fold in enumerate(parts):
         fit = np.sort(np.concatenate([p for g, p in enumerate(parts) if g != f]))
-        predicted = fold_profiles(ts, fit, fold, encoders, finetune, embed, workdir / f"fold{f}", base)
-        policies = {name: replace(by_profile(p), shuffle=True) for name, p in predicted.items()}
-        policies[REFERENCE] = replace(by_profile(profiles(ts.subset(fold))), shuffle=True)
+        xs = dict(fixed)
+        for name, overrides in finetune.items():  # an encoder that never saw the fold
+            xs[f"text-profile-{name}"] = embed(texts, str(fine_tune(ts.subset(fit), workdir / f"fold{f}" / name,
+                                                                    overrides, base)))
+        policies = {name: replace(by_profile(_head_on(x, texts, prof, fit, fold, ts.top_k)), shuffle=True)
+                    for name, x in xs.items()}
+        policies[REFERENCE] = replace(by_profile(prof[fold]), shuffle=True)
         sub = ts.subset(fold)
         tokens = decode_tokens(sub)
         for s in slots:
@@ -129,6 +113,13 @@ def measure_cv(ts: TraceSet, encoders: list[str], finetune: dict[str, dict], slo
                 savings.setdefault(name, {}).setdefault(s, []).append(row["saving"])
         report(f"fold {f}: {len(fold)} requests, fitted on {len(fit)}")
     return _summary(savings, slots, report)
+
+
+def _head_on(x: np.ndarray, texts: list[str], prof: np.ndarray, fit: np.ndarray, fold: np.ndarray,
+             top_k: int) -> np.ndarray:  # [n, L, E]
+    """The profiles of the `fold` requests predicted by a head fitted on the `fit` requests of embeddings x [N, D]."""
+    head = fit_profile_head(x[fit], prof[fit], top_k, texts=[texts[i] for i in fit])
+    return head.predict(x[fold], [texts[i] for i in fold])
 
 
 def _summary(savings: dict, slots: list[int], report) -> dict:

@@ -106,15 +106,19 @@ class HeldOut:
         return profiles(self.held)
 
     @cached_property
-    def _targets(self) -> tuple[np.ndarray, np.ndarray]:
-        """(fit indices [M]: training requests with counted tokens, all requests' profiles [N, L, E])."""
-        prof = profiles(self.traces)
-        return self.train_idx[prof[self.train_idx].sum(axis=(1, 2)) > 0], prof
+    def all_profiles(self) -> np.ndarray:  # [N, L, E] float32
+        """Every request's own profile (train.targets.profiles), in trace order."""
+        return profiles(self.traces)
+
+    @cached_property
+    def fit_idx(self) -> np.ndarray:  # [M] int64, sorted
+        """The training requests with counted tokens: what every head is fitted on."""
+        return self.train_idx[self.all_profiles[self.train_idx].sum(axis=(1, 2)) > 0]
 
     def fit_head(self, x: np.ndarray, limit: int | None = None, seed: int = 0) -> ProfileHead:
         """A profile head fitted on the training side of embeddings x [N, D] (all requests, in trace order);
         with `limit`, on a seeded random `limit` of the training requests (a learning curve's point)."""
-        fit, prof = self._targets
+        fit, prof = self.fit_idx, self.all_profiles
         if limit is not None and limit < len(fit):
             fit = np.sort(np.random.default_rng(seed).choice(fit, limit, replace=False))
         texts = None if self.traces.texts is None else [str(t) for t in self.traces.texts[fit]]
