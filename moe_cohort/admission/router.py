@@ -64,7 +64,7 @@ class ReplicaRouter:
         return len(self.capacity)
 
     def free(self) -> np.ndarray:  # [R] free slots of the healthy replicas (0 for those down)
-        return np.where(self.healthy, self.capacity - self.busy, 0)
+        return np.where(self.healthy, np.maximum(self.capacity - self.busy, 0), 0)  # capacity may have shrunk
 
     def waiting(self) -> int:
         return len(self.pool) + sum(len(q) for q in self.queues)

@@ -36,7 +36,7 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Awaitable, Callable
 
 from prometheus_client import Histogram
 
@@ -73,8 +73,10 @@ class Admission:
 class Profiler:
     """Predicted profiles of texts, one worker thread, batched with whatever arrived meanwhile."""
 
-    def __init__(self, predict: PredictFn, seconds: Histogram | None = None) -> None:
+    def __init__(self, predict: PredictFn, seconds: Histogram | None = None,
+                 ready: Callable[[], bool] = lambda: True) -> None:
         self.predict, self.seconds = predict, seconds  # seconds: observes each batch's prediction time
+        self.ready = ready  # whether `predict` would predict anything now (proxy.profiles.Predictor.ready)
         self._pending: list[tuple[str, asyncio.Future]] = []
         self._task: asyncio.Task | None = None
         self._executor = ThreadPoolExecutor(1, "cohort-profile")
@@ -117,6 +119,7 @@ class AdmissionGate:
     # True: every request waits for its prediction (and carries it to the backend); False: one that finds a
     # free slot with nobody waiting goes at once, and its prediction joins the resident set when ready
     profile_first: bool = True
+    deadline_s: float = 0.05  # longest wait for a prediction; past it the request goes on without one (FCFS)
     _background: list[Admission] = field(default_factory=list)  # background admissions not released, oldest first
     _late: set[asyncio.Task] = field(default_factory=set)  # predicting the profiles of requests admitted at once
     _ids: itertools.count = field(default_factory=itertools.count)
@@ -129,28 +132,42 @@ class AdmissionGate:
         """Wait until this request's turn at a backend; the caller must `release()` it afterwards."""
         arrived = self.clock()
         self.metrics.waiting.inc()
-        if self.profiler is not None and not self.profile_first and self.replicas.router.places_at_once():
+        if self.profiler is None or not self.profiler.ready():  # nothing to predict with: first come, first served
+            return await self._acquire(None, arrived)
+        if not self.profile_first and self.replicas.router.places_at_once():
             admission = await self._acquire(None, arrived)  # nothing to choose: no wait for the prediction
-            task = asyncio.get_running_loop().create_task(self._profile_later(admission, text))
-            self._late.add(task)
-            task.add_done_callback(self._late.discard)
+            self._join_later(admission, self._profile_after(LATE_PROFILE_S, text))
             return admission
+        predicting = asyncio.ensure_future(self.profiler.profile(text))
         try:
-            prediction = await self.profiler.profile(text) if self.profiler is not None else None
+            prediction = await asyncio.wait_for(asyncio.shield(predicting), self.deadline_s)
+        except TimeoutError:  # the request goes on without it; its profile joins the resident set when ready
+            self.metrics.profile_late.inc()
+            prediction = None
         except asyncio.CancelledError:
             self.metrics.waiting.dec()
             raise
-        return await self._acquire(prediction, arrived)
+        admission = await self._acquire(prediction, arrived)
+        if prediction is None and not predicting.done():
+            self._join_later(admission, predicting)
+        return admission
 
-    async def _profile_later(self, admission: Admission, text: str) -> None:
-        """Predict the profile of a request admitted without it; it joins its replica's resident set
-        unless the request has finished meanwhile. Only after `LATE_PROFILE_S`: a burst of arrivals is
-        taken in first and predicted after, in larger batches (fewer, larger encoder calls: less of the
-        proxy's own time, docs/results.md); the resident set learns of it a little later."""
-        await asyncio.sleep(LATE_PROFILE_S)
-        prediction = await self.profiler.profile(text)  # None when the encoder failed
-        if prediction is not None:
-            self.replicas.router.assign(admission.lease.ticket, prediction.vector)
+    async def _profile_after(self, delay_s: float, text: str) -> Prediction | None:
+        """The profile of a request admitted at once, predicted after `delay_s`: a burst of arrivals is taken in
+        first and predicted after, in larger batches (fewer, larger encoder calls: less of the proxy's own time)."""
+        await asyncio.sleep(delay_s)
+        return await self.profiler.profile(text)
+
+    def _join_later(self, admission: Admission, prediction: Awaitable[Prediction | None]) -> None:
+        """The request's profile, once predicted, joins its replica's resident set (unless it finished meanwhile),
+        so that later choices count its experts."""
+        async def join() -> None:
+            predicted = await prediction  # None when the encoder failed
+            if predicted is not None:
+                self.replicas.router.assign(admission.lease.ticket, predicted.vector)
+        task = asyncio.get_running_loop().create_task(join())
+        self._late.add(task)
+        task.add_done_callback(self._late.discard)
 
     async def failover(self, admission: Admission, exc: Exception) -> bool:
         """Whether `admission`'s request may go to another replica after `exc` (proxy.replicas.ReplicaSet.failover:

@@ -17,6 +17,7 @@ import contextlib
 import gc
 import logging
 import time
+from typing import Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -30,6 +31,8 @@ from moe_cohort.proxy.backend import BackendClient
 from moe_cohort.proxy.batch.api import add_batch_api
 from moe_cohort.proxy.batch.jobs import BatchJobs
 from moe_cohort.proxy.admission import AdmissionGate, Profiler
+from moe_cohort.proxy.autoconfig import describe, health, plan_learning, plan_replica
+from moe_cohort.proxy.handshake import UNREACHABLE, EngineInfo, ask
 from moe_cohort.proxy.http.errors import BackendStatusError, BackendUnreachable, ProxyError
 from moe_cohort.proxy.http.fastpath import FastPath
 from moe_cohort.proxy.hints import HintRules
@@ -51,6 +54,7 @@ log = logging.getLogger(__name__)
 PATHS: dict[Route, str] = {"chat": "/v1/chat/completions", "completion": "/v1/completions",
                            "responses": "/v1/responses"}
 HEALTH_EVERY_S = 2.0  # how often several replicas are probed (GET /health each)
+HEALTH_TIMEOUT_S = 1.0  # a replica that never answered the handshake is asked again once its /health answers
 CLIENT_CLOSED = 499  # the client left before its answer (nginx's code); in the metrics and the access log
 
 
@@ -63,14 +67,24 @@ class Proxy:
         clients = [BackendClient(url, timeout_s=settings.request_timeout_s, connect_timeout_s=settings.connect_timeout_s)
                    for url in settings.backend_urls]
         self.learning = None if learner is None or predictor is None else Learning(
-            learner, predictor.features, learned_folder(settings), self.metrics, settings.learn_sample_rate, clients[0])
+            learner, predictor.features, learned_folder(settings), self.metrics, settings.learn_sample_rate, clients[0],
+            on=None)
         self.backend = clients[0]  # the one backend, or the first replica (Batch API code without a gate)
-        # one backend is a set of one replica; several (--backend repeated) are routed by --routing
-        self.replicas = ReplicaSet(clients, [settings.max_in_flight] * len(clients), settings.routing,
+        # one backend is a set of one replica; several (--backend repeated) are routed by --routing. Until the
+        # replicas have answered the handshake (`configure`), each is served as one that said nothing.
+        self.engines = [EngineInfo(UNREACHABLE)] * len(clients)
+        self.plans = [plan_replica(settings, info) for info in self.engines]
+        self.replicas = ReplicaSet(clients, [p.slots for p in self.plans], settings.routing,
                                    max_queue_s=settings.max_queue_ms / 1000,
                                    **({"resident_factory": predictor.resident_factory} if predictor else {}))
-        profiler = Profiler(predictor.predict, self.metrics.profile_seconds) if predictor else None
-        self.gate = AdmissionGate(profiler, self.metrics, replicas=self.replicas, profile_first=settings.forward_profiles)
+        profiler = Profiler(predictor.predict, self.metrics.profile_seconds, predictor.ready) if predictor else None
+        self.gate = AdmissionGate(profiler, self.metrics, replicas=self.replicas,
+                                  profile_first=any(p.engine_side for p in self.plans),
+                                  deadline_s=settings.profile_deadline_ms / 1000)
+        self.learning_plan = plan_learning(settings, self.engines)  # decided now when a setting says
+        if self.learning is not None and self.learning_plan.on is not None:
+            self.learning.decide(self.learning_plan.on)
+        self.configuration = ""  # what `configure` chose, one line
         self.authorize = Authorizer(settings.api_keys)  # called with a request's headers
         self.upstream = Upstream(self.gate, self.metrics, settings.keepalive_s, self.learning)
 
@@ -81,21 +95,51 @@ class Proxy:
             await asyncio.to_thread(self.learning.close)
         await self.replicas.close()
 
+    async def configure(self, replicas: Sequence[int] | None = None) -> str:
+        """Ask `replicas` (default: all) what they are and serve each accordingly (proxy/autoconfig.py): slots,
+        where admission runs, whether to learn (decided once, when the first replica answers). The line saying
+        what was chosen and why."""
+        replicas = range(self.replicas.size) if replicas is None else replicas
+        infos = await asyncio.gather(*(ask(self.replicas.clients[r]) for r in replicas))
+        for r, info in zip(replicas, infos):
+            self.engines[r], self.plans[r] = info, plan_replica(self.settings, info)
+            self.replicas.set_capacity(r, self.plans[r].slots)
+        self.gate.profile_first = any(p.engine_side for p in self.plans)
+        if self.learning_plan.on is None:
+            self.learning_plan = plan_learning(self.settings, self.engines)
+            if self.learning is not None and self.learning_plan.on is not None:
+                self.learning.decide(self.learning_plan.on)
+        return describe(self.settings.backend_urls, self.plans, self.learning_plan)
+
     def relay_client(self) -> BackendClient:
         """Where a request that takes no slot goes (/v1/embeddings, /tokenize, ...): a healthy replica."""
         return self.backend if self.replicas.size == 1 else self.replicas.any_client()
 
     async def watch_replicas(self, every_s: float | None = None) -> None:
-        """With several replicas: probe them every `every_s` (a replica that stops answering goes out,
-        one that answers again comes back); a single backend is never taken out."""
-        if self.replicas.size < 2:
-            return
+        """Every `every_s`: with several replicas, probe them (a replica that stops answering goes out, one that
+        answers again comes back; a single backend is never taken out); a replica that came back, or never
+        answered the handshake, is asked it again and served by its answer."""
         while True:
             await asyncio.sleep(every_s or HEALTH_EVERY_S)
             try:
-                await self.replicas.check()
+                await self._recheck()
             except Exception:  # a bug here must not stop the checks
                 log.exception("checking the backend replicas failed")
+
+    async def _recheck(self) -> None:
+        unknown = [r for r, info in enumerate(self.engines) if info.source == UNREACHABLE
+                   and await self.replicas.clients[r].alive(HEALTH_TIMEOUT_S)]
+        back = []
+        if self.replicas.size > 1:
+            was = self.replicas.router.healthy.copy()
+            up = await self.replicas.check()
+            back = [r for r in range(self.replicas.size) if up[r] and not was[r]]
+        again = sorted(set(back) | set(unknown))
+        if again:
+            before = list(self.plans), self.learning_plan
+            line = await self.configure(again)
+            if (list(self.plans), self.learning_plan) != before:
+                log.warning("%s", line)
 
     async def body(self, request: Request) -> bytes:
         """The authorized request's body, refused (413) as soon as it passes the size limit."""
@@ -162,14 +206,20 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     if not settings.backend_urls:
         raise ValueError("settings.backend_url is empty; pass --backend URL (or run `cohort serve` without it "
                          "to start the embedded vLLM backend)")
-    learner = load_learner(settings) if settings.learn else None
-    proxy = Proxy(settings, make_predictor(settings, threads=settings.encoder_threads,
-                                           learned=(lambda: learner.head) if learner else None), learner)
+    learner = load_learner(settings) if settings.learn is not False and settings.encoder.lower() != "none" else None
+    learning = []  # the proxy's Learning, once built: the predictor reads its head and whether it is on
+    predictor = make_predictor(settings, threads=settings.encoder_threads,
+                               learned=(lambda: learning[0].head if learning else None) if learner else None,
+                               learning_on=lambda: learning[0].on if learning else None)
+    proxy = Proxy(settings, predictor, learner)
+    learning.append(proxy.learning)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
+        proxy.configuration = await proxy.configure()  # before any request: the engines say how to serve them
+        log.info("%s", proxy.configuration)
         await batch_jobs.resume()  # batches that were running when the proxy stopped
-        if proxy.learning is not None:
+        if proxy.learning is not None and proxy.learning.on:
             await proxy.learning.probe()  # whether the backend's plugin serves expert counts
         # Everything loaded so far (encoder, FAISS, the app) lives as long as the process: keep it out
         # of the garbage collector's full passes, which otherwise stall every request in flight now
@@ -218,8 +268,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         except ProxyError as exc:
             return JSONResponse({"status": "backend unavailable", **({"backend": settings.backend_url,
                                  "detail": exc.message} if shown else {})}, status_code=503)
-        return JSONResponse({"status": "ok", **({"backend": settings.backend_url} if shown else {}),
-                             "admission": _admission_health(proxy)})
+        return JSONResponse({"status": "ok", **({"backend": settings.backend_url, **_admission_health(proxy)}
+                                                if shown else {})})
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
@@ -233,11 +283,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
 
 def _admission_health(proxy: Proxy) -> dict:
-    """What admission runs on: a learned head, a trained folder's, embeddings only, or nothing (FCFS)."""
+    """What admission runs on (a learned head, a trained folder's, embeddings only, or nothing: FCFS) and how each
+    replica is served (proxy/autoconfig.py): for callers allowed to see the backends."""
     if proxy.predictor is None:
-        return {"mode": "first come, first served (--encoder none)"}
-    out = {"mode": proxy.predictor.mode()}
-    return {**out, "learning": proxy.learning.describe()} if proxy.learning is not None else out
+        admission = {"mode": "first come, first served (--encoder none)"}
+    else:
+        admission = {"mode": proxy.predictor.mode()}
+    if proxy.learning is not None and proxy.learning.on:
+        admission["learning"] = proxy.learning.describe()
+    return {"admission": admission,
+            "configuration": health(proxy.settings.backend_urls, proxy.plans, proxy.learning_plan)}
 
 
 def error_answer(proxy: Proxy, request: Request, exc: ProxyError, route: str) -> Response:
@@ -257,8 +312,8 @@ async def _replicas_health(proxy: Proxy, shown: bool) -> Response:
     replicas = [{"backend": c.base_url, "healthy": ok, "in_flight": int(busy), "max_in_flight": int(cap)}
                 for c, ok, busy, cap in zip(proxy.replicas.clients, up, router.busy, router.capacity)]
     status = "ok" if all(up) else "degraded" if any(up) else "backend unavailable"
-    return JSONResponse({"status": status, "routing": router.routing, **({"replicas": replicas} if shown else {}),
-                         "admission": _admission_health(proxy)},
+    return JSONResponse({"status": status, **({"routing": router.routing, "replicas": replicas,
+                                               **_admission_health(proxy)} if shown else {})},
                         status_code=200 if any(up) else 503)
 
 

@@ -64,6 +64,7 @@ def _load(path: Path) -> dict:
 
 
 def _checked(path: Path, key: str, type_name: str, value: object) -> object:
+    type_name = type_name.removesuffix(" | None")  # a key given has the type; leaving it out is None
     ok = {
         "int": isinstance(value, int) and not isinstance(value, bool),
         "float": isinstance(value, (int, float)) and not isinstance(value, bool),

@@ -76,9 +76,10 @@ class Learning:
     """The proxy's learner: `add` observations from the event loop; the worker thread learns from them."""
 
     def __init__(self, learner: OnlineLearner, featurize: Featurize, folder: Path, metrics: ProxyMetrics,
-                 sample_rate: float = 0.05, backend: BackendClient | None = None) -> None:
+                 sample_rate: float = 0.05, backend: BackendClient | None = None, on: bool | None = True) -> None:
         self.learner, self.featurize, self.folder, self.metrics = learner, featurize, folder, metrics
         self.sample_rate = sample_rate
+        self.on = on  # None: not decided (the engines' handshake: `decide`); learns nothing until on
         self._pending: list[tuple[str, Observed, str, bool]] = []  # text, counts, source, kept
         self._busy = False
         self._lock = threading.Lock()
@@ -96,10 +97,15 @@ class Learning:
         for i, label in enumerate(("head", "mean")):
             metrics.learned_head_fit.labels(label).set_function(lambda i=i: _fit(learner, i))
 
+    def decide(self, on: bool) -> None:
+        """Learn from now on, or never (proxy/autoconfig.py decides from the engines' handshake)."""
+        self.on = on
+
     @property
     def head(self) -> ProfileHead | None:
-        """The latest learned head (None before the first fit); one attribute read, safe from any thread."""
-        return self.learner.head
+        """The latest learned head (None before the first fit, or while learning is not on); one attribute read,
+        safe from any thread."""
+        return self.learner.head if self.on else None
 
     def describe(self) -> dict:
         """What /health shows of the learning."""
@@ -111,7 +117,9 @@ class Learning:
 
     def sample(self) -> bool | None:
         """Whether to observe the next request: True when the reservoir keeps it, False for one of the others
-        observed anyway (`sample_rate` of them: the live fit), None when not observed."""
+        observed anyway (`sample_rate` of them: the live fit), None when not observed (always, unless on)."""
+        if not self.on:
+            return None
         if self.learner.reservoir.offer():
             return True
         return False if self._random.random() < self.sample_rate else None
@@ -133,6 +141,8 @@ class Learning:
     def mark(self, body: dict) -> None:
         """Ask the engine to count this request's experts (a request body about to be forwarded), when sampled
         and the backend serves the counts (asked once, in the background, before the first request is marked)."""
+        if not self.on:
+            return
         if self.plugin is None:
             self._probe_soon()
         elif self.plugin and (kept := self.sample()) is not None:  # the token says which (a request may never end)

@@ -23,6 +23,8 @@ class ProxyMetrics:
         self.own_seconds = Histogram("cohort_proxy_seconds", "The proxy's own time per request: arrival to response "
                                      "headers, less the wait for a slot and the backend's time", ["route"],
                                      buckets=OWN_BUCKETS, registry=r)
+        self.profile_late = Counter("cohort_profile_late", "Requests that went on without a profile: its prediction "
+                                    "missed the deadline (profile_deadline_ms)", registry=r)
         self.in_flight = Gauge("cohort_in_flight", "Requests at the backend now", registry=r)
         self.waiting = Gauge("cohort_waiting", "Requests being profiled or waiting for a backend slot", registry=r)
         # online learning of the profile head (proxy/learning.py, --learn)

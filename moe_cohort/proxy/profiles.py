@@ -47,6 +47,7 @@ class Predictor:
     # texts -> ([N, F] what a learned head reads, each text's profile predicted on arrival [L*E] or None)
     features: Callable[[Sequence[str]], tuple[np.ndarray, list[np.ndarray | None]]] | None = None
     mode: Callable[[], str] = lambda: "embeddings"  # what admission runs on now (/health)
+    ready: Callable[[], bool] = lambda: True  # whether `predict` would predict anything now (else: none, FCFS)
 
 
 def encoder_problem(settings: Settings) -> str | None:
@@ -78,11 +79,14 @@ def limit_threads(threads: int) -> None:
 
 
 def make_predictor(settings: Settings, threads: int | None = None,
-                   learned: Callable[[], ProfileHead | None] | None = None) -> Predictor | None:
+                   learned: Callable[[], ProfileHead | None] | None = None,
+                   learning_on: Callable[[], bool | None] = lambda: True) -> Predictor | None:
     """The encoder (+ profile head) of the settings; None with `--encoder none`. `threads`: an ONNX
     encoder's threads (default: one per core; torch's are set by `limit_threads`). `learned`: the online
     learner's latest head (proxy.learning), read per prediction; it wins over the folder's head once there
-    is one, and until then the folder's head or, without one, no prediction (first come, first served)."""
+    is one, and until then the folder's head or, without one, no prediction (first come, first served).
+    `learning_on()` False: learning was turned off (proxy/autoconfig.py), so without a folder's head
+    admission reads embeddings instead of waiting for a learned head; None: not decided yet (no prediction)."""
     if settings.encoder.lower() == "none":
         return None
     from moe_cohort.encoder.embedding import Embedder
@@ -104,10 +108,16 @@ def make_predictor(settings: Settings, threads: int | None = None,
 
     recent = RecentFeatures() if learned is not None else None
 
+    def awaits_learning() -> bool:  # no head yet, and one is being learned (or may be): first come, first served
+        return learned is not None and learning_on() is not False
+
+    def ready() -> bool:
+        return head() is not None or not awaits_learning()
+
     def predict(texts: Sequence[str]) -> list[Prediction | None]:
         current = head()
         if current is None:
-            return [Prediction(row) for row in embed(texts)] if learned is None else [None] * len(texts)
+            return [None] * len(texts) if awaits_learning() else [Prediction(row) for row in embed(texts)]
         learning = recent is not None and current.ngram_dim == DEFAULT_NGRAM_DIM
         # texts predicted lately (again by a newer head) from their kept features, the others read now
         f = kept_or_read(recent, texts)[0] if learning else head_features(embed(texts), list(texts), current.ngram_dim)
@@ -137,12 +147,14 @@ def make_predictor(settings: Settings, threads: int | None = None,
     def mode() -> str:
         if learned is not None and learned() is not None:
             return "learned head"
-        return "trained head" if trained else "first come, first served until the first learned head" if learned \
-            else "embeddings"
+        return "trained head" if trained else "first come, first served until the first learned head" \
+            if awaits_learning() else "embeddings"
 
-    if trained is None and learned is None:
-        return Predictor(predict, ResidentEmbedding, "embedding", features, mode)
-    return Predictor(predict, lambda size: ResidentExperts(1, size), "profile", features, mode)
+    def resident(size: int):  # the resident set that scores what `predict` returns now
+        return ResidentEmbedding(size) if trained is None and not awaits_learning() else ResidentExperts(1, size)
+
+    kind = "embedding" if trained is None and learned is None else "profile"
+    return Predictor(predict, resident, kind, features, mode, ready)
 
 
 class RecentFeatures:

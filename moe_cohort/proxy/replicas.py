@@ -89,6 +89,14 @@ class ReplicaSet:
     def size(self) -> int:
         return len(self.clients)
 
+    def set_capacity(self, replica: int, slots: int) -> None:
+        """Let `slots` requests be at `replica` at once from now on (a request there beyond them stays until it
+        finishes); waiting requests take the new room at once."""
+        if slots < 1:
+            raise ValueError(f"a replica needs >= 1 slot, got {slots}")
+        self.router.capacity[replica] = slots
+        self._pump()
+
     def in_flight(self) -> int:
         return int(self.router.busy.sum())
 

@@ -52,7 +52,9 @@ class Settings:
     host: str = "127.0.0.1"
     port: int = 8080
     max_queue_ms: float = 30_000.0  # fairness bound: a request that has waited this long is admitted first
-    max_in_flight: int = 256  # requests at the backend at once: its max_num_seqs (vLLM's default 256)
+    # requests at each replica at once; 0: from the replica's handshake (proxy/autoconfig.py: its max_num_seqs, or
+    # more where vLLM admits by itself)
+    max_in_flight: int = 0
     default_policy: str = "topk"  # routing policy when a request has no X-MoE-Routing header
     # encoder name or path: "static" (the default: a model2vec distillation of the packaged MiniLM, built once,
     # far faster and as good a plan without a profile head: python -m benchmarks.bench_encoder --as-served),
@@ -63,10 +65,12 @@ class Settings:
     # CPU threads `cohort serve`'s encoder and profile head may use (torch, BLAS, the tokenizer): 1 keeps
     # them beside the event loop on one core, off the engine's cores and out of each other's way
     encoder_threads: int = 1
-    # every request waits for its prediction and carries it: vllm_xargs.moe_profile for an engine running
-    # backend.scheduler.ExpertAwareScheduler, x-cohort-key for a router (llm-d); off: a request that finds
-    # a free slot goes at once, without them
-    forward_profiles: bool = False
+    # every request waits for its prediction (at most profile_deadline_ms) and carries it: vllm_xargs.moe_profile
+    # for an engine running backend.scheduler.ExpertAwareScheduler, x-cohort-key for a router (llm-d); off: a
+    # request that finds a free slot goes at once, without them; None: per replica, on where its vLLM runs our scheduler
+    forward_profiles: bool | None = None
+    # longest wait for a request's predicted profile; past it the request goes on without one (first come, first served)
+    profile_deadline_ms: float = 50.0
     # engine hints (proxy/hints.py): clients' vllm_xargs.moe_profile and moe_record are dropped unless trusted (a
     # gateway that predicts profiles itself); moe_routing is theirs, within allowed_policies (names such as
     # "topk,oea" allow any parameters, or exact policies "xshare;m=24"; empty: any policy)
@@ -91,8 +95,9 @@ class Settings:
     # load their JavaScript from a CDN)
     api_docs: bool = False
     protect_metrics: bool = False  # /metrics needs a key, /health without one says only its status (needs api_keys)
-    # online learning of the profile head from the served model's routing (proxy/learning.py): off by default
-    learn: bool = False
+    # online learning of the profile head from the served model's routing (proxy/learning.py); None: on when a
+    # replica serves its expert counts (proxy/autoconfig.py)
+    learn: bool | None = None
     learn_sample_rate: float = 0.05  # share of the requests the reservoir does not keep observed anyway (live fit)
     learn_capacity: int = 1000  # observations kept (a uniform sample of all), in --data-dir/learned
     learn_refit_every: int = 50  # new observations between refits, at least (and a quarter of the last fit's)
@@ -136,11 +141,13 @@ class Settings:
             raise _bad("routing", f"must be one of {', '.join(ROUTINGS)}, got {self.routing!r}")
         if not 1 <= self.port <= 65535:
             raise _bad("port", f"must be a TCP port in 1..65535, got {self.port}")
-        for name in ("max_in_flight", "max_body_bytes", "encoder_max_seq_len", "max_file_bytes", "encoder_threads",
+        if self.max_in_flight < 0:
+            raise _bad("max_in_flight", f"must be >= 1, or 0 for each replica's max_num_seqs, got {self.max_in_flight}")
+        for name in ("max_body_bytes", "encoder_max_seq_len", "max_file_bytes", "encoder_threads",
                      "max_header_bytes", "max_headers"):
             if getattr(self, name) < 1:
                 raise _bad(name, f"must be >= 1, got {getattr(self, name)}")
-        if self.learn and self.encoder.lower() == "none":
+        if self.learn is True and self.encoder.lower() == "none":
             raise _bad("learn", "needs an encoder (the head it learns reads the prompt's embedding); drop --encoder none")
         if not 0 <= self.learn_sample_rate <= 1:
             raise _bad("learn_sample_rate", f"must be a share in [0, 1], got {self.learn_sample_rate}")
@@ -150,7 +157,7 @@ class Settings:
                        f"{self.learn_capacity} and {self.learn_refit_every}")
         if not 0 < self.head_timeout_s < float("inf"):
             raise _bad("head_timeout_s", f"must be a finite number > 0, got {self.head_timeout_s}")
-        for name in ("max_queue_ms", "keepalive_s", "request_timeout_s", "connect_timeout_s", "encoder_cache",
+        for name in ("max_queue_ms", "keepalive_s", "profile_deadline_ms", "request_timeout_s", "connect_timeout_s", "encoder_cache",
                      "batch_concurrency", "batch_max_retries"):
             value = getattr(self, name)
             if not 0 <= value < float("inf"):  # nan fails too
@@ -163,7 +170,8 @@ class Settings:
 
     @property
     def batch_in_flight(self) -> int:
-        return self.batch_concurrency or self.max_in_flight
+        """Batch requests at the backend at once: batch_concurrency, else max_in_flight, else vLLM's default 256."""
+        return self.batch_concurrency or self.max_in_flight or 256
 
     @property
     def data_path(self) -> Path:
@@ -253,6 +261,7 @@ def setting_names(field: str, flags: FlagTable | None = None, config: str | Path
 
 
 def _convert(name: str, type_name: str, raw: str) -> object:
+    type_name = type_name.removesuffix(" | None")  # an unset variable is None already: a given one has the type
     try:
         if type_name == "int":
             return int(raw)

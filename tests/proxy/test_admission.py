@@ -271,3 +271,39 @@ def test_a_late_profile_is_predicted_only_after_the_burst(monkeypatch):
         assert asked == [] and all(a.prediction is None for a in admitted)  # admitted, not predicted yet
         g.close()
     run(main())
+
+
+def test_a_prediction_past_its_deadline_sends_the_request_on_without_it_and_joins_when_ready():
+    async def main():
+        g, go = blocked_gate(2)
+        g.profile_first, g.deadline_s = True, 0.05  # every request waits for its profile, at most 50 ms
+        admitted = await asyncio.wait_for(g.admit("a1"), 2)
+        assert admitted.prediction is None and g.metrics.profile_late._value.get() == 1
+        go.set()
+        await until(lambda: resident_count(g) == 1)  # the late profile joined the resident set
+        second = await g.admit("a2")  # in time now
+        assert second.prediction is not None and g.metrics.profile_late._value.get() == 1
+        g.release(admitted), g.release(second)
+    run(main())
+
+
+def test_a_predictor_with_nothing_to_predict_yet_is_not_asked_first_come_first_served():
+    asked = []
+
+    def counting_predict(texts):
+        asked.extend(texts)
+        return predict(texts)
+
+    async def main():
+        clock = [0.0]
+        replicas = ReplicaSet([None], [1], "affinity", max_queue_s=30.0, clock=lambda: clock[0])
+        g = AdmissionGate(Profiler(counting_predict, ready=lambda: False), ProxyMetrics(), replicas)
+        first = await g.admit("a1")
+        waiting = [asyncio.ensure_future(g.admit(t)) for t in ("b1", "a2")]
+        await until(pooled(g, 2))
+        g.release(first)
+        await until(waiting[0].done)
+        assert not waiting[1].done() and asked == []  # arrival order, and no prediction asked for
+        g.release(waiting[0].result())
+        g.release(await waiting[1])
+    run(main())

@@ -6,13 +6,24 @@ from moe_cohort.proxy.settings import SettingsError, load_settings
 def test_environment_then_flags():
     env = {"COHORT_MAX_QUEUE_MS": "20", "COHORT_API_KEYS": "a, b", "COHORT_LOG_PROMPTS": "true", "COHORT_PORT": "9000"}
     s = load_settings({"port": 9100, "max_in_flight": None}, environ=env)
-    assert (s.max_queue_ms, s.api_keys, s.log_prompts, s.port, s.max_in_flight) == (20.0, ("a", "b"), True, 9100, 256)
+    assert (s.max_queue_ms, s.api_keys, s.log_prompts, s.port, s.max_in_flight) == (20.0, ("a", "b"), True, 9100, 0)
     assert s.batch_in_flight == 256 and s.replace(batch_concurrency=8).batch_in_flight == 8
+    assert s.replace(max_in_flight=16).batch_in_flight == 16
+
+
+def test_settings_left_to_the_engines_handshake_are_none_until_given(tmp_path):
+    s = load_settings(environ={})
+    assert (s.learn, s.forward_profiles, s.max_in_flight) == (None, None, 0)  # proxy/autoconfig.py decides
+    s = load_settings(environ={"COHORT_LEARN": "0", "COHORT_FORWARD_PROFILES": "true"})
+    assert (s.learn, s.forward_profiles) == (False, True)
+    (tmp_path / "c.yaml").write_text("learn: false\nforward_profiles: true\n")
+    assert load_settings(environ={}, config=tmp_path / "c.yaml").learn is False
 
 
 @pytest.mark.parametrize("env, message", [
     ({"COHORT_PORT": "eighty"}, "COHORT_PORT='eighty': expected int"),
-    ({"COHORT_MAX_IN_FLIGHT": "0"}, r"max_in_flight \(env COHORT_MAX_IN_FLIGHT\) must be >= 1, got 0"),
+    ({"COHORT_MAX_IN_FLIGHT": "-1"}, r"max_in_flight \(env COHORT_MAX_IN_FLIGHT\) must be >= 1, or 0 for each "
+                                     r"replica's max_num_seqs, got -1"),
     ({"COHORT_ENCODER_THREADS": "0"}, r"encoder_threads \(env COHORT_ENCODER_THREADS\) must be >= 1, got 0"),
     ({"COHORT_LOG_PROMPTS": "maybe"}, "expected bool"),
     ({"COHORT_BACKEND_URL": "http://127.0.0.1:8000,ftp://x"}, r"got 'ftp://x'"),

@@ -1,0 +1,101 @@
+"""How the proxy serves each replica, chosen from what the replica says it is (proxy/handshake.py).
+
+Rules (a setting the user gave wins over each of them):
+
+- Where admission runs. A replica whose vLLM runs moe_cohort's ExpertAwareScheduler admits inside
+  the engine: the proxy forwards every request at once with its predicted profile, holding at most
+  ENGINE_SIDE_SLOTS (or 4 x max_num_seqs) there, so that the engine's queue is where the choice is
+  made. Any other replica admits in the proxy: it holds max_num_seqs requests there, the engine's
+  slots, and chooses among the rest when one frees. Setting: forward_profiles.
+- Slots. The replica's max_num_seqs; UNKNOWN_SLOTS (vLLM's default) when it does not say, which
+  leaves nothing waiting in the proxy, so a plain vLLM is served first come, first served unless
+  the user gives its max_num_seqs. Setting: max_in_flight.
+- Learning. On when a replica serves its expert counts (the endpoint plugin is loaded); off with
+  `--encoder none`, or when no replica counts experts. Setting: learn.
+
+Pure: no I/O; the proxy asks the replicas and applies the plan (proxy/app.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from moe_cohort.proxy.handshake import UNREACHABLE, EngineInfo
+from moe_cohort.proxy.settings import Settings
+
+UNKNOWN_SLOTS = 256  # vLLM's default max_num_seqs
+ENGINE_SIDE_SLOTS = 256  # at least this many requests forwarded to an engine that admits by itself
+SCHEDULER = "moe_cohort.backend.scheduler.ExpertAwareScheduler"
+TURN_ON_SCHEDULER = f"start vLLM with --scheduler-cls {SCHEDULER} to run admission inside it"
+INSTALL_PLUGIN = ("install moe-cohort in vLLM's environment (its plugin tells the proxy max_num_seqs and serves the "
+                  "expert counts learning reads), or give --max-in-flight = vLLM's --max-num-seqs")
+TURN_ON_COUNTS = "start vLLM with VLLM_PLUGINS=moe_cohort: it then serves the expert counts the proxy learns from"
+
+
+@dataclass(frozen=True)
+class ReplicaPlan:
+    slots: int  # requests the proxy lets be at this replica at once
+    engine_side: bool  # admission inside vLLM: forward at once, with the predicted profile
+    why: str  # what was chosen and why, one clause
+    could: str = ""  # what the user could turn on ("" when nothing)
+
+
+@dataclass(frozen=True)
+class LearningPlan:
+    on: bool | None  # None: not decided yet (no replica has answered)
+    why: str
+    could: str = ""
+
+
+def plan_replica(settings: Settings, info: EngineInfo) -> ReplicaPlan:
+    """How to serve one replica that answered the handshake with `info`."""
+    engine_side = info.expert_aware if settings.forward_profiles is None else settings.forward_profiles
+    slots = settings.max_in_flight or (max(ENGINE_SIDE_SLOTS, 4 * (info.max_num_seqs or 0)) if engine_side
+                                       else info.max_num_seqs or UNKNOWN_SLOTS)
+    given = " (--max-in-flight)" if settings.max_in_flight else ""
+    if engine_side:
+        who = "moe-cohort's scheduler" if info.expert_aware else "--forward-profiles"
+        return ReplicaPlan(slots, True, f"admission inside vLLM ({who}): forwarded at once with predicted profiles, "
+                                        f"up to {slots} at a time{given}")
+    if info.source == UNREACHABLE:
+        return ReplicaPlan(slots, False, f"not answering yet: admission in the proxy, {slots} slots{given} until it "
+                                         f"answers (asked again then)")
+    if not info.plugin:
+        lost = "" if settings.max_in_flight else ": its max_num_seqs unknown, so nothing waits in the proxy and " \
+                                                 "requests go first come, first served"
+        return ReplicaPlan(slots, False, f"no moe-cohort plugin: admission in the proxy, {slots} slots{given}{lost}",
+                           INSTALL_PLUGIN)
+    why = "--no-forward-profiles" if settings.forward_profiles is False else "vLLM runs its own scheduler"
+    return ReplicaPlan(slots, False, f"{why}: admission in the proxy, {slots} slots"
+                                     f"{given or ' (its max_num_seqs)'}", "" if settings.forward_profiles is False
+                       else TURN_ON_SCHEDULER)
+
+
+def plan_learning(settings: Settings, infos: Sequence[EngineInfo]) -> LearningPlan:
+    """Whether the proxy learns its profile head from the served model (None: ask again when a replica answers)."""
+    if settings.encoder.lower() == "none":
+        return LearningPlan(False, "learning off (--encoder none)")
+    if settings.learn is not None:
+        return LearningPlan(settings.learn, f"learning {'on (--learn)' if settings.learn else 'off (--no-learn)'}")
+    if any(i.observed_counts for i in infos):
+        return LearningPlan(True, "learning on: vLLM serves its expert counts (--no-learn turns it off)")
+    if all(i.source == UNREACHABLE for i in infos):
+        return LearningPlan(None, "learning decided when a replica answers")
+    if any(i.plugin for i in infos):
+        return LearningPlan(False, "learning off: vLLM does not serve its expert counts", TURN_ON_COUNTS)
+    return LearningPlan(False, "learning off: no replica counts experts")
+
+
+def describe(urls: Sequence[str], plans: Sequence[ReplicaPlan], learning: LearningPlan) -> str:
+    """The one line the proxy logs (and `cohort serve` prints) at start: what was chosen, why, what could be on."""
+    parts = [f"{url}: {p.why}" + (f"; to gain more: {p.could}" if p.could else "") for url, p in zip(urls, plans)]
+    parts.append(learning.why + (f"; {learning.could}" if learning.could else ""))
+    return "configured from the engines: " + " | ".join(parts)
+
+
+def health(urls: Sequence[str], plans: Sequence[ReplicaPlan], learning: LearningPlan) -> dict:
+    """What /health shows of the configuration (to callers allowed to see the backends)."""
+    return {"replicas": [{"backend": url, "slots": p.slots, "admission": "engine" if p.engine_side else "proxy",
+                          "why": p.why, **({"could": p.could} if p.could else {})} for url, p in zip(urls, plans)],
+            "learning": {"on": learning.on, "why": learning.why, **({"could": learning.could} if learning.could else {})}}
