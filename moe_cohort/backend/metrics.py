@@ -20,6 +20,8 @@ Metric families (labels `phase`, `policy`; policy is the canonical policy string
     cohort_moe_plugin_cpu_seconds_total     (no labels) worker-thread CPU time in the plugin, and
     cohort_moe_forward_cpu_seconds_total    in the model forwards it wraps (plugin included): the
                                             ratio is the plugin's overhead (on GPU, the host side)
+    cohort_engine_info                      (gauge, value 1) what the engine is, as labels
+                                            (backend.engine_info.info_labels); set by the API server
 
 Transport: counted in vLLM's worker process, served by the API server process, one of two ways:
 - prometheus_client's multiprocess mode, if this process runs in it (PROMETHEUS_MULTIPROC_DIR set
@@ -49,7 +51,7 @@ from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, values, write_to_textfile
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, values, write_to_textfile
 from prometheus_client.metrics_core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.utils import floatToGoString
@@ -58,6 +60,7 @@ log = logging.getLogger(__name__)
 
 PROMETHEUS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 COHORT_DIR_ENV = "COHORT_METRICS_DIR"  # set by the API server process for its children
+ENGINE_INFO = "cohort_engine_info"
 LABELS = ("phase", "policy")
 BUCKETS = (1.0, 2.0, 4.0, 8.0, 12.0, 16.0, 24.0, 32.0, 48.0, 64.0, 96.0, 128.0, 192.0, 256.0, 384.0, 512.0, float("inf"))
 _SUMMED = ", summed over forwards and MoE layers"
@@ -240,3 +243,18 @@ def setup_serving_process() -> None:
     atexit.register(shutil.rmtree, directory, ignore_errors=True)
     REGISTRY.register(SnapshotCollector(directory))
     log.info("moe-cohort metrics: worker snapshots in %s, served on the default Prometheus registry", directory)
+
+
+_engine_info: Gauge | None = None  # registered once per process
+
+
+def publish_engine_info(labels: dict[str, str]) -> None:
+    """Serve `cohort_engine_info{labels} 1` on /metrics (the default registry), replacing this process's
+    previous series. In multiprocess mode the value goes to PROMETHEUS_MULTIPROC_DIR; "max" shows one
+    series for API servers with the same labels, without a pid label, and keeps it when one exits."""
+    global _engine_info
+    if _engine_info is None:
+        _engine_info = Gauge(ENGINE_INFO, "What this vLLM engine with moe-cohort is (the labels); always 1",
+                             tuple(labels), multiprocess_mode="max")
+    _engine_info.clear()  # another engine built in this process describes itself anew
+    _engine_info.labels(**labels).set(1)

@@ -1,9 +1,17 @@
-"""`POST /v1/cohort/observed` on the vLLM server: the proxy takes the expert counts of the requests it marked.
+"""The moe-cohort routes of the vLLM server: what the engine is, and the expert counts of the requests the proxy marked.
 
 A vLLM endpoint plugin (entry point `vllm.endpoint_plugins` `moe_cohort`; vLLM loads endpoint plugins
 only when named: start vLLM with `VLLM_PLUGINS=moe_cohort`, which `cohort serve`'s embedded vLLM does).
+
+    GET /v1/cohort/info
+    -> 200 {"object": "cohort.engine_info", "schema": 1, ..., "observed_counts": true, ...}
+
+The engine's description (keys: backend.engine_info), built once by the general plugin when vLLM built
+the engine config in this process; 503 where it was not (an engine built some other way). The same facts
+reach /metrics as `cohort_engine_info` even where this plugin is not loaded (there observed_counts is false).
+
 The general plugin counts, in the engine's first worker, the experts of every request whose
-`vllm_xargs.moe_observe` carries a token (backend.expert_counts); this route reaches that worker through
+`vllm_xargs.moe_observe` carries a token (backend.expert_counts); the second route reaches that worker through
 vLLM's `collective_rpc` (the method `cohort_take_observed` the general plugin adds to vLLM's workers).
 
     POST /v1/cohort/observed  {"tokens": ["t1", "t2"]}
@@ -25,6 +33,7 @@ from fastapi.responses import JSONResponse
 log = logging.getLogger(__name__)
 
 PATH = "/v1/cohort/observed"
+INFO_PATH = "/v1/cohort/info"
 MAX_TOKENS = 4096  # tokens per call
 
 
@@ -36,6 +45,7 @@ class ObservedEndpoint:
 
     def attach_router(self, app: FastAPI) -> None:
         app.post(PATH)(take_observed)
+        app.get(INFO_PATH)(engine_info)
 
     async def init_state(self, engine_client, state, args: Namespace) -> None:
         state.cohort_engine = engine_client
@@ -59,6 +69,15 @@ async def take_observed(request: Request) -> JSONResponse:
     return JSONResponse({"observed": found})
 
 
-def _error(message: str, status: int = 400) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "param": "tokens",
+async def engine_info(request: Request) -> JSONResponse:
+    from moe_cohort.backend.vllm_patches import STATE  # the general plugin's state in this process
+
+    if STATE.engine_info is None:
+        return _error("this server has no engine description (its engine config was not built by vLLM's "
+                      "EngineArgs with the moe-cohort plugin registered)", status=503, param=None)
+    return JSONResponse({**STATE.engine_info, "observed_counts": True})  # served here: this plugin is loaded
+
+
+def _error(message: str, status: int = 400, param: str | None = "tokens") -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "param": param,
                                    "code": None}}, status_code=status)

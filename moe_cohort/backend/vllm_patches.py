@@ -7,7 +7,9 @@ Imported only by `backend.vllm_plugin.register()`. Patched (vLLM 0.32; names unc
   `moe_record: true` where the operator lets no request ask to be recorded;
   recorded requests and requests whose policy changes prefill skip reading the prefix cache.
 - `EngineArgs.create_engine_config`: remember the model's top_k / expert count so the API
-  server can also reject policies that do not fit the model (e.g. k0 > top_k).
+  server can also reject policies that do not fit the model (e.g. k0 > top_k), and describe the
+  engine once (`backend.engine_info`: kept for `GET /v1/cohort/info`, and the `cohort_engine_info`
+  series on /metrics).
 - `MoERunner.__init__`: number every MoE layer in model order (vLLM's `static_all_moe_layers`)
   and describe its router (`LayerInfo`).
 - `FusedMoERouter.select_experts`: every modular MoE kernel (all CPU ones) gets its top-k from
@@ -46,8 +48,9 @@ from dataclasses import dataclass, field
 import torch
 
 from moe_cohort.admission.wire import OBSERVE_KEY, RECORD_KEY, ROUTING_KEY
+from moe_cohort.backend.engine_info import engine_info, info_labels
 from moe_cohort.backend.engine_state import build_step, request_options
-from moe_cohort.backend.metrics import ExpertLoadMetrics, setup_serving_process, worker_directory
+from moe_cohort.backend.metrics import ExpertLoadMetrics, publish_engine_info, setup_serving_process, worker_directory
 from moe_cohort.backend.policy import Policy, PolicyError, TopK
 from moe_cohort.backend.routing_hook import HookConfig, LayerInfo, RoutingHook
 from moe_cohort.backend.selection.step_tables import capture_error
@@ -75,6 +78,7 @@ class PluginState:
 
     hook: RoutingHook | None = None
     model_limits: dict = field(default_factory=dict)  # top_k, num_experts, graphs (API server process)
+    engine_info: dict | None = None  # backend.engine_info of the last engine config built here (API server)
     last_step: list = field(default_factory=lambda: [None, None, None])  # req_ids, query_start_loc, Step
     forwards: int = 0  # forwards run in this worker
     failed_layers: set = field(default_factory=set)  # layers whose routing failure was logged
@@ -172,9 +176,25 @@ def _patch_engine_args(config) -> None:
             check_policy(config.default_policy, config)
         except PolicyError as exc:
             raise PolicyError(f"COHORT_MOE_ROUTING={config.default_policy}: {exc}") from None
+        describe_engine(vllm_config, config)
         return vllm_config
 
     EngineArgs.create_engine_config = create_engine_config
+
+
+def describe_engine(vllm_config, config) -> None:
+    """Keep the engine's description for GET /v1/cohort/info and, with metrics on, put it on /metrics.
+    Runs where vLLM builds the engine config: each API server process (or an offline LLM's process),
+    never in the engine core or the workers, which receive the config built."""
+    import vllm
+
+    STATE.engine_info = None
+    try:
+        STATE.engine_info = engine_info(vllm_config, os.environ, vllm.__version__)
+        if config.metrics:
+            publish_engine_info(info_labels(STATE.engine_info))
+    except Exception:  # a description is not worth a server: the route then answers 503
+        log.exception("moe-cohort: cannot describe this engine; GET /v1/cohort/info will answer 503")
 
 
 V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"

@@ -12,6 +12,9 @@ vLLM lazily, checks the vLLM version, and then patches vLLM (see `backend.vllm_p
   reading vLLM's prefix cache (their own prefill then follows their policy);
 - per forward and MoE layer, distinct experts before/after the policy go to Prometheus
   (`backend.metrics`, served on the vLLM server's /metrics);
+- what the engine is (model, MoE shape, max_num_seqs, scheduler, policies, whether the counts route is
+  served: `backend.engine_info`) is one series on /metrics, `cohort_engine_info{...} 1` (metrics on), so a proxy
+  learns it even where the endpoint plugin (`GET /v1/cohort/info`, the same facts as JSON) is not loaded;
 - with recording on (`COHORT_RECORD_TRACES=1`: every request; `=request`: the requests with
   `"moe_record": true` in their vllm_xargs, which the API server otherwise refuses), each finished request's expert ids and weights (prompt and generated tokens, all
   MoE layers) are written as `$COHORT_TRACE_DIR/<engine request id>.npz` in the trace format,

@@ -144,3 +144,32 @@ def test_worker_directory_prefers_vllm_multiprocess_dir(monkeypatch, env):
         monkeypatch.setenv(k, v)
     expected = env.get("PROMETHEUS_MULTIPROC_DIR") or env.get("COHORT_METRICS_DIR")
     assert (str(worker_directory()) if worker_directory() else None) == expected
+
+
+INFO_A = {"model": "tiny", "observed_counts": "false"}
+INFO_B = {"model": "tiny", "observed_counts": "true"}
+
+
+def test_engine_info_is_one_series_on_the_default_registry():
+    from prometheus_client import REGISTRY
+
+    from moe_cohort.backend.metrics import publish_engine_info
+
+    publish_engine_info(INFO_A)
+    publish_engine_info(INFO_B)  # a second engine config in one process: registered once, replaced
+    assert REGISTRY.get_sample_value("cohort_engine_info", INFO_B) == 1.0
+    assert REGISTRY.get_sample_value("cohort_engine_info", INFO_A) is None
+    assert 'cohort_engine_info{model="tiny",observed_counts="true"} 1.0' in generate_latest(REGISTRY).decode()
+
+
+@pytest.mark.integration
+def test_engine_info_reaches_metrics_in_multiprocess_mode(tmp_path):
+    """Two API server processes in prometheus_client's multiprocess mode: /metrics (MultiProcessCollector, as vLLM
+    serves it then) shows one series, without a pid label."""
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
+    env.pop("COHORT_METRICS_DIR", None)
+    code = f"from moe_cohort.backend.metrics import publish_engine_info; publish_engine_info({INFO_B!r})"
+    for _ in range(2):
+        subprocess.run([sys.executable, "-c", code], check=True, env=env)
+    samples = [s for m in _served_by(MultiProcessCollector, tmp_path).collect() for s in m.samples]
+    assert [(s.name, s.labels, s.value) for s in samples] == [("cohort_engine_info", INFO_B, 1.0)]

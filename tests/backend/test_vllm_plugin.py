@@ -353,3 +353,31 @@ def test_observed_counts_are_the_recorded_trace_counted_and_handed_over_once(ser
     assert bad.status_code == 400 and "tokens" in bad.json()["error"]["message"]
     with pytest.raises(openai.BadRequestError, match="vllm_xargs.moe_observe must be a string"):
         client.completions.create(model="tiny", prompt="hi", max_tokens=2, extra_body={"vllm_xargs": {"moe_observe": 3}})
+
+
+def test_engine_describes_itself_on_the_info_route_and_on_metrics(server, capsys):
+    """GET /v1/cohort/info (our endpoint plugin: VLLM_PLUGINS=moe_cohort, set by vllm_server.start) and the
+    cohort_engine_info series on /metrics say the same: the tiny MoE, 16 slots, vLLM's own scheduler."""
+    from importlib.metadata import version
+
+    from moe_cohort.backend.engine_info import info_labels
+    from moe_cohort.backend.policy import POLICY_NAMES
+    from moe_cohort.devtools.tiny_moe import TinyMoeArgs
+
+    response = httpx.get(server.url + "/v1/cohort/info", timeout=30)
+    assert response.status_code == 200
+    info, tiny = response.json(), TinyMoeArgs()
+    assert info == {"object": "cohort.engine_info", "schema": 1, "plugin_version": version("moe-cohort"),
+                    "vllm_version": info["vllm_version"], "model": "tiny",
+                    "moe": {"layers": tiny.num_layers, "experts": tiny.num_experts, "top_k": tiny.top_k},
+                    "max_num_seqs": 16,
+                    "scheduler": {"expert_aware": False, "class": "vllm.v1.core.sched.scheduler.Scheduler",
+                                  "base": "Scheduler"},  # vLLM CPU turns async scheduling off
+                    "observed_counts": True, "policies": list(POLICY_NAMES)}
+    assert info["vllm_version"].startswith("0.")
+    text = httpx.get(server.url + "/metrics", timeout=30).text
+    lines = [line for line in text.splitlines() if line.startswith("cohort_engine_info{")]
+    assert len(lines) == 1 and lines[0].endswith("} 1.0"), lines
+    assert dict(re.findall(r'(\w+)="([^"]*)"', lines[0])) == info_labels(info)
+    with capsys.disabled():  # what a proxy reads, for the record
+        print(f"\n{response.text}\n{lines[0]}")
