@@ -18,7 +18,8 @@ prompts, one at a time, BLAS on one thread as the proxy's admission runs.
 
 --service N: the proxy's learning worker over N requests, as `cohort serve --learn` runs it (default
 capacity 1,000 and sample rate 0.05; the reservoir decides on arrival, its rows and the live-fit ones are
-observed, a refit and a save to a temporary folder when due), the tiny MoE's shape (4 x 64, top-4):
+observed, a refit when due, and a save to a temporary folder after it at most once a minute of --rate requests
+per second), the tiny MoE's shape (4 x 64, top-4):
 thread CPU per request in each --window of requests, split into observing, refitting and saving. What
 the proxy's counter cohort_learning_cpu_seconds_total{thread="worker"} counts, without the proxy.
 """
@@ -84,8 +85,9 @@ def time_predict(n: int, layers: int, experts: int, top_k: int, texts: list[str]
 
 
 def time_service(requests: int, layers: int, experts: int, top_k: int, texts: list[str], window: int,
-                 sample_rate: float = 0.05, seed: int = 0) -> list[dict[str, float]]:
-    """Per `window` requests, the worker's thread CPU per request (us) observing, refitting and saving."""
+                 sample_rate: float = 0.05, seed: int = 0, rate: float = 20.0) -> list[dict[str, float]]:
+    """Per `window` requests, the worker's thread CPU per request (us) observing, refitting and saving, the requests
+    arriving at `rate` per second (the saves follow the clock: LearnConfig.save_every_s)."""
     rng, coin = np.random.default_rng(seed), random.Random(seed)
     f = head_features(rng.normal(size=(len(texts), EMBEDDING_DIM)).astype(np.float32), texts, DEFAULT_NGRAM_DIM)
     decode = 32  # tokens generated per request
@@ -106,7 +108,7 @@ def time_service(requests: int, layers: int, experts: int, top_k: int, texts: li
                 if learner.due():
                     learner.refit()
                     t2 = time.thread_time()
-                    learner.save(folder)
+                    learner.save_when_due(folder, i / rate)  # as the proxy does, on the clock of `rate` requests/s
                     t3 = time.thread_time()
                 spent += (t1 - t0, t2 - t1, t3 - t2)
             if (i + 1) % window == 0:
@@ -124,10 +126,11 @@ def main() -> None:
     p.add_argument("--predictions", type=int, default=300, help="prompts timed one by one (0: no prediction timing)")
     p.add_argument("--service", type=int, default=0, help="simulate the learning worker over this many requests")
     p.add_argument("--window", type=int, default=2000, help="--service: requests per printed row")
+    p.add_argument("--rate", type=float, default=20.0, help="--service: requests per second (the clock saves follow)")
     args = p.parse_args()
     if args.service:
         print(f"the learning worker, tiny MoE shape (4 x 64, top-4): thread CPU us per request over each {args.window}")
-        rows = time_service(args.service, 4, 64, 4, prompt_texts(), args.window)
+        rows = time_service(args.service, 4, 64, 4, prompt_texts(), args.window, rate=args.rate)
         for row in rows:
             print(f"requests {row['requests'] - args.window:>6}-{row['requests']:<6} observe {row['observe']:5.0f} "
                   f"refit {row['refit']:5.0f} save {row['save']:5.0f} all {row['all']:5.0f}"

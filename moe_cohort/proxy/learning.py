@@ -4,8 +4,8 @@ With `--learn` the proxy pairs each observed request's head features (its prompt
 hashed n-grams, kept from its prediction on arrival or computed in the worker thread; never the text)
 with the expert counts the engine reports for it (traces.observed), keeps them in a train.online.OnlineLearner,
 refits the head off the event loop when enough new ones arrived, swaps it in (admission reads
-`Learning.head` per prediction) and saves reservoir and head under `--data-dir`/learned after each
-refit, so a restart keeps what was learned. Until its first head, admission runs on the trained
+`Learning.head` per prediction) and saves reservoir and head under `--data-dir`/learned after a refit
+at most once a minute and when it stops, so a restart keeps what was learned. Until its first head, admission runs on the trained
 folder's head if the encoder has one, else first come, first served.
 
 Where the counts come from (one `Observed` either way):
@@ -276,7 +276,7 @@ class Learning:
             if self.learner.due():  # checked per observation: the schedule does not depend on how they were batched
                 self.learner.refit()
                 self.metrics.learned_refits.inc()
-                self.learner.save(self.folder)
+                self.learner.save_when_due(self.folder, time.monotonic())  # and at close
 
     async def in_background(self, fn: Callable[..., T], *args) -> T:
         """fn(*args) on the learning worker, behind serving (a batch's re-predictions: proxy/batch/follow.py)."""

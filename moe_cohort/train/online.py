@@ -63,6 +63,9 @@ class LearnConfig:
     refit_every: int = 50  # new observations between fits, at least (and a quarter of what the last fit saw)
     ngram_dim: int = DEFAULT_NGRAM_DIM  # hashed n-gram features beside the embedding (encoder.ngrams)
     recent: int = 100  # unseen observations the live fit is measured over
+    # a refitted head is saved at most this often (and when the learner stops): a crash loses at most this much
+    # learning, and the reservoir (megabytes) is not rewritten after every refit of a fast-growing one
+    save_every_s: float = 60.0
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -140,6 +143,7 @@ class OnlineLearner:
         self.shape: tuple[int, int, int] | None = None  # (L, E, top_k) of the served model
         self.observed = 0  # observations ever learned from, kept or not (this learner and the ones it was loaded from)
         self.refits = 0  # by this learner (not saved: a restarted one searches its penalty at its first refit)
+        self.saved_at = float("-inf")  # when `save_when_due` last saved (a monotonic clock's seconds)
         self._fit_recent: deque[tuple[float, float]] = deque(maxlen=config.recent)  # (head, mean) overlaps
 
 
@@ -235,6 +239,14 @@ class OnlineLearner:
         return float(head), float(mean), len(self._fit_recent)
 
     # ---- persistence -----------------------------------------------------------------------------
+
+    def save_when_due(self, folder: str | Path, now: float) -> bool:
+        """`save` to `folder` unless it saved less than `save_every_s` before `now` (monotonic seconds); whether it did."""
+        if now - self.saved_at < self.config.save_every_s:
+            return False
+        self.save(folder)
+        self.saved_at = now
+        return True
 
     def save(self, folder: str | Path) -> None:
         """Write the reservoir and the head to `folder` (each file replaced atomically)."""
