@@ -52,7 +52,8 @@ def observation(ts: TraceSet, i: int) -> Observed:
     return from_routed_experts(rows[1:prompt], 0, ts.num_experts)
 
 
-def measure_model(ts: TraceSet, sizes: list[int], slots: list[int], seeds: int, embed: Embed, report=print) -> dict:
+def measure_model(ts: TraceSet, sizes: list[int], slots: list[int], seeds: int, embed: Embed, report=print, *,
+                  kept_full: bool = False) -> dict:
     """The curve of one trace set: per N, each S's saving of the learned head, the offline head and the reference."""
     data = HeldOut.of(ts)
     texts = [str(t) for t in ts.texts]
@@ -82,7 +83,7 @@ def measure_model(ts: TraceSet, sizes: list[int], slots: list[int], seeds: int, 
         row = {"observed": n, "refit_s": fit_s}
         for s in slots:
             plans = evaluate_continuous(tokens, s, {**base, "learned": learned}, lengths, cost, ts.num_layers,
-                                        seeds=seeds)["plans"]
+                                        seeds=seeds, kept_full=kept_full)["plans"]
             row[s] = {k: {"saving": plans[k]["saving"], "std": plans[k]["saving_std"]} for k in ("learned", "offline", REFERENCE)}
             offline_saving = plans["offline"]["saving"]
             row[s]["of_offline"] = plans["learned"]["saving"] / offline_saving if offline_saving else float("nan")
@@ -108,6 +109,8 @@ def main() -> None:
     p.add_argument("--slots", default="16,32")
     p.add_argument("--seeds", type=int, default=10)
     p.add_argument("--cache", default="/tmp/cohort-bench-cache", help="embedding cache folder (outside the repository)")
+    p.add_argument("--kept-full", action="store_true", help="count the steps with every slot busy only (a loaded "
+                   "server), as the README's table does")
     p.add_argument("--json", help="also write the numbers here")
     args = p.parse_args()
     out = {}
@@ -115,7 +118,7 @@ def main() -> None:
         print(f"\n===== {path} =====")
         out[path] = measure_model(load_traces(path), [int(v) for v in args.observed.split(",")],
                                   [int(v) for v in args.slots.split(",")], args.seeds,
-                                  lambda texts: embeddings(texts, "static", args.cache))
+                                  lambda texts: embeddings(texts, "static", args.cache), kept_full=args.kept_full)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
 
