@@ -50,20 +50,15 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 
-from benchmarks.bench_proxy import metric_sum, post, scrape, start_proxy
+from benchmarks.bench_proxy import post, start_proxy
+from moe_cohort.proxy.backend_metrics import decode_counters as counters  # bench_batch_learning imports it here
+from moe_cohort.proxy.backend_metrics import decode_rates, metric_sum, scrape
+from moe_cohort.proxy.embedded import default_model_dir, ensure_trained_model
 from moe_cohort.train.heldout import prompt_texts
 from moe_cohort.traces.split import split_requests
 
-TRAINED = Path.home() / ".cache" / "moe-cohort" / "trained-tiny-moe-model"
+TRAINED = default_model_dir()  # where `cohort serve` keeps it
 FCFS_HELD, OFFLINE_HELD = "fcfs, held-out", "offline head, held-out"  # row names (bench_replay_vs_engine reads them)
-
-
-def counters(backend: str) -> dict[str, float]:
-    """Decode-group sums of the plugin's counters: expert loads (after the policy), layer-forwards, tokens."""
-    text = scrape(backend)
-    names = {"loads": "cohort_moe_expert_loads_after_total", "forwards": "cohort_moe_layer_forwards_total",
-             "tokens": "cohort_moe_routed_tokens_total"}
-    return {key: metric_sum(text, name, phase="decode") for key, name in names.items()}
 
 
 async def send(url: str, prompts: list[str], clients: int, max_tokens: int) -> float:
@@ -103,11 +98,10 @@ def measure(name: str, backend: str, proxy: str, prompts: list[str], args, layer
     done.set()
     sampler.join()
     time.sleep(1.5)  # the worker publishes its counters at most once a second while busy
-    after = counters(backend)
-    d = {k: after[k] - before[k] for k in before}
+    loads_per_token, tokens_per_forward = decode_rates(before, counters(backend), layers)
     engine_pool, proxy_pool = np.mean(samples, axis=0) if samples else (float("nan"), float("nan"))
-    row = {"run": name, "requests": len(prompts), "loads_per_token": d["loads"] / max(d["tokens"], 1),
-           "tokens_per_forward": d["tokens"] * layers / max(d["forwards"], 1), "wall_s": wall,
+    row = {"run": name, "requests": len(prompts), "loads_per_token": loads_per_token,
+           "tokens_per_forward": tokens_per_forward, "wall_s": wall,
            "waiting_engine": float(engine_pool), "waiting_proxy": float(proxy_pool)}
     health = _health(proxy)
     if "learning" in health.get("admission", {}):
@@ -221,11 +215,7 @@ def summary(side: str, rows: list[dict], learning: str) -> str:
 
 def trained_model(model_dir: str) -> tuple[Path, int]:
     """The trained tiny MoE in `model_dir` (trained there first if missing) and its layer count."""
-    from moe_cohort.devtools.train_moe import RECIPES, train_tiny_moe
-
-    model = Path(model_dir)
-    if not (model / "config.json").is_file():
-        train_tiny_moe(model, RECIPES["full"])
+    model = ensure_trained_model(model_dir)
     return model, json.loads((model / "config.json").read_text())["num_hidden_layers"]
 
 

@@ -61,8 +61,8 @@ from pathlib import Path
 
 import aiohttp
 import numpy as np
-from prometheus_client.parser import text_string_to_metric_families
 
+from moe_cohort.proxy.backend_metrics import metric_sum, scrape
 from moe_cohort.proxy.vllm_server import free_port
 from moe_cohort.train.heldout import prompt_texts
 
@@ -203,18 +203,6 @@ def learned_encoder(encoder: str, data_dir: Path) -> str:
     shutil.copytree(resolve_model(encoder or "static"), out)
     shutil.copy(data_dir / "learned" / HEAD_FILE, out / HEAD_FILE)
     return str(out)
-
-
-def scrape(url: str) -> str:
-    """The Prometheus text a server's /metrics serves."""
-    with urllib.request.urlopen(url + "/metrics", timeout=30) as resp:
-        return resp.read().decode()
-
-
-def metric_sum(text: str, name: str, **labels: str) -> float:
-    """Sum of the samples called `name` whose labels include `labels`, in Prometheus text (prometheus_client's parser)."""
-    return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
-               if sample.name == name and labels.items() <= sample.labels.items())
 
 
 def learning_cpu(url: str) -> dict[str, float]:
@@ -395,13 +383,14 @@ def main() -> None:
     if args.replicas == 2 and args.backend:
         parser.error("--replicas 2 starts both servers itself; leave out --backend")
     if not args.backend:
-        from moe_cohort.proxy.embedded import start_embedded_backend
+        from moe_cohort.proxy.embedded import ensure_tiny_model, start_embedded_backend
 
         os.sched_setaffinity(0, backend_cpus)  # vLLM's processes inherit it
-        server = start_embedded_backend(args.model_dir, max_num_seqs=64)
+        model = ensure_tiny_model(args.model_dir)
+        server = start_embedded_backend(model, max_num_seqs=64, expert_aware=False)
         args.backend = server.url
         if args.replicas == 2:
-            second = start_embedded_backend(args.model_dir, max_num_seqs=64)
+            second = start_embedded_backend(model, max_num_seqs=64, expert_aware=False)
     if args.engine_side:
         from moe_cohort.proxy.vllm_server import start
         from moe_cohort.proxy.embedded import ensure_tiny_model

@@ -63,6 +63,8 @@ def quiet_loading_bars() -> None:
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("moe_cohort.proxy.cli", "run the OpenAI-compatible proxy in front of vLLM (or an embedded tiny-MoE vLLM)"),
+    "compare": ("moe_cohort.proxy.compare", "on a running `cohort serve`: held-out prompts first come, first served "
+                "and through admission, decode expert loads per generated token of each"),
     "batch": ("moe_cohort.proxy.batch.cli", "run an OpenAI Batch file through vLLM, planned up front and resumable after a crash"),
     "eval": ("moe_cohort.eval.cli", "compare static batching plans on expert traces against random and an oracle"),
     "replay": ("moe_cohort.eval.replay_cli", "replay vLLM's continuous batching on expert traces under each admission policy"),

@@ -83,8 +83,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-docs", action="store_true", default=None, help="serve /openapi.json, /docs and /redoc "
                         "(behind the --api-key like every route; /docs and /redoc load JavaScript from a CDN; "
                         "default: off, env COHORT_API_DOCS)")
-    parser.add_argument("--model-dir", help="tiny MoE folder for the embedded backend, built there if missing "
-                        "(default: ~/.cache/moe-cohort/tiny-qwen3-moe)")
+    parser.add_argument("--model-dir", help="model folder for the embedded backend, served as it is; without a "
+                        "model there, the tiny MoE is trained on text into it (once, ~2-3 min; default: "
+                        "trained-tiny-moe-model in $COHORT_CACHE_DIR, else $XDG_CACHE_HOME/moe-cohort or "
+                        "~/.cache/moe-cohort)")
     parser.add_argument("--backend-port", type=_port, help="port of the embedded vLLM, used only without --backend "
                         "(default: a free port)")
     parser.set_defaults(no_progress=True)  # a server log is no terminal: no "Loading weights" bars
@@ -195,19 +197,29 @@ def _data_dir_problem(data_dir: str) -> str | None:
 
 
 def _start_embedded(settings: Settings, model_dir: str | None, port: int | None, *, explicit_in_flight: bool):
+    """vLLM CPU on the tiny MoE trained on text (trained into `model_dir` first when it holds no model), with
+    the plugin and the expert-aware scheduler; the settings pointed at it. Its slots (max_num_seqs) are the
+    given max_in_flight, else 16; the proxy takes its own from the engine's handshake."""
+    from moe_cohort.proxy.embedded import TRAIN_MINUTES, default_model_dir, ensure_trained_model, has_model, \
+        start_embedded_backend
     from moe_cohort.proxy.vllm_server import stay_off_worker_cpus
-    from moe_cohort.proxy.embedded import ensure_tiny_model, start_embedded_backend
 
-    max_num_seqs = settings.max_in_flight if explicit_in_flight else 16
-    path = ensure_tiny_model(model_dir)
-    print(f"no --backend given: starting a local vLLM CPU server on the tiny MoE in {path} "
-          f"(with the moe-cohort plugin; up to 2 minutes on 2 CPU cores)...")
+    given = explicit_in_flight or settings.max_in_flight != Settings.max_in_flight  # a flag, variable or file
+    max_num_seqs = settings.max_in_flight if given else 16
+    path = Path(model_dir) if model_dir else default_model_dir()
+    if not has_model(path):
+        print(f"no model in {path}: training the tiny MoE on text there, once (about {TRAIN_MINUTES}; "
+              f"--model-dir DIR serves a model folder of yours)...", flush=True)
+    path = ensure_trained_model(path)
+    print(f"no --backend given: starting a local vLLM CPU server on the tiny MoE in {path} (with the moe-cohort "
+          f"plugin and its expert-aware scheduler, max_num_seqs {max_num_seqs}; up to 2 minutes on 2 CPU cores)...",
+          flush=True)
     server = start_embedded_backend(path, max_num_seqs=max_num_seqs, port=port)
     print(f"vLLM backend ready at {server.url} (model '{server.served_model_name}', log {server.log_path})")
     if stay_off_worker_cpus(server):  # its worker busy-polls its cores; the proxy would wait behind it
         print(f"proxy runs on CPUs {sorted(os.sched_getaffinity(0))}, beside vLLM's worker "
               f"on {sorted(server.worker_cpus())}")
-    return server, settings.replace(backend_url=server.url, max_in_flight=max_num_seqs)
+    return server, settings.replace(backend_url=server.url)
 
 
 def _serve(settings: Settings) -> int:

@@ -38,6 +38,10 @@ def test_embedded_default_serves_and_shuts_down_cleanly(tiny_moe_dir, tmp_path):
         assert "starting a local vLLM CPU server" in text and f"base_url=http://127.0.0.1:{port}/v1" in text
         backend = re.search(r"vLLM backend ready at (http://\S+)", text).group(1)
         assert backend == f"http://127.0.0.1:{backend_port}"
+        vllm_log = re.search(r"vLLM backend ready at \S+ \(model 'tiny', log (\S+)\)", text).group(1)
+        # the model folder given is served as it is (no training), with our scheduler admitting inside vLLM
+        assert "training the tiny MoE" not in text and "max_num_seqs 16" in text
+        assert "moe-cohort: admission by predicted experts" in open(vllm_log).read()
     finally:
         proc.send_signal(signal.SIGTERM)  # what docker stop and systemd send; Ctrl-C (SIGINT) takes the same path
         proc.wait(60)
