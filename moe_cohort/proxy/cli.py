@@ -29,7 +29,11 @@ _FLAGS = {
     "--host": ("host", str, "address to listen on"),
     "--port": ("port", int, "port to listen on"),
     "--max-queue-ms": ("max_queue_ms", float, "fairness bound: a request waiting this long is admitted first"),
-    "--max-in-flight": ("max_in_flight", int, "requests at the backend (each replica) at once: its max_num_seqs"),
+    "--max-in-flight": ("max_in_flight", int, "requests at each replica at once (default: from its vLLM: its "
+                                               "max_num_seqs, more where vLLM runs moe-cohort's scheduler, 256 where "
+                                               "it does not say)"),
+    "--profile-deadline-ms": ("profile_deadline_ms", float, "longest wait for a request's predicted profile; past "
+                                                             "it the request goes on without one"),
     "--default-policy": ("default_policy", str, "routing policy when a request has no X-MoE-Routing header"),
     "--encoder": ("encoder", str, "encoder name or path (a folder from `cohort train` brings its profile head); "
                                   "'all-MiniLM-L6-v2' the packaged MiniLM; 'none': first come, first served (default: "
@@ -67,13 +71,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", dest="api_keys", action="append", help="accept this proxy API key (repeatable; "
                         "env COHORT_API_KEYS=k1,k2; default: none, the proxy is open)")
     parser.add_argument("--log-prompts", action="store_true", default=None, help="log prompt texts (off: they are user data)")
-    parser.add_argument("--forward-profiles", action="store_true", default=None, help="every request waits for its "
-                        "prediction and carries it: vllm_xargs.moe_profile for an engine running "
-                        "moe_cohort.backend.scheduler.ExpertAwareScheduler, x-cohort-key for a router such as llm-d's (default: "
-                        "a request that finds a free slot goes at once, without them; env COHORT_FORWARD_PROFILES)")
-    parser.add_argument("--learn", action="store_true", default=None, help="learn the profile head online from the "
-                        "served model's routing of answered requests (vLLM's routed_experts field: start vLLM with "
-                        "--enable-return-routed-experts); kept in --data-dir/learned across restarts (env COHORT_LEARN)")
+    parser.add_argument("--forward-profiles", action=argparse.BooleanOptionalAction, default=None, help="every "
+                        "request waits for its prediction (--profile-deadline-ms at most) and carries it: "
+                        "vllm_xargs.moe_profile for an engine running moe_cohort.backend.scheduler.ExpertAwareScheduler, "
+                        "x-cohort-key for a router such as llm-d's (default: on for each replica whose vLLM runs that "
+                        "scheduler, which then admits; env COHORT_FORWARD_PROFILES)")
+    parser.add_argument("--learn", action=argparse.BooleanOptionalAction, default=None, help="learn the profile head "
+                        "online from the served model's routing of answered requests: the expert counts moe-cohort's "
+                        "vLLM plugin serves (VLLM_PLUGINS=moe_cohort), or vLLM's routed_experts answers "
+                        "(--enable-return-routed-experts); kept in --data-dir/learned across restarts (default: on "
+                        "when a replica serves its expert counts; env COHORT_LEARN)")
     parser.add_argument("--protect-metrics", action="store_true", default=None, help="/metrics needs an --api-key and "
                         "/health shows callers without one only its status (env COHORT_PROTECT_METRICS)")
     parser.add_argument("--trust-client-hints", action="store_true", default=None, help="forward what clients send "
@@ -233,13 +240,13 @@ def _serve(settings: Settings) -> int:
     from moe_cohort.proxy.profiles import limit_threads
 
     where = f"http://{settings.host}:{settings.port}"
-    replicas = f" per replica, routing {settings.routing}" if len(settings.backend_urls) > 1 else ""
+    replicas = f", routing {settings.routing}" if len(settings.backend_urls) > 1 else ""
 
     def ready() -> None:  # in the server's thread, as before it served: the encoder's libraries are loaded now
         limit_threads(settings.encoder_threads)
-        print(f"moe-cohort proxy ready on {where}/v1 -> {settings.backend_url} ({settings.max_in_flight} in flight"
-              f"{replicas}, policy {settings.default_policy}); point an OpenAI client at base_url={where}/v1. "
-              f"Ctrl-C stops.", flush=True)
+        print(f"moe-cohort proxy ready on {where}/v1 -> {settings.backend_url} (policy {settings.default_policy}"
+              f"{replicas}); point an OpenAI client at base_url={where}/v1. Ctrl-C stops.", flush=True)
+        print(app.app.state.proxy.configuration, flush=True)
 
     encoder = settings.encoder.lower() != "none"
     app = Starting(lambda: create_app(settings), on_ready=ready,  # create_app loads the encoder
