@@ -50,7 +50,7 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 
-from benchmarks.bench_proxy import post, start_proxy
+from benchmarks.bench_proxy import start_proxy
 from moe_cohort.proxy.backend_metrics import decode_counters as counters  # bench_batch_learning imports it here
 from moe_cohort.proxy.backend_metrics import decode_rates, metric_sum, scrape
 from moe_cohort.proxy.embedded import default_model_dir, ensure_trained_model
@@ -61,21 +61,32 @@ TRAINED = default_model_dir()  # where `cohort serve` keeps it
 FCFS_HELD, OFFLINE_HELD = "fcfs, held-out", "offline head, held-out"  # row names (bench_replay_vs_engine reads them)
 
 
-async def send(url: str, prompts: list[str], clients: int, max_tokens: int) -> float:
-    """Closed loop: `clients` clients, each sends the next prompt when its answer came; wall seconds."""
-    queue = list(reversed(prompts))
+async def send(url: str, prompts: list[str], clients: int, max_tokens: int) -> dict:
+    """Closed loop: `clients` clients, each sends the next prompt when its answer came. Wall seconds, each
+    answered request's latency (seconds), and the failures (status or exception, counted by kind)."""
+    queue, latencies, failures = list(reversed(prompts)), [], {}
 
     async def client(http: aiohttp.ClientSession) -> None:
         while queue:
             body = {"model": "tiny", "messages": [{"role": "user", "content": queue.pop()}], "max_tokens": max_tokens,
                     "ignore_eos": True, "truncate_prompt_tokens": 256}
-            await post(http, url + "/v1/chat/completions", body)
+            start = time.perf_counter()
+            try:
+                async with http.post(url + "/v1/chat/completions", json=body) as resp:
+                    await resp.read()
+                    if resp.status != 200:
+                        failures[str(resp.status)] = failures.get(str(resp.status), 0) + 1
+                        continue
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                failures[type(exc).__name__] = failures.get(type(exc).__name__, 0) + 1
+                continue
+            latencies.append(time.perf_counter() - start)
 
     start = time.perf_counter()
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=clients),
                                      timeout=aiohttp.ClientTimeout(total=3600)) as http:
         await asyncio.gather(*(client(http) for _ in range(clients)))
-    return time.perf_counter() - start
+    return {"wall_s": time.perf_counter() - start, "latencies": latencies, "failures": failures}
 
 
 def waiting(backend: str, proxy: str) -> tuple[float, float]:
@@ -94,22 +105,23 @@ def measure(name: str, backend: str, proxy: str, prompts: list[str], args, layer
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
-    wall = asyncio.run(send(proxy, prompts, args.clients, args.max_tokens))
+    sent = asyncio.run(send(proxy, prompts, args.clients, args.max_tokens))
+    wall, failed = sent["wall_s"], sum(sent["failures"].values())
     done.set()
     sampler.join()
     time.sleep(1.5)  # the worker publishes its counters at most once a second while busy
     loads_per_token, tokens_per_forward = decode_rates(before, counters(backend), layers)
     engine_pool, proxy_pool = np.mean(samples, axis=0) if samples else (float("nan"), float("nan"))
     row = {"run": name, "requests": len(prompts), "loads_per_token": loads_per_token,
-           "tokens_per_forward": tokens_per_forward, "wall_s": wall,
+           "tokens_per_forward": tokens_per_forward, "wall_s": wall, "failed": failed, "failures": sent["failures"],
            "waiting_engine": float(engine_pool), "waiting_proxy": float(proxy_pool)}
     health = _health(proxy)
     if "learning" in health.get("admission", {}):
         row["admission"] = health["admission"]
     print(f"{name:>28}: {row['loads_per_token']:6.3f} decode expert loads per generated token, "
           f"{row['tokens_per_forward']:5.2f} decode tokens per forward, wall {wall:6.1f} s ({len(prompts)} requests), "
-          f"waiting {engine_pool:4.1f} in vLLM + {proxy_pool:4.1f} in the proxy"
-          + (f"  [{health['admission']['mode']}, {health['admission']['learning']['observed']} observed]"
+          f"waiting {engine_pool:4.1f} in vLLM + {proxy_pool:4.1f} in the proxy, {failed} failed"
+          f"{' ' + str(sent['failures']) if failed else ''}" + (f"  [{health['admission']['mode']}, {health['admission']['learning']['observed']} observed]"
              if "admission" in row else ""), flush=True)
     return row
 
@@ -168,19 +180,28 @@ def runs(backend: str, flags: list[str], train: list[str], held: list[str], args
         out += [measure_with(backend, ["--encoder", "none", *flags], FCFS_HELD, held, args, layers, r),
                 measure_with(backend, [*learning, "--data-dir", str(resumed), *flags],
                              f"learning, held-out after {args.warm}", held, args, layers, r),
-                measure_with(backend, ["--encoder", str(encoder), *flags], OFFLINE_HELD, held, args, layers, r)]
+                measure_with(backend, ["--encoder", str(encoder), "--no-learn", *flags], OFFLINE_HELD, held, args,
+                             layers, r)]
     return out
 
 
 def measure_with(backend: str, proxy_flags: list[str], name: str, prompts: list[str], args, layers: int,
                  round_: int | None = None) -> dict:
     """`measure` through a fresh proxy started with `proxy_flags` (stopped after)."""
-    proc, proxy = start_proxy(backend, *proxy_flags)
+    proc, proxy = start_proxy(backend, *proxy_flags, log=_log(args, name, round_))
     try:
         row = measure(name, backend, proxy, prompts, args, layers)
     finally:
         proc.terminate(), proc.wait(60)
     return row if round_ is None else {**row, "round": round_}
+
+
+def _log(args, name: str, round_: int | None = None) -> Path | None:
+    """Where the proxy of run `name` logs (--logs), or None."""
+    if not args.logs:
+        return None
+    Path(args.logs).mkdir(parents=True, exist_ok=True)
+    return Path(args.logs) / f"{name.split(',')[0].replace(' ', '-')}{'' if round_ is None else f'-r{round_}'}.log"
 
 
 def collect_all(backend: str, flags: list[str], train: list[str], args, work: Path) -> Path:
@@ -209,8 +230,9 @@ def summary(side: str, rows: list[dict], learning: str) -> str:
         s = savings(rows, name)
         return f"{name.split(',')[0]} {s.mean():+.1%} +- {s.std():.1%} ({tpf(name):.2f} tokens per forward)"
     rounds = sum(r["run"] == FCFS_HELD for r in rows)
+    failed = sum(r.get("failed", 0) for r in rows)
     return (f"{side}: held-out saving against fcfs over {rounds} rounds: {line(learning)}, "
-            f"{line(OFFLINE_HELD)}; fcfs {tpf(FCFS_HELD):.2f} tokens per forward")
+            f"{line(OFFLINE_HELD)}; fcfs {tpf(FCFS_HELD):.2f} tokens per forward; {failed} requests failed in all runs")
 
 
 def trained_model(model_dir: str) -> tuple[Path, int]:
@@ -232,6 +254,7 @@ def main() -> None:
     p.add_argument("--engine-side-only", action="store_true", help="the engine-side runs alone (no proxy side)")
     p.add_argument("--rounds", type=int, default=3, help="rounds of the held-out prompts (fcfs, learning, offline each)")
     p.add_argument("--json", help="also write the rows here")
+    p.add_argument("--logs", help="a folder for the proxies' logs (default: none kept)")
     p.add_argument("--keep", help="copy the runs' data folders (learned heads, the offline encoder) here")
     p.add_argument("--no-refit-held-out", action="store_true", help="a diagnosis: the learning proxy, restarted from "
                    "what it learned, observes the held-out prompts but refits nothing while they run")

@@ -135,15 +135,17 @@ def healthy(url: str) -> bool:
 PROXY_CPUS: set[int] | None = None  # where `cohort serve` runs (main() sets it); None: where this process runs
 
 
-def start_proxy(backend: str, *flags: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
+def start_proxy(backend: str, *flags: str, env: dict[str, str] | None = None,
+                log: str | Path | None = None) -> tuple[subprocess.Popen, str]:
     """`cohort serve` in front of `backend` (several replicas: a comma list, one --backend each), with
-    `env` added to this process's environment, on PROXY_CPUS."""
+    `env` added to this process's environment, on PROXY_CPUS; its output goes to `log` (else nowhere)."""
     port = free_port()
     backends = [a for url in backend.split(",") for a in ("--backend", url)]
     cmd = [sys.executable, "-m", "moe_cohort.cli", "serve", *backends, "--port", str(port), *flags]
     pin = (lambda: os.sched_setaffinity(0, PROXY_CPUS)) if PROXY_CPUS else None
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **(env or {})},
-                            preexec_fn=pin)
+    out = open(log, "w") if log else subprocess.DEVNULL  # noqa: SIM115 (the child holds it)
+    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if log else subprocess.DEVNULL,
+                            env={**os.environ, **(env or {})}, preexec_fn=pin)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -163,7 +165,7 @@ def overhead(backend: str, concurrency: list[int], per_client: int, rounds: int,
     encoder, learn = encoder.removesuffix("+learn"), encoder.endswith("+learn")
     # "+learn": the proxy learns its head from the backend's counts of every request (issue 26)
     data_dir = tempfile.mkdtemp(prefix="bench-proxy-learn-")
-    learning = ["--learn", "--data-dir", data_dir] if learn else []
+    learning = ["--learn", "--data-dir", data_dir] if learn else ["--no-learn"]
     for name, backends in [("proxy", backend)] + ([("proxy2", f"{backend},{replica}")] if replica else []):
         # the embedding cache off: each load restarts at the first prompt, and every request should pay
         proc, url = start_proxy(backends, "--encoder", encoder, "--max-in-flight", "256", *learning,
@@ -303,9 +305,9 @@ def admission(backend: str, prompts: list[str], slots: int, max_tokens: int, moe
     enc = ["--encoder", encoder] if encoder else []
     print(f"{len(prompts)} prompts, 64 clients, {slots} in flight, {max_tokens} tokens each")
     runs = [("fcfs", backend, ["--encoder", "none", "--max-in-flight", str(slots)]),
-            ("proxy", backend, [*enc, "--max-in-flight", str(slots)])]
+            ("proxy", backend, [*enc, "--max-in-flight", str(slots), "--no-learn"])]
     if engine_backend:
-        runs.append(("engine", engine_backend, [*enc, "--max-in-flight", "256", "--forward-profiles"]))
+        runs.append(("engine", engine_backend, [*enc, "--max-in-flight", "256", "--forward-profiles", "--no-learn"]))
     for name, backend, extra in runs:
         proc, proxy = start_proxy(backend, *extra)
         try:
@@ -328,7 +330,8 @@ def replicas_run(backends: list[str], prompts: list[str], slots: int, max_tokens
     print(f"{len(backends)} replicas, {len(prompts)} prompts, 64 clients, {slots} in flight per replica, "
           f"{max_tokens} tokens each, encoder {encoder or 'default'!r}")
     for routing in ("round-robin", "least-loaded", "affinity"):
-        proc, proxy = start_proxy(",".join(backends), *enc, "--max-in-flight", str(slots), "--routing", routing)
+        proc, proxy = start_proxy(",".join(backends), *enc, "--max-in-flight", str(slots), "--routing", routing,
+                                  "--no-learn")
         try:
             before = [decode_distinct(b) for b in backends]
             wall = asyncio.run(send_prompts(proxy, prompts, 64, max_tokens))
