@@ -42,12 +42,12 @@ class ReplicaRouter:
     """R replicas' free slots, resident sets and health, and the waiting requests; see the module docstring."""
 
     def __init__(self, slots: Sequence[int], routing: str = "affinity", *, max_wait: float | None = None,
-                 resident_factory: ResidentFactory = lambda size: ResidentExperts(1, size)):
+                 max_passed: int | None = None, resident_factory: ResidentFactory = lambda size: ResidentExperts(1, size)):
         if routing not in ROUTINGS:
             raise ValueError(f"routing must be one of {', '.join(ROUTINGS)}, got {routing!r}")
         if len(slots) < 1 or min(slots) < 1:
             raise ValueError(f"every replica needs >= 1 slot, got {list(slots)}")
-        self.routing, self.max_wait = routing, max_wait
+        self.routing, self.max_wait, self.max_passed = routing, max_wait, max_passed  # admission.waiting's bounds
         self.capacity = np.asarray(slots, np.int64)  # [R]
         self.busy = np.zeros(len(slots), np.int64)  # [R] admitted, not yet released
         self.healthy = np.ones(len(slots), bool)  # [R] a replica that is down admits nothing
@@ -192,7 +192,7 @@ class ReplicaRouter:
         if self.routing == "round-robin":
             return self.queues[r].popleft()
         resident = self._resident_for(r) if self.routing == "affinity" else None
-        return self.pool.pick(resident, now, self.max_wait)
+        return self.pool.pick(resident, now, self.max_wait, self.max_passed)
 
     def _place(self, key: Hashable, r: int) -> None:
         if self.routing == "round-robin":
@@ -200,7 +200,7 @@ class ReplicaRouter:
         else:
             row = self.pool.rows[key]
             vector = self.pool.matrix[row].copy() if self.pool.profiled[row] else None
-            self.pool.remove(key)
+            self.pool.remove(key, admitted=True)
         held = None
         if self.routing == "affinity" and vector is not None:
             held = vector

@@ -2,6 +2,9 @@
 
 In order:
 1. fairness: a request that has waited `max_wait` goes first, the longest-waiting first (ties: the first to join);
+   then one that `max_passed` later arrivals have been admitted before goes first, the first to join first. The
+   second bound is in admissions, not seconds, so it holds at any speed: no request waits more than `max_passed`
+   admissions longer than first come, first served would have made it wait;
 2. a request without a predicted profile keeps first-come-first-served: when it is the oldest
    waiting request it goes, and no request that arrived after it is chosen before it;
 3. with nobody resident (who has a profile), the oldest: there is nothing to fit yet;
@@ -58,6 +61,7 @@ class WaitingPool:
         self.profiled = np.zeros(capacity, bool)  # [capacity]
         self.arrived = np.zeros(capacity, np.float64)  # [capacity]
         self.seq = np.zeros(capacity, np.int64)  # [capacity] arrival order
+        self.passed = np.zeros(capacity, np.int64)  # [capacity] later arrivals admitted while it waited
         self._count = 0
 
     def __len__(self) -> int:
@@ -71,7 +75,7 @@ class WaitingPool:
             raise ValueError(f"{key!r} is waiting already")
         row = self._free_row()
         self.keys[row], self.rows[key] = key, row
-        self.active[row], self.arrived[row], self.seq[row] = True, arrived, self._count
+        self.active[row], self.arrived[row], self.seq[row], self.passed[row] = True, arrived, self._count, 0
         self._count += 1
         self.profiled[row] = self._store(row, vector)
 
@@ -80,15 +84,21 @@ class WaitingPool:
         row = self.rows[key]
         self.profiled[row] = self._store(row, vector)
 
-    def remove(self, key: Hashable) -> None:
+    def remove(self, key: Hashable, admitted: bool = False) -> None:
+        """`key` leaves the pool; `admitted`: it took a slot, passing every request that arrived before it."""
         row = self.rows.pop(key)
+        if admitted:
+            self.passed += self.active & (self.seq < self.seq[row])
         self.keys[row], self.active[row], self.profiled[row] = None, False, False
 
-    def pick(self, resident: Resident | None, now: float, max_wait: float | None) -> Hashable:
+    def pick(self, resident: Resident | None, now: float, max_wait: float | None,
+             max_passed: int | None = None) -> Hashable:
         """The key of the request to admit now, by the rule of the module docstring."""
         if not self.rows:
             raise ValueError("no waiting request to admit")
         overdue = self._overdue(now, max_wait)
+        if overdue is None:
+            overdue = self._passed_over(max_passed)
         if overdue is not None:
             return self.keys[overdue]
         seq = np.where(self.active, self.seq, _LAST)  # [capacity]
@@ -112,6 +122,13 @@ class WaitingPool:
         best = scores.min()
         ties = eligible & (scores <= best + 1e-9 * max(1.0, abs(best)))
         return int(np.argmin(np.where(ties, seq, _LAST)))
+
+    def _passed_over(self, max_passed: int | None) -> int | None:
+        """Row of the first-arrived request passed over `max_passed` times or more, else None."""
+        if max_passed is None:
+            return None
+        over = self.active & (self.passed >= max_passed)  # [capacity]
+        return int(np.argmin(np.where(over, self.seq, _LAST))) if over.any() else None
 
     def _overdue(self, now: float, max_wait: float | None) -> int | None:
         """Row of the longest-waiting request if it waited >= `max_wait` (ties: the earliest arrival), else None."""
@@ -146,6 +163,7 @@ class WaitingPool:
         self.keys += [None] * old
         self.active, self.profiled = (np.concatenate([a, np.zeros(old, bool)]) for a in (self.active, self.profiled))
         self.arrived, self.seq = np.concatenate([self.arrived, np.zeros(old)]), np.concatenate([self.seq, np.zeros(old, np.int64)])
+        self.passed = np.concatenate([self.passed, np.zeros(old, np.int64)])
         if self.size is not None:
             self.matrix = np.concatenate([self.matrix, np.zeros((old, self.size), np.float32)])
         return old

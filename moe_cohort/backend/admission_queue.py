@@ -65,8 +65,9 @@ class ExpertAwareQueue:
     """
 
     def __init__(self, running: Callable[[], Sequence[Any]], num_experts: int, *, max_wait_s: float = 30.0,
-                 clock: Callable[[], float] = time.time):
+                 max_passed: int | None = None, clock: Callable[[], float] = time.time):
         self._running, self.num_experts, self.max_wait_s, self._clock = running, num_experts, max_wait_s, clock
+        self.max_passed = max_passed  # admission.waiting: admissions a request may be passed over by
         self._front: deque = deque()  # put back by the scheduler; served first, in order
         self._pool: dict[str, Any] = {}  # request_id -> request, in arrival order
         self._waiting = WaitingPool()  # the same requests' profiles, for the choice
@@ -87,7 +88,7 @@ class ExpertAwareQueue:
             return self._front.popleft()
         fresh = self._choice is not None and self._choice[0] == self._state_key()
         request = self._choice[2] if fresh else self.peek_request()
-        self._discard(request)
+        self._discard(request, admitted=True)
         return request
 
     def peek_request(self):
@@ -132,7 +133,7 @@ class ExpertAwareQueue:
     # --- the choice ----------------------------------------------------------------------
     def _choose(self):
         resident = self._resident(self._waiting.size) if self._waiting.size else None
-        return self._pool[self._waiting.pick(resident, self._clock(), self.max_wait_s)]
+        return self._pool[self._waiting.pick(resident, self._clock(), self.max_wait_s, self.max_passed)]
 
     def _resident(self, size: int) -> ResidentExperts:
         """The running requests' predicted experts (those with a profile of `size`), kept up to date by
@@ -173,9 +174,9 @@ class ExpertAwareQueue:
         self._profile(request)
         self._choice = None
 
-    def _discard(self, request) -> None:
+    def _discard(self, request, admitted: bool = False) -> None:
         if self._pool.pop(request.request_id, None) is not None:
-            self._waiting.remove(request.request_id)
+            self._waiting.remove(request.request_id, admitted)
         if request in self._front:
             self._front.remove(request)
         self._choice = None

@@ -16,6 +16,8 @@ public: these classes are written for, and tested on, the versions of
 Environment (read when the engine builds the scheduler):
 
     COHORT_SCHEDULER_MAX_WAIT_MS   fairness bound: a request waiting this long goes first (default 30000)
+    COHORT_SCHEDULER_MAX_PASSED    fairness bound: a request that this many later arrivals were admitted
+                                   before goes first (default: 3 x max_num_seqs; 0: no such bound)
 """
 
 from __future__ import annotations
@@ -33,7 +35,10 @@ from moe_cohort.backend.vllm_plugin import ENV_ALLOW, check_vllm_version
 
 log = logging.getLogger(__name__)
 
-ENV_MAX_WAIT = "COHORT_SCHEDULER_MAX_WAIT_MS"
+ENV_MAX_WAIT, ENV_MAX_PASSED = "COHORT_SCHEDULER_MAX_WAIT_MS", "COHORT_SCHEDULER_MAX_PASSED"
+# later arrivals admitted before a waiting request, per engine slot, before it goes first: the bound trades the
+# saving against the latency tail (docs/results.md, "Fairness against the saving")
+PASSED_PER_SLOT = 3
 RequestQueue.register(ExpertAwareQueue)  # it implements the whole contract, without importing vLLM
 
 
@@ -48,6 +53,19 @@ def max_wait_s(environ=None) -> float:
     if not 0 <= value < float("inf"):
         raise ValueError(f"{ENV_MAX_WAIT} must be a number of milliseconds >= 0, got {text!r}")
     return value / 1000.0
+
+
+def max_passed(max_num_seqs: int, environ=None) -> int | None:
+    """How many later arrivals may be admitted before a waiting request (COHORT_SCHEDULER_MAX_PASSED, default three
+    times the engine's slots: its wait stays within that many admissions of first come, first served's); None: no
+    bound."""
+    env = os.environ if environ is None else environ
+    text = env.get(ENV_MAX_PASSED)
+    if text is None:
+        return PASSED_PER_SLOT * max_num_seqs
+    if not text.isdigit():
+        raise ValueError(f"{ENV_MAX_PASSED} must be a whole number of admissions >= 0 (0: no bound), got {text!r}")
+    return int(text) or None
 
 
 def routed_experts(hf_config) -> int:
@@ -69,8 +87,10 @@ class _ExpertAware:
             raise ValueError(f"{type(self).__name__} reorders an FCFS queue; vLLM was started with "
                              f"--scheduling-policy {self.policy.value}: use fcfs, or drop --scheduler-cls")
         self.waiting = ExpertAwareQueue(lambda: self.running, routed_experts(self.vllm_config.model_config.hf_text_config),
-                                        max_wait_s=max_wait_s())
-        log.info("moe-cohort: admission by predicted experts (fairness bound %.1f s)", self.waiting.max_wait_s)
+                                        max_wait_s=max_wait_s(),
+                                        max_passed=max_passed(self.vllm_config.scheduler_config.max_num_seqs))
+        log.info("moe-cohort: admission by predicted experts (fairness bounds %.1f s, %s admissions)",
+                 self.waiting.max_wait_s, self.waiting.max_passed)
 
 
 class ExpertAwareScheduler(_ExpertAware, Scheduler):

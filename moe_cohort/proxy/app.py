@@ -31,7 +31,7 @@ from moe_cohort.proxy.backend import BackendClient
 from moe_cohort.proxy.batch.api import add_batch_api
 from moe_cohort.proxy.batch.jobs import BatchJobs
 from moe_cohort.proxy.admission import AdmissionGate, Profiler
-from moe_cohort.proxy.autoconfig import describe, health, plan_learning, plan_replica
+from moe_cohort.proxy.autoconfig import describe, health, passed_bound, plan_learning, plan_replica
 from moe_cohort.proxy.handshake import UNREACHABLE, EngineInfo, ask
 from moe_cohort.proxy.http.errors import BackendStatusError, BackendUnreachable, ProxyError
 from moe_cohort.proxy.http.fastpath import FastPath
@@ -76,6 +76,7 @@ class Proxy:
         self.plans = [plan_replica(settings, info) for info in self.engines]
         self.replicas = ReplicaSet(clients, [p.slots for p in self.plans], settings.routing,
                                    max_queue_s=settings.max_queue_ms / 1000,
+                                   max_passed=settings.max_passed or passed_bound(self.plans),
                                    **({"resident_factory": predictor.resident_factory} if predictor else {}))
         profiler = Profiler(predictor.predict, self.metrics.profile_seconds, predictor.ready) if predictor else None
         self.gate = AdmissionGate(profiler, self.metrics, replicas=self.replicas,
@@ -105,6 +106,7 @@ class Proxy:
             self.engines[r], self.plans[r] = info, plan_replica(self.settings, info)
             self.replicas.set_capacity(r, self.plans[r].slots)
         self.gate.profile_first = any(p.engine_side for p in self.plans)
+        self.replicas.router.max_passed = self.settings.max_passed or passed_bound(self.plans)
         if self.learning_plan.on is None:
             self.learning_plan = plan_learning(self.settings, self.engines)
             if self.learning is not None and self.learning_plan.on is not None:

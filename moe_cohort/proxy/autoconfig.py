@@ -10,6 +10,9 @@ Rules (a setting the user gave wins over each of them):
 - Slots. The replica's max_num_seqs; UNKNOWN_SLOTS (vLLM's default) when it does not say, which
   leaves nothing waiting in the proxy, so a plain vLLM is served first come, first served unless
   the user gives its max_num_seqs. Setting: max_in_flight.
+- Fairness. Besides max_queue_ms, a waiting request goes first once PASSED_PER_SLOT times a replica's slots
+  of later arrivals were admitted before it (`passed_bound`), as vLLM's queue does with our scheduler.
+  Setting: max_passed.
 - Learning. On when a replica serves its expert counts (the endpoint plugin is loaded); off with
   `--encoder none`, or when no replica counts experts. Setting: learn.
 
@@ -27,6 +30,7 @@ from moe_cohort.proxy.settings import Settings
 UNKNOWN_SLOTS = 256  # vLLM's default max_num_seqs
 ENGINE_SIDE_SLOTS = 256  # at least this many requests forwarded to an engine that admits by itself
 SCHEDULER = "moe_cohort.backend.scheduler.ExpertAwareScheduler"
+PASSED_PER_SLOT = 3  # backend.scheduler's: the same fairness in the proxy as in vLLM's queue
 TURN_ON_SCHEDULER = f"start vLLM with --scheduler-cls {SCHEDULER} to run admission inside it"
 INSTALL_PLUGIN = ("install moe-cohort in vLLM's environment (its plugin tells the proxy max_num_seqs and serves the "
                   "expert counts learning reads), or give --max-in-flight = vLLM's --max-num-seqs")
@@ -70,6 +74,14 @@ def plan_replica(settings: Settings, info: EngineInfo) -> ReplicaPlan:
     return ReplicaPlan(slots, False, f"{why}: admission in the proxy, {slots} slots"
                                      f"{given or ' (its max_num_seqs)'}", "" if settings.forward_profiles is False
                        else TURN_ON_SCHEDULER)
+
+
+def passed_bound(plans: Sequence[ReplicaPlan]) -> int:
+    """How many later arrivals the proxy may admit before a waiting request (admission.waiting): PASSED_PER_SLOT
+    times the slots of the smallest replica that admits in the proxy, so that no request waits more than a few
+    rounds of that replica's slots longer than first come, first served would have made it wait."""
+    slots = [p.slots for p in plans if not p.engine_side] or [p.slots for p in plans]
+    return PASSED_PER_SLOT * min(slots)
 
 
 def plan_learning(settings: Settings, infos: Sequence[EngineInfo]) -> LearningPlan:

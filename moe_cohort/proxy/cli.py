@@ -29,6 +29,8 @@ _FLAGS = {
     "--host": ("host", str, "address to listen on"),
     "--port": ("port", int, "port to listen on"),
     "--max-queue-ms": ("max_queue_ms", float, "fairness bound: a request waiting this long is admitted first"),
+    "--max-passed": ("max_passed", int, "fairness bound: a request that this many later arrivals were admitted "
+                                         "before goes first (default: 3 x the replica's slots)"),
     "--max-in-flight": ("max_in_flight", int, "requests at each replica at once (default: from its vLLM: its "
                                                "max_num_seqs, more where vLLM runs moe-cohort's scheduler, 256 where "
                                                "it does not say)"),

@@ -70,13 +70,15 @@ class ReplicaSet:
     """R backends, their capacities and health, and the routing of admission.router; see the module docstring."""
 
     def __init__(self, clients: Sequence[BackendClient], capacities: Sequence[int], routing: str = "affinity", *,
-                 max_queue_s: float = 30.0, health_timeout_s: float = 5.0, failover_probe_s: float = 1.0,
+                 max_queue_s: float = 30.0, max_passed: int | None = None, health_timeout_s: float = 5.0,
+                 failover_probe_s: float = 1.0,
                  clock: Callable[[], float] = time.monotonic,
                  resident_factory: ResidentFactory = lambda size: ResidentExperts(1, size)):
         if len(clients) != len(capacities) or not clients:
             raise ValueError(f"one capacity per backend: {len(clients)} backend(s), {len(capacities)} capacities")
         self.clients = list(clients)
-        self.router = ReplicaRouter(capacities, routing, max_wait=max_queue_s, resident_factory=resident_factory)
+        self.router = ReplicaRouter(capacities, routing, max_wait=max_queue_s, max_passed=max_passed,
+                                    resident_factory=resident_factory)
         self.health_timeout_s, self.failover_probe_s, self.clock = health_timeout_s, failover_probe_s, clock
         self._waiting: set[_Ticket] = set()
         self._background: list[_Ticket] = []  # waiting background work, oldest first

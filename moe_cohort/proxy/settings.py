@@ -52,6 +52,9 @@ class Settings:
     host: str = "127.0.0.1"
     port: int = 8080
     max_queue_ms: float = 30_000.0  # fairness bound: a request that has waited this long is admitted first
+    # fairness bound in admissions: a request that this many later arrivals were admitted before goes first
+    # (admission.waiting); 0: 3 x the slots of the smallest replica admitting in the proxy (proxy/autoconfig.py)
+    max_passed: int = 0
     # requests at each replica at once; 0: from the replica's handshake (proxy/autoconfig.py: its max_num_seqs, or
     # more where vLLM admits by itself)
     max_in_flight: int = 0
@@ -141,6 +144,8 @@ class Settings:
             raise _bad("routing", f"must be one of {', '.join(ROUTINGS)}, got {self.routing!r}")
         if not 1 <= self.port <= 65535:
             raise _bad("port", f"must be a TCP port in 1..65535, got {self.port}")
+        if self.max_passed < 0:
+            raise _bad("max_passed", f"must be >= 1, or 0 for 3 x the replica's slots, got {self.max_passed}")
         if self.max_in_flight < 0:
             raise _bad("max_in_flight", f"must be >= 1, or 0 for each replica's max_num_seqs, got {self.max_in_flight}")
         for name in ("max_body_bytes", "encoder_max_seq_len", "max_file_bytes", "encoder_threads",

@@ -66,3 +66,44 @@ def test_errors_name_what_is_wrong():
     resident.admit(np.ones(4) * 0.5)
     with pytest.raises(ValueError, match="resident set holds vectors of 4, the pool 6"):
         pool.pick(resident, 0.0, 1.0)
+
+
+def test_a_request_passed_over_max_passed_times_goes_first_counted_against_a_replay_of_the_picks():
+    rng = np.random.default_rng(1)
+    for trial in range(50):
+        pool, resident, max_passed = WaitingPool(capacity=2), ResidentExperts(1, 4), int(rng.integers(1, 4))
+        order, passed = [], {}  # arrival order of the waiting keys; brute-force count of later admissions
+        for step in range(30):
+            if rng.random() < 0.6 or not order:
+                key = f"k{trial}-{step}"
+                pool.add(key, rng.random(4).astype(np.float32), 0.0)
+                order.append(key)
+                passed[key] = 0
+                continue
+            over = [k for k in order if passed[k] >= max_passed]
+            chosen = pool.pick(resident, 0.0, None, max_passed)
+            if over:
+                assert chosen == over[0]  # the first to arrive of those passed over enough
+            if rng.random() < 0.2:  # a request leaves without a slot (its client hung up): it passes nobody
+                pool.remove(chosen)
+            else:
+                for k in order[: order.index(chosen)]:
+                    passed[k] += 1
+                pool.remove(chosen, admitted=True)
+                resident.admit(rng.random(4).astype(np.float32))
+            order.remove(chosen)
+            del passed[chosen]
+        assert max(passed.values(), default=0) <= max_passed + len(order)  # the count stays bounded by the rule
+
+
+def test_without_max_passed_a_poor_fit_may_wait_for_ever():
+    pool, resident = WaitingPool(), ResidentExperts(1, 2)
+    resident.admit(np.array([1.0, 0.0], np.float32))
+    pool.add("misfit", np.array([0.0, 1.0], np.float32), 0.0)
+    for i in range(5):
+        pool.add(f"fit{i}", np.array([1.0, 0.0], np.float32), 0.0)
+    picks = []
+    for _ in range(5):
+        picks.append(pool.pick(resident, 0.0, None, max_passed=None if len(picks) < 3 else 3))
+        pool.remove(picks[-1], admitted=True)
+    assert picks[:3] == ["fit0", "fit1", "fit2"] and picks[3] == "misfit"  # passed 3 times: its turn

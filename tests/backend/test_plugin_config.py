@@ -61,3 +61,14 @@ def test_engine_side_modules_do_not_import_vllm():
             "print(bad); sys.exit(1 if bad else 0)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_schedulers_bound_in_admissions_is_three_rounds_of_its_slots_unless_set():
+    import pytest
+    pytest.importorskip("vllm")
+    from moe_cohort.backend.scheduler import max_passed
+
+    assert max_passed(16, {}) == 48 and max_passed(16, {"COHORT_SCHEDULER_MAX_PASSED": "5"}) == 5
+    assert max_passed(16, {"COHORT_SCHEDULER_MAX_PASSED": "0"}) is None
+    with pytest.raises(ValueError, match="COHORT_SCHEDULER_MAX_PASSED must be a whole number"):
+        max_passed(16, {"COHORT_SCHEDULER_MAX_PASSED": "-2"})

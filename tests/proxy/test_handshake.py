@@ -227,3 +227,10 @@ def test_a_keyed_proxy_protecting_its_metrics_shows_callers_without_a_key_only_i
     anonymous, keyed = asyncio.run(main())
     assert anonymous == {"status": "ok"}
     assert keyed["backend"] and keyed["admission"] and keyed["configuration"]["replicas"][0]["admission"] == "engine"
+
+
+def test_the_fairness_bound_is_three_rounds_of_the_smallest_replica_admitting_in_the_proxy():
+    from moe_cohort.proxy.autoconfig import ReplicaPlan, passed_bound
+
+    engine, proxy8, proxy16 = ReplicaPlan(256, True, ""), ReplicaPlan(8, False, ""), ReplicaPlan(16, False, "")
+    assert passed_bound([engine, proxy16, proxy8]) == 24 and passed_bound([engine]) == 768
