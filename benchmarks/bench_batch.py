@@ -46,6 +46,7 @@ from pathlib import Path
 
 from moe_cohort.encoder.plans import chunk
 from moe_cohort.proxy.backend import BackendClient
+from moe_cohort.proxy.backend_metrics import metric_sum
 from moe_cohort.proxy.batch.core import RunConfig
 from moe_cohort.proxy.batch.order import make_order, simulated_order
 from moe_cohort.proxy.batch.run import run_batch
@@ -95,15 +96,9 @@ def write_batch_file(path: Path, texts: list[str], max_tokens: int) -> None:
 async def counters(backend: BackendClient) -> dict:
     """Decode-phase counters: whole pure-decode batches (ExpertLoads) and decode tokens / layer-forwards."""
     text = (await backend.request("GET", "/metrics")).text
-    return {"decode": parse_expert_loads(text, "decode"), "tokens": _sum(text, TOKENS_KEY + "_total"),
-            "token_forwards": _sum(text, "cohort_moe_layer_forwards_total")}
-
-
-def _sum(text: str, sample: str) -> float:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
-               if s.name == sample and s.labels.get("phase") == "decode")
+    return {"decode": parse_expert_loads(text, "decode"),
+            "tokens": metric_sum(text, TOKENS_KEY + "_total", phase="decode"),
+            "token_forwards": metric_sum(text, "cohort_moe_layer_forwards_total", phase="decode")}
 
 
 def delta(after: dict, before: dict, layers: int) -> dict:

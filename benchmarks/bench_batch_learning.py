@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 
 from benchmarks.bench_learning_e2e import TRAINED, counters, offline_encoder, trained_model
+from moe_cohort.proxy.backend_metrics import decode_rates
 from moe_cohort.train.heldout import prompt_texts
 
 
@@ -66,18 +67,13 @@ def run(name: str, flags: list[str], src: Path, work: Path, backend: str, slots:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{err}")
     time.sleep(1.5)  # the worker publishes its counters at most once a second
     snaps += [counters(backend)] * (5 - len(snaps))
-    quarters = [_rates(a, b, layers) for a, b in zip(snaps, snaps[1:])]
-    whole = _rates(snaps[0], snaps[-1], layers)
+    quarters = [decode_rates(a, b, layers) for a, b in zip(snaps, snaps[1:])]
+    whole = decode_rates(snaps[0], snaps[-1], layers)
     learned = next((line for line in err.splitlines() if line.startswith("learned:")), "")
     print(f"{name:>26}: " + "  ".join(f"{q[0]:.3f}/{q[1]:.1f}" for q in quarters)
           + f"  | all {whole[0]:.3f}/{whole[1]:.2f}  wall {wall:5.1f} s  {learned}", flush=True)
     return {"run": name, "quarters": quarters, "loads_per_token": whole[0], "tokens_per_forward": whole[1],
             "wall_s": wall, "learned": learned}
-
-
-def _rates(before: dict, after: dict, layers: int) -> tuple[float, float]:
-    d = {k: after[k] - before[k] for k in before}
-    return d["loads"] / max(d["tokens"], 1), d["tokens"] * layers / max(d["forwards"], 1)
 
 
 def main() -> None:
