@@ -6,8 +6,10 @@
     /v1/files, /v1/batches                             the OpenAI Batch API (proxy/batch/api.py)
 
 `create_app(settings)` builds everything once: the settings, the backend client, the encoder
-and profile head (the predictor), the admission gate and the metrics. Every request gets a request id
-and an access log line (proxy/http/middleware.py); every error leaves in the OpenAI error shape.
+and profile head (the predictor), the admission gate and the metrics. Before it serves, its lifespan
+asks each replica what it is and serves it accordingly (proxy/handshake.py, proxy/autoconfig.py).
+Every request gets a request id and an access log line (proxy/http/middleware.py); every error
+leaves in the OpenAI error shape.
 """
 
 from __future__ import annotations
@@ -209,12 +211,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         raise ValueError("settings.backend_url is empty; pass --backend URL (or run `cohort serve` without it "
                          "to start the embedded vLLM backend)")
     learner = load_learner(settings) if settings.learn is not False and settings.encoder.lower() != "none" else None
-    learning = []  # the proxy's Learning, once built: the predictor reads its head and whether it is on
+    built: list[Proxy] = []  # the predictor reads the proxy's learning (its head, whether on), built after it
     predictor = make_predictor(settings, threads=settings.encoder_threads,
-                               learned=(lambda: learning[0].head if learning else None) if learner else None,
-                               learning_on=lambda: learning[0].on if learning else None)
+                               learned=(lambda: built[0].learning.head if built else None) if learner else None,
+                               learning_on=lambda: built[0].learning.on if built and built[0].learning else None)
     proxy = Proxy(settings, predictor, learner)
-    learning.append(proxy.learning)
+    built.append(proxy)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -1,6 +1,7 @@
 """Online learning in the proxy: the served model's routing of answered requests teaches admission's profile head.
 
-With `--learn` the proxy pairs each observed request's head features (its prompt's embedding and
+Learning (on where a replica serves its expert counts, proxy/autoconfig.py; `--learn` / `--no-learn`
+decide otherwise) pairs each observed request's head features (its prompt's embedding and
 hashed n-grams, kept from its prediction on arrival or computed in the worker thread; never the text)
 with the expert counts the engine reports for it (traces.observed), keeps them in a train.online.OnlineLearner,
 refits the head off the event loop when enough new ones arrived, swaps it in (admission reads
