@@ -4,7 +4,8 @@
         [--slots 16] [--max-tokens 32] [--rounds 3] [--engine-side | --engine-side-only]
 
 The served model is the tiny MoE trained on text (`cohort make-tiny-moe --trained`, built and cached if
---model-dir has none), on a vLLM CPU server with the moe-cohort plugin and max_num_seqs = --slots.
+--model-dir has none), on a vLLM CPU server with the moe-cohort plugin and max_num_seqs = --slots, pinned
+to the first half of the CPUs; the proxies and the clients run on the other half.
 Prompts: $COHORT_DATA/prompts/mixed.jsonl under the project's split, each side in a seeded order (the
 file groups its prompts by source, which would favour first come, first served), the held-out side for
 the measured runs. --clients closed-loop clients each send their next
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -50,7 +52,8 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 
-from benchmarks.bench_proxy import start_proxy
+from benchmarks import bench_proxy
+from benchmarks.bench_proxy import split_cpus, start_proxy
 from moe_cohort.proxy.backend_metrics import decode_counters as counters  # bench_batch_learning imports it here
 from moe_cohort.proxy.backend_metrics import decode_rates, metric_sum, scrape
 from moe_cohort.proxy.embedded import default_model_dir, ensure_trained_model
@@ -241,6 +244,20 @@ def trained_model(model_dir: str) -> tuple[Path, int]:
     return model, json.loads((model / "config.json").read_text())["num_hidden_layers"]
 
 
+@contextlib.contextmanager
+def pinned():
+    """vLLM started inside gets the first half of the CPUs (its processes inherit this process's affinity), the
+    proxies (bench_proxy.PROXY_CPUS) and, once the caller moves there, the clients the other half: a GPU engine
+    and its proxy never share a core, and on 2 cores vLLM's busy worker would otherwise starve the proxy."""
+    everything = os.sched_getaffinity(0)
+    backend_cpus, bench_proxy.PROXY_CPUS = split_cpus()
+    os.sched_setaffinity(0, backend_cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, everything)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model-dir", default=str(TRAINED), help="the trained tiny MoE (built here if missing)")
@@ -275,12 +292,15 @@ def main() -> None:
     rows = {}
     try:
         if not args.engine_side_only:
-            with start(model, max_num_seqs=args.slots, max_model_len=1024) as server:
+            with pinned(), start(model, max_num_seqs=args.slots, max_model_len=1024) as server:
+                os.sched_setaffinity(0, bench_proxy.PROXY_CPUS)  # the clients, off vLLM's core
                 print("\n-- proxy-side admission (the proxy holds --slots requests at the backend)")
                 rows["proxy"] = runs(server.url, ["--max-in-flight", str(args.slots)], train, held, args, layers, work)
         if args.engine_side or args.engine_side_only:
-            with start(model, max_num_seqs=args.slots, max_model_len=1024,
-                       extra_args=["--scheduler-cls", "moe_cohort.backend.scheduler.ExpertAwareScheduler"]) as server:
+            with pinned(), start(model, max_num_seqs=args.slots, max_model_len=1024,
+                                 extra_args=["--scheduler-cls", "moe_cohort.backend.scheduler.ExpertAwareScheduler"]) \
+                    as server:
+                os.sched_setaffinity(0, bench_proxy.PROXY_CPUS)
                 print("\n-- engine-side admission (ExpertAwareScheduler; the proxy forwards at once with the profiles)")
                 rows["engine"] = runs(server.url, ["--max-in-flight", "256", "--forward-profiles"], train, held, args,
                                       layers, work)
