@@ -118,35 +118,38 @@ def measure(name: str, backend: str, proxy: str, prompts: list[str], args, layer
     row = {"run": name, "requests": len(prompts), "loads_per_token": loads_per_token,
            "tokens_per_forward": tokens_per_forward, "wall_s": wall, "failed": failed, "failures": sent["failures"],
            "waiting_engine": float(engine_pool), "waiting_proxy": float(proxy_pool)}
-    health = _health(proxy)
+    health = health_of(proxy)
     if "learning" in health.get("admission", {}):
         row["admission"] = health["admission"]
     print(f"{name:>28}: {row['loads_per_token']:6.3f} decode expert loads per generated token, "
           f"{row['tokens_per_forward']:5.2f} decode tokens per forward, wall {wall:6.1f} s ({len(prompts)} requests), "
           f"waiting {engine_pool:4.1f} in vLLM + {proxy_pool:4.1f} in the proxy, {failed} failed"
-          f"{' ' + str(sent['failures']) if failed else ''}" + (f"  [{health['admission']['mode']}, {health['admission']['learning']['observed']} observed]"
+          f"{' ' + str(sent['failures']) if failed else ''}"
+          + (f"  [{health['admission']['mode']}, {health['admission']['learning']['observed']} observed]"
              if "admission" in row else ""), flush=True)
     return row
 
 
-def _health(url: str) -> dict:
+def health_of(url: str) -> dict:
     with urllib.request.urlopen(url + "/health", timeout=30) as resp:
         return json.loads(resp.read())
 
 
-def wait_learned(proxy: str, sent: int, timeout_s: float = 120.0) -> None:
-    """Until the learning proxy has taken the counts of every request sent, or stopped taking more for 5 s."""
+def wait_learned(proxy: str, sent: int, timeout_s: float = 120.0) -> int:
+    """Until the learning proxy has taken the counts of every request sent, or stopped taking more for 5 s; how
+    many it took."""
     deadline, last, since = time.monotonic() + timeout_s, -1, time.monotonic()
     while time.monotonic() < deadline:
-        observed = _health(proxy)["admission"]["learning"]["observed"]
+        observed = (health_of(proxy).get("admission", {}).get("learning") or {}).get("observed", 0)
         if observed >= sent:
-            return
+            return observed
         if observed != last:
             last, since = observed, time.monotonic()
         elif time.monotonic() - since > 5:
             print(f"  (learned from {observed} of {sent} requests)")
-            return
+            return observed
         time.sleep(0.5)
+    return last
 
 
 def offline_encoder(learned: Path, out: Path) -> Path:

@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks import bench_proxy
-from benchmarks.bench_learning_e2e import send
+from benchmarks.bench_learning_e2e import health_of, send, wait_learned
 from benchmarks.bench_proxy import split_cpus, start_proxy
 from moe_cohort.proxy.backend_metrics import decode_counters, decode_rates
 from moe_cohort.proxy.embedded import default_model_dir, ensure_trained_model
@@ -67,34 +67,12 @@ def through(backend: str, flags: list[str], logs: Path, name: str, prompts: list
     """`measure` through a fresh `cohort serve --backend BACKEND *flags` (its log kept in `logs`), stopped after."""
     proc, proxy = start_proxy(backend, *flags, log=logs / f"{name.replace(' ', '-')}.log")
     try:
-        health = _health(proxy)
+        health = health_of(proxy)
         row = measure(name, backend, proxy, prompts, args, layers)
         row["configuration"] = health.get("configuration")
         return row
     finally:
         proc.terminate(), proc.wait(60)
-
-
-def _health(url: str) -> dict:
-    import urllib.request
-
-    with urllib.request.urlopen(url + "/health", timeout=30) as resp:
-        return json.loads(resp.read())
-
-
-def wait_learned(proxy: str, sent: int, timeout_s: float = 120.0) -> int:
-    """Until the proxy has learned from every request sent, or stopped learning for 5 s; how many it learned from."""
-    deadline, last, since = time.monotonic() + timeout_s, -1, time.monotonic()
-    while time.monotonic() < deadline:
-        observed = (_health(proxy).get("admission", {}).get("learning") or {}).get("observed", 0)
-        if observed >= sent:
-            return observed
-        if observed != last:
-            last, since = observed, time.monotonic()
-        elif time.monotonic() - since > 5:
-            return observed
-        time.sleep(0.5)
-    return last
 
 
 def one_server(kind: str, model: Path, layers: int, learn: list[str], held: list[str], args, work: Path) -> list[dict]:
@@ -109,7 +87,7 @@ def one_server(kind: str, model: Path, layers: int, learn: list[str], held: list
         print(f"\n-- vLLM {'with' if kind == 'ours' else 'without'} moe-cohort's scheduler ({server.url})", flush=True)
         proc, proxy = start_proxy(server.url, "--data-dir", str(state), log=logs / "learning.log")
         try:
-            print(f"configuration: {json.dumps(_health(proxy).get('configuration'))}")
+            print(f"configuration: {json.dumps(health_of(proxy).get('configuration'))}")
             learned = asyncio.run(send(proxy, learn, args.clients, args.max_tokens))
             print(f"learning: {len(learn)} requests in {learned['wall_s']:.0f} s, {len(learned['failures'])} kinds of "
                   f"failure {learned['failures']}; learned from {wait_learned(proxy, len(learn))}", flush=True)
