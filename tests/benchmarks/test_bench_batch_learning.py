@@ -1,6 +1,7 @@
-"""benchmarks/bench_batch_learning's batch file and per-quarter rates; benchmarks/bench_refit's timings."""
+"""benchmarks/bench_batch_learning's batch file (its rates are proxy.backend_metrics.decode_rates, tested there);
+benchmarks/bench_refit's timings."""
 
-from benchmarks.bench_batch_learning import _rates, batch_file
+from benchmarks.bench_batch_learning import batch_file
 from benchmarks.bench_refit import time_predict, time_refit
 from moe_cohort.proxy.batch.format import read_batch_file
 
@@ -10,12 +11,6 @@ def test_the_batch_file_is_a_valid_openai_batch_of_the_prompts(tmp_path):
     parsed = read_batch_file(path, default_policy="topk", max_line_bytes=10_000)
     assert not parsed.errors and [r.text for r in parsed.requests] == ["why?", "how?"]
     assert all(r.body["max_tokens"] == 7 and r.body["ignore_eos"] for r in parsed.requests)
-
-
-def test_rates_are_loads_per_generated_token_and_tokens_per_forward():
-    before = {"loads": 10.0, "forwards": 8.0, "tokens": 20.0}
-    after = {"loads": 70.0, "forwards": 16.0, "tokens": 50.0}  # 60 loads, 30 tokens, 8 layer-forwards of 4 layers
-    assert _rates(before, after, layers=4) == (2.0, 15.0)
 
 
 def test_a_refit_is_timed():
