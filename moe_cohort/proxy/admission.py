@@ -9,13 +9,16 @@ profile). When a slot is free nobody waits: there is nothing to reorder.
 
 Each request's expert profile is predicted once, on arrival, by a `Profiler` (encoder embedding
 -> profile head, in one worker thread, batched with whatever else arrived meanwhile, off the
-event loop). With `profile_first` every request waits for it, and the admission carries it in
-compact form, which the proxy forwards as `vllm_xargs.moe_profile`, so an engine with our
-scheduler (`backend.scheduler`) can reorder its own queue too. Without, a request that finds a
-free slot with nobody waiting is admitted at once (there is nothing to choose, and a burst of
-arrivals would otherwise wait for the whole burst's prediction; docs/results.md has the proxy's
-overhead both ways), and its profile joins its replica's resident set when predicted, so
-later choices still count its experts; a request that has to wait is predicted first, as before.
+event loop). A prediction is waited for at most `deadline_s`: past it the request goes on without
+one (first come, first served for it) and its profile joins its replica's resident set when it
+comes, so a slow prediction never holds the engine's slots empty. A predictor with nothing to
+predict yet (a learning proxy before its first head) is not asked at all. With `profile_first`
+every request waits for its prediction, and the admission carries it in compact form, which the
+proxy forwards as `vllm_xargs.moe_profile`, so an engine with our scheduler (`backend.scheduler`)
+can reorder its own queue. Without, a request that finds a free slot with nobody waiting is
+admitted at once (there is nothing to choose, and a burst of arrivals would otherwise wait for the
+whole burst's prediction), and its profile joins its replica's resident set when predicted, so
+later choices still count its experts; a request that has to wait is predicted first.
 Background work (the Batch API's jobs) shares the slots through `admit_background()` but only
 gets one that no waiting request wants. Nothing here knows HTTP: a
 caller awaits `admit()`, talks to the backend, then calls `release(admission)`.
