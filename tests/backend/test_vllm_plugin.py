@@ -156,8 +156,8 @@ def _scrape(server) -> dict[tuple[str, str, str], float]:
     values = {}
     for line in text.splitlines():
         m = re.match(r'(cohort_\w+)\{(.*)\} (\S+)$', line)
-        if m and "le=" not in m.group(2):
-            labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2)))
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2))) if m else {}
+        if "phase" in labels and "le" not in labels:  # the expert-load series (not cohort_engine_info)
             values[(m.group(1), labels["phase"], labels["policy"])] = float(m.group(3))
     return values
 
