@@ -83,7 +83,8 @@ class Proxy:
         profiler = Profiler(predictor.predict, self.metrics.profile_seconds, predictor.ready) if predictor else None
         self.gate = AdmissionGate(profiler, self.metrics, replicas=self.replicas,
                                   profile_first=any(p.engine_side for p in self.plans),
-                                  deadline_s=settings.profile_deadline_ms / 1000)
+                                  deadline_s=settings.profile_deadline_ms / 1000 if settings.profile_deadline_ms
+                                  else predictor.deadline_s if predictor else 0.0)
         self.learning_plan = plan_learning(settings, self.engines)  # decided now when a setting says
         if self.learning is not None and self.learning_plan.on is not None:
             self.learning.decide(self.learning_plan.on)

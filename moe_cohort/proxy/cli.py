@@ -35,7 +35,8 @@ _FLAGS = {
                                                "max_num_seqs, more where vLLM runs moe-cohort's scheduler, 256 where "
                                                "it does not say)"),
     "--profile-deadline-ms": ("profile_deadline_ms", float, "longest wait for a request's predicted profile; past "
-                                                             "it the request goes on without one"),
+                                                             "it the request goes on without one (default: 50 for a "
+                                                             "static encoder, 500 for a transformer)"),
     "--default-policy": ("default_policy", str, "routing policy when a request has no X-MoE-Routing header"),
     "--encoder": ("encoder", str, "encoder name or path (a folder from `cohort train` brings its profile head); "
                                   "'all-MiniLM-L6-v2' the packaged MiniLM; 'none': first come, first served (default: "

@@ -34,6 +34,7 @@ from moe_cohort.proxy.settings import Settings
 
 log = logging.getLogger(__name__)
 
+STATIC_DEADLINE_S, MODEL_DEADLINE_S = 0.05, 0.5  # Predictor.deadline_s of a static and of a transformer encoder
 # texts -> per text its Prediction: a flat predicted profile [L*E] and its compact form with a profile
 # head, else a unit embedding [D]; None for a text that got no prediction
 PredictFn = Callable[[Sequence[str]], list[Prediction | None]]
@@ -48,6 +49,9 @@ class Predictor:
     features: Callable[[Sequence[str]], tuple[np.ndarray, list[np.ndarray | None]]] | None = None
     mode: Callable[[], str] = lambda: "embeddings"  # what admission runs on now (/health)
     ready: Callable[[], bool] = lambda: True  # whether `predict` would predict anything now (else: none, FCFS)
+    # how long a request may wait for its prediction by default: a static encoder embeds in microseconds, a
+    # transformer on one CPU thread takes tens of milliseconds a prompt (Settings.profile_deadline_ms: 0)
+    deadline_s: float = 0.05
 
 
 def encoder_problem(settings: Settings) -> str | None:
@@ -154,7 +158,8 @@ def make_predictor(settings: Settings, threads: int | None = None,
         return ResidentEmbedding(size) if trained is None and not awaits_learning() else ResidentExperts(1, size)
 
     kind = "embedding" if trained is None and learned is None else "profile"
-    return Predictor(predict, resident, kind, features, mode, ready)
+    return Predictor(predict, resident, kind, features, mode, ready, STATIC_DEADLINE_S if embedder.static
+                     else MODEL_DEADLINE_S)
 
 
 class RecentFeatures:

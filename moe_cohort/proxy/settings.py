@@ -72,8 +72,9 @@ class Settings:
     # for an engine running backend.scheduler.ExpertAwareScheduler, x-cohort-key for a router (llm-d); off: a
     # request that finds a free slot goes at once, without them; None: per replica, on where its vLLM runs our scheduler
     forward_profiles: bool | None = None
-    # longest wait for a request's predicted profile; past it the request goes on without one (first come, first served)
-    profile_deadline_ms: float = 50.0
+    # longest wait for a request's predicted profile; past it the request goes on without one (first come, first
+    # served); 0: by the encoder, 50 for a static one, 500 for a transformer (proxy/profiles.py)
+    profile_deadline_ms: float = 0.0
     # engine hints (proxy/hints.py): clients' vllm_xargs.moe_profile and moe_record are dropped unless trusted (a
     # gateway that predicts profiles itself); moe_routing is theirs, within allowed_policies (names such as
     # "topk,oea" allow any parameters, or exact policies "xshare;m=24"; empty: any policy)

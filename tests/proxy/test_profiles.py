@@ -38,6 +38,7 @@ def test_the_default_encoder_is_the_static_distillation_of_the_packaged_model(tm
     assert asked == [packaged]  # distilled from the packaged MiniLM (once: then from the cache)
     (prediction,) = predictor.predict(["How do I sort a list in Python?"])
     assert predictor.kind == "embedding" and prediction.vector.shape == (8,) and prediction.compact is None  # no head
+    assert predictor.deadline_s == 0.05  # a static encoder's prediction is waited for 50 ms at most
 
 
 def test_a_folder_with_a_head_that_reads_ngrams_predicts_profiles_from_the_texts(tmp_path):
