@@ -163,7 +163,8 @@ class Settings:
                        f"{self.learn_capacity} and {self.learn_refit_every}")
         if not 0 < self.head_timeout_s < float("inf"):
             raise _bad("head_timeout_s", f"must be a finite number > 0, got {self.head_timeout_s}")
-        for name in ("max_queue_ms", "keepalive_s", "profile_deadline_ms", "request_timeout_s", "connect_timeout_s", "encoder_cache",
+        for name in ("max_queue_ms", "keepalive_s", "profile_deadline_ms", "request_timeout_s", "connect_timeout_s",
+                     "encoder_cache",
                      "batch_concurrency", "batch_max_retries"):
             value = getattr(self, name)
             if not 0 <= value < float("inf"):  # nan fails too
