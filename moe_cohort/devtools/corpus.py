@@ -8,7 +8,7 @@ Sources (read in place, never copied into the repository):
   HumanEval, MT-Bench, Vicuna-bench; licenses beside the file), when it is at hand.
 
 Every source is split by request with the project's one held-out split (`traces.split.
-split_requests`, 20% held out, seed 0, grouped by text); only the training side is ever trained
+split_requests`, its defaults, grouped by text); only the training side is ever trained
 on, and the held-out side is what routing is measured on. For mixed.jsonl the split is applied to
 the file's requests in file order, so held-out prompts never appear in the training text.
 

@@ -2,9 +2,8 @@
 
 A sentence embedding keeps what a prompt is about; the words themselves (a format instruction, an
 answer-letter template, a code keyword) say much of how the model will answer, and so which experts
-its generated tokens pick. The profile head (encoder.profile) reads both: on the training side of
-both models in ../shared/data, the head on the static embedding with these features beside it
-admitted better in every fold than on the embedding alone (docs/results.md, issue 25).
+its generated tokens pick. The profile head (encoder.profile) reads both (docs/results.md compares
+it with the embedding alone).
 
 Words are lower-cased runs of letters and digits, and single punctuation marks; a feature is the
 crc32 of an n-gram modulo `dim` (no vocabulary to store, stable across processes and versions);

@@ -1,11 +1,11 @@
 """Modelled decode-step time: t = a(T) + b * u per MoE layer, plus the rest of the step.
 
-Measured on an H100 (bf16 grouped GEMM over the touched experts only, CUDA graph, weights read
-from HBM; issue 13): one MoE layer with u distinct experts takes a + b*u microseconds, linear
-(R^2 >= 0.985); a grows with the step's tokens T (from a(8) to a(128), interpolated linearly in
-T and held flat outside), b is the per-expert weight read. In a whole decode step the MoE
-blocks are 70-76% of the time (context 512), so by default the non-MoE part of a step is
-(1 / moe_share - 1) times the MoE time of a random-order step at the same S: a fixed cost per
+The model (its coefficients per served model are measurements: docs/results.md and DESIGN.md): one
+MoE layer with u distinct experts takes a + b*u microseconds (bf16 grouped GEMM over the touched
+experts only, CUDA graph, weights read from HBM); a grows with the step's tokens T (from a(8) to
+a(128), interpolated linearly in T and held flat outside), b is the per-expert weight read. The
+MoE blocks are a share `moe_share` of a whole decode step, so by default the non-MoE part of a step
+is (1 / moe_share - 1) times the MoE time of a random-order step at the same S: a fixed cost per
 step that no admission order changes. `non_moe_us` sets it explicitly instead.
 """
 

@@ -7,7 +7,7 @@ Policies, in the order of the output (random is always first):
     text-nearest     nearest embedding to the resident set (the --encoder's embeddings)
     text-profile     fewest expected new experts by the profile head saved with the encoder
                      (`cohort train` writes it beside the fine-tuned encoder)
-    reference        fewest expected new experts by the traces' own profiles (issue 13, 2c)
+    reference        fewest expected new experts by the traces' own profiles
 
 With --replicas R: R replicas of S slots behind a router instead (eval.replicas; --routing picks
 round-robin, least-loaded, affinity or all), beside one engine of R*S slots for reference.

@@ -22,10 +22,10 @@ import time
 from typing import Sequence
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from moe_cohort.proxy.http.answers import add_error_handlers, error_answer
 from moe_cohort.proxy.http.api_docs import OFF as API_DOCS_OFF, add_api_docs
 from moe_cohort.proxy.auth import Authorizer, backend_headers
 from moe_cohort.proxy.cohort_key import cohort_key_header
@@ -33,10 +33,11 @@ from moe_cohort.proxy.backend import BackendClient
 from moe_cohort.proxy.batch.api import add_batch_api
 from moe_cohort.proxy.batch.jobs import BatchJobs
 from moe_cohort.proxy.admission import AdmissionGate, Profiler
-from moe_cohort.proxy.autoconfig import describe, health, passed_bound, plan_learning, plan_replica
+from moe_cohort.proxy.autoconfig import LearningPlan, describe, passed_bound, plan_learning, plan_replica
 from moe_cohort.proxy.handshake import UNREACHABLE, EngineInfo, ask
-from moe_cohort.proxy.http.errors import BackendStatusError, BackendUnreachable, ProxyError
+from moe_cohort.proxy.http.errors import BackendUnreachable
 from moe_cohort.proxy.http.fastpath import FastPath
+from moe_cohort.proxy.health import health_answer
 from moe_cohort.proxy.hints import HintRules
 from moe_cohort.proxy.learning import Learning, learned_folder, load_learner, relay_answer
 from moe_cohort.proxy.http.limits import HeadLimits
@@ -85,9 +86,8 @@ class Proxy:
                                   profile_first=any(p.engine_side for p in self.plans),
                                   deadline_s=settings.profile_deadline_ms / 1000 if settings.profile_deadline_ms
                                   else predictor.deadline_s if predictor else 0.0)
-        self.learning_plan = plan_learning(settings, self.engines)  # decided now when a setting says
-        if self.learning is not None and self.learning_plan.on is not None:
-            self.learning.decide(self.learning_plan.on)
+        self.learning_plan: LearningPlan | None = None
+        self._decide_learning()  # now when a setting says, else when a replica answers
         self.configuration = ""  # what `configure` chose, one line
         self.authorize = Authorizer(settings.api_keys)  # called with a request's headers
         self.upstream = Upstream(self.gate, self.metrics, settings.keepalive_s, self.learning)
@@ -110,11 +110,15 @@ class Proxy:
             self.replicas.set_capacity(r, self.plans[r].slots)
         self.gate.profile_first = any(p.engine_side for p in self.plans)
         self.replicas.router.max_passed = self.settings.max_passed or passed_bound(self.plans)
-        if self.learning_plan.on is None:
+        self._decide_learning()
+        return describe(self.settings.backend_urls, self.plans, self.learning_plan)
+
+    def _decide_learning(self) -> None:
+        """Whether to learn is decided once (proxy/autoconfig.py: a setting, else the first replica's answer)."""
+        if self.learning_plan is None or self.learning_plan.on is None:
             self.learning_plan = plan_learning(self.settings, self.engines)
             if self.learning is not None and self.learning_plan.on is not None:
                 self.learning.decide(self.learning_plan.on)
-        return describe(self.settings.backend_urls, self.plans, self.learning_plan)
 
     def relay_client(self) -> BackendClient:
         """Where a request that takes no slot goes (/v1/embeddings, /tokenize, ...): a healthy replica."""
@@ -243,7 +247,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         add_api_docs(app, proxy.authorize)
     app.state.proxy = proxy
     access_log.setLevel(logging.INFO if settings.access_log else logging.WARNING)
-    _add_error_handlers(app, proxy)
+    add_error_handlers(app, proxy.metrics, PATHS)
     batch_jobs = BatchJobs(settings, proxy.backend, proxy.predictor, gate=proxy.gate, learning=proxy.learning)
     add_batch_api(app, batch_jobs, proxy.authorize, settings.max_file_bytes)
 
@@ -258,23 +262,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.post(PATHS["completion"])(completions)
     app.add_middleware(FastPath, routes={PATHS["chat"]: (chat_completions, "chat"),
                                          PATHS["completion"]: (completions, "completion")},
-                       on_error=lambda request, exc, label: error_answer(proxy, request, exc, label))
+                       on_error=lambda request, exc, label: error_answer(proxy.metrics, request, exc, label))
 
     add_relay_routes(app, proxy)
 
     @app.get("/health")
     async def health(request: Request) -> Response:
-        # --protect-metrics: open for load balancers, but the backend's address and errors only for a key
-        shown = not settings.protect_metrics or proxy.authorize.allows(request.headers)
-        if proxy.replicas.size > 1:
-            return await _replicas_health(proxy, shown)
-        try:
-            await proxy.backend.request("GET", "/health")
-        except ProxyError as exc:
-            return JSONResponse({"status": "backend unavailable", **({"backend": settings.backend_url,
-                                 "detail": exc.message} if shown else {})}, status_code=503)
-        return JSONResponse({"status": "ok", **({"backend": settings.backend_url, **_admission_health(proxy)}
-                                                if shown else {})})
+        return await health_answer(proxy, request)
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
@@ -285,57 +279,3 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     # added last, so outermost: around the fast path too
     app.add_middleware(RequestContext, limits=HeadLimits(settings.max_header_bytes, settings.max_headers))
     return app
-
-
-def _admission_health(proxy: Proxy) -> dict:
-    """What admission runs on (a learned head, a trained folder's, embeddings only, or nothing: FCFS) and how each
-    replica is served (proxy/autoconfig.py): for callers allowed to see the backends."""
-    if proxy.predictor is None:
-        admission = {"mode": "first come, first served (--encoder none)"}
-    else:
-        admission = {"mode": proxy.predictor.mode()}
-    if proxy.learning is not None and proxy.learning.on:
-        admission["learning"] = proxy.learning.describe()
-    return {"admission": admission,
-            "configuration": health(proxy.settings.backend_urls, proxy.plans, proxy.learning_plan)}
-
-
-def error_answer(proxy: Proxy, request: Request, exc: ProxyError, route: str) -> Response:
-    """The answer to a ProxyError (the OpenAI error shape), counted under the metrics label `route`."""
-    proxy.metrics.requests.labels(route, str(exc.status_code)).inc()
-    if isinstance(exc, BackendStatusError):  # the backend's own error, in the OpenAI shape
-        content, media_type = exc.openai_content(f"{request.method} {request.url.path}")
-        return Response(content, status_code=exc.status_code, media_type=media_type)
-    log.warning("%s %s -> %d: %s", request.method, request.url.path, exc.status_code, exc.message)
-    return JSONResponse(exc.body(), status_code=exc.status_code)
-
-
-async def _replicas_health(proxy: Proxy, shown: bool) -> Response:
-    """Several replicas: each probed now (and taken out or back in by the answer); 200 while one is up."""
-    up = await proxy.replicas.check()
-    router = proxy.replicas.router
-    replicas = [{"backend": c.base_url, "healthy": ok, "in_flight": int(busy), "max_in_flight": int(cap)}
-                for c, ok, busy, cap in zip(proxy.replicas.clients, up, router.busy, router.capacity)]
-    status = "ok" if all(up) else "degraded" if any(up) else "backend unavailable"
-    return JSONResponse({"status": status, **({"routing": router.routing, "replicas": replicas,
-                                               **_admission_health(proxy)} if shown else {})},
-                        status_code=200 if any(up) else 503)
-
-
-def _add_error_handlers(app: FastAPI, proxy: Proxy) -> None:
-    @app.exception_handler(ProxyError)
-    async def proxy_error(request: Request, exc: ProxyError) -> Response:
-        return error_answer(proxy, request, exc, _route_of(request))
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
-        error = ProxyError(f"{request.method} {request.url.path}: {exc.detail}", code=str(exc.status_code))
-        error.error_type = "invalid_request_error"
-        return JSONResponse(error.body(), status_code=exc.status_code)
-
-
-def _route_of(request: Request) -> str:
-    """The metrics' route label: the route's name, else its template; never the raw path (file and batch
-    ids would reach /metrics, and every new path, even refused without a key, would be a new series)."""
-    template = getattr(request.scope.get("route"), "path", "unmatched")
-    return {path: route for route, path in PATHS.items()}.get(template, template)

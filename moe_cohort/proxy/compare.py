@@ -18,6 +18,10 @@ decode expert loads per GENERATED token, and decode tokens per forward beside it
 forward touch fewer experts by themselves). FCFS and admission alternate on one server, so the
 engine's drift over minutes hits both alike. The counters are server-wide: run it on a backend that
 nothing else uses.
+
+Over 300 lines because it is one command read top to bottom: finding the proxy's backend and model,
+the learning phase, the rounds, the closed-loop clients and the printed rows share one Target and one
+Run, and split apart they would be imported by nothing else.
 """
 
 from __future__ import annotations
