@@ -39,12 +39,13 @@ import numpy as np
 from benchmarks import bench_proxy
 from benchmarks.bench_learning_e2e import health_of, send, wait_learned
 from benchmarks.bench_proxy import split_cpus, start_proxy
+from moe_cohort.backend.engine_info import SCHEDULER_CLS
 from moe_cohort.proxy.backend_metrics import decode_counters, decode_rates
 from moe_cohort.proxy.embedded import default_model_dir, ensure_trained_model
 from moe_cohort.traces.split import split_requests
 from moe_cohort.train.heldout import prompt_texts
 
-SCHEDULER = ["--scheduler-cls", "moe_cohort.backend.scheduler.ExpertAwareScheduler"]
+SCHEDULER = ["--scheduler-cls", SCHEDULER_CLS]
 
 
 def measure(name: str, backend: str, proxy: str, prompts: list[str], args, layers: int) -> dict:

@@ -27,6 +27,7 @@ from moe_cohort.backend.policy import POLICY_NAMES
 OBJECT, SCHEMA = "cohort.engine_info", 1
 ENDPOINT_PLUGIN = "moe_cohort"  # our `vllm.endpoint_plugins` entry point (pyproject.toml)
 OUR_SCHEDULERS = "moe_cohort.backend.scheduler.ExpertAware"  # ExpertAwareScheduler, ExpertAwareAsyncScheduler
+SCHEDULER_CLS = OUR_SCHEDULERS + "Scheduler"  # what `vllm serve --scheduler-cls` names to admit by experts
 VLLM_SCHEDULERS = {False: "vllm.v1.core.sched.scheduler.Scheduler",  # what vLLM builds when none is named
                    True: "vllm.v1.core.sched.async_scheduler.AsyncScheduler"}
 _EXPERTS = ("num_experts", "n_routed_experts", "num_local_experts")  # routed experts, by architecture

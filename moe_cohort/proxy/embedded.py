@@ -14,11 +14,11 @@ import logging
 import os
 from pathlib import Path
 
+from moe_cohort.backend.engine_info import SCHEDULER_CLS
 from moe_cohort.proxy.vllm_server import VllmServer, start
 
 log = logging.getLogger(__name__)
 
-SCHEDULER = "moe_cohort.backend.scheduler.ExpertAwareScheduler"
 TRAIN_MINUTES = "2-3 minutes on 2 idle CPU cores"  # devtools/train_moe.py, recipe "full" (docs/results.md, section 9)
 
 
@@ -68,5 +68,5 @@ def start_embedded_backend(model_dir: str | Path, *, max_num_seqs: int = 16, por
                            expert_aware: bool = True) -> VllmServer:
     """Start vLLM on the model in `model_dir` with the plugin and, with `expert_aware`, the expert-aware
     scheduler; wait until it answers /health."""
-    extra = ["--scheduler-cls", SCHEDULER] if expert_aware else []
+    extra = ["--scheduler-cls", SCHEDULER_CLS] if expert_aware else []
     return start(model_dir, port=port, max_num_seqs=max_num_seqs, extra_args=extra)
