@@ -6,9 +6,9 @@ Profiles are random predicted profiles of DeepSeek-V2-Lite's shape (26 MoE layer
 top-6), sent in admission.wire's compact form. Prints, for a pool of --pool waiting requests and
 --resident running ones:
 
-- engine side: `backend.admission_queue.ExpertAwareQueue`, one peek + pop (what vLLM's scheduler
+- engine side: `engine.expert_queue.ExpertAwareQueue`, one peek + pop (what vLLM's scheduler
   calls per admitted request), the running set read anew each time;
-- proxy side: `proxy.admission.AdmissionGate`, one release + the admission it triggers.
+- proxy side: `proxy.gate.AdmissionGate`, one release + the admission it triggers.
 Target (issue 13): < 1 ms per request for a pool of 1,000 on this machine.
 """
 
@@ -22,9 +22,9 @@ from types import SimpleNamespace
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from moe_cohort.backend.admission_queue import ExpertAwareQueue
+from moe_cohort.engine.expert_queue import ExpertAwareQueue
 from moe_cohort.admission.wire import Prediction, compact, expand
-from moe_cohort.proxy.admission import AdmissionGate, Profiler
+from moe_cohort.proxy.gate import AdmissionGate, Profiler
 from moe_cohort.proxy.metrics import ProxyMetrics
 from moe_cohort.proxy.replicas import ReplicaSet
 

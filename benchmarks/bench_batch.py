@@ -45,7 +45,7 @@ import time
 from pathlib import Path
 
 from moe_cohort.encoder.plans import chunk
-from moe_cohort.proxy.backend import BackendClient
+from moe_cohort.proxy.backend_client import BackendClient
 from moe_cohort.proxy.backend_metrics import metric_sum
 from moe_cohort.proxy.batch.core import RunConfig
 from moe_cohort.proxy.batch.order import make_order, simulated_order

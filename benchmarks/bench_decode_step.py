@@ -29,8 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch.distributions import Dirichlet
 
-from moe_cohort.backend.policy import parse_policy
-from moe_cohort.backend.selection import SELECTORS, select_experts, select_topk
+from moe_cohort.engine.policy import parse_policy
+from moe_cohort.engine.selection import SELECTORS, select_experts, select_topk
 
 POLICIES = ["topk", "xshare;m=24;k0=1", "oea;k0=4", "moe-spec;budget=32", "moe-spec;budget=32;cover=substitute",
             "moe-spec;budget=32;rank=topk", "lynx-lat;drop=32", "oea;k0=1;p=0.6;max_p=16", "torch:xshare;m=24;k0=1"]

@@ -301,7 +301,7 @@ def main() -> None:
                 rows["proxy"] = runs(server.url, ["--max-in-flight", str(args.slots)], train, held, args, layers, work)
         if args.engine_side or args.engine_side_only:
             with pinned(), start(model, max_num_seqs=args.slots, max_model_len=1024,
-                                 extra_args=["--scheduler-cls", "moe_cohort.backend.scheduler.ExpertAwareScheduler"]) \
+                                 extra_args=["--scheduler-cls", "moe_cohort.engine.scheduler.ExpertAwareScheduler"]) \
                     as server:
                 os.sched_setaffinity(0, bench_proxy.PROXY_CPUS)
                 print("\n-- engine-side admission (ExpertAwareScheduler; the proxy forwards at once with the profiles)")

@@ -39,7 +39,7 @@ import numpy as np
 from benchmarks import bench_proxy
 from benchmarks.bench_learning_e2e import health_of, send, wait_learned
 from benchmarks.bench_proxy import split_cpus, start_proxy
-from moe_cohort.backend.engine_info import SCHEDULER_CLS
+from moe_cohort.engine.engine_info import SCHEDULER_CLS
 from moe_cohort.proxy.backend_metrics import decode_counters, decode_rates
 from moe_cohort.proxy.embedded import default_model_dir, ensure_trained_model
 from moe_cohort.traces.split import split_requests

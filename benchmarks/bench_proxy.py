@@ -28,7 +28,7 @@ Part 2, admission at saturation: the same prompts ($COHORT_DATA/prompts/mixed.js
 proxy first come first served (encoder none) and by admission (--encoder, default the packaged
 MiniLM), 64 concurrent clients and --slots requests in flight (the backend's max_num_seqs), so
 requests wait and admission has a pool to choose from; with --engine-side also through a second
-vLLM server with max_num_seqs = --slots and `--scheduler-cls backend.scheduler.ExpertAwareScheduler`,
+vLLM server with max_num_seqs = --slots and `--scheduler-cls engine.scheduler.ExpertAwareScheduler`,
 the proxy forwarding at once (admission inside the engine, from the profiles the proxy sends);
 prints the mean distinct experts per layer per decode forward from the plugin's counters, with
 the tokens per forward beside it (fewer tokens per forward touch fewer experts by themselves).
@@ -400,7 +400,7 @@ def main() -> None:
 
         os.sched_setaffinity(0, backend_cpus)
         engine = start(ensure_tiny_model(args.model_dir), max_num_seqs=args.slots,
-                       extra_args=["--scheduler-cls", "moe_cohort.backend.scheduler.ExpertAwareScheduler"])
+                       extra_args=["--scheduler-cls", "moe_cohort.engine.scheduler.ExpertAwareScheduler"])
     os.sched_setaffinity(0, client_cpus)  # the load generator
     try:
         where = f"backend on CPUs {sorted(backend_cpus)}, " if server else ""

@@ -6,7 +6,7 @@
 Held-out text of the trained tiny MoE (devtools.corpus: package code and prose, mixed.jsonl
 prompts as ChatML turns; the side it never trained on) is cut into windows of --seq-len tokens,
 and random batches of --batch-size windows (kinds mixed, seed 0) are scored with a transformers
-forward in which every router's top-k is replaced by a selector of backend.selection. Position t
+forward in which every router's top-k is replaced by a selector of engine.selection. Position t
 of the B windows is one decode step of B requests (each its own request span), the setting of
 the OEA paper's perplexity measure: the selector sees the step's B tokens together. Reported per
 policy: cross-entropy (nats/token) and perplexity, and distinct experts per layer per step
@@ -22,7 +22,7 @@ import math
 import random
 from pathlib import Path
 
-from moe_cohort.backend.selection import select_experts
+from moe_cohort.engine.selection import select_experts
 from moe_cohort.devtools.corpus import CorpusArgs, build_corpus
 from moe_cohort.devtools.routing_mi import chat_prompt
 

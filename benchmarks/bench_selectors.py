@@ -9,7 +9,7 @@ distinct experts a batch loads.
   selector alike. Target: every selector within 3x of plain top-k at T = 256, E = 128.
 - `--device cuda`: GPU time per call inside a CUDA graph (10 calls captured per graph, replayed,
   timed with CUDA events; best of interleaved rounds) for the Triton kernels
-  (`backend.selection.fused`, what `select_experts` runs on CUDA) and for the torch selectors,
+  (`engine.selection.fused`, what `select_experts` runs on CUDA) and for the torch selectors,
   plus whether each runs free of host synchronisation (`torch.cuda.set_sync_debug_mode`).
   Target (issue 15): every kernel selector <= 1.5x topk at T = 256, E = 128, sync-free.
 
@@ -30,9 +30,9 @@ import time
 import torch
 from torch.distributions import Dirichlet
 
-from moe_cohort.backend.policy import parse_policy
-from moe_cohort.backend.selection import SELECTORS, select_experts
-from moe_cohort.backend.selection.base import context_for
+from moe_cohort.engine.policy import parse_policy
+from moe_cohort.engine.selection import SELECTORS, select_experts
+from moe_cohort.engine.selection.base import context_for
 from benchmarks.bench_selectors_cuda import bench_cuda, over_configs, report_target
 
 TOP_K, SPEC_LEN, GPUS = 8, 4, 8

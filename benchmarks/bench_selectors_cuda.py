@@ -1,7 +1,7 @@
 """GPU half of `python -m benchmarks.bench_selectors --device cuda`: CUDA-graph timings.
 
 For every configuration and policy: GPU microseconds per call inside a CUDA graph for the Triton
-kernels (`select_experts` on CUDA) and for the torch selectors (`backend.selection.SELECTORS`),
+kernels (`select_experts` on CUDA) and for the torch selectors (`engine.selection.SELECTORS`),
 and whether each call runs without host synchronisation (`torch.cuda.set_sync_debug_mode("error")`
 around an eager call). A path that synchronises, or copies host data to the device per call, cannot
 be captured; it is reported as such and not timed.
@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
-from moe_cohort.backend.policy import parse_policy
-from moe_cohort.backend.selection import SELECTORS, select_experts, select_topk
-from moe_cohort.backend.selection.base import context_for
+from moe_cohort.engine.policy import parse_policy
+from moe_cohort.engine.selection import SELECTORS, select_experts, select_topk
+from moe_cohort.engine.selection.base import context_for
 
 CALLS_PER_GRAPH, REPLAYS, ROUNDS = 10, 20, 5
 

@@ -64,7 +64,7 @@ def child(args) -> None:
     """Run the rounds of one engine session; print one JSON line per round."""
     from vllm import LLM, SamplingParams
 
-    from moe_cohort.backend.policy import parse_policy
+    from moe_cohort.engine.policy import parse_policy
 
     llm = LLM(model=str(args.model), dtype=args.dtype, enforce_eager=True, max_model_len=1024,
               max_num_seqs=max(16, args.requests), seed=0)

@@ -11,8 +11,14 @@ import subprocess
 
 import numpy as np
 import pytest
+import torch
 
 from moe_cohort.traces.format import TraceSet, expert_dtype
+
+# Without a GPU the Triton kernels run in Triton's CPU interpreter, which must be on before any test
+# imports them (engine.selection.triton_kernels defines them at import).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def random_traces(num_requests=12, *, num_experts=10, num_layers=3, top_k=2, max_prompt=7, max_decode=0,

@@ -2,10 +2,10 @@
 
 Every `import` statement of our packages is read from the source (module level or inside a
 function, so lazy imports count too). Our packages live in one namespace, `moe_cohort/`: floors:
-traces/, admission/ and encoder/ are the ground (they import no other package of ours), backend/,
+traces/, admission/ and encoder/ are the ground (they import no other package of ours), engine/,
 train/ and eval/ stand on them, devtools/ on those, proxy/ on top, and the `cohort` command
 (moe_cohort/cli.py, moe_cohort/__init__.py) above all; a package imports only packages on lower
-floors. The pure modules (traces/, admission/, encoder/, eval/, train/, backend/selection/) import
+floors. The pure modules (traces/, admission/, encoder/, eval/, train/, engine/selection/) import
 no web framework, no HTTP client and no vLLM, and import each other in no circle. Nothing imports
 one of our packages by a bare name (`import proxy`): installed, only `moe_cohort` exists.
 """
@@ -22,9 +22,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 NS = "moe_cohort"
-FLOORS = {"traces": 0, "admission": 0, "encoder": 0, "backend": 1, "train": 1, "eval": 1, "devtools": 2, "proxy": 3,
+FLOORS = {"traces": 0, "admission": 0, "encoder": 0, "engine": 1, "train": 1, "eval": 1, "devtools": 2, "proxy": 3,
           "cohort": 4}
-PURE = tuple(f"{NS}.{p}" for p in ("traces", "admission", "encoder", "eval", "train", "backend.selection"))
+PURE = tuple(f"{NS}.{p}" for p in ("traces", "admission", "encoder", "eval", "train", "engine.selection"))
 FORBIDDEN_IN_PURE = ("vllm", "fastapi", "starlette", "uvicorn", "aiohttp", "httpx", "requests", "urllib3", "flask",
                      "urllib.request", "http.client", "http.server")
 HEAVY = ["torch", "sentence_transformers", "transformers", "vllm", "httpx", "fastapi", "starlette", "aiohttp", "requests"]
@@ -133,7 +133,7 @@ def known() -> dict[str, Path]:
 
 
 def test_every_package_imports_only_lower_floors(known):
-    assert {"moe_cohort.traces.format", "moe_cohort.encoder.planner", "moe_cohort.backend.selection", "moe_cohort.proxy.vllm_server", "moe_cohort.proxy.app"} <= known.keys()
+    assert {"moe_cohort.traces.format", "moe_cohort.encoder.planner", "moe_cohort.engine.selection", "moe_cohort.proxy.vllm_server", "moe_cohort.proxy.app"} <= known.keys()
     assert floor_breaches(known) == []
 
 
@@ -163,12 +163,12 @@ def test_the_checks_see_a_forbidden_import_once_added(tmp_path):
         "eval/__init__.py": "", "eval/report.py": "import numpy\n",
         "encoder/__init__.py": "", "encoder/a.py": "from moe_cohort.encoder import b\n",
         "encoder/b.py": "import moe_cohort.encoder.a\n",
-        "backend/selection/__init__.py": "", "backend/selection/x.py": "from vllm.model_executor import layers\n",
-        "proxy/__init__.py": "", "proxy/app.py": "from backend.selection import x\n"})
+        "engine/selection/__init__.py": "", "engine/selection/x.py": "from vllm.model_executor import layers\n",
+        "proxy/__init__.py": "", "proxy/app.py": "from engine.selection import x\n"})
     assert floor_breaches(known) == ["moe_cohort.traces.format -> moe_cohort.eval.report"]
-    assert impure_imports(known) == ["moe_cohort.backend.selection.x -> vllm.model_executor"]
+    assert impure_imports(known) == ["moe_cohort.engine.selection.x -> vllm.model_executor"]
     assert circles(known, PURE) == [["moe_cohort.encoder.a", "moe_cohort.encoder.b"]]
-    assert bare_imports(known, tmp_path / "tests") == [f"{tmp_path / NS / 'proxy/app.py'} -> backend.selection"]
+    assert bare_imports(known, tmp_path / "tests") == [f"{tmp_path / NS / 'proxy/app.py'} -> engine.selection"]
 
 
 @pytest.mark.integration
@@ -199,4 +199,4 @@ def test_the_built_wheel_installs_one_top_level_name(tmp_path):
     (wheel,) = tmp_path.glob("moe_cohort-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")} == {NS}
-    assert {f"{NS}/cli.py", f"{NS}/admission/waiting.py", f"{NS}/proxy/batch/core.py", f"{NS}/backend/selection/__init__.py"} <= set(names)
+    assert {f"{NS}/cli.py", f"{NS}/admission/waiting.py", f"{NS}/proxy/batch/core.py", f"{NS}/engine/selection/__init__.py"} <= set(names)

@@ -7,7 +7,7 @@ caller adds waiting requests, asks `admit(now)` which request takes which free s
 releases a request when it finishes. It is the one admission driver: the proxy's gate
 (proxy.replicas, one backend or several), the batch order (proxy.batch.order, one replica of
 `--concurrency` slots) and the engine replay (eval.replay) all admit through it; only vLLM's own
-queue (backend.admission_queue) keeps the pool and a resident set without it. Routings:
+queue (engine.expert_queue) keeps the pool and a resident set without it. Routings:
 
 - "affinity": one shared waiting pool (admission.waiting.WaitingPool). When replica r has a free
   slot it admits, by the pool's one rule, the waiting request that best fits r's own resident set

@@ -1,15 +1,15 @@
 """What the proxy and the engine say to each other: the `vllm_xargs` keys moe-cohort owns, and the profile codec.
 
 The proxy writes them into the body it forwards; vLLM hands them to the engine as
-`sampling_params.extra_args`, where the plugin (backend/) and the expert-aware scheduler read them.
+`sampling_params.extra_args`, where the plugin (engine/) and the expert-aware scheduler read them.
 One module for both sides, so a renamed key or a changed encoding cannot leave one side behind.
 
-- `ROUTING_KEY`: the request's routing policy string (backend.policy's grammar), e.g. "xshare;m=24".
+- `ROUTING_KEY`: the request's routing policy string (engine.policy's grammar), e.g. "xshare;m=24".
 - `PROFILE_KEY`: the request's predicted expert profile in compact form (`compact`), for an engine
-  that admits from its own queue by the same rule (backend.scheduler).
+  that admits from its own queue by the same rule (engine.scheduler).
 - `RECORD_KEY`: whether the plugin records this request's expert trace.
 - `OBSERVE_KEY`: a token under which the plugin counts this request's experts (prompt and generated tokens
-  apart, counts only) for the proxy's online learning to take (backend.observed_endpoint).
+  apart, counts only) for the proxy's online learning to take (engine.observed_endpoint).
 
 Compact form, for a field that carries flat lists of scalars: per MoE layer the `COMPACT_TOP` most
 frequent experts, each as one int `expert * 256 + q` with q = round(255 * u) in 0..255, layer after

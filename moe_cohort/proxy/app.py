@@ -29,10 +29,10 @@ from moe_cohort.proxy.http.answers import add_error_handlers, error_answer
 from moe_cohort.proxy.http.api_docs import OFF as API_DOCS_OFF, add_api_docs
 from moe_cohort.proxy.auth import Authorizer, backend_headers
 from moe_cohort.proxy.cohort_key import cohort_key_header
-from moe_cohort.proxy.backend import BackendClient
+from moe_cohort.proxy.backend_client import BackendClient
 from moe_cohort.proxy.batch.api import add_batch_api
 from moe_cohort.proxy.batch.jobs import BatchJobs
-from moe_cohort.proxy.admission import AdmissionGate, Profiler
+from moe_cohort.proxy.gate import AdmissionGate, Profiler
 from moe_cohort.proxy.autoconfig import LearningPlan, describe, passed_bound, plan_learning, plan_replica
 from moe_cohort.proxy.handshake import UNREACHABLE, EngineInfo, ask
 from moe_cohort.proxy.http.errors import BackendUnreachable

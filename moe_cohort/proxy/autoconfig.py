@@ -24,13 +24,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from moe_cohort.backend.engine_info import SCHEDULER_CLS
+from moe_cohort.engine.engine_info import SCHEDULER_CLS
 from moe_cohort.proxy.handshake import UNREACHABLE, EngineInfo
 from moe_cohort.proxy.settings import Settings
 
 UNKNOWN_SLOTS = 256  # vLLM's default max_num_seqs
 ENGINE_SIDE_SLOTS = 256  # at least this many requests forwarded to an engine that admits by itself
-PASSED_PER_SLOT = 3  # backend.scheduler's: the same fairness in the proxy as in vLLM's queue
+PASSED_PER_SLOT = 3  # engine.scheduler's: the same fairness in the proxy as in vLLM's queue
 TURN_ON_SCHEDULER = f"start vLLM with --scheduler-cls {SCHEDULER_CLS} to run admission inside it"
 INSTALL_PLUGIN = ("install moe-cohort in vLLM's environment (its plugin tells the proxy max_num_seqs and serves the "
                   "expert counts learning reads), or give --max-in-flight = vLLM's --max-num-seqs")

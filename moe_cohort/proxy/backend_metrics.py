@@ -1,6 +1,6 @@
 """Reading a server's /metrics: sums of Prometheus samples, and the plugin's decode counters.
 
-The moe-cohort plugin counts, per forward pass, MoE layer and group of tokens (backend/metrics.py):
+The moe-cohort plugin counts, per forward pass, MoE layer and group of tokens (engine/metrics.py):
 
     loads      cohort_moe_expert_loads_after_total   distinct experts the group's tokens used, summed
                                                      over forwards and layers

@@ -76,7 +76,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-prompts", action="store_true", default=None, help="log prompt texts (off: they are user data)")
     parser.add_argument("--forward-profiles", action=argparse.BooleanOptionalAction, default=None, help="every "
                         "request waits for its prediction (--profile-deadline-ms at most) and carries it: "
-                        "vllm_xargs.moe_profile for an engine running moe_cohort.backend.scheduler.ExpertAwareScheduler, "
+                        "vllm_xargs.moe_profile for an engine running moe_cohort.engine.scheduler.ExpertAwareScheduler, "
                         "x-cohort-key for a router such as llm-d's (default: on for each replica whose vLLM runs that "
                         "scheduler, which then admits; env COHORT_FORWARD_PROFILES)")
     parser.add_argument("--learn", action=argparse.BooleanOptionalAction, default=None, help="learn the profile head "

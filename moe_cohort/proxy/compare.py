@@ -44,7 +44,7 @@ from moe_cohort.proxy.backend_metrics import (decode_counters, decode_rates, dec
 log = logging.getLogger(__name__)
 
 DEFAULT_PROXY = "http://127.0.0.1:8080"
-INFO_PATH = "/v1/cohort/info"  # the engine handshake (backend/engine_info.py): {"moe": {"layers": ...}, ...}
+INFO_PATH = "/v1/cohort/info"  # the engine handshake (engine/engine_info.py): {"moe": {"layers": ...}, ...}
 PUBLISH_S = 1.5  # the plugin's worker publishes its counters at most once a second while busy
 QUIET_S = 5.0  # a learning proxy whose observed count has not risen for this long has taken what it will
 NOT_READY_WAIT_S = 120.0  # a proxy still loading its encoder answers /health 503 "not ready"

@@ -14,7 +14,7 @@ import logging
 import os
 from pathlib import Path
 
-from moe_cohort.backend.engine_info import SCHEDULER_CLS
+from moe_cohort.engine.engine_info import SCHEDULER_CLS
 from moe_cohort.proxy.vllm_server import VllmServer, start
 
 log = logging.getLogger(__name__)

@@ -1,4 +1,4 @@
-"""The plugin's live expert-load counters, read from the vLLM server's /metrics (see backend/metrics.py).
+"""The plugin's live expert-load counters, read from the vLLM server's /metrics (see engine/metrics.py).
 
 Decode forwards of whole batches only (`cohort_moe_batch_*{phase="decode"}`, summed over policies):
 the memory-bound phase where the number of distinct experts a batch touches sets the cost.
@@ -55,7 +55,7 @@ def parse_expert_loads(text: str, phase: str = "decode") -> ExpertLoads:
 
 
 async def fetch_expert_loads(backend) -> ExpertLoads | None:
-    """GET /metrics from `backend` (a proxy.backend.BackendClient); None when it cannot be read."""
+    """GET /metrics from `backend` (a proxy.backend_client.BackendClient); None when it cannot be read."""
     from moe_cohort.proxy.http.errors import ProxyError
 
     try:

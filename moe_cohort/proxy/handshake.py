@@ -1,6 +1,6 @@
 """What a backend replica says it is: the engine handshake the proxy configures itself from.
 
-A vLLM server with moe-cohort installed describes itself two ways (backend/engine_info.py):
+A vLLM server with moe-cohort installed describes itself two ways (engine/engine_info.py):
 
     GET /v1/cohort/info     {"object": "cohort.engine_info", "schema": 1, "max_num_seqs": 16,
                              "moe": {"layers", "experts", "top_k"}, "scheduler": {"expert_aware", ...},
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from moe_cohort.proxy.backend import BackendClient
+from moe_cohort.proxy.backend_client import BackendClient
 from moe_cohort.proxy.http.errors import BackendStatusError, BackendTimeout, BackendUnreachable, ProxyError
 
 log = logging.getLogger(__name__)

@@ -52,7 +52,7 @@ class HintRules:
 def canonical_policies(entries: Iterable[str]) -> tuple[str, ...]:
     """The operator's allowed policies, each a name (any parameters) or a full policy in canonical form;
     PolicyError (a ValueError) for an entry that is neither."""
-    from moe_cohort.backend.policy import POLICY_NAMES, parse_policy
+    from moe_cohort.engine.policy import POLICY_NAMES, parse_policy
 
     out = []
     for entry in entries:

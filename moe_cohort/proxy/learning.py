@@ -12,7 +12,7 @@ folder's head if the encoder has one, else first come, first served.
 Where the counts come from (one `Observed` either way):
 - our plugin (`mark` / `finished`): a sampled request goes out with `vllm_xargs.moe_observe` = a token;
   the plugin counts its experts in the engine and, once it finished, the proxy takes the counts from
-  the replica that served it (`POST /v1/cohort/observed`, backend.observed_endpoint; polled every
+  the replica that served it (`POST /v1/cohort/observed`, engine.observed_endpoint; polled every
   POLL_S while requests are waiting, given up after GIVE_UP_S). The vLLM server the proxy already
   talks to serves them, so it works the same embedded and across containers; streamed or not. The
   proxy marks requests once the (first) backend said it serves that route; one that says it does
@@ -54,7 +54,7 @@ from threadpoolctl import ThreadpoolController
 
 from moe_cohort.admission.wire import OBSERVE_KEY
 from moe_cohort.encoder.profile import ProfileHead
-from moe_cohort.proxy.backend import BackendClient
+from moe_cohort.proxy.backend_client import BackendClient
 from moe_cohort.proxy.http.errors import BackendStatusError, ProxyError
 from moe_cohort.proxy.metrics import ProxyMetrics
 from moe_cohort.traces.observed import BadObservation, Observed, decode_npy, from_routed_experts
@@ -66,7 +66,7 @@ T = TypeVar("T")
 ROUTED_EXPERTS, PROMPT_START = "routed_experts", "routed_experts_prompt_start"
 PLUGIN, OBSERVED_PATH = "plugin", "/v1/cohort/observed"
 LIVE_ONLY = "-live"  # the end of the moe_observe token of a request observed for the live fit only
-POLL_S, GIVE_UP_S, MAX_TAKE = 0.5, 60.0, 4096  # MAX_TAKE: backend.observed_endpoint.MAX_TOKENS
+POLL_S, GIVE_UP_S, MAX_TAKE = 0.5, 60.0, 4096  # MAX_TAKE: engine.observed_endpoint.MAX_TOKENS
 PROBE_EVERY_S = 10.0  # how often a backend that did not answer whether it serves the counts is asked again
 MAX_BACKLOG = 1000  # observations waiting for the worker; more are dropped (counted), never the event loop blocked
 # texts -> ([N, F] what the head reads, each text's profile as predicted on arrival [L*E], None where not at hand)

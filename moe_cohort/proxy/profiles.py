@@ -8,7 +8,7 @@ compact profile is forwarded as `vllm_xargs.moe_profile` for an engine-side sche
 head, admission falls back to the nearest embedding (`ResidentEmbedding`). `--encoder none`:
 no prediction, first come, first served.
 
-Pure of asyncio and HTTP: the online gate (proxy/admission.py) runs `predict` in a worker
+Pure of asyncio and HTTP: the online gate (proxy/gate.py) runs `predict` in a worker
 thread; a batch run (proxy/batch/order.py) calls it once over the whole file.
 """
 

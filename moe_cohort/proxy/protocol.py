@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Literal, Mapping
 
 from moe_cohort.admission.wire import PROFILE_KEY, ROUTING_KEY
-from moe_cohort.backend.policy import PolicyError, parse_policy
+from moe_cohort.engine.policy import PolicyError, parse_policy
 from moe_cohort.encoder.text import RequestTextError, request_text
 from moe_cohort.proxy.http.errors import InvalidRequest, PayloadTooLarge
 from moe_cohort.proxy.hints import HintRules
@@ -62,7 +62,7 @@ def own_seconds(started: float | None, admission, backend_s: float) -> float | N
 
 def with_profile(body: dict, admission) -> dict:
     """The body to forward: with the admission's predicted profile in `vllm_xargs.moe_profile` (for an
-    engine that reorders its own queue, backend/scheduler.py), or unchanged without one."""
+    engine that reorders its own queue, engine/scheduler.py), or unchanged without one."""
     compact = None if admission.prediction is None else admission.prediction.compact
     if compact is None:
         return body

@@ -1,7 +1,7 @@
 """Several vLLM replicas behind the proxy: per-replica capacity and health, routing by expert affinity.
 
 Issue 18, "Several backends in the proxy". `cohort serve --backend A --backend B` (proxy/app.py): the
-AdmissionGate (proxy/admission.py) profiles each request and takes its slot here; one backend is a
+AdmissionGate (proxy/gate.py) profiles each request and takes its slot here; one backend is a
 set of one replica, so both cases share this one code path.
 
 - `ReplicaSet` holds R `BackendClient`s, each with its capacity (that vLLM's max_num_seqs, as
@@ -10,7 +10,7 @@ set of one replica, so both cases share this one code path.
   router until a slot frees on a healthy replica; with "affinity" that replica takes the waiting
   request whose predicted profile (the vector the caller passes: proxy.profiles) fits its own
   residents best. Nobody waits while a healthy replica has a free slot; the fairness bound
-  `max_queue_s` goes first, as in proxy.admission.
+  `max_queue_s` goes first, as in proxy.gate.
 - Health: `check()` probes every replica's GET /health (vLLM serves it). A replica that fails the
   probe, or is found down during a request (`failover`), is taken out at once: it is offered nothing
   new and its round-robin queue moves to the others. `check()` takes it back once it answers. When
@@ -43,7 +43,7 @@ import numpy as np
 
 from moe_cohort.admission.resident import ResidentExperts
 from moe_cohort.admission.router import ReplicaRouter, ResidentFactory
-from moe_cohort.proxy.backend import BackendAnswer, BackendClient
+from moe_cohort.proxy.backend_client import BackendAnswer, BackendClient
 from moe_cohort.proxy.http.errors import BackendError, BackendUnreachable
 
 log = logging.getLogger(__name__)

@@ -69,7 +69,7 @@ class Settings:
     # them beside the event loop on one core, off the engine's cores and out of each other's way
     encoder_threads: int = 1
     # every request waits for its prediction (at most profile_deadline_ms) and carries it: vllm_xargs.moe_profile
-    # for an engine running backend.scheduler.ExpertAwareScheduler, x-cohort-key for a router (llm-d); off: a
+    # for an engine running engine.scheduler.ExpertAwareScheduler, x-cohort-key for a router (llm-d); off: a
     # request that finds a free slot goes at once, without them; None: per replica, on where its vLLM runs our scheduler
     forward_profiles: bool | None = None
     # longest wait for a request's predicted profile; past it the request goes on without one (first come, first
@@ -114,7 +114,7 @@ class Settings:
     batch_max_retries: int = 5  # retries per batch request for 429, 5xx and timeouts (exponential backoff)
 
     def __post_init__(self) -> None:
-        from moe_cohort.backend.policy import PolicyError, parse_policy
+        from moe_cohort.engine.policy import PolicyError, parse_policy
         from moe_cohort.proxy.auth import KeyListError, key_owners
 
         try:

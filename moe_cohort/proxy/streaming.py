@@ -23,7 +23,7 @@ from typing import AsyncIterator, Awaitable, TypeVar
 
 from starlette.responses import StreamingResponse
 
-from moe_cohort.proxy.admission import AdmissionGate
+from moe_cohort.proxy.gate import AdmissionGate
 from moe_cohort.proxy.http.errors import BackendUnreachable, ProxyError
 from moe_cohort.proxy.learning import Learning
 from moe_cohort.proxy.metrics import ProxyMetrics

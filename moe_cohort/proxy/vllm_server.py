@@ -147,7 +147,7 @@ def start(
            "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs),
            *(["--enforce-eager"] if enforce_eager else []), *extra_args]
     # vLLM loads endpoint plugins only when VLLM_PLUGINS names them: ours serves the expert counts the proxy
-    # learns from (backend.observed_endpoint); a VLLM_PLUGINS of the caller's wins
+    # learns from (engine.observed_endpoint); a VLLM_PLUGINS of the caller's wins
     env = {"VLLM_PLUGINS": PLUGINS, **os.environ, **DEFAULT_ENV, **(extra_env or {})}
     log_file = open(log_path, "ab")
     log.info("starting vLLM: %s (log %s)", " ".join(cmd), log_path)

@@ -16,7 +16,7 @@ import pytest
 from moe_cohort.admission.wire import Prediction
 from moe_cohort.eval.policies import by_profile
 from moe_cohort.eval.replay import decode_profiles, decode_tokens
-from moe_cohort.proxy.admission import AdmissionGate, Profiler
+from moe_cohort.proxy.gate import AdmissionGate, Profiler
 from moe_cohort.proxy.metrics import ProxyMetrics
 from moe_cohort.proxy.replicas import ReplicaSet
 from tests.conftest import random_traces

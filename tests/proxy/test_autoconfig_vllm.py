@@ -10,7 +10,7 @@ from moe_cohort.proxy.settings import Settings
 from moe_cohort.proxy.vllm_server import free_port, start
 from tests.proxy.servers import ProxyThread
 
-SCHEDULER = ["--scheduler-cls", "moe_cohort.backend.scheduler.ExpertAwareScheduler"]
+SCHEDULER = ["--scheduler-cls", "moe_cohort.engine.scheduler.ExpertAwareScheduler"]
 
 
 def _ask(proxy: ProxyThread, n: int) -> None:

@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, Gauge, generate_latest
 from moe_cohort.proxy.app import create_app
 from moe_cohort.proxy.autoconfig import (INSTALL_PLUGIN, TURN_ON_COUNTS, TURN_ON_SCHEDULER, plan_learning,
                                          plan_replica)
-from moe_cohort.proxy.backend import BackendClient
+from moe_cohort.proxy.backend_client import BackendClient
 from moe_cohort.proxy.handshake import (METRICS, PLAIN, ROUTE, UNREACHABLE, EngineInfo, MalformedInfo, ask,
                                         from_json, from_metrics)
 from moe_cohort.proxy.settings import Settings

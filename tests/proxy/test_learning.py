@@ -168,7 +168,7 @@ def test_learning_needs_an_encoder():
 
 def _plugin_backend(seen_tokens: list):
     """A vLLM with our plugin: counts the experts of requests marked vllm_xargs.moe_observe, hands them over at
-    POST /v1/cohort/observed (backend.observed_endpoint's format), streams when asked."""
+    POST /v1/cohort/observed (engine.observed_endpoint's format), streams when asked."""
     from moe_cohort.traces.observed import from_routed_experts
 
     done = {}

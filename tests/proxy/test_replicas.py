@@ -8,7 +8,7 @@ import socket
 import numpy as np
 import pytest
 
-from moe_cohort.proxy.backend import BackendClient
+from moe_cohort.proxy.backend_client import BackendClient
 from moe_cohort.proxy.http.errors import BackendUnreachable
 from moe_cohort.proxy.replicas import ReplicaSet
 from tests.proxy.servers import answer, drop, local_backend

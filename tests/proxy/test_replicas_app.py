@@ -15,9 +15,9 @@ import openai
 import pytest
 from aiohttp.test_utils import RawTestServer
 
-from moe_cohort.proxy.admission import AdmissionGate
+from moe_cohort.proxy.gate import AdmissionGate
 from moe_cohort.proxy.app import create_app
-from moe_cohort.proxy.backend import BackendClient
+from moe_cohort.proxy.backend_client import BackendClient
 from moe_cohort.proxy.batch.run import run_batch
 from moe_cohort.proxy.batch.journal import Journal, JournalPaths
 from moe_cohort.proxy.metrics import ProxyMetrics

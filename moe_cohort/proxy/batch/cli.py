@@ -140,7 +140,7 @@ def _execute(args, settings: Settings, batch, predictor, learner) -> int:
 
 
 async def _run(settings: Settings, batch, journal, predictor, learner, *, progress: bool, skip_invalid: bool):
-    from moe_cohort.proxy.backend import BackendClient
+    from moe_cohort.proxy.backend_client import BackendClient
     from moe_cohort.proxy.batch.core import RunConfig
     from moe_cohort.proxy.batch.run import run_batch
     from moe_cohort.proxy.learning import Learning, learned_folder

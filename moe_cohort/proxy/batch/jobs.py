@@ -54,7 +54,7 @@ class BatchJobs:
                  learning=None) -> None:
         self.settings, self.backend, self.predictor = settings, backend, predictor  # BackendClient, proxy.profiles.Predictor
         self.learning = learning  # proxy.learning.Learning of `cohort serve --learn`: batches learn too
-        self.gate = gate  # proxy.admission.AdmissionGate
+        self.gate = gate  # proxy.gate.AdmissionGate
         self.clock = clock  # epoch seconds: completion windows
         self.config = RunConfig.from_settings(settings, metrics_interval_s=0)
         self._store: BatchStore | None = None

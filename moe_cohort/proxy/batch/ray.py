@@ -168,7 +168,7 @@ class _SendBlock:
 
     async def _send(self, url: str, requests: list[BatchRequest]) -> tuple[list[Record], str | None]:
         """The block through the local runner (file order: the block is already in admission order)."""
-        from moe_cohort.proxy.backend import BackendClient
+        from moe_cohort.proxy.backend_client import BackendClient
         from moe_cohort.proxy.batch.run import run_batch
 
         kept = _Collected()
@@ -207,7 +207,7 @@ def _connect(ray) -> bool:
 
 def _expert_loads(urls: list[str]):
     """The replicas' summed expert-load counters (proxy/expert_loads.py); None if one has none."""
-    from moe_cohort.proxy.backend import BackendClient
+    from moe_cohort.proxy.backend_client import BackendClient
     from moe_cohort.proxy.expert_loads import ExpertLoads, fetch_expert_loads
 
     async def read():

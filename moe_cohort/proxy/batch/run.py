@@ -9,7 +9,7 @@ Batch API's jobs and benchmarks/bench_batch.py.
    whole file, or file order without a predictor), so the backend stays full and its resident set
    stays alike; with `learning` (proxy/learning.py) the answers teach the online learner, and each new
    head re-predicts the requests next in line (proxy/batch/follow.py). With `gate` (the proxy's online
-   admission, proxy/admission.py) each request also takes a background slot, so batch work only uses
+   admission, proxy/gate.py) each request also takes a background slot, so batch work only uses
    backend capacity that interactive requests leave free, on the replica the gate gives the slot on
    (`cohort serve` with several --backend); with `seat` (the Batch API's batches) each also holds one
    of the slots all running batches share, handed out round-robin over tenants (proxy/batch/share.py);
@@ -39,8 +39,8 @@ import numpy as np
 
 from moe_cohort.encoder.plans import chunk, write_plan_file
 from moe_cohort.proxy.auth import bearer
-from moe_cohort.proxy.backend import BackendClient
-from moe_cohort.proxy.admission import AdmissionGate
+from moe_cohort.proxy.backend_client import BackendClient
+from moe_cohort.proxy.gate import AdmissionGate
 from moe_cohort.proxy.batch.core import (Abort, Answered, BatchCore, Outcome, Retry, RunConfig, RunStats, Send, Stop, TimedOut,
                               Unreachable, invalid_records)
 from moe_cohort.proxy.batch.follow import follow_heads

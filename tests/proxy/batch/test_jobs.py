@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from moe_cohort.proxy.backend import BackendClient
+from moe_cohort.proxy.backend_client import BackendClient
 from moe_cohort.proxy.batch.job import InvalidTransition, Job
 from moe_cohort.proxy.batch.jobs import BatchJobs
 from moe_cohort.proxy.batch.store import BatchStore

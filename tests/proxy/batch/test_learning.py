@@ -6,7 +6,7 @@ experts 0, 1, one about cooking to 4, 5."""
 import asyncio
 import json
 
-from moe_cohort.proxy.backend import BackendClient
+from moe_cohort.proxy.backend_client import BackendClient
 from moe_cohort.proxy.batch.core import RunConfig
 from moe_cohort.proxy.batch.format import read_batch_file
 from moe_cohort.proxy.batch.journal import Journal, JournalPaths
@@ -72,7 +72,7 @@ def test_a_learning_batch_run_learns_from_its_answers_and_groups_the_rest_by_the
 
 
 def test_a_request_a_refused_replica_never_ran_is_learned_once_from_the_replica_that_ran_it(encoder, tmp_path):
-    from moe_cohort.proxy.admission import AdmissionGate
+    from moe_cohort.proxy.gate import AdmissionGate
     from moe_cohort.proxy.replicas import ReplicaSet
     from tests.proxy.test_replicas import refused_url
 

@@ -13,8 +13,8 @@ import pytest
 from moe_cohort.admission.resident import ResidentExperts
 from moe_cohort.admission.wire import Prediction
 from moe_cohort.encoder.plans import read_plan_file
-from moe_cohort.proxy.admission import AdmissionGate
-from moe_cohort.proxy.backend import BackendClient
+from moe_cohort.proxy.gate import AdmissionGate
+from moe_cohort.proxy.backend_client import BackendClient
 from moe_cohort.proxy.batch.core import RunConfig
 from moe_cohort.proxy.batch.run import RunAborted, run_batch, write_plan
 from moe_cohort.proxy.batch.format import read_batch_file

@@ -1,5 +1,0 @@
-"""What runs inside the engine: the routing-policy grammar and the batch-aware expert selectors.
-
-`backend.policy` is pure Python (the proxy imports it without torch); `backend.selection` is pure
-torch and imports no vLLM.
-"""

@@ -1,0 +1,119 @@
+"""vLLM schedulers that admit waiting requests by predicted experts (`--scheduler-cls`).
+
+    vllm serve MODEL --scheduler-cls moe_cohort.engine.scheduler.ExpertAwareScheduler
+
+The one name fits both of vLLM's scheduling modes: with async scheduling on (vLLM 0.32's default on
+GPU) it builds on AsyncScheduler, otherwise on Scheduler (see ExpertAwareScheduler.__new__).
+
+vLLM's own scheduler (FCFS) is kept whole: running requests, preemption, chunked prefill, the
+KV budget and skipped requests all work as in vLLM. Only its waiting queue is replaced by
+`engine.expert_queue.ExpertAwareQueue`, whose front is the waiting request expected to add
+the fewest experts per step to the running set, read from the `moe_profile` the proxy sends in
+`vllm_xargs` (requests without one keep FCFS). vLLM warns that the scheduler interface is not
+public: these classes are written for, and tested on, the versions of
+`engine.vllm_plugin.TESTED_VERSIONS` (vLLM 0.32); `check_vllm_version` refuses others.
+
+Environment (read when the engine builds the scheduler):
+
+    COHORT_SCHEDULER_MAX_WAIT_MS   fairness bound: a request waiting this long goes first (default 30000)
+    COHORT_SCHEDULER_MAX_PASSED    fairness bound: a request that this many later arrivals were admitted
+                                   before goes first (default: 3 x max_num_seqs; 0: no such bound)
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import vllm
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.request_queue import RequestQueue, SchedulingPolicy
+from vllm.v1.core.sched.scheduler import Scheduler
+
+from moe_cohort.engine.expert_queue import ExpertAwareQueue
+from moe_cohort.engine.vllm_plugin import ENV_ALLOW, check_vllm_version
+
+log = logging.getLogger(__name__)
+
+ENV_MAX_WAIT, ENV_MAX_PASSED = "COHORT_SCHEDULER_MAX_WAIT_MS", "COHORT_SCHEDULER_MAX_PASSED"
+# later arrivals admitted before a waiting request, per engine slot, before it goes first: the bound trades the
+# saving against the latency tail (docs/results.md, "Fairness against the saving")
+PASSED_PER_SLOT = 3
+RequestQueue.register(ExpertAwareQueue)  # it implements the whole contract, without importing vLLM
+
+
+def max_wait_s(environ=None) -> float:
+    """The fairness bound in seconds, from COHORT_SCHEDULER_MAX_WAIT_MS; ValueError names the variable."""
+    env = os.environ if environ is None else environ
+    text = env.get(ENV_MAX_WAIT, "30000")
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        raise ValueError(f"{ENV_MAX_WAIT} must be a number of milliseconds >= 0, got {text!r}")
+    return value / 1000.0
+
+
+def max_passed(max_num_seqs: int, environ=None) -> int | None:
+    """How many later arrivals may be admitted before a waiting request (COHORT_SCHEDULER_MAX_PASSED, default three
+    times the engine's slots: its wait stays within that many admissions of first come, first served's); None: no
+    bound."""
+    env = os.environ if environ is None else environ
+    text = env.get(ENV_MAX_PASSED)
+    if text is None:
+        return PASSED_PER_SLOT * max_num_seqs
+    if not text.isdigit():
+        raise ValueError(f"{ENV_MAX_PASSED} must be a whole number of admissions >= 0 (0: no bound), got {text!r}")
+    return int(text) or None
+
+
+def routed_experts(hf_config) -> int:
+    """Routed experts per MoE layer, under the names the MoE architectures vLLM serves use."""
+    for name in ("num_experts", "n_routed_experts", "num_local_experts"):
+        if isinstance(getattr(hf_config, name, None), int):
+            return getattr(hf_config, name)
+    raise ValueError(f"--scheduler-cls {__name__}: the model ({type(hf_config).__name__}) has no routed experts "
+                     f"(num_experts, n_routed_experts or num_local_experts); admission by experts needs an MoE model")
+
+
+class _ExpertAware:
+    """Mixin: after vLLM's scheduler is built, swap its (empty) FCFS waiting queue for ours."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        check_vllm_version(vllm.__version__, allow_untested=os.environ.get(ENV_ALLOW, "0") == "1")
+        super().__init__(*args, **kwargs)
+        if self.policy != SchedulingPolicy.FCFS:
+            raise ValueError(f"{type(self).__name__} reorders an FCFS queue; vLLM was started with "
+                             f"--scheduling-policy {self.policy.value}: use fcfs, or drop --scheduler-cls")
+        self.waiting = ExpertAwareQueue(lambda: self.running, routed_experts(self.vllm_config.model_config.hf_text_config),
+                                        max_wait_s=max_wait_s(),
+                                        max_passed=max_passed(self.vllm_config.scheduler_config.max_num_seqs))
+        log.info("moe-cohort: admission by predicted experts (fairness bounds %.1f s, %s admissions)",
+                 self.waiting.max_wait_s, self.waiting.max_passed)
+
+
+class ExpertAwareScheduler(_ExpertAware, Scheduler):
+    """vLLM's scheduler with admission by predicted experts, on the base vLLM's config asks for: built
+    as an ExpertAwareAsyncScheduler (AsyncScheduler underneath) whenever async scheduling is on, as
+    vLLM 0.32 leaves it by default on GPU, else on Scheduler (async scheduling off, as on CPU).
+
+    vLLM builds the scheduler as `get_scheduler_cls()(vllm_config=..., ...)`, after its config has
+    decided `scheduler_config.async_scheduling`; `__new__` reads that decision, so the one name of the
+    README does the right thing. (vLLM still logs its generic "custom scheduler class" warning.)"""
+
+    def __new__(cls, *args, **kwargs):
+        vllm_config = kwargs.get("vllm_config", args[0] if args else None)
+        if cls is ExpertAwareScheduler and async_scheduling(vllm_config):
+            cls = ExpertAwareAsyncScheduler  # a subclass: Python then runs its __init__ with these arguments
+        return super().__new__(cls)
+
+
+class ExpertAwareAsyncScheduler(ExpertAwareScheduler, AsyncScheduler):
+    """vLLM's AsyncScheduler with admission by predicted experts (what ExpertAwareScheduler builds when
+    async scheduling is on; naming it forces the async base)."""
+
+
+def async_scheduling(vllm_config) -> bool:
+    """Whether vLLM's config (a VllmConfig, after its own defaults were applied) has async scheduling on."""
+    return bool(getattr(getattr(vllm_config, "scheduler_config", None), "async_scheduling", False))

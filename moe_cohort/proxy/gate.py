@@ -1,0 +1,224 @@
+"""Online admission: requests take the backend's slots in the order that keeps the resident experts few.
+
+vLLM keeps up to max_num_seqs requests resident and replaces a finished one at once; reordering
+can only act while requests wait for a slot. So the proxy holds at most `max_in_flight` requests
+(the backend's max_num_seqs) at the backend, and when a slot frees it admits, from one waiting
+pool, the request expected to add the fewest experts per step to those in flight
+(`admission.waiting.WaitingPool`: fairness bound `max_queue_s` first, FCFS for requests without a
+profile). When a slot is free nobody waits: there is nothing to reorder.
+
+Each request's expert profile is predicted once, on arrival, by a `Profiler` (encoder embedding
+-> profile head, in one worker thread, batched with whatever else arrived meanwhile, off the
+event loop). A prediction is waited for at most `deadline_s`: past it the request goes on without
+one (first come, first served for it) and its profile joins its replica's resident set when it
+comes, so a slow prediction never holds the engine's slots empty. A predictor with nothing to
+predict yet (a learning proxy before its first head) is not asked at all. With `profile_first`
+every request waits for its prediction, and the admission carries it in compact form, which the
+proxy forwards as `vllm_xargs.moe_profile`, so an engine with our scheduler (`engine.scheduler`)
+can reorder its own queue. Without, a request that finds a free slot with nobody waiting is
+admitted at once (there is nothing to choose, and a burst of arrivals would otherwise wait for the
+whole burst's prediction), and its profile joins its replica's resident set when predicted, so
+later choices still count its experts; a request that has to wait is predicted first.
+Background work (the Batch API's jobs) shares the slots through `admit_background()` but only
+gets one that no waiting request wants. Nothing here knows HTTP: a
+caller awaits `admit()`, talks to the backend, then calls `release(admission)`.
+
+The slots are a `proxy.replicas.ReplicaSet`: one backend is a set of one replica, several backends
+(`--backend` repeated) a set of R, each with `max_in_flight` slots, routed by `--routing`
+(admission.router.ReplicaRouter; "affinity" is this module's rule applied per replica), the same
+router that drives the batch order (proxy.batch.order) and the engine replay (eval.replay). An
+admission names its replica (`admission.client`); `failover()` and `readmit()` move a request whose
+replica is down (it generated nothing of it) to another one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable
+
+from prometheus_client import Histogram
+
+from moe_cohort.admission.wire import Prediction
+from moe_cohort.proxy.backend_client import BackendClient
+from moe_cohort.proxy.metrics import ProxyMetrics
+from moe_cohort.proxy.profiles import PredictFn
+from moe_cohort.proxy.replicas import Lease, ReplicaSet
+
+log = logging.getLogger(__name__)
+
+LATE_PROFILE_S = 0.02  # how long a request admitted at once waits before its profile is predicted
+
+
+@dataclass(frozen=True, eq=False)
+class Admission:
+    admission_id: str  # the admission's sequence number (X-Cohort-Admission)
+    queue_s: float  # arrival to admission: the profile's prediction, then the wait for a slot
+    lease: Lease = field(repr=False)  # the replica's slot
+    prediction: Prediction | None = None  # as predicted before admission (None: none, or predicted later)
+    arrived: float = 0.0
+    wait_s: float = 0.0  # the wait for a slot alone (queue_s less the prediction)
+
+    @property
+    def client(self) -> BackendClient:
+        """The BackendClient of the replica this admission's slot is on."""
+        return self.lease.client
+
+    @property
+    def replica(self) -> int:
+        return self.lease.replica
+
+
+class Profiler:
+    """Predicted profiles of texts, one worker thread, batched with whatever arrived meanwhile."""
+
+    def __init__(self, predict: PredictFn, seconds: Histogram | None = None,
+                 ready: Callable[[], bool] = lambda: True) -> None:
+        self.predict, self.seconds = predict, seconds  # seconds: observes each batch's prediction time
+        self.ready = ready  # whether `predict` would predict anything now (proxy.profiles.Predictor.ready)
+        self._pending: list[tuple[str, asyncio.Future]] = []
+        self._task: asyncio.Task | None = None
+        self._executor = ThreadPoolExecutor(1, "cohort-profile")
+
+    async def profile(self, text: str) -> Prediction | None:
+        future = asyncio.get_running_loop().create_future()
+        self._pending.append((text, future))
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._drain())
+        return await future
+
+    async def _drain(self) -> None:
+        loop = asyncio.get_running_loop()
+        while self._pending:
+            batch, self._pending = self._pending, []
+            start = time.perf_counter()
+            try:
+                results = await loop.run_in_executor(self._executor, self.predict, [t for t, _ in batch])
+            except Exception:  # a failing encoder must not lose requests: they go without a profile (FCFS)
+                log.exception("predicting the profiles of %d requests failed; admitting them first come, first served", len(batch))
+                results = [None] * len(batch)
+            if self.seconds is not None:
+                self.seconds.observe(time.perf_counter() - start)
+            for (_, future), result in zip(batch, results):
+                if not future.done():
+                    future.set_result(result)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+@dataclass
+class AdmissionGate:
+    """Predictions on arrival (`profiler`; None: every request first come, first served), then a slot from
+    `replicas` (one backend is a set of one); the metrics waiting / in_flight / queue_seconds."""
+
+    profiler: Profiler | None
+    metrics: ProxyMetrics
+    replicas: ReplicaSet
+    # True: every request waits for its prediction (and carries it to the backend); False: one that finds a
+    # free slot with nobody waiting goes at once, and its prediction joins the resident set when ready
+    profile_first: bool = True
+    deadline_s: float = 0.05  # longest wait for a prediction; past it the request goes on without one (FCFS)
+    _background: list[Admission] = field(default_factory=list)  # background admissions not released, oldest first
+    _late: set[asyncio.Task] = field(default_factory=set)  # predicting the profiles of requests admitted at once
+    _ids: itertools.count = field(default_factory=itertools.count)
+
+    @property
+    def clock(self) -> Callable[[], float]:
+        return self.replicas.clock
+
+    async def admit(self, text: str) -> Admission:
+        """Wait until this request's turn at a backend; the caller must `release()` it afterwards."""
+        arrived = self.clock()
+        self.metrics.waiting.inc()
+        if self.profiler is None or not self.profiler.ready():  # nothing to predict with: first come, first served
+            return await self._acquire(None, arrived)
+        if not self.profile_first and self.replicas.router.places_at_once():
+            admission = await self._acquire(None, arrived)  # nothing to choose: no wait for the prediction
+            self._join_later(admission, self._profile_after(LATE_PROFILE_S, text))
+            return admission
+        predicting = asyncio.ensure_future(self.profiler.profile(text))
+        try:
+            prediction = await asyncio.wait_for(asyncio.shield(predicting), self.deadline_s)
+        except TimeoutError:  # the request goes on without it; its profile joins the resident set when ready
+            self.metrics.profile_late.inc()
+            prediction = None
+        except asyncio.CancelledError:
+            self.metrics.waiting.dec()
+            raise
+        admission = await self._acquire(prediction, arrived)
+        if prediction is None and not predicting.done():
+            self._join_later(admission, predicting)
+        return admission
+
+    async def _profile_after(self, delay_s: float, text: str) -> Prediction | None:
+        """The profile of a request admitted at once, predicted after `delay_s`: a burst of arrivals is taken in
+        first and predicted after, in larger batches (fewer, larger encoder calls: less of the proxy's own time)."""
+        await asyncio.sleep(delay_s)
+        return await self.profiler.profile(text)
+
+    def _join_later(self, admission: Admission, prediction: Awaitable[Prediction | None]) -> None:
+        """The request's profile, once predicted, joins its replica's resident set (unless it finished meanwhile),
+        so that later choices count its experts."""
+        async def join() -> None:
+            predicted = await prediction  # None when the encoder failed
+            if predicted is not None:
+                self.replicas.router.assign(admission.lease.ticket, predicted.vector)
+        task = asyncio.get_running_loop().create_task(join())
+        self._late.add(task)
+        task.add_done_callback(self._late.discard)
+
+    async def failover(self, admission: Admission, exc: Exception) -> bool:
+        """Whether `admission`'s request may go to another replica after `exc` (proxy.replicas.ReplicaSet.failover:
+        its replica is down and no byte of the answer came back); that replica is then taken out. The caller
+        releases `admission` and asks `readmit(admission)` for a slot elsewhere."""
+        return await self.replicas.failover(admission.lease, exc)
+
+    async def readmit(self, admission: Admission) -> Admission:
+        """A new slot for a request failed over: same prediction, its place by its first arrival."""
+        self.metrics.waiting.inc()
+        return await self._acquire(admission.prediction, admission.arrived)
+
+    async def admit_background(self) -> Admission:
+        """Wait for a slot that no waiting request wants; the caller must `release()` it afterwards."""
+        lease = await self.replicas.acquire_background()
+        admission = Admission(f"b{next(self._ids)}", lease.queue_s, lease)
+        self._background.append(admission)
+        self._in_flight_changed()
+        return admission
+
+    def release(self, admission: Admission | None = None) -> None:
+        """Free the slot of an admitted request (answered, failed or abandoned); None: the oldest background one."""
+        if admission is None:
+            admission = self._background[0]
+        if admission in self._background:
+            self._background.remove(admission)
+        self.replicas.release(admission.lease)
+        self._in_flight_changed()
+
+    def close(self) -> None:
+        for task in self._late:
+            task.cancel()
+        if self.profiler is not None:
+            self.profiler.close()
+
+    async def _acquire(self, prediction: Prediction | None, arrived: float) -> Admission:
+        asked = self.clock()
+        try:
+            lease = await self.replicas.acquire(None if prediction is None else prediction.vector, arrived)
+        except BaseException:  # cancelled (a slot granted meanwhile is given back) or no healthy replica
+            self.metrics.waiting.dec()
+            self._in_flight_changed()
+            raise
+        now = self.clock()
+        self.metrics.waiting.dec()
+        self.metrics.queue_seconds.observe(now - arrived)
+        self._in_flight_changed()
+        return Admission(f"a{next(self._ids)}", now - arrived, lease, prediction, arrived, now - asked)
+
+    def _in_flight_changed(self) -> None:
+        self.metrics.in_flight.set(self.replicas.in_flight())

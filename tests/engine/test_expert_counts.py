@@ -1,0 +1,60 @@
+"""The plugin's counts of observed requests against a brute-force count, through chunked prefill, decode steps,
+a preemption's recompute, and the hand-over to the proxy."""
+
+import numpy as np
+
+from moe_cohort.engine.expert_counts import ExpertCounts
+from moe_cohort.traces.observed import Observed
+
+LAYERS, EXPERTS, K = 3, 8, 2
+
+
+def _ids(rng, n):  # [n, L, k] distinct experts per token and layer
+    return np.stack([np.stack([rng.choice(EXPERTS, K, replace=False) for _ in range(LAYERS)]) for _ in range(n)])
+
+
+def _brute(rows):
+    out = np.zeros((LAYERS, EXPERTS), np.int64)
+    for token in rows:
+        for layer, ids in enumerate(token):
+            out[layer, ids] += 1
+    return out
+
+
+def test_chunked_prefill_and_decode_steps_count_prompt_and_generated_tokens_apart():
+    rng = np.random.default_rng(0)
+    rows = _ids(rng, 12)  # 7 prompt tokens, 5 generated ones through the model
+    counts = ExpertCounts(LAYERS, EXPERTS)
+    counts.add("r", "tok", 0, 7, rows[0:4])  # a prefill chunk
+    counts.add("r", "tok", 4, 7, rows[4:8])  # the rest of the prompt and the first generated token
+    for p in range(8, 12):
+        counts.add("r", "tok", p, 7, rows[p:p + 1])
+    assert counts.take(["tok"]) == {}  # not finished yet
+    counts.finish("r")
+    got = Observed.from_wire(counts.take(["tok", "unknown"])["tok"])
+    np.testing.assert_array_equal(got.prompt, _brute(rows[:7]))
+    np.testing.assert_array_equal(got.decode, _brute(rows[7:]))
+    assert (got.prompt_tokens, got.decode_tokens) == (7, 5)
+    assert counts.take(["tok"]) == {}  # handed over once
+
+
+def test_a_recompute_after_preemption_is_not_counted_twice():
+    rng = np.random.default_rng(1)
+    rows = _ids(rng, 9)
+    counts = ExpertCounts(LAYERS, EXPERTS)
+    counts.add("r", "t", 0, 4, rows[:6])
+    counts.add("r", "t", 0, 4, rows[:7])  # preempted, recomputed from position 0 with one more token
+    counts.add("r", "t", 7, 4, rows[7:9])
+    counts.finish("r")
+    got = Observed.from_wire(counts.take(["t"])["t"])
+    np.testing.assert_array_equal(got.prompt + got.decode, _brute(rows))
+    assert (got.prompt_tokens, got.decode_tokens) == (4, 5)
+
+
+def test_finished_counts_nobody_takes_are_bounded_oldest_first():
+    counts = ExpertCounts(LAYERS, EXPERTS, keep=2)
+    rows = _ids(np.random.default_rng(2), 1)
+    for i in range(3):
+        counts.add(f"r{i}", f"t{i}", 0, 1, rows)
+        counts.finish(f"r{i}")
+    assert set(counts.take(["t0", "t1", "t2"])) == {"t1", "t2"}
