@@ -42,7 +42,7 @@ from moe_cohort.eval.cost import parse_cost_model
 from moe_cohort.eval.engine import REFERENCE, evaluate_continuous, lengths_from_spec
 from moe_cohort.eval.policies import by_profile, fixed_order
 from moe_cohort.eval.replay import decode_tokens
-from moe_cohort.eval.replay_cli import text_policies
+from moe_cohort.cli.replay import text_policies
 from moe_cohort.eval.report import format_engine_table
 from moe_cohort.traces.format import TraceSet
 from moe_cohort.traces.importers import load_traces

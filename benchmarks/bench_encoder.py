@@ -136,7 +136,7 @@ def quality(candidates: dict, data: HeldOut, args) -> dict[str, dict[int, float]
     from moe_cohort.encoder.profile import load_profile_head
     from moe_cohort.eval.cost import parse_cost_model
     from moe_cohort.eval.engine import REFERENCE, evaluate_continuous, lengths_from_spec
-    from moe_cohort.eval.replay_cli import text_policies
+    from moe_cohort.cli.replay import text_policies
     from moe_cohort.eval.policies import by_profile
     from moe_cohort.eval.replay import decode_tokens
 

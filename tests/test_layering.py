@@ -4,7 +4,7 @@ Every `import` statement of our packages is read from the source (module level o
 function, so lazy imports count too). Our packages live in one namespace, `moe_cohort/`: floors:
 traces/, admission/ and encoder/ are the ground (they import no other package of ours), engine/,
 train/ and eval/ stand on them, devtools/ on those, proxy/ on top, and the `cohort` command
-(moe_cohort/cli.py, moe_cohort/__init__.py) above all; a package imports only packages on lower
+(moe_cohort/cli/__init__.py, moe_cohort/__init__.py) above all; a package imports only packages on lower
 floors. The pure modules (traces/, admission/, encoder/, eval/, train/, engine/selection/) import
 no web framework, no HTTP client and no vLLM, and import each other in no circle. Nothing imports
 one of our packages by a bare name (`import proxy`): installed, only `moe_cohort` exists.
@@ -176,7 +176,7 @@ def test_planner_modules_stay_pure():
     """Planning needs numpy and FAISS only: no torch, no web framework, no HTTP client, no vLLM (at run time,
     imports of imports included)."""
     code = ("import sys, json; import moe_cohort.encoder, moe_cohort.encoder.planner, moe_cohort.encoder.baselines, "
-            "moe_cohort.encoder.inputs, moe_cohort.encoder.text, moe_cohort.encoder.cli; print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in %r)))" % (HEAVY,))
+            "moe_cohort.encoder.inputs, moe_cohort.encoder.text, moe_cohort.cli.plan; print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in %r)))" % (HEAVY,))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout) == []

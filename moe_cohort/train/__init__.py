@@ -1,10 +1,9 @@
-"""Traces -> expert profiles (or pairs with overlap targets) -> a fine-tuned sentence encoder (`cohort train`).
+"""Traces -> expert profiles (or pairs with overlap targets) -> a fine-tuned sentence encoder (`cohort train`, moe_cohort/cli/train.py).
 
     targets.py   expert-frequency profiles and pair targets (pure numpy; default: expected overlap)
     pairs.py     split by request; near-neighbour, hard-negative and random pairs (pure numpy)
     finetune.py  sentence-transformers training (SentenceTransformerTrainer), checkpoints, resume
     profile_loss.py  the default objective: predict each request's expert profile (torch)
-    cli.py       `cohort train --traces PATH --base NAME_OR_PATH --output DIR`
 
 The saved folder is a normal sentence-transformers model: `cohort plan --encoder DIR` and
 `encoder.embedding.Embedder(DIR)` load it.

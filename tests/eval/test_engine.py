@@ -105,7 +105,7 @@ def test_lengths_fixed_lognormal_and_files(tmp_path):
 
 
 def test_the_cli_builds_every_policy_the_inputs_allow_and_text_profiles_come_from_the_head():
-    from moe_cohort.eval.replay_cli import continuous_policies
+    from moe_cohort.cli.replay import continuous_policies
     from moe_cohort.train.profile_head import fit_profile_head
     from moe_cohort.train.targets import profiles
 

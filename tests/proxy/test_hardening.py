@@ -220,7 +220,7 @@ def test_api_docs_setting_and_flag():
     assert load_settings(environ={}).api_docs is False
     import argparse
 
-    from moe_cohort.proxy import cli
+    from moe_cohort.cli import serve as cli
 
     parser = argparse.ArgumentParser()
     cli.add_arguments(parser)
@@ -420,7 +420,7 @@ def test_allowed_policies_from_the_command_line():
     """`cohort serve --allowed-policy oea --allowed-policy 'xshare;m=8'`, parsed as cohort serve parses it."""
     import argparse
 
-    from moe_cohort.proxy import cli
+    from moe_cohort.cli import serve as cli
     from moe_cohort.proxy.settings import flag_overrides, load_settings
 
     parser = argparse.ArgumentParser()

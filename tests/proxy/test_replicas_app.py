@@ -277,7 +277,7 @@ def test_a_replica_killed_with_requests_in_flight_loses_none_of_them(tiny_moe_di
 def test_serve_takes_backend_repeated_and_routing():
     import argparse
 
-    from moe_cohort.proxy import cli
+    from moe_cohort.cli import serve as cli
     from moe_cohort.proxy.settings import SettingsError, flag_overrides, load_settings
 
     parser = argparse.ArgumentParser()

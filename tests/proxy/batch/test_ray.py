@@ -12,7 +12,7 @@ from aiohttp import web
 
 from moe_cohort.cli import main
 from tests.proxy.servers import answer, body_of, drop, local_backend
-from tests.proxy.batch.test_cli import request_line, results, write
+from tests.cli.test_batch import request_line, results, write
 
 ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.integration  # a local Ray instance, or a process

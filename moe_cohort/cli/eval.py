@@ -1,6 +1,6 @@
 """`cohort eval`: compare static batching plans on expert traces against random batches and the oracle.
 
-The continuous-batching replay is `cohort replay` (eval.replay_cli); both read traces the same way
+The continuous-batching replay is `cohort replay` (cli.replay); both read traces the same way
 (`add_input_arguments`, `load_input`).
 """
 
@@ -13,7 +13,7 @@ import sys
 import numpy as np
 
 from moe_cohort.encoder.plans import PlanError, read_plan_file
-from moe_cohort.eval.args import encoder_problem, int_list, path_problem, positive_int
+from moe_cohort.cli.checks import encoder_problem, int_list, path_problem, positive_int
 from moe_cohort.eval.metrics import evaluate
 from moe_cohort.eval.report import format_table, write_report
 from moe_cohort.traces.format import TraceFormatError, TraceSet

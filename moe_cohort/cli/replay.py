@@ -11,7 +11,7 @@ Policies, in the order of the output (random is always first):
 
 With --replicas R: R replicas of S slots behind a router instead (eval.replicas; --routing picks
 round-robin, least-loaded, affinity or all), beside one engine of R*S slots for reference.
-Static plans are `cohort eval` (eval.cli), whose trace flags this command shares.
+Static plans are `cohort eval` (cli.eval), whose trace flags this command shares.
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from pathlib import Path
 import numpy as np
 
 from moe_cohort.encoder.plans import Plan, PlanError, read_plan_file
-from moe_cohort.eval.args import (encoder_problem, engine_problem, int_list, nonnegative_float, path_problem,
+from moe_cohort.cli.checks import (encoder_problem, engine_problem, int_list, nonnegative_float, path_problem,
                                   positive_int, share)
-from moe_cohort.eval.cli import add_input_arguments, embed_traces, fail, load_input
+from moe_cohort.cli.eval import add_input_arguments, embed_traces, fail, load_input
 from moe_cohort.eval.cost import DEFAULT_COST_MODEL, PRESETS, parse_cost_model
 from moe_cohort.eval.engine import DEFAULT_MEAN_LENGTH, REFERENCE, evaluate_continuous, lengths_from_spec
 from moe_cohort.eval.policies import Policy, by_embedding, by_profile, fixed_order
@@ -186,7 +186,7 @@ def engine_report(args: argparse.Namespace, ts: TraceSet, text: tuple, result: d
     from moe_cohort.eval.report import write_engine_report
     from moe_cohort.traces.loads import expert_masks
 
-    sizes = sorted({*args.sweep, args.slots})  # --sweep: a list of ints (eval.args.int_list)
+    sizes = sorted({*args.sweep, args.slots})  # --sweep: a list of ints (cli.checks.int_list)
     masks = expert_masks(ts, decode_steps=args.mean_length, decode=args.decode)
     cost = parse_cost_model(args.cost_model, args.non_moe_us, args.moe_share)
     planners = {}

@@ -247,7 +247,7 @@ def test_the_replay_gives_a_head_that_reads_ngrams_the_prompt_texts():
     import numpy as np
 
     from moe_cohort.eval.replay import decode_tokens
-    from moe_cohort.eval.replay_cli import continuous_policies
+    from moe_cohort.cli.replay import continuous_policies
     from moe_cohort.train.profile_head import fit_profile_head
     from moe_cohort.train.targets import profiles
 

@@ -37,7 +37,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from moe_cohort.eval.args import positive_int
+from moe_cohort.cli.checks import positive_int
 from moe_cohort.proxy.backend_metrics import (decode_counters, decode_rates, decode_sums, has_plugin_counters,
                                               scrape)
 

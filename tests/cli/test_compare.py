@@ -1,4 +1,4 @@
-"""`cohort compare` (proxy/compare.py): end to end against a real vLLM with the plugin and a real `cohort serve`;
+"""`cohort compare` (cli/compare.py): end to end against a real vLLM with the plugin and a real `cohort serve`;
 its one-line errors against throwaway servers."""
 
 import asyncio
@@ -63,7 +63,7 @@ def test_a_backend_without_the_plugin_or_unknown_is_one_line_and_exit_2(health, 
 
 
 def test_each_round_takes_the_next_held_out_prompts_and_cycles_only_when_they_run_out():
-    from moe_cohort.proxy.compare import round_prompts
+    from moe_cohort.cli.compare import round_prompts
 
     assert round_prompts(list("abcdef"), 2, 3) == [list("ab"), list("cd"), list("ef")]
     assert round_prompts(list("abcde"), 2, 3) == [list("ab"), list("cd"), list("ea")]

@@ -1,7 +1,7 @@
 """The `cohort` command: a dispatcher, nothing else.
 
-Each subcommand lives in its own package as a module with two functions,
-`add_arguments(parser)` and `run(args) -> int`. The module is imported only when its
+Each subcommand is a module of this package with two functions, `add_arguments(parser)` and
+`run(args) -> int`. The module is imported only when its
 subcommand runs, so `cohort eval` never pays for torch or vLLM imports.
 
 Every parser here reports a bad argument in one line (what is wrong, and `--help` for the rest)
@@ -62,16 +62,16 @@ def quiet_loading_bars() -> None:
 
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "serve": ("moe_cohort.proxy.cli", "run the OpenAI-compatible proxy in front of vLLM (or an embedded tiny-MoE vLLM)"),
-    "compare": ("moe_cohort.proxy.compare", "on a running `cohort serve`: held-out prompts first come, first served "
+    "serve": ("moe_cohort.cli.serve", "run the OpenAI-compatible proxy in front of vLLM (or an embedded tiny-MoE vLLM)"),
+    "compare": ("moe_cohort.cli.compare", "on a running `cohort serve`: held-out prompts first come, first served "
                 "and through admission, decode expert loads per generated token of each"),
-    "batch": ("moe_cohort.proxy.batch.cli", "run an OpenAI Batch file through vLLM, planned up front and resumable after a crash"),
-    "eval": ("moe_cohort.eval.cli", "compare static batching plans on expert traces against random and an oracle"),
-    "replay": ("moe_cohort.eval.replay_cli", "replay vLLM's continuous batching on expert traces under each admission policy"),
-    "traces": ("moe_cohort.traces.cli", "inspect, import and convert expert-trace files"),
-    "plan": ("moe_cohort.encoder.cli", "turn prompts (JSONL) into expert-coherent batches from their text alone"),
-    "train": ("moe_cohort.train.cli", "fine-tune a sentence encoder so that cosine similarity tracks expert overlap"),
-    "make-tiny-moe": ("moe_cohort.devtools.cli_tiny_moe", "write a tiny random MoE model (Qwen3-MoE, Mixtral, OLMoE) for tests"),
+    "batch": ("moe_cohort.cli.batch", "run an OpenAI Batch file through vLLM, planned up front and resumable after a crash"),
+    "eval": ("moe_cohort.cli.eval", "compare static batching plans on expert traces against random and an oracle"),
+    "replay": ("moe_cohort.cli.replay", "replay vLLM's continuous batching on expert traces under each admission policy"),
+    "traces": ("moe_cohort.cli.traces", "inspect, import and convert expert-trace files"),
+    "plan": ("moe_cohort.cli.plan", "turn prompts (JSONL) into expert-coherent batches from their text alone"),
+    "train": ("moe_cohort.cli.train", "fine-tune a sentence encoder so that cosine similarity tracks expert overlap"),
+    "make-tiny-moe": ("moe_cohort.cli.make_tiny_moe", "write a tiny random MoE model (Qwen3-MoE, Mixtral, OLMoE) for tests"),
 }
 
 
