@@ -44,6 +44,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.heldout import prompt_texts
 from moe_cohort.encoder.plans import chunk
 from moe_cohort.proxy.backend_client import BackendClient
 from moe_cohort.proxy.backend_metrics import metric_sum
@@ -55,7 +56,6 @@ from moe_cohort.proxy.expert_loads import ExpertLoads, parse_expert_loads
 from moe_cohort.proxy.batch.journal import Journal, JournalPaths
 from moe_cohort.proxy.profiles import Predictor, make_predictor
 from moe_cohort.proxy.settings import Settings
-from moe_cohort.train.heldout import prompt_texts
 
 TOKENS_KEY = "cohort_moe_routed_tokens"
 

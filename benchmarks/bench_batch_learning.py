@@ -34,8 +34,8 @@ import time
 from pathlib import Path
 
 from benchmarks.bench_learning_e2e import TRAINED, counters, offline_encoder, trained_model
+from benchmarks.heldout import prompt_texts
 from moe_cohort.proxy.backend_metrics import decode_rates
-from moe_cohort.train.heldout import prompt_texts
 
 
 def batch_file(path: Path, prompts: list[str], max_tokens: int) -> Path:

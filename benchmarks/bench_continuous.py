@@ -6,7 +6,7 @@
 
 One table per model and S. The models are the trace folders of --traces (default: both of the data
 folder, DeepSeek-V2-Lite's prompt tokens and gpt-oss-20b's generated tokens). Each is split by
-request with the project's one split (train.heldout: 20% held out, seed 0); every profile head is
+request with the project's one split (benchmarks.heldout: 20% held out, seed 0); every profile head is
 fitted on the training side (or is the one `cohort train` saved in an encoder FOLDER, which saw
 that side only; --finetuned gives each trace folder, by name, its own as the row "ft"). The held-out requests are replayed through S slots for: random, arrival, the
 static plan order (the first encoder, B = S), every text policy of every encoder (nearest
@@ -37,6 +37,7 @@ from typing import Callable
 import numpy as np
 from threadpoolctl import threadpool_limits
 
+from benchmarks.heldout import HeldOut, data_path, embeddings
 from moe_cohort.admission.resident import ResidentExperts
 from moe_cohort.eval.cost import parse_cost_model
 from moe_cohort.eval.engine import REFERENCE, evaluate_continuous, lengths_from_spec
@@ -46,7 +47,6 @@ from moe_cohort.cli.replay import text_policies
 from moe_cohort.eval.report import format_engine_table
 from moe_cohort.traces.format import TraceSet
 from moe_cohort.traces.importers import load_traces
-from moe_cohort.train.heldout import HeldOut, data_path, embeddings
 
 MODELS = ("deepseek-v2-lite-puffin", "gpt-oss-20b-decode")
 TARGETS = {"gpt-oss-20b-decode": 0.90}  # issue 25: share of the reference at S = 16 and 32; else 0.95

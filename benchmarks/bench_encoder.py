@@ -40,8 +40,8 @@ import time
 
 import numpy as np
 
+from benchmarks.heldout import TRACES, HeldOut, data_path
 from moe_cohort.traces.importers import load_traces
-from moe_cohort.train.heldout import TRACES, HeldOut, data_path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 SPEED_TARGET, QUALITY_TOLERANCE = 20.0, 0.05

@@ -13,11 +13,11 @@ import time
 
 import numpy as np
 
+from benchmarks.heldout import TRACES, data_path
 from moe_cohort.eval.oracle import greedy_oracle
 from moe_cohort.eval.plans import random_plan
 from moe_cohort.traces.importers import load_traces
 from moe_cohort.traces.loads import expert_masks, plan_loads
-from moe_cohort.train.heldout import TRACES, data_path
 
 
 def main() -> None:

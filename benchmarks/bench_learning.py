@@ -3,7 +3,7 @@
     python -m benchmarks.bench_learning [--traces A,B] [--observed 0,25,50,100,200,400] [--seeds 10]
 
 For each model (default: both trace folders of the data folder), the project's one split
-(train.heldout). The training requests arrive one by one in a seeded random order, as a served
+(benchmarks.heldout). The training requests arrive one by one in a seeded random order, as a served
 model's finished requests would: each becomes an observation (traces.observed.from_routed_experts of
 its own routing rows, the form vLLM's `routed_experts` field has) and goes, with its head features
 (the proxy's encoder: static, cached in --cache), into a train.online.OnlineLearner with the proxy's
@@ -29,6 +29,7 @@ from typing import Callable
 import numpy as np
 
 from benchmarks.bench_continuous import MODELS, held_lengths
+from benchmarks.heldout import HeldOut, data_path, embeddings
 from moe_cohort.encoder.profile import head_features
 from moe_cohort.eval.cost import parse_cost_model
 from moe_cohort.eval.engine import REFERENCE, evaluate_continuous
@@ -37,7 +38,6 @@ from moe_cohort.eval.replay import decode_tokens
 from moe_cohort.traces.format import TraceSet
 from moe_cohort.traces.importers import load_traces
 from moe_cohort.traces.observed import Observed, from_routed_experts
-from moe_cohort.train.heldout import HeldOut, data_path, embeddings
 from moe_cohort.train.online import LearnConfig, OnlineLearner
 
 TARGETS = {200: 0.80, 400: 0.95}  # share of the offline head's saving at S = 16

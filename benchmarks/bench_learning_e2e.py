@@ -54,10 +54,10 @@ import numpy as np
 
 from benchmarks import bench_proxy
 from benchmarks.bench_proxy import split_cpus, start_proxy
+from benchmarks.heldout import prompt_texts
 from moe_cohort.proxy.backend_metrics import decode_counters as counters  # bench_batch_learning imports it here
 from moe_cohort.proxy.backend_metrics import decode_rates, metric_sum, scrape
 from moe_cohort.proxy.embedded import default_model_dir, ensure_trained_model
-from moe_cohort.train.heldout import prompt_texts
 from moe_cohort.traces.split import split_requests
 
 TRAINED = default_model_dir()  # where `cohort serve` keeps it

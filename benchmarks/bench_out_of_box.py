@@ -39,11 +39,11 @@ import numpy as np
 from benchmarks import bench_proxy
 from benchmarks.bench_learning_e2e import health_of, send, wait_learned
 from benchmarks.bench_proxy import split_cpus, start_proxy
+from benchmarks.heldout import prompt_texts
 from moe_cohort.engine.engine_info import SCHEDULER_CLS
 from moe_cohort.proxy.backend_metrics import decode_counters, decode_rates
 from moe_cohort.proxy.embedded import default_model_dir, ensure_trained_model
 from moe_cohort.traces.split import split_requests
-from moe_cohort.train.heldout import prompt_texts
 
 SCHEDULER = ["--scheduler-cls", SCHEDULER_CLS]
 

@@ -27,7 +27,8 @@ import time
 
 import numpy as np
 
-from moe_cohort.encoder.baselines import kmeans_sort_chunk
+from benchmarks.baselines import kmeans_sort_chunk
+from benchmarks.heldout import TRACES, data_path, embeddings
 from moe_cohort.encoder.ordering import consecutive_similarity
 from moe_cohort.encoder.planner import PlannerConfig, plan_batches
 from moe_cohort.eval.oracle import greedy_oracle
@@ -35,7 +36,6 @@ from moe_cohort.encoder.plans import chunk, validate_plan
 from moe_cohort.eval.plans import random_plan
 from moe_cohort.traces.importers import load_traces
 from moe_cohort.traces.loads import ExpertMasks, expert_masks, plan_loads
-from moe_cohort.train.heldout import TRACES, data_path, embeddings
 
 SEEDS = (0, 1, 2)
 ABLATION = {

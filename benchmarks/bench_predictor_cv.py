@@ -9,7 +9,7 @@ fine-tuned one by 10 points there and trailed it by 13-18 in these folds). Here 
 is scored once, by a predictor that never saw it, and nothing of the held-out side is read.
 
 Per trace folder (default: both of the data folder), the training side of the project's split
-(train.heldout) in K folds, requests with the same text in one fold (seeded). Per fold: the profile head
+(benchmarks.heldout) in K folds, requests with the same text in one fold (seeded). Per fold: the profile head
 of every --encoders encoder fitted on the other folds; for every --finetune variant, `cohort train`'s
 pipeline (train.finetune.train_encoder: the defaults, with key=value overriding TrainConfig fields, e.g.
 `ft128:max_seq_length=128`) run on the other folds only, then its head on them; then the fold replayed
@@ -29,13 +29,13 @@ from typing import Callable
 
 import numpy as np
 
+from benchmarks.heldout import HeldOut, data_path, embeddings
 from moe_cohort.eval.cost import parse_cost_model
 from moe_cohort.eval.engine import REFERENCE, evaluate_continuous
 from moe_cohort.eval.policies import by_profile
 from moe_cohort.eval.replay import decode_tokens
 from moe_cohort.traces.format import TraceSet
 from moe_cohort.traces.importers import load_traces
-from moe_cohort.train.heldout import HeldOut, data_path, embeddings
 from moe_cohort.train.profile_head import fit_profile_head
 
 from benchmarks.bench_continuous import MODELS, held_lengths

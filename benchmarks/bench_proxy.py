@@ -62,9 +62,9 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 
+from benchmarks.heldout import prompt_texts
 from moe_cohort.proxy.backend_metrics import metric_sum, scrape
 from moe_cohort.proxy.vllm_server import free_port
-from moe_cohort.train.heldout import prompt_texts
 
 
 async def post(http: aiohttp.ClientSession, url: str, body: dict, own: list[float] | None = None) -> float:

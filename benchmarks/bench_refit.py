@@ -35,9 +35,9 @@ import numpy as np
 
 from threadpoolctl import threadpool_limits
 
+from benchmarks.heldout import prompt_texts
 from moe_cohort.encoder.ngrams import DEFAULT_NGRAM_DIM, hashed_ngrams
 from moe_cohort.encoder.profile import head_features
-from moe_cohort.train.heldout import prompt_texts
 from moe_cohort.traces.observed import Observed
 from moe_cohort.train.online import LearnConfig, OnlineLearner
 from moe_cohort.train.profile_head import fit_head_features

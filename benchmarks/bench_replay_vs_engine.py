@@ -34,13 +34,13 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.bench_learning_e2e import savings
+from benchmarks.heldout import embeddings, prompt_texts
 from moe_cohort.encoder.profile import HEAD_FILE, load_profile_head
 from moe_cohort.eval.policies import Policy, by_embedding, by_profile, fixed_order
 from moe_cohort.eval.replay import decode_profiles, decode_tokens
 from moe_cohort.traces.format import TraceSet
 from moe_cohort.traces.importers import load_traces
 from moe_cohort.traces.split import split_requests
-from moe_cohort.train.heldout import embeddings, prompt_texts
 from moe_cohort.train.profile_head import fit_profile_head
 from moe_cohort.train.targets import profiles
 

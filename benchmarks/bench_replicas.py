@@ -3,7 +3,7 @@
     python -m benchmarks.bench_replicas --finetuned /tmp/cohort-cache/ft-encoder [--replicas 2,4] [--slots 16,32]
                                         [--load 0,0.8]
 
-The held-out side of the project's one split (train.heldout) is replayed through R replicas of S
+The held-out side of the project's one split (benchmarks.heldout) is replayed through R replicas of S
 slots (eval.replicas), lognormal output lengths (mean 64, sigma 1), 5 seeds, all requests
 arriving at step 0 (saturation), for these routings (admission.router):
 
@@ -32,12 +32,12 @@ from __future__ import annotations
 import argparse
 import time
 
+from benchmarks.heldout import TRACES, HeldOut, data_path, embeddings
 from moe_cohort.eval.cost import parse_cost_model
 from moe_cohort.eval.engine import lengths_from_spec
 from moe_cohort.eval.replay import decode_tokens
 from moe_cohort.eval.replicas import evaluate_with_single, format_replica_table, poisson_arrivals, routings_for
 from moe_cohort.traces.importers import load_traces
-from moe_cohort.train.heldout import TRACES, HeldOut, data_path, embeddings
 
 
 def main() -> None:

@@ -2,7 +2,7 @@
 
     python -m benchmarks.bench_routing_mi --model TRAINED_DIR [--per-category 40]
 
-Held-out prompts of ../shared/data/prompts/mixed.jsonl (the side the trained model never saw,
+Held-out prompts of $COHORT_DATA/prompts/mixed.jsonl (the side the trained model never saw,
 traces.split), as the server sees them (a ChatML user turn), labelled by their mixed.jsonl
 category; and held-out package text plus those prompts labelled by kind (code, math, chat,
 prose). At most --per-category texts per label, so labels weigh alike. Models: the trained one,
@@ -19,8 +19,9 @@ import tempfile
 from collections import defaultdict
 from pathlib import Path
 
+from benchmarks.heldout import PROMPTS, data_location
+from benchmarks.routing_mi import chat_prompt, model_category_mi
 from moe_cohort.devtools.corpus import CorpusArgs, build_corpus
-from moe_cohort.devtools.routing_mi import chat_prompt, model_category_mi
 from moe_cohort.devtools.tiny_moe import TinyMoeArgs, build_config, build_model, make_tiny_moe
 
 
@@ -56,7 +57,7 @@ def main(argv=None) -> int:
     parser.add_argument("--model", required=True, help="trained model folder (cohort make-tiny-moe --trained)")
     parser.add_argument("--per-category", type=int, default=40)
     args = parser.parse_args(argv)
-    corpus = build_corpus(CorpusArgs())
+    corpus = build_corpus(CorpusArgs(prompts_path=str(data_location() / PROMPTS)))
     prompts = [d for d in corpus.heldout if d.category not in ("stdlib", "pydoc")]
     by_category = capped(prompts, lambda d: d.category, args.per_category)
     by_kind = capped(corpus.heldout, lambda d: d.kind, args.per_category)

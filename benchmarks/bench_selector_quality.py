@@ -22,9 +22,10 @@ import math
 import random
 from pathlib import Path
 
+from benchmarks.heldout import PROMPTS, data_location
+from benchmarks.routing_mi import chat_prompt
 from moe_cohort.engine.selection import select_experts
 from moe_cohort.devtools.corpus import CorpusArgs, build_corpus
-from moe_cohort.devtools.routing_mi import chat_prompt
 
 POLICIES = ["topk", "xshare;m=16", "xshare;m=24", "xshare;m=32", "oea;k0=1", "oea;k0=2", "oea;k0=3",
             "lynx-lat;drop=4", "lynx-lat;drop=8", "lynx-lat;drop=16", "moe-spec;budget=16", "moe-spec;budget=24",
@@ -33,7 +34,7 @@ POLICIES = ["topk", "xshare;m=16", "xshare;m=24", "xshare;m=32", "oea;k0=1", "oe
 
 def heldout_windows(tokenizer, seq_len: int, per_kind: int, seed: int = 0) -> list[list[int]]:
     """Up to `per_kind` windows of `seq_len` held-out tokens per kind, kinds interleaved, shuffled."""
-    corpus = build_corpus(CorpusArgs())
+    corpus = build_corpus(CorpusArgs(prompts_path=str(data_location() / PROMPTS)))
     streams: dict[str, list[int]] = {}
     for d in corpus.heldout:
         text = d.text + "<|endoftext|>" if d.category in ("stdlib", "pydoc") else chat_prompt(d.text) + "<|im_end|>\n"

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.heldout import TRACES, data_path
 from moe_cohort.encoder.embedding import DEFAULT_MODEL, Embedder
 from moe_cohort.encoder.planner import plan_batches
 from moe_cohort.eval.metrics import evaluate
@@ -38,7 +39,6 @@ from moe_cohort.traces.importers import load_traces
 from moe_cohort.traces.loads import expert_masks
 from moe_cohort.train.correlation import cosine_spearman
 from moe_cohort.train.finetune import REPORT_FILE, TrainConfig, train_encoder
-from moe_cohort.train.heldout import TRACES, data_path
 from moe_cohort.train.targets import profiles
 
 

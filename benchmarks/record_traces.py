@@ -28,12 +28,12 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.heldout import PROMPTS, data_path
+from benchmarks.routing_mi import category_mi, chat_prompt
 from moe_cohort.devtools.corpus import read_prompts, split_prompts
-from moe_cohort.devtools.routing_mi import category_mi, chat_prompt
 from moe_cohort.proxy.vllm_server import start
 from moe_cohort.traces.format import TraceSet, load_trace_file, save_traces
 from moe_cohort.traces.importers import load_traces
-from moe_cohort.train.heldout import PROMPTS, data_path
 
 log = logging.getLogger("record_traces")
 

@@ -27,10 +27,10 @@ import time
 import numpy as np
 from scipy.stats import pearsonr, spearmanr
 
+from benchmarks.heldout import TRACES, HeldOut, data_path
 from moe_cohort.eval.metrics import evaluate
 from moe_cohort.traces.importers import load_traces
 from moe_cohort.traces.loads import expert_masks
-from moe_cohort.train.heldout import TRACES, HeldOut, data_path
 from moe_cohort.train.targets import TARGETS, profiles, target_matrix
 
 NEAR = 10

@@ -175,7 +175,7 @@ def test_the_checks_see_a_forbidden_import_once_added(tmp_path):
 def test_planner_modules_stay_pure():
     """Planning needs numpy and FAISS only: no torch, no web framework, no HTTP client, no vLLM (at run time,
     imports of imports included)."""
-    code = ("import sys, json; import moe_cohort.encoder, moe_cohort.encoder.planner, moe_cohort.encoder.baselines, "
+    code = ("import sys, json; import moe_cohort.encoder, moe_cohort.encoder.planner, "
             "moe_cohort.encoder.inputs, moe_cohort.encoder.text, moe_cohort.cli.plan; print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in %r)))" % (HEAVY,))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

@@ -12,7 +12,7 @@ split_requests`, its defaults, grouped by text); only the training side is ever 
 on, and the held-out side is what routing is measured on. For mixed.jsonl the split is applied to
 the file's requests in file order, so held-out prompts never appear in the training text.
 
-    corpus = build_corpus(CorpusArgs(prompts_path="../shared/data/prompts/mixed.jsonl"))
+    corpus = build_corpus(CorpusArgs(prompts_path="DATA_DIR/prompts/mixed.jsonl"))
     corpus.train, corpus.heldout   # lists of Doc(kind, text, category)
     corpus.digest()                # sha256 of every text, for cache keys
 """
@@ -22,16 +22,24 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from moe_cohort.traces.split import split_requests
-from moe_cohort.train.heldout import PROMPTS, data_location
 
 log = logging.getLogger(__name__)
 
 KINDS = ("code", "math", "chat", "prose")
+DATA_ENV = "COHORT_DATA"  # the data folder; unset: no prompt set, package text only
+PROMPTS = "prompts/mixed.jsonl"  # the prompt set inside the data folder
+
+
+def default_prompts_path() -> str | None:
+    """$COHORT_DATA/prompts/mixed.jsonl when $COHORT_DATA is set, else None (package text only)."""
+    folder = os.environ.get(DATA_ENV)
+    return str(Path(folder) / PROMPTS) if folder else None
 
 
 @dataclass(frozen=True)
@@ -47,7 +55,7 @@ class Doc:
 class CorpusArgs:
     """Which text goes in. `prompts_path` None or missing: package text only (code and prose)."""
 
-    prompts_path: str | None = field(default_factory=lambda: str(data_location() / PROMPTS))  # $COHORT_DATA
+    prompts_path: str | None = field(default_factory=default_prompts_path)
     max_code_files: int = 400  # stdlib top-level modules, in name order
     code_chunk_lines: int = 40
     prose_chunk_chars: int = 1200

@@ -8,10 +8,10 @@ import json
 import numpy as np
 
 from benchmarks.bench_continuous import measure_model
+from benchmarks.heldout import HeldOut
 from moe_cohort.cli import main
 from moe_cohort.traces.format import save_traces
 from moe_cohort.traces.importers import load_traces
-from moe_cohort.train.heldout import HeldOut
 from tests.conftest import random_traces, write_trace_dir
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 
 from benchmarks.bench_learning import measure_model, observation
+from benchmarks.heldout import HeldOut
 from moe_cohort.traces.importers import load_traces
-from moe_cohort.train.heldout import HeldOut
 from moe_cohort.train.targets import profiles
 from tests.conftest import random_traces, write_trace_dir
 

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from benchmarks.bench_predictor_cv import measure_cv, parse_variant, training_folds
+from benchmarks.heldout import HeldOut
 from moe_cohort.traces.synthetic import synthetic_traces
 from moe_cohort.train.finetune import REPORT_FILE
-from moe_cohort.train.heldout import HeldOut
 
 
 def _topic_embed(ts):

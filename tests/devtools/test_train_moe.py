@@ -10,10 +10,10 @@ import pytest
 transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
 
+from benchmarks.routing_mi import chat_prompt, model_category_mi  # noqa: E402
 from moe_cohort.cli import main  # noqa: E402
 from moe_cohort.devtools import train_moe  # noqa: E402
 from moe_cohort.devtools.corpus import CorpusArgs, build_corpus  # noqa: E402
-from moe_cohort.devtools.routing_mi import chat_prompt, model_category_mi  # noqa: E402
 from moe_cohort.devtools.tiny_moe import TinyMoeArgs, build_config, build_model  # noqa: E402
 from moe_cohort.devtools.train_moe import RECIPES, TrainArgs, train_tiny_moe  # noqa: E402
 

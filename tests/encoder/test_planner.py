@@ -3,7 +3,6 @@ import itertools
 import numpy as np
 import pytest
 
-from moe_cohort.encoder.baselines import kmeans_sort_chunk
 from moe_cohort.encoder.planner import PlannerConfig, plan_batches
 from moe_cohort.encoder.swaps import within_similarity
 from moe_cohort.encoder.plans import validate_plan
@@ -59,16 +58,6 @@ def test_planted_clusters_of_whole_batches_stay_pure():
     x, labels = planted([16, 24, 8, 16, 32], noise=0.1, seed=1)
     plan = plan_batches(x, 8)
     assert all(len(set(labels[b])) == 1 for b in plan)
-
-
-def test_beats_kmeans_chunking_on_uneven_clusters():
-    """Cluster sizes that are not multiples of B: sort-and-cut mixes clusters, the planner much less."""
-    x, labels = planted([11, 5, 19, 13, 7, 9, 17, 15], noise=0.3, seed=2)
-    purity = lambda plan: np.mean([np.bincount(labels[b]).max() / len(b) for b in plan])  # noqa: E731
-    ours, naive = plan_batches(x, 8), kmeans_sort_chunk(x, 8, seed=0)
-    assert purity(ours) > purity(naive) + 0.05
-    sim = x @ x.T
-    assert within_similarity(sim, ours) > within_similarity(sim, naive)
 
 
 def test_matches_brute_force_optimum_on_tiny_inputs():

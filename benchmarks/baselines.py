@@ -1,4 +1,4 @@
-"""The naive embedding planner the issue measures against: k-means, sort by cluster, cut.
+"""The naive embedding planner the benchmarks measure the planner against: k-means, sort by cluster, cut.
 
 Cluster the embeddings with FAISS spherical k-means into about N / B clusters, order the requests
 by cluster label (arrival order inside a cluster) and cut the order into batches of B. Batches

@@ -1,4 +1,4 @@
-"""The held-out setup (train.heldout): the split, the reference profiles the replay would read, a head
+"""The held-out setup (benchmarks.heldout): the split, the reference profiles the replay would read, a head
 that sees training requests only, the embedding cache, and the data folder setting."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import json
 import numpy as np
 import pytest
 
+from benchmarks import heldout as heldout_module
+from benchmarks.heldout import DATA_ENV, HeldOut, data_dir, data_path, embeddings, prompt_texts
 from moe_cohort.eval.replay import decode_profiles, decode_tokens
 from moe_cohort.traces.split import heldout_split
-from moe_cohort.train import heldout as heldout_module
-from moe_cohort.train.heldout import DATA_ENV, HeldOut, data_dir, data_path, embeddings, prompt_texts
 from tests.conftest import random_traces
 
 

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from moe_cohort.devtools.routing_mi import category_mi
+from benchmarks.routing_mi import category_mi
 
 
 def _brute_mi(choices, cats, num_experts, layer):

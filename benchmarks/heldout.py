@@ -11,12 +11,11 @@ side against its requests' own profiles (the reference admission's input).
     head.predict(x[data.held_idx], data.held_texts)   # [n, L, E] predicted profiles of the held-out side
     data.held, data.reference                         # the held-out TraceSet, its own profiles [n, L, E]
 
-It lives in train/ because it needs the split (traces/), the encoder and its saved head (encoder/)
-and the head's fit and the profiles (train/), and train/ stands on traces/ and encoder/. eval/ is
-on train/'s floor, so nothing here may come from the replay: the reference profiles are
-train.targets.profiles of the held-out side, which are what eval.replay.decode_profiles reads
-from the replay's decode tokens (generated tokens, else the prompt after BOS; a test checks they
-are equal).
+It is the benchmarks' own setup, not part of the installed package: it needs the split (traces/),
+the encoder and its saved head (encoder/) and the head's fit and the profiles (train/), and it takes
+nothing from the replay: the reference profiles are train.targets.profiles of the held-out side,
+which are what eval.replay.decode_profiles reads from the replay's decode tokens (generated tokens,
+else the prompt after BOS; a test checks they are equal).
 
 The data folder is $COHORT_DATA, else ../shared/data from the working directory (the repository
 root, where `python -m benchmarks.bench_x` runs); `data_dir` is the one place that reads it.
