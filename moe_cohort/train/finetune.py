@@ -20,7 +20,7 @@ weighted Jaccard of expert-frequency profiles (train.targets says why).
 The `profile` loss (train.profile_loss) needs no pairs: the training requests themselves, each with
 its expert profile, as many examples as the pair objectives' budget (epochs x max_pairs), so the run
 costs about the same number of steps and no pair mining. It is the default because it wins on both
-models in ../shared/data (docs/results.md, issue 25; the engine kept full, shares of the reference at
+models measured (docs/results.md; the engine kept full, shares of the reference at
 S = 16 / 32): DeepSeek-V2-Lite held out, 99% / 93% against CoSENT's 91% / 84%; gpt-oss-20b, where the
 held-out side is too small to tell encoders apart, in 4 folds of the training side with the encoder
 fine-tuned per fold (benchmarks/bench_predictor_cv.py), 86% / 83% against CoSENT's 82% / 70% and the
