@@ -8,12 +8,12 @@
 
 Values keep their YAML/TOML types and must match the field's type (an integer for `port`, a list of
 strings or one comma-separated string for `api_keys`); an unknown key or a value of the wrong type
-is a ConfigFileError naming the file and the key. proxy/settings.py decides the precedence.
+is a ConfigFileError, one line naming the file and the key (an unknown one with its nearest setting).
+proxy/settings.py decides the precedence.
 """
 
 from __future__ import annotations
 
-import difflib
 import tomllib
 from pathlib import Path
 from typing import Mapping
@@ -29,10 +29,10 @@ def read_config(path: str | Path, field_types: Mapping[str, str]) -> dict[str, o
     data = _load(path)
     unknown = [key for key in data if key not in field_types]
     if unknown:
-        hints = [f"{key!r} (did you mean {close[0]!r}?)" if (close := difflib.get_close_matches(key, field_types, 1))
-                 else repr(key) for key in unknown]
-        raise ConfigFileError(f"{path}: unknown key(s) {', '.join(hints)}; the keys are the settings' names: "
-                              f"{', '.join(field_types)}")
+        from moe_cohort.proxy.settings import unknown_setting
+
+        raise ConfigFileError(unknown_setting(f"{path}: key {unknown[0]!r}", str(unknown[0]), field_types,
+                                              more=len(unknown) - 1))
     return {key: _checked(path, key, field_types[key], value) for key, value in data.items()}
 
 

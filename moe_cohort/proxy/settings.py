@@ -9,12 +9,18 @@ A bad value is a SettingsError that names the flag, the variable and the config 
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import logging
 import os
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Mapping
 
+log = logging.getLogger(__name__)
+
 ENV_PREFIX = "COHORT_"
+# how close (difflib's ratio) a COHORT_* variable must be to a setting's variable to be taken for a misspelling
+MISSPELT_CUTOFF = 0.8
 # keys: one that is given but empty (`COHORT_API_KEYS=`, `api_keys: []`, `--backend-api-key ''`) is refused, never
 # read as "no key": an unset secret in a template must not start an open proxy
 KEY_SETTINGS = ("api_keys", "backend_api_key")
@@ -43,48 +49,46 @@ def _bad(name: str, detail: str) -> SettingsError:
     return SettingsError(f"{name} (env {ENV_PREFIX}{name.upper()}) {detail}", field=name, detail=detail)
 
 
+# The sections of the settings, in the order `cohort serve --help` shows them: name -> (what the section
+# sets, its fields). Every field is in exactly one section.
+SECTIONS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "backend": ("the vLLM server(s) the proxy fronts",
+                ("backend_url", "routing", "backend_api_key", "request_timeout_s", "connect_timeout_s")),
+    "server": ("where the proxy listens and what it accepts",
+               ("host", "port", "max_body_bytes", "max_header_bytes", "max_headers", "head_timeout_s", "keepalive_s",
+                "access_log", "log_prompts")),
+    "access": ("who may call the proxy and what clients may ask of the engine",
+               ("api_keys", "protect_metrics", "api_docs", "trust_client_hints", "allowed_policies")),
+    "admission": ("which waiting request goes to the engine next",
+                  ("max_in_flight", "max_queue_ms", "max_passed", "default_policy", "forward_profiles",
+                   "profile_deadline_ms")),
+    "encoder": ("the model that predicts each request's experts from its text",
+                ("encoder", "encoder_max_seq_len", "encoder_cache", "encoder_threads")),
+    "learning": ("learning the profile head from the engine's routing of answered requests",
+                 ("learn", "learn_sample_rate", "learn_capacity", "learn_refit_every")),
+    "batches": ("the Batch API and `cohort batch run`",
+                ("data_dir", "max_file_bytes", "batch_concurrency", "batch_max_retries")),
+}
+# encoder name or path: "static" (a model2vec distillation of the packaged MiniLM, built once, far faster and as
+# good a plan without a profile head), "" = the packaged all-MiniLM-L6-v2, "none" = no prediction, first come first
+# served; every command that embeds prompts defaults to it
+DEFAULT_ENCODER = "static"
+
+
 @dataclass(frozen=True)
 class Settings:
+    # -- backend
     # vLLM server(s) to front, e.g. http://127.0.0.1:8000; several replicas as a comma list, each with
     # max_in_flight slots (empty: start the embedded one)
     backend_url: str = ""
     routing: str = "affinity"  # which replica takes which request: affinity | least-loaded | round-robin
-    host: str = "127.0.0.1"
-    port: int = 8080
-    max_queue_ms: float = 30_000.0  # fairness bound: a request that has waited this long is admitted first
-    # fairness bound in admissions: a request that this many later arrivals were admitted before goes first
-    # (admission.waiting); 0: 3 x the slots of the smallest replica admitting in the proxy (proxy/autoconfig.py)
-    max_passed: int = 0
-    # requests at each replica at once; 0: from the replica's handshake (proxy/autoconfig.py: its max_num_seqs, or
-    # more where vLLM admits by itself)
-    max_in_flight: int = 0
-    default_policy: str = "topk"  # routing policy when a request has no X-MoE-Routing header
-    # encoder name or path: "static" (the default: a model2vec distillation of the packaged MiniLM, built once,
-    # far faster and as good a plan without a profile head: python -m benchmarks.bench_encoder --as-served),
-    # "" = the packaged all-MiniLM-L6-v2, "none" = no prediction, first come first served
-    encoder: str = "static"
-    encoder_max_seq_len: int = 128
-    encoder_cache: int = 10_000  # embeddings kept by text hash (repeated prompts are not embedded again); 0: off
-    # CPU threads `cohort serve`'s encoder and profile head may use (torch, BLAS, the tokenizer): 1 keeps
-    # them beside the event loop on one core, off the engine's cores and out of each other's way
-    encoder_threads: int = 1
-    # every request waits for its prediction (at most profile_deadline_ms) and carries it: vllm_xargs.moe_profile
-    # for an engine running engine.scheduler.ExpertAwareScheduler, x-cohort-key for a router (llm-d); off: a
-    # request that finds a free slot goes at once, without them; None: per replica, on where its vLLM runs our scheduler
-    forward_profiles: bool | None = None
-    # longest wait for a request's predicted profile; past it the request goes on without one (first come, first
-    # served); 0: by the encoder, 50 for a static one, 500 for a transformer (proxy/profiles.py)
-    profile_deadline_ms: float = 0.0
-    # engine hints (proxy/hints.py): clients' vllm_xargs.moe_profile and moe_record are dropped unless trusted (a
-    # gateway that predicts profiles itself); moe_routing is theirs, within allowed_policies (names such as
-    # "topk,oea" allow any parameters, or exact policies "xshare;m=24"; empty: any policy)
-    trust_client_hints: bool = False
-    allowed_policies: tuple[str, ...] = ()
-    api_keys: tuple[str, ...] = ()  # proxy keys clients must send as `Authorization: Bearer`; empty = open
     backend_api_key: str = ""  # key sent to the backend; empty = forward the client's (when the proxy has no keys)
     request_timeout_s: float = 600.0
     connect_timeout_s: float = 5.0
-    max_body_bytes: int = 10 * 1024 * 1024
+    # -- server
+    host: str = "127.0.0.1"
+    port: int = 8080
+    max_body_bytes: int = 10 * 1024 * 1024  # largest request body, and largest line of a batch file
     # a request's head: its target and headers together, and how many headers; over either: 431 while the
     # head is read (proxy/http/limits.py)
     max_header_bytes: int = 64 * 1024
@@ -93,19 +97,50 @@ class Settings:
     # answer; then it is closed (slow or idle clients holding connections: proxy/http/limits.py)
     head_timeout_s: float = 10.0
     keepalive_s: float = 10.0  # SSE comment interval while a streaming request is queued
-    log_prompts: bool = False  # prompts are user data: never logged unless asked for
     access_log: bool = True  # one `moe_cohort.proxy.access` log line per request (method, path, status, ms, request id)
+    log_prompts: bool = False  # prompts are user data: never logged unless asked for
+    # -- access
+    api_keys: tuple[str, ...] = ()  # proxy keys clients must send as `Authorization: Bearer`; empty = open
+    protect_metrics: bool = False  # /metrics needs a key, /health without one says only its status (needs api_keys)
     # /openapi.json, /docs, /redoc (proxy/http/api_docs.py): off; on, behind the key like every route (/docs and /redoc
     # load their JavaScript from a CDN)
     api_docs: bool = False
-    protect_metrics: bool = False  # /metrics needs a key, /health without one says only its status (needs api_keys)
+    # engine hints (proxy/hints.py): clients' vllm_xargs.moe_profile and moe_record are dropped unless trusted (a
+    # gateway that predicts profiles itself); moe_routing is theirs, within allowed_policies (names such as
+    # "topk,oea" allow any parameters, or exact policies "xshare;m=24"; empty: any policy)
+    trust_client_hints: bool = False
+    allowed_policies: tuple[str, ...] = ()
+    # -- admission
+    # requests at each replica at once; 0: from the replica's handshake (proxy/autoconfig.py: its max_num_seqs, or
+    # more where vLLM admits by itself)
+    max_in_flight: int = 0
+    max_queue_ms: float = 30_000.0  # fairness bound: a request that has waited this long is admitted first
+    # fairness bound in admissions: a request that this many later arrivals were admitted before goes first
+    # (admission.waiting); 0: 3 x the slots of the smallest replica admitting in the proxy (proxy/autoconfig.py)
+    max_passed: int = 0
+    default_policy: str = "topk"  # routing policy when a request has no X-MoE-Routing header
+    # every request waits for its prediction (at most profile_deadline_ms) and carries it: vllm_xargs.moe_profile
+    # for an engine running engine.scheduler.ExpertAwareScheduler, x-cohort-key for a router (llm-d); off: a
+    # request that finds a free slot goes at once, without them; None: per replica, on where its vLLM runs our scheduler
+    forward_profiles: bool | None = None
+    # longest wait for a request's predicted profile; past it the request goes on without one (first come, first
+    # served); 0: by the encoder, 50 for a static one, 500 for a transformer (proxy/profiles.py)
+    profile_deadline_ms: float = 0.0
+    # -- encoder
+    encoder: str = DEFAULT_ENCODER
+    encoder_max_seq_len: int = 128
+    encoder_cache: int = 10_000  # embeddings kept by text hash (repeated prompts are not embedded again); 0: off
+    # CPU threads `cohort serve`'s encoder and profile head may use (torch, BLAS, the tokenizer): 1 keeps
+    # them beside the event loop on one core, off the engine's cores and out of each other's way
+    encoder_threads: int = 1
+    # -- learning
     # online learning of the profile head from the served model's routing (proxy/learning.py); None: on when a
     # replica serves its expert counts (proxy/autoconfig.py)
     learn: bool | None = None
     learn_sample_rate: float = 0.05  # share of the requests the reservoir does not keep observed anyway (live fit)
     learn_capacity: int = 1000  # observations kept (a uniform sample of all), in --data-dir/learned
     learn_refit_every: int = 50  # new observations between refits, at least (and a quarter of the last fit's)
-    # Offline batches (`cohort batch run` and the Batch API, see proxy/batch/run.py)
+    # -- batches: `cohort batch run` and the Batch API (proxy/batch/run.py)
     data_dir: str = ""  # Batch API files + SQLite records ("" = $XDG_DATA_HOME/moe-cohort, else ~/.local/share/moe-cohort)
     max_file_bytes: int = 200 * 1024 * 1024  # largest uploaded batch file (OpenAI's limit)
     # batch requests at the backend at once (0: = max_in_flight, the backend's capacity); Batch API
@@ -234,12 +269,13 @@ def load_settings(overrides: Mapping[str, object] | None = None, environ: Mappin
         raw = environ.get(ENV_PREFIX + name.upper())
         if raw is not None:
             values.update(_no_empty_keys({name: _convert(name, type_name, raw)}, lambda name: ENV_PREFIX + name.upper()))
+    _warn_misspelt_variables(environ, types)
     flag_of = {dest: flag for flag, (dest, _, _) in (flags or {}).items()}
     values.update(_no_empty_keys({k: v for k, v in (overrides or {}).items() if v is not None},
                                  lambda name: flag_of.get(name, name)))
-    unknown = set(values) - set(types)
+    unknown = sorted(set(values) - set(types))
     if unknown:
-        raise SettingsError(f"unknown settings {sorted(unknown)}")
+        raise SettingsError(unknown_setting(repr(unknown[0]), unknown[0], types, more=len(unknown) - 1))
     try:
         return Settings(**values)
     except SettingsError as exc:
@@ -247,6 +283,25 @@ def load_settings(overrides: Mapping[str, object] | None = None, environ: Mappin
             raise
         raise SettingsError(f"{setting_names(exc.field, flags, config)} {exc.detail}", field=exc.field,
                             detail=exc.detail) from None
+
+
+def unknown_setting(what: str, name: str, names, *, more: int = 0, spell=lambda name: name) -> str:
+    """One short line for `what`, a setting `name` that is none of `names`: the nearest valid name (as
+    `spell(name)` writes it), never the whole list."""
+    close = difflib.get_close_matches(name.lower(), list(names), 1)
+    hint = f"did you mean {spell(close[0])!r}?" if close else "see the settings (env COHORT_<NAME>) in `cohort serve --help`"
+    others = f" (and {more} more unknown)" if more else ""
+    return f"{what} is no setting{others}; {hint}"
+
+
+def _warn_misspelt_variables(environ: Mapping[str, str], names) -> None:
+    """A COHORT_* variable that is no setting but close to one: one warning line naming the setting's variable.
+    Other COHORT_* variables (the engine's, the tools') are far from every setting and left alone."""
+    for var in environ:
+        name = var[len(ENV_PREFIX):].lower()
+        if var.startswith(ENV_PREFIX) and name not in names and name != "config" and \
+                difflib.get_close_matches(name, list(names), 1, cutoff=MISSPELT_CUTOFF):
+            log.warning("%s (ignored)", unknown_setting(var, name, names, spell=lambda n: ENV_PREFIX + n.upper()))
 
 
 def _no_empty_keys(values: dict[str, object], where) -> dict[str, object]:

@@ -51,8 +51,8 @@ def test_config_file_sits_under_the_environment_and_the_flags(tmp_path):
 
 
 @pytest.mark.parametrize("name, text, message", [
-    ("c.yaml", "prot: 9000\nbackend: x\n", r"c.yaml: unknown key\(s\) 'prot' \(did you mean 'port'\?\), 'backend' "
-                                           r"\(did you mean 'backend_url'\?\); the keys are the settings' names: backend_url"),
+    ("c.yaml", "prot: 9000\nbackend: x\n", r"c.yaml: key 'prot' is no setting \(and 1 more unknown\); did you mean "
+                                           r"'port'\?$"),
     ("c.yaml", "port: '9000'\n", r"c.yaml: 'port' must be an integer, got str '9000'"),
     ("c.toml", "default_policy = 3\n", r"c.toml: 'default_policy' must be a string, got int 3"),
     ("c.yaml", "port: 0\n", r"port \(env COHORT_PORT, 'port' in .*c.yaml\) must be a TCP port in 1..65535, got 0"),
@@ -69,7 +69,46 @@ def test_a_bad_config_file_names_the_file_and_the_key(tmp_path, name, text, mess
         load_settings(environ={}, config=tmp_path / name)
 
 
-# issue 27 item 3: a key setting that is given but empty refuses to start, whatever its source; never an open proxy
+@pytest.mark.parametrize("text, said", [
+    ("max_inflight: 8\n", "c.yaml: key 'max_inflight' is no setting; did you mean 'max_in_flight'?"),
+    ("encoder_thread: 2\nport: 9000\n", "c.yaml: key 'encoder_thread' is no setting; did you mean 'encoder_threads'?"),
+    ("zzz: 1\n", "c.yaml: key 'zzz' is no setting; see the settings (env COHORT_<NAME>) in `cohort serve --help`"),
+])
+def test_an_unknown_config_key_is_one_short_line_with_its_nearest_setting(tmp_path, monkeypatch, text, said):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "c.yaml").write_text(text)
+    with pytest.raises(SettingsError) as caught:
+        load_settings(environ={}, config="c.yaml")
+    message = str(caught.value)
+    assert message == said and len(message) < 150 and "\n" not in message
+    assert "backend_url" not in message  # the nearest setting only, not the list of all
+
+
+def test_a_misspelt_cohort_variable_is_one_warning_naming_the_setting_and_other_variables_are_left_alone(caplog):
+    env = {"COHORT_MAX_INFLIGHT": "8", "COHORT_RECORD_TRACES": "/tmp/t", "COHORT_MOE_ROUTING": "topk", "COHORT_PORT": "9"}
+    with caplog.at_level("WARNING", logger="moe_cohort.proxy.settings"):
+        s = load_settings(environ=env)
+    assert (s.port, s.max_in_flight) == (9, 0)
+    assert [r.getMessage() for r in caplog.records] == [
+        "COHORT_MAX_INFLIGHT is no setting; did you mean 'COHORT_MAX_IN_FLIGHT'? (ignored)"]
+    assert len(caplog.records[0].getMessage()) < 150
+
+
+def test_an_unknown_override_is_one_short_line():
+    with pytest.raises(SettingsError, match=r"^'prot' is no setting; did you mean 'port'\?$"):
+        load_settings({"prot": 9000}, environ={})
+
+
+def test_every_setting_is_in_exactly_one_section():
+    from dataclasses import fields
+
+    from moe_cohort.proxy.settings import SECTIONS, Settings
+
+    listed = [name for _, names in SECTIONS.values() for name in names]
+    assert sorted(listed) == sorted(f.name for f in fields(Settings)) and len(listed) == len(set(listed))
+
+
+# a key setting that is given but empty refuses to start, whatever its source; never an open proxy
 EMPTY_KEYS = [  # (environment, config file name and text, extra flags, what the one line names)
     ({"COHORT_API_KEYS": ""}, None, [], "COHORT_API_KEYS is given but empty"),
     ({"COHORT_API_KEYS": ","}, None, [], "COHORT_API_KEYS is given but empty"),
