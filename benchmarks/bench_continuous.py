@@ -38,6 +38,7 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 from benchmarks.heldout import HeldOut, data_path, embeddings
+from benchmarks.resident_pick import pick
 from moe_cohort.admission.resident import ResidentExperts
 from moe_cohort.eval.cost import parse_cost_model
 from moe_cohort.eval.engine import REFERENCE, evaluate_continuous, lengths_from_spec
@@ -174,13 +175,13 @@ def _admission_cost(head, layers: int, experts: int, report=print, pool: int = 1
     flat = np.ascontiguousarray(profiles_.reshape(pool, -1))
     state = ResidentExperts(layers, experts)
     for i in range(resident):
-        state.admit(flat[i])
+        state.add(flat[i])
     allowed = np.ones(pool, bool)
     with threadpool_limits(limits=1, user_api="blas"):
-        state.pick(flat, allowed)
+        pick(state, flat, allowed)
         start, reps = time.perf_counter(), 200
         for _ in range(reps):
-            state.pick(flat, allowed)
+            pick(state, flat, allowed)
     report(f"\nadmission: one pick over a pool of {pool} ({layers} x {experts} profiles): "
            f"{(time.perf_counter() - start) / reps * 1e6:.0f} us")
 

@@ -2,42 +2,68 @@
 
 vLLM keeps S requests resident and every resident request emits one token per step; a step
 loads, per MoE layer, every expert that any resident token picks. What we control is which
-requests are resident together. The resident sets here score candidates for the waiting pool
-(admission.waiting), pure numpy:
+requests are resident together. A resident set (`Resident`) holds the resident requests'
+vectors (`add` when one takes a slot, `remove` when it frees) and gives every waiting candidate
+one cost, lower is better, which the waiting pool (admission.waiting) minimises. Pure numpy:
 
 - `ResidentExperts`: the resident requests' per-layer expert frequencies u_r[l, e] (the fraction
   of r's tokens that pick e at layer l; from traces, or predicted from text by
   encoder.profile.ProfileHead). If every resident token picks independently, expert e of layer
   l is idle in a step with probability m[l, e] = prod_r (1 - u_r[l, e]), so a newcomer c adds
-  u_c . m new experts per step in expectation. `pick` admits the candidate with the fewest.
-  The state is the sum over residents of -log(1 - u_r) (additive: admit adds, release
-  subtracts), so one pick over a pool of n is one [n, L*E] x [L*E] product.
-- `ResidentEmbedding`: the nearest embedding to the resident set (largest cosine with the sum of
-  the residents' unit embeddings), for when only the text encoder is at hand.
+  u_c . m new experts per step in expectation: that is its cost. The state is the sum over
+  residents of -log(1 - u_r) (additive: `add` adds, `remove` subtracts), so the costs of a pool
+  of n are one [n, L*E] x [L*E] product.
+- `ResidentEmbedding`: for when only the text encoder is at hand; a candidate's cost is minus its
+  cosine with the sum of the residents' unit embeddings, so the nearest embedding costs least.
 """
 
 from __future__ import annotations
+
+from typing import Protocol
 
 import numpy as np
 
 _CLIP = 1e-3  # u is clipped to [0, 1 - _CLIP]: an always-used expert must not make -log(1 - u) infinite
 
 
+class Resident(Protocol):
+    """The requests resident on one engine, as the waiting pool ranks candidates against them."""
+
+    count: int  # residents held
+
+    @property
+    def size(self) -> int:
+        """Length of the flat vectors it holds and scores ([L*E] profiles, [D] embeddings)."""
+
+    def add(self, vector: np.ndarray) -> None:
+        """A request with `vector` became resident."""
+
+    def remove(self, vector: np.ndarray) -> None:
+        """A resident added with the same `vector` left."""
+
+    def cost(self, vectors: np.ndarray) -> np.ndarray:  # [n], lower is better
+        """What each candidate of `vectors` [n, size] would cost the resident set if it joined now."""
+
+
 class ResidentExperts:
-    """Resident per-layer expert frequencies, with admit/release, and the expected-new-experts rule."""
+    """Resident per-layer expert frequencies; a candidate costs the experts per step it is expected to add."""
 
     def __init__(self, num_layers: int, num_experts: int):
         self.shape = (num_layers, num_experts)
         self.log_idle = np.zeros(num_layers * num_experts, dtype=np.float64)  # [L*E] sum_r -log(1 - u_r)
         self.count = 0
 
-    def admit(self, profile: np.ndarray) -> None:
+    @property
+    def size(self) -> int:
+        return self.shape[0] * self.shape[1]
+
+    def add(self, profile: np.ndarray) -> None:
         """Add a resident with expert frequencies `profile` [L, E] (or flat [L*E])."""
         self.log_idle += _neg_log_miss(profile)
         self.count += 1
 
-    def release(self, profile: np.ndarray) -> None:
-        """Remove a resident admitted with the same `profile`."""
+    def remove(self, profile: np.ndarray) -> None:
+        """Remove a resident added with the same `profile`."""
         self.log_idle -= _neg_log_miss(profile)
         self.count -= 1
         if self.count == 0:
@@ -50,49 +76,40 @@ class ResidentExperts:
         idle[idle < 1e-30] = 0.0
         return idle
 
-    def scores(self, profiles: np.ndarray) -> np.ndarray:  # [n], lower is better
-        """Expected experts per step that each candidate of `profiles` [n, L, E] adds to the resident set."""
+    def cost(self, profiles: np.ndarray) -> np.ndarray:  # [n], lower is better
+        """Expected experts per step that each candidate of `profiles` [n, L, E] (or [n, L*E]) adds to the
+        resident set."""
         return _flat(profiles) @ self.idle().astype(np.float32)
-
-    def pick(self, profiles: np.ndarray, allowed: np.ndarray | None = None) -> int:
-        """Index (into `profiles` [n, L, E]) of the best candidate; `allowed` [n] bool masks the others."""
-        return _argbest(self.scores(profiles), allowed, lower=True)
 
 
 class ResidentEmbedding:
-    """Nearest embedding to the resident set: the candidate with the largest cosine with the residents' sum."""
+    """Resident unit embeddings; a candidate costs minus its cosine with their sum (the nearest costs least)."""
 
     def __init__(self, dim: int):
         self.total = np.zeros(dim, dtype=np.float64)  # [D] sum of resident unit embeddings
         self.count = 0
 
-    def admit(self, x: np.ndarray) -> None:
+    @property
+    def size(self) -> int:
+        return len(self.total)
+
+    def add(self, x: np.ndarray) -> None:
         self.total += _unit(x)
         self.count += 1
 
-    def release(self, x: np.ndarray) -> None:
+    def remove(self, x: np.ndarray) -> None:
         self.total -= _unit(x)
         self.count -= 1
         if self.count == 0:
             self.total[:] = 0.0
 
-    def scores(self, xs: np.ndarray) -> np.ndarray:  # [n], higher is better
-        """Cosine of every candidate xs [n, D] (unit rows) with the resident sum (0 when nobody is resident)."""
+    def cost(self, xs: np.ndarray) -> np.ndarray:  # [n], lower is better
+        """Minus the cosine of every candidate xs [n, D] (unit rows) with the resident sum (0 when nobody is
+        resident)."""
         norm = np.linalg.norm(self.total)
-        return xs @ (self.total / norm).astype(np.float32) if norm > 0 else np.zeros(len(xs), np.float32)
-
-    def pick(self, xs: np.ndarray, allowed: np.ndarray | None = None) -> int:
-        return _argbest(self.scores(xs), allowed, lower=False)
-
-
-def _argbest(scores: np.ndarray, allowed: np.ndarray | None, *, lower: bool) -> int:
-    """First index of the lowest (or highest) score among the allowed ones."""
-    s = np.asarray(scores, dtype=np.float64) * (1.0 if lower else -1.0)
-    if allowed is not None:
-        if not allowed.any():
-            raise ValueError("no allowed candidate to pick from")
-        s = np.where(allowed, s, np.inf)
-    return int(np.argmin(s))
+        if norm == 0:
+            return np.zeros(len(xs), np.float32)
+        return -(xs @ (self.total / norm).astype(np.float32))
 
 
 def _flat(profiles: np.ndarray) -> np.ndarray:  # [n, L, E] or [n, L*E] -> [n, L*E]

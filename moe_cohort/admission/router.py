@@ -11,8 +11,8 @@ queue (engine.expert_queue) keeps the pool and a resident set without it. Routin
 
 - "affinity": one shared waiting pool (admission.waiting.WaitingPool). When replica r has a free
   slot it admits, by the pool's one rule, the waiting request that best fits r's own resident set
-  (fairness bound first, FCFS for requests without a vector, then the fewest expected new experts
-  per step for r: admission.resident.ResidentExperts).
+  (fairness bound first, FCFS for requests without a vector, then the lowest cost to r's resident
+  set, admission.resident.Resident.cost: with ResidentExperts the fewest expected new experts per step).
 - "least-loaded": the same shared pool, first come first served (fairness bound first).
 - "round-robin": bound on arrival: the i-th request goes to the queue of replica i mod R (the
   healthy ones); each replica serves its own queue first come first served.
@@ -31,8 +31,8 @@ from collections.abc import Callable, Hashable, Sequence
 
 import numpy as np
 
-from moe_cohort.admission.resident import ResidentExperts
-from moe_cohort.admission.waiting import Resident, WaitingPool, resident_size
+from moe_cohort.admission.resident import Resident, ResidentExperts
+from moe_cohort.admission.waiting import WaitingPool
 
 ROUTINGS = ("round-robin", "least-loaded", "affinity")
 ResidentFactory = Callable[[int], Resident]  # vector size -> an empty resident set
@@ -144,7 +144,7 @@ class ReplicaRouter:
         if held is None:
             return False
         r = self.placed[key][0]
-        self._resident_for(r).admit(held)
+        self._resident_for(r).add(held)
         self.placed[key] = (r, held)
         return True
 
@@ -161,7 +161,7 @@ class ReplicaRouter:
         r, vector = self.placed.pop(key)
         self.busy[r] -= 1
         if vector is not None:
-            self._residents[r].release(vector)
+            self._residents[r].remove(vector)
         return r
 
     def set_healthy(self, replica: int, healthy: bool) -> list[Hashable]:
@@ -204,7 +204,7 @@ class ReplicaRouter:
         held = None
         if self.routing == "affinity" and vector is not None:
             held = vector
-            self._resident_for(r).admit(held)
+            self._resident_for(r).add(held)
         self.placed[key] = (r, held)
         self.busy[r] += 1
 
@@ -212,6 +212,6 @@ class ReplicaRouter:
         size = self.pool.size
         if size is None:
             return None
-        if self._residents[r] is None or resident_size(self._residents[r]) != size:
+        if self._residents[r] is None or self._residents[r].size != size:
             self._residents[r] = self._factory(size)
         return self._residents[r]

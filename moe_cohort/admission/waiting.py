@@ -8,10 +8,10 @@ In order:
 2. a request without a predicted profile keeps first-come-first-served: when it is the oldest
    waiting request it goes, and no request that arrived after it is chosen before it;
 3. with nobody resident (who has a profile), the oldest: there is nothing to fit yet;
-4. else, among the requests that arrived before the first profile-less one, the one the resident
-   set picks: with predicted profiles (`admission.resident.ResidentExperts`) the fewest expected
-   new experts per step; with embeddings only (`ResidentEmbedding`) the nearest to the resident
-   set. Ties go to the earliest arrival.
+4. else, among the requests that arrived before the first profile-less one, the one of lowest cost
+   to the resident set (`admission.resident.Resident.cost`): with predicted profiles
+   (`ResidentExperts`) the fewest expected new experts per step; with embeddings only
+   (`ResidentEmbedding`) the nearest to the resident set. Ties go to the earliest arrival.
 
 `WaitingPool` keeps the waiting requests' vectors as rows of one growable matrix [capacity, size],
 so a choice is one matrix-vector product over the pool and a few masked reductions: no Python
@@ -28,17 +28,9 @@ from functools import cache
 import numpy as np
 from threadpoolctl import ThreadpoolController
 
-from moe_cohort.admission.resident import ResidentEmbedding, ResidentExperts
+from moe_cohort.admission.resident import Resident
 
-Resident = ResidentExperts | ResidentEmbedding
 _LAST = np.iinfo(np.int64).max
-
-
-def resident_size(resident: Resident | None) -> int | None:
-    """Length of the vectors `resident` holds ([L*E] profiles or [D] embeddings); None for None."""
-    if resident is None:
-        return None
-    return int(np.prod(resident.shape)) if isinstance(resident, ResidentExperts) else len(resident.total)
 
 
 @cache
@@ -105,22 +97,20 @@ class WaitingPool:
         oldest = int(np.argmin(seq))
         if not self.profiled[oldest] or resident is None or resident.count == 0:
             return self.keys[oldest]
-        if resident_size(resident) != self.size:
-            raise ValueError(f"the resident set holds vectors of {resident_size(resident)}, the pool {self.size}")
+        if resident.size != self.size:
+            raise ValueError(f"the resident set holds vectors of {resident.size}, the pool {self.size}")
         first_plain = seq[self.active & ~self.profiled].min(initial=_LAST)
         eligible = self.profiled & (seq < first_plain)  # [capacity]
         return self.keys[self._best(resident, eligible, seq)]
 
     def _best(self, resident: Resident, eligible: np.ndarray, seq: np.ndarray) -> int:
-        rows = int(np.flatnonzero(eligible)[-1]) + 1  # rows past the last eligible one need no score
-        scores = np.full(len(eligible), np.inf)  # [capacity], lower is better
+        rows = int(np.flatnonzero(eligible)[-1]) + 1  # rows past the last eligible one need no cost
+        cost = np.full(len(eligible), np.inf)  # [capacity], lower is better
         with _blas().limit(limits=1, user_api="blas"):
-            scores[:rows] = resident.scores(self.matrix[:rows])  # ResidentEmbedding: higher is better
-        if isinstance(resident, ResidentEmbedding):
-            scores[:rows] = -scores[:rows]
-        scores = np.where(eligible, scores, np.inf)
-        best = scores.min()
-        ties = eligible & (scores <= best + 1e-9 * max(1.0, abs(best)))
+            cost[:rows] = resident.cost(self.matrix[:rows])
+        cost = np.where(eligible, cost, np.inf)
+        best = cost.min()
+        ties = eligible & (cost <= best + 1e-9 * max(1.0, abs(best)))
         return int(np.argmin(np.where(ties, seq, _LAST)))
 
     def _passed_over(self, max_passed: int | None) -> int | None:

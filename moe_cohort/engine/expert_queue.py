@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from moe_cohort.admission.resident import ResidentExperts
-from moe_cohort.admission.waiting import WaitingPool, resident_size
+from moe_cohort.admission.waiting import WaitingPool
 from moe_cohort.admission.wire import COMPACT_TOP, PROFILE_KEY, decode_profile
 
 log = logging.getLogger(__name__)
@@ -137,16 +137,16 @@ class ExpertAwareQueue:
 
     def _resident(self, size: int) -> ResidentExperts:
         """The running requests' predicted experts (those with a profile of `size`), kept up to date by
-        admitting the newly running and releasing the gone since the last choice."""
+        adding the newly running and removing the gone since the last choice."""
         running = {r.request_id: r for r in self._running()}
-        if self._res is None or resident_size(self._res) != size:
+        if self._res is None or self._res.size != size:
             self._res, self._res_profiles = ResidentExperts(1, size), {}
         for rid in set(self._res_profiles) - running.keys():
-            self._res.release(self._res_profiles.pop(rid))
+            self._res.remove(self._res_profiles.pop(rid))
         for rid in running.keys() - self._res_profiles.keys():
             profile = self._profile(running[rid])
             if profile is not None and profile.shape[0] == size:
-                self._res.admit(profile)
+                self._res.add(profile)
                 self._res_profiles[rid] = profile
         return self._res
 

@@ -1,4 +1,5 @@
-"""Resident sets against brute force: expected new experts, nearest embedding."""
+"""Resident sets against brute force: expected new experts, minus the cosine with the residents' sum; each
+kind's cost is lower for a candidate like the residents than for one unlike them."""
 
 import numpy as np
 import pytest
@@ -24,51 +25,55 @@ def _brute_expected_new(resident, cand):
     return total
 
 
-def test_expected_new_experts_follow_admits_and_releases():
+def test_expected_new_experts_follow_adds_and_removes():
     p = _profiles(9)
     state = ResidentExperts(3, 8)
     for r in (0, 1, 2, 3):
-        state.admit(p[r])
-    state.release(p[1])
-    got = state.scores(p[4:])
+        state.add(p[r])
+    state.remove(p[1])
+    got = state.cost(p[4:])
     want = [_brute_expected_new([p[0], p[2], p[3]], c) for c in p[4:]]
     np.testing.assert_allclose(got, want, rtol=1e-5)
-
-
-def test_pick_is_the_allowed_candidate_with_the_fewest_expected_new_experts():
-    p = _profiles(30, seed=1)
-    state = ResidentExperts(3, 8)
-    for r in (0, 5):
-        state.admit(p[r])
-    allowed = np.ones(30, bool)
-    allowed[[0, 5, 7]] = False
-    brute = [(_brute_expected_new([p[0], p[5]], p[c]), c) for c in range(30) if allowed[c]]
-    assert state.pick(p, allowed) == min(brute)[1]
 
 
 def test_an_empty_resident_set_counts_every_expert_of_the_candidate_as_new():
     p = _profiles(4, seed=2)
     state = ResidentExperts(3, 8)
-    state.admit(p[0])
-    state.release(p[0])
-    np.testing.assert_allclose(state.scores(p), p.sum(axis=(1, 2)), rtol=1e-6)
+    state.add(p[0])
+    state.remove(p[0])
+    np.testing.assert_allclose(state.cost(p), p.sum(axis=(1, 2)), rtol=1e-6)
 
 
-def test_nearest_embedding_picks_the_largest_cosine_with_the_resident_sum():
+def test_embedding_cost_is_minus_the_cosine_with_the_resident_sum():
     rng = np.random.default_rng(3)
     x = rng.normal(size=(20, 5)).astype(np.float32)
     x /= np.linalg.norm(x, axis=1, keepdims=True)
     state = ResidentEmbedding(5)
     for r in (2, 4, 9):
-        state.admit(x[r])
-    state.release(x[4])
-    allowed = np.ones(20, bool)
-    allowed[[2, 9]] = False
+        state.add(x[r])
+    state.remove(x[4])
     centre = x[2] + x[9]
-    cos = x @ centre / np.linalg.norm(centre)
-    assert state.pick(x, allowed) == int(np.argmax(np.where(allowed, cos, -np.inf)))
+    np.testing.assert_allclose(state.cost(x), -(x @ centre) / np.linalg.norm(centre), rtol=1e-5, atol=1e-6)
+    state.remove(x[2])
+    state.remove(x[9])
+    np.testing.assert_array_equal(state.cost(x), np.zeros(20))  # nobody resident: every candidate alike
 
 
-def test_pick_refuses_an_empty_choice():
-    with pytest.raises(ValueError):
-        ResidentExperts(3, 8).pick(_profiles(3), np.zeros(3, bool))
+def _like_and_unlike(kind):
+    """A resident set of `kind` holding one vector, and two candidates: one like it, one unlike it."""
+    if kind == "experts":
+        state, held = ResidentExperts(2, 4), np.array([[0.9, 0.8, 0, 0], [0, 0.7, 0.9, 0]], np.float32)
+        unlike = np.array([[0, 0, 0.9, 0.8], [0.9, 0, 0, 0.7]], np.float32)
+    else:
+        state, held = ResidentEmbedding(4), np.array([0.8, 0.6, 0, 0], np.float32)
+        unlike = np.array([0, 0, 0.6, 0.8], np.float32)
+    state.add(held)
+    return state, np.stack([held, unlike]).reshape(2, -1)
+
+
+@pytest.mark.parametrize("kind", ["experts", "embedding"])
+def test_a_candidate_like_the_residents_costs_less_than_one_unlike_them(kind):
+    state, candidates = _like_and_unlike(kind)
+    like, unlike = state.cost(candidates)
+    assert like < unlike
+    assert state.size == candidates.shape[1] and state.count == 1

@@ -38,20 +38,20 @@ def test_matches_brute_force_on_random_pools_with_arrivals_and_departures():
         residents = [(rng.random(size) * (rng.random(size) < 0.5)).astype(np.float32) for _ in range(int(rng.integers(0, 3)))]
         resident = ResidentExperts(1, size)
         for r in residents:
-            resident.admit(r)
+            resident.add(r)
         rows = [pool.rows[k] for k in keys]
         profiles = [pool.matrix[r] if pool.profiled[r] else None for r in rows]
         waited = [12.0 - pool.arrived[r] for r in rows]
         assert pool.pick(resident, now=12.0, max_wait=10.0) == keys[brute_force(waited, profiles, residents, 10.0)], trial
 
 
-def test_nearest_embedding_when_the_resident_set_holds_embeddings():
+@pytest.mark.parametrize("resident", [ResidentExperts(1, 2), ResidentEmbedding(2)], ids=["experts", "embedding"])
+def test_the_candidate_like_the_residents_goes_first_for_either_kind_of_resident_set(resident):
     pool = WaitingPool()
     a, b = np.array([1.0, 0.0]), np.array([0.0, 1.0])
     pool.add("b", b, 0.0)
     pool.add("a", a, 1.0)
-    resident = ResidentEmbedding(2)
-    resident.admit(a)
+    resident.add(a)
     assert pool.pick(resident, now=1.0, max_wait=None) == "a"
 
 
@@ -63,7 +63,7 @@ def test_errors_name_what_is_wrong():
     with pytest.raises(ValueError, match="waiting already"):
         pool.add("x", None, 0.0)
     resident = ResidentExperts(1, 4)
-    resident.admit(np.ones(4) * 0.5)
+    resident.add(np.ones(4) * 0.5)
     with pytest.raises(ValueError, match="resident set holds vectors of 4, the pool 6"):
         pool.pick(resident, 0.0, 1.0)
 
@@ -90,7 +90,7 @@ def test_a_request_passed_over_max_passed_times_goes_first_counted_against_a_rep
                 for k in order[: order.index(chosen)]:
                     passed[k] += 1
                 pool.remove(chosen, admitted=True)
-                resident.admit(rng.random(4).astype(np.float32))
+                resident.add(rng.random(4).astype(np.float32))
             order.remove(chosen)
             del passed[chosen]
         assert max(passed.values(), default=0) <= max_passed + len(order)  # the count stays bounded by the rule
@@ -98,7 +98,7 @@ def test_a_request_passed_over_max_passed_times_goes_first_counted_against_a_rep
 
 def test_without_max_passed_a_poor_fit_may_wait_for_ever():
     pool, resident = WaitingPool(), ResidentExperts(1, 2)
-    resident.admit(np.array([1.0, 0.0], np.float32))
+    resident.add(np.array([1.0, 0.0], np.float32))
     pool.add("misfit", np.array([0.0, 1.0], np.float32), 0.0)
     for i in range(5):
         pool.add(f"fit{i}", np.array([1.0, 0.0], np.float32), 0.0)
