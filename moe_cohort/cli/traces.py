@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from moe_cohort.traces.format import TraceFormatError, TraceSet, save_traces
-from moe_cohort.traces.importers import load_traces
+from moe_cohort.traces.importers import drop_leading_tokens, load_traces
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -16,14 +16,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     info = sub.add_parser("info", help="print the shape and size of a trace set")
     info.add_argument("path", help="trace file or directory (any layout `cohort eval --traces` accepts)")
     imp = sub.add_parser("import", help="convert a trace directory or .jsonl to a moe-cohort .npz")
-    imp.add_argument("path", help="traces.npz+prompts.jsonl directory, .jsonl of records, or 'sample'")
+    imp.add_argument("path", help="traces.npz+prompts.jsonl directory, directory of router .json files (one per "
+                                  "prompt, the GPT-OSS-MoE-ExpertFingerprinting layout), .jsonl of records, or 'sample'")
     imp.add_argument("--output", "-o", required=True, help="where to write the .npz")
-    imp.add_argument("--num-experts", type=_positive_int, help="experts per layer (default: largest id + 1)")
+    imp.add_argument("--num-experts", type=_positive_int,
+                     help="experts per layer (default: meta.json's, else 32 for router .json files, else largest id + 1)")
+    imp.add_argument("--drop-leading-tokens", type=_count, default=0, metavar="N",
+                     help="drop the first N routed tokens of every request, such as the chat-template tokens every "
+                          "answer starts with (default: 0)")
 
 
 def _positive_int(text: str) -> int:
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return int(text)
+
+
+def _count(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}")
     return int(text)
 
 
@@ -35,6 +46,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         ts = load_traces(args.path, num_experts=getattr(args, "num_experts", None))
         if args.action == "import":
+            ts = drop_leading_tokens(ts, args.drop_leading_tokens)
             print(f"wrote {save_traces(args.output, ts)} ({len(ts)} requests)")
         else:
             print(describe(ts))

@@ -12,6 +12,9 @@ Layouts understood by `load_traces(path)`:
 - a `.jsonl` file of records {"id", "text", "experts": [[[k ids] x layers] x tokens],
   "num_prompt_tokens", optional "weights" (same nesting), optional "category"}, so that traces
   from any engine can be brought in;
+- a directory of router JSON files, one per prompt, in the layout of the public
+  GPT-OSS-MoE-ExpertFingerprinting traces of openai/gpt-oss-20b (`import_router_json_dir`): every
+  token is one the model generated, in order;
 - the word `sample`: a small synthetic trace set built in (see traces.synthetic).
 """
 
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +33,7 @@ from moe_cohort.traces.merge import load_trace_dir
 log = logging.getLogger(__name__)
 
 SAMPLE = "sample"
+GPT_OSS_EXPERTS = 32  # routed experts per MoE layer of openai/gpt-oss-20b
 
 
 def load_traces(path: str | Path, *, num_experts: int | None = None) -> TraceSet:
@@ -43,8 +48,11 @@ def load_traces(path: str | Path, *, num_experts: int | None = None) -> TraceSet
             return import_prompt_trace_dir(path, num_experts=num_experts)
         if any(path.glob("*.npz")):
             return load_trace_dir(path)
+        if any(path.glob("*.json")):
+            return import_router_json_dir(path, num_experts=num_experts)
         raise TraceFormatError(f"{path}: a trace directory needs traces.npz and prompts.jsonl "
-                               f"(the DeepSeek-V2-Lite Puffin layout) or recorded .npz trace files; "
+                               f"(the DeepSeek-V2-Lite Puffin layout), recorded .npz trace files or router "
+                               f".json files, one per prompt (the GPT-OSS-MoE-ExpertFingerprinting layout); "
                                f"pass a file path otherwise")
     if not path.exists():
         raise TraceFormatError(f"{path}: no such file or directory (use '{SAMPLE}' for the built-in sample traces)")
@@ -129,6 +137,123 @@ def import_jsonl(path: str | Path, *, num_experts: int | None = None) -> TraceSe
         request_ids=np.array([p["id"] for p in parsed]), texts=np.array([p["text"] for p in parsed]),
         categories=np.array(cats) if all(c is not None for c in cats) else None, model=path.stem,
     )
+
+
+def import_router_json_dir(path: str | Path, *, num_experts: int | None = None) -> TraceSet:
+    """Import a folder of router JSON files, one request each, in file-name order (numbers compared as numbers).
+
+    Each file is {"original_prompt": str, "router_data": [one entry per generated token, in order]}
+    (other keys, such as "full_text" and "generated_only", are not read), each entry
+    {"token_N": {"layer_L": {"selected_experts": [k ids], "selected_probs": [k floats]}}}. The request
+    id is the file name without .json, the text is `original_prompt`, every token is a decode token,
+    layers go in the order of their numbers and the probabilities become the weights. `num_experts`
+    defaults to gpt-oss-20b's GPT_OSS_EXPERTS; when ids reach past it and none was given, it is
+    inferred as the largest id + 1, with a warning.
+    """
+    path = Path(path)
+    files = sorted(path.glob("*.json"), key=lambda f: _natural_key(f.name))
+    if not files:
+        raise TraceFormatError(f"{path}: no .json router files")
+    parsed = [_parse_router_file(f) for f in files]
+    shapes = {p["experts"].shape[1:] for p in parsed if len(p["experts"])}
+    if len(shapes) > 1:
+        raise TraceFormatError(f"{path}: every token of every file must list the same layers and k experts; "
+                               f"found [layers, k] {sorted(map(list, shapes))}")
+    if not shapes:
+        raise TraceFormatError(f"{path}: no file has a routed token (every \"router_data\" is empty)")
+    (num_layers, top_k), = shapes
+    experts = np.concatenate([p["experts"].reshape(-1, num_layers, top_k) for p in parsed])
+    weights = np.concatenate([p["weights"].reshape(-1, num_layers, top_k) for p in parsed])
+    largest = int(experts.max()) if len(experts) else -1
+    e = num_experts or GPT_OSS_EXPERTS
+    if num_experts is None and largest >= e:
+        e = largest + 1
+        log.warning("%s: expert id %d is past gpt-oss-20b's %d experts per layer: num_experts inferred as %d "
+                    "(give --num-experts to set it)", path, largest, GPT_OSS_EXPERTS, e)
+    lengths = [len(p["experts"]) for p in parsed]
+    log.info("imported %d requests, %d decode tokens from %s", len(parsed), sum(lengths), path)
+    return TraceSet(num_experts=e, num_layers=num_layers, top_k=top_k,
+                    token_offsets=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
+                    experts=experts.astype(expert_dtype(max(e, largest + 1))), weights=weights,
+                    num_prompt_tokens=np.zeros(len(parsed), np.int64),
+                    request_ids=np.array([f.name.removesuffix(".json") for f in files]),
+                    texts=np.array([p["text"] for p in parsed]), model=path.name)
+
+
+def _parse_router_file(file: Path) -> dict:
+    """{"text", "experts" [T, L, k] int64, "weights" [T, L, k] float32} of one router JSON file."""
+    try:
+        rec = json.loads(file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise TraceFormatError(f"{file}: not valid JSON ({exc})") from exc
+    if not isinstance(rec, dict):
+        raise TraceFormatError(f"{file}: expected a JSON object with \"original_prompt\" and \"router_data\"")
+    if not isinstance(rec.get("original_prompt"), str):
+        raise TraceFormatError(f"{file}: key \"original_prompt\" must be the prompt text (a string)")
+    tokens = rec.get("router_data")
+    if not isinstance(tokens, list):
+        raise TraceFormatError(f"{file}: key \"router_data\" must be a list with one entry per generated token")
+    experts, weights, layer_names = [], [], None
+    for i, entry in enumerate(tokens):
+        where = f"{file}: router_data[{i}]"
+        if not (isinstance(entry, dict) and len(entry) == 1 and str(next(iter(entry))).startswith("token_")):
+            raise TraceFormatError(f"{where} must be {{\"token_N\": {{\"layer_L\": ...}}}}")
+        (token_key, layers), = entry.items()
+        if not isinstance(layers, dict) or not layers or not all(_LAYER.fullmatch(str(k)) for k in layers):
+            raise TraceFormatError(f"{where}.{token_key} must map \"layer_L\" keys to the layer's choice")
+        names = sorted(layers, key=lambda k: int(k.removeprefix("layer_")))
+        if layer_names is None:
+            layer_names = names
+        elif names != layer_names:
+            raise TraceFormatError(f"{where}.{token_key} lists layers {names}, token 0 {layer_names}")
+        ids, probs = [], []
+        for name in names:
+            choice = layers[name]
+            for key, out in (("selected_experts", ids), ("selected_probs", probs)):
+                if not isinstance(choice, dict) or not isinstance(choice.get(key), list):
+                    raise TraceFormatError(f"{where}.{token_key}.{name}: key \"{key}\" must be a list")
+                out.append(choice[key])
+        experts.append(ids)
+        weights.append(probs)
+    try:
+        experts_arr = np.asarray(experts)  # [T, L, k]
+        weights_arr = np.asarray(weights, dtype=np.float32)  # [T, L, k]
+    except (ValueError, TypeError) as exc:
+        raise TraceFormatError(f"{file}: \"selected_experts\" and \"selected_probs\" must hold numbers, the same "
+                               f"count k in every layer of every token ({exc})") from exc
+    if experts_arr.size and not np.issubdtype(experts_arr.dtype, np.integer):
+        raise TraceFormatError(f"{file}: key \"selected_experts\" must hold integer expert ids")
+    experts_arr = experts_arr.astype(np.int64)
+    if len(tokens) and (experts_arr.ndim != 3 or weights_arr.shape != experts_arr.shape):
+        raise TraceFormatError(f"{file}: \"selected_experts\" and \"selected_probs\" must hold the same count k of "
+                               f"entries in every layer of every token")
+    if experts_arr.size and experts_arr.min() < 0:
+        raise TraceFormatError(f"{file}: key \"selected_experts\" holds a negative expert id")
+    return {"text": rec["original_prompt"], "experts": experts_arr, "weights": weights_arr}
+
+
+_LAYER = re.compile(r"layer_\d+")
+
+
+def _natural_key(name: str) -> list:
+    """Sort key comparing the digit runs of `name` as numbers: 2.json before 10.json."""
+    return [(0, int(part), "") if part.isdigit() else (1, 0, part) for part in re.split(r"(\d+)", name)]
+
+
+def drop_leading_tokens(ts: TraceSet, n: int) -> TraceSet:
+    """`ts` without the first `n` tokens of every request (all of a shorter one); prompt tokens go first."""
+    if n <= 0:
+        return ts
+    lengths = ts.num_tokens  # [N]
+    dropped = np.minimum(lengths, n)  # [N]
+    keep = np.ones(int(ts.token_offsets[-1]), bool)  # [T]
+    for start, d in zip(ts.token_offsets[:-1], dropped):
+        keep[start : start + d] = False
+    offsets = np.concatenate([[0], np.cumsum(lengths - dropped)]).astype(np.int64)
+    return TraceSet(num_experts=ts.num_experts, num_layers=ts.num_layers, top_k=ts.top_k, token_offsets=offsets,
+                    experts=ts.experts[keep], weights=None if ts.weights is None else ts.weights[keep],
+                    num_prompt_tokens=np.maximum(ts.num_prompt_tokens - dropped, 0), request_ids=ts.request_ids,
+                    texts=ts.texts, categories=ts.categories, model=ts.model, extra=dict(ts.extra))
 
 
 def _parse_record(rec: dict, where: str) -> dict:
