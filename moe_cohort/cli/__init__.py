@@ -28,10 +28,13 @@ class HelpFormatter(argparse.HelpFormatter):
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse with a one-line error (no usage block) and the defaults in --help."""
+    """argparse with a one-line error (no usage block), the defaults in --help, and each flag by its whole
+    name only (no prefix of it: a prefix would be a second name, and an old name that is a prefix of a new
+    one would still be taken)."""
 
     def __init__(self, *args, **kwargs) -> None:
         kwargs.setdefault("formatter_class", HelpFormatter)
+        kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
 
     def error(self, message: str):
@@ -60,6 +63,8 @@ def quiet_loading_bars() -> None:
         transformers_logging.disable_progress_bar()
 
 
+VERBOSE = "verbose"  # the attribute -v counts into (one per parser level: verbose, verbose1, ...)
+
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("moe_cohort.cli.serve", "run the OpenAI-compatible proxy in front of vLLM (or an embedded tiny-MoE vLLM)"),
@@ -70,7 +75,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "replay": ("moe_cohort.cli.replay", "replay vLLM's continuous batching on expert traces under each admission policy"),
     "traces": ("moe_cohort.cli.traces", "inspect, import and convert expert-trace files"),
     "plan": ("moe_cohort.cli.plan", "turn prompts (JSONL) into expert-coherent batches from their text alone"),
-    "train": ("moe_cohort.cli.train", "fine-tune a sentence encoder so that cosine similarity tracks expert overlap"),
+    "train": ("moe_cohort.cli.train", "fine-tune a sentence encoder on expert traces to predict each request's "
+              "expert profile, and fit the profile head that admission reads"),
     "make-tiny-moe": ("moe_cohort.cli.make_tiny_moe", "write a tiny random MoE model (Qwen3-MoE, Mixtral, OLMoE) for tests"),
 }
 
@@ -84,6 +90,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def add_verbose(parser: argparse.ArgumentParser, depth: int = 0) -> None:
+    """-v/--verbose on `parser` and on every parser below it (`cohort batch run ... -v` as `cohort batch -v run`).
+    Each level counts into its own attribute: a subparser's default would overwrite what the level above
+    counted (argparse copies a subparser's whole namespace up); `verbosity` adds them."""
+    parser.add_argument("-v", "--verbose", action="count", default=0, dest=f"{VERBOSE}{depth or ''}",
+                        help="more log output (-vv for debug)")
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                add_verbose(sub, depth + 1)
+
+
+def verbosity(args: argparse.Namespace) -> int:
+    """How many -v were given, at every level of the command."""
+    return sum(value for key, value in vars(args).items() if key.startswith(VERBOSE))
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] not in SUBCOMMANDS:
@@ -93,12 +116,12 @@ def main(argv: list[str] | None = None) -> int:
     module_name, help_text = SUBCOMMANDS[name]
     module = importlib.import_module(module_name)
     parser = ArgumentParser(prog=f"cohort {name}", description=help_text)
-    parser.add_argument("-v", "--verbose", action="count", default=0, help="more log output (-vv for debug)")
     module.add_arguments(parser)
+    add_verbose(parser)
     args = parser.parse_args(argv[1:])
     if getattr(args, "no_progress", False):
         quiet_loading_bars()
-    level = max(logging.WARNING - 10 * args.verbose, logging.DEBUG)
+    level = max(logging.WARNING - 10 * verbosity(args), logging.DEBUG)
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     return int(module.run(args) or 0)
 

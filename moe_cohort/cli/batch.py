@@ -5,7 +5,7 @@
 The whole file is validated first (nothing is sent if a line is bad, unless --skip-invalid), then
 every request's expert profile (or embedding) is predicted once (with --learn, again by each head
 learned from the batch's own answers, for the requests next in line), then requests are sent with
---concurrency (the backend's max_num_seqs) at the backend, each freed slot going to the waiting
+--max-in-flight (the backend's max_num_seqs) at the backend, each freed slot going to the waiting
 request that best fits those out now (--encoder none keeps file order). Results and failures are appended as they finish, with a journal next to the output
 (`results.jsonl.journal`): after a crash or kill, the same command finishes the rest.
 """
@@ -17,18 +17,22 @@ import asyncio
 import sys
 from pathlib import Path
 
+from moe_cohort.cli.checks import ENCODER_CHOICES
 from moe_cohort.proxy.settings import Settings, SettingsError, add_setting_flags, flag_overrides, load_settings
 
 # flag -> Settings field (defaults live in Settings and COHORT_* variables)
 _FLAGS = {
     "--backend": ("backend_url", str, "vLLM server, e.g. http://127.0.0.1:8000"),
-    "--policy": ("default_policy", str, "routing policy for lines without vllm_xargs.moe_routing, e.g. xshare;m=32"),
-    "--encoder": ("encoder", str, "encoder name or path; 'none' keeps the file order"),
-    "--concurrency": ("batch_concurrency", int, "requests at the backend at once: its max_num_seqs (default 256)"),
+    "--default-policy": ("default_policy", str, "routing policy for lines without vllm_xargs.moe_routing, e.g. "
+                                                 "xshare;m=32"),
+    "--encoder": ("encoder", str, f"orders the requests by their predicted experts: {ENCODER_CHOICES}; 'none' "
+                                  f"keeps the file order"),
+    "--max-in-flight": ("batch_concurrency", int, "requests at the backend at once, as many as its max_num_seqs "
+                                                  "(default: the max_in_flight setting, else 256)"),
     "--max-retries": ("batch_max_retries", int, "retries per request for 429, 5xx and timeouts"),
     "--request-timeout-s": ("request_timeout_s", float, "backend timeout per request"),
     "--backend-api-key": ("backend_api_key", str, "API key to send to the backend"),
-    "--max-line-bytes": ("max_body_bytes", int, "longest input line accepted"),
+    "--max-body-bytes": ("max_body_bytes", int, "longest input line (one request) accepted"),
     "--data-dir": ("data_dir", str, "with --learn: where the learned head is kept (its learned/ folder; the same as "
                                     "cohort serve's)"),
     "--learn-sample-rate": ("learn_sample_rate", float, "with --learn: share of the requests the reservoir does not "
@@ -42,20 +46,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run_parser = sub.add_parser("run", help="run a Batch file (resumable)", description=__doc__.splitlines()[0])
     run_parser.add_argument("--input", required=True, type=Path, help="OpenAI Batch JSONL (custom_id, method, url, body)")
     run_parser.add_argument("--output", required=True, type=Path, help="results JSONL (OpenAI Batch output lines)")
-    run_parser.add_argument("--errors", type=Path, help="error JSONL (default: OUTPUT's stem + .errors.jsonl)")
+    run_parser.add_argument("--errors", type=Path, help="error JSONL: failed requests, and with --skip-invalid the "
+                            "refused lines (default: OUTPUT's stem + .errors.jsonl)")
     add_setting_flags(run_parser, _FLAGS)
     run_parser.add_argument("--skip-invalid", action="store_true", help="write bad lines to the error file and go on")
     run_parser.add_argument("--dry-run", action="store_true", help="validate and predict only; write the sending order, send nothing")
     run_parser.add_argument("--plan", type=Path, help="where --dry-run writes the plan (default: OUTPUT + .plan.jsonl)")
     run_parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    run_parser.add_argument("--learn", action="store_true", default=None,
-                            help="learn the profile head from the backend's routing of this batch's answers as it "
-                                 "runs (our plugin's counts, or vLLM's routed_experts), re-predicting the requests "
-                                 "next in line with each new head; starts from, and saves to, --data-dir's "
-                                 "learned/ (env COHORT_LEARN)")
+    run_parser.add_argument("--learn", action=argparse.BooleanOptionalAction, default=None,
+                            help="learn the profile head from the engine's routing of this batch's answers as it "
+                                 "runs (the expert counts of moe-cohort's vLLM plugin, or vLLM's routed_experts), "
+                                 "re-predicting the requests next in line with each new head; starts from, and "
+                                 "saves to, --data-dir's learned/ (default: off; env COHORT_LEARN)")
     run_parser.add_argument("--engine", choices=("local", "ray"), default="local",
-                            help="local: this process sends; ray: Ray Data sends, to every --backend "
-                                 "(comma-separated replicas), see proxy/batch/ray.py")
+                            help="local: this process sends, to one --backend; ray: Ray Data sends, to every "
+                                 "--backend (comma-separated replicas)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -93,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
     from moe_cohort.proxy.profiles import make_predictor
 
     learner = load_learner(settings) if settings.learn else None
-    predictor = make_predictor(settings, learned=(lambda: learner.head) if learner else None)
+    predictor = make_predictor(settings)
     if args.dry_run:
         return _dry_run(args, settings, batch, predictor)
     return _execute(args, settings, batch, predictor, learner)
@@ -149,6 +154,8 @@ async def _run(settings: Settings, batch, journal, predictor, learner, *, progre
     backend = BackendClient.from_settings(settings)
     learning = None if learner is None else Learning(learner, predictor.features, learned_folder(settings),
                                                      ProxyMetrics(), settings.learn_sample_rate, backend)
+    if learning is not None:
+        predictor.follow(learning)  # admission by the learned head once there is one (before it: file order)
     finished = sum(1 for r in batch.requests if r.line in journal.done)
     with _ProgressBar(len(batch.requests), finished, enabled=progress) as bar:
         try:

@@ -92,3 +92,8 @@ def engine_problem(args: argparse.Namespace) -> str | None:
         return (f"--lengths {spec}: not 'fixed', 'lognormal[:SIGMA]' or an existing file of lengths "
                 f"(integers in trace order, or JSON lines {{id, length}})")
     return None
+
+
+# what --encoder takes, in every command that embeds prompts (each defaults to the proxy's encoder setting)
+ENCODER_CHOICES = ("a folder (one from `cohort train` brings its profile head), a hub name, 'static' (distilled "
+                   "from the packaged MiniLM once, then cached) or 'all-MiniLM-L6-v2' (the packaged MiniLM)")

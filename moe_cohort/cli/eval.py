@@ -13,9 +13,10 @@ import sys
 import numpy as np
 
 from moe_cohort.encoder.plans import PlanError, read_plan_file
-from moe_cohort.cli.checks import encoder_problem, int_list, path_problem, positive_int
+from moe_cohort.cli.checks import ENCODER_CHOICES, encoder_problem, int_list, path_problem, positive_int
 from moe_cohort.eval.metrics import evaluate
 from moe_cohort.eval.report import format_table, write_report
+from moe_cohort.proxy.settings import DEFAULT_ENCODER
 from moe_cohort.traces.format import TraceFormatError, TraceSet
 from moe_cohort.traces.importers import load_traces
 from moe_cohort.traces.loads import DEFAULT_DECODE_STEPS, expert_masks
@@ -26,12 +27,13 @@ def add_input_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags `cohort eval` and `cohort replay` share: which traces, which plan and encoder, how many seeds."""
     parser.add_argument("--traces", required=True,
                         help="trace file or directory (moe-cohort .npz, .jsonl, traces.npz+prompts.jsonl dir, or 'sample')")
-    parser.add_argument("--heldout", action="store_true",
-                        help="evaluate the held-out requests of the project's split only (traces.split)")
+    parser.add_argument("--heldout-only", action="store_true",
+                        help="evaluate on the held-out side of the project's split only: the requests that "
+                             "`cohort train` holds out at its default --holdout-share and --seed")
     parser.add_argument("--plan", help="plan file to evaluate: JSON lines {id, batch[, position]}")
-    parser.add_argument("--encoder", default=None,
-                        help="encoder of the 'encoder' plan (and the replay's text policies), from the traces' texts: "
-                             "local folder or hub name (default: the packaged all-MiniLM-L6-v2); 'none' leaves them out")
+    parser.add_argument("--encoder", default=DEFAULT_ENCODER,
+                        help=f"embeds the traces' texts for the 'encoder' plan (and the replay's text policies): "
+                             f"{ENCODER_CHOICES}; 'none' leaves them out")
     parser.add_argument("--decode", choices=("auto", "real", "proxy"), default="auto",
                         help="decode loads from generated tokens (real), the prompt proxy, or auto (default)")
     parser.add_argument("--seeds", type=positive_int, default=5, help="random orders to average (default %(default)s)")
@@ -85,9 +87,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def load_input(args: argparse.Namespace) -> TraceSet:
-    """The traces of --traces; with --heldout, their held-out side under the project's split."""
+    """The traces of --traces; with --heldout-only, their held-out side under the project's split."""
     ts = load_traces(args.traces)
-    return ts.subset(heldout_split(ts)[1]) if args.heldout else ts
+    return ts.subset(heldout_split(ts)[1]) if args.heldout_only else ts
 
 
 def embed_traces(ts: TraceSet, encoder: str | None, *, progress: bool) -> np.ndarray | None:

@@ -5,7 +5,7 @@
 Input lines are OpenAI Batch request lines (custom_id, body.messages or body.prompt) or plain
 {"id", "text"} lines, detected line by line. Output lines are {"id", "batch", "position"} in plan
 order: batch 0 first, then by position inside the batch. A bad input line stops the run with an
-error naming the line, unless --skip-invalid, which writes it to a rejects file and goes on.
+error naming the line, unless --skip-invalid, which writes it to the --errors file and goes on.
 """
 
 from __future__ import annotations
@@ -17,8 +17,10 @@ import sys
 import time
 from pathlib import Path
 
+from moe_cohort.cli.checks import ENCODER_CHOICES
 from moe_cohort.encoder.inputs import InputError, PlanInput, parse_lines
 from moe_cohort.encoder.plans import write_plan_file
+from moe_cohort.proxy.settings import DEFAULT_ENCODER
 
 log = logging.getLogger(__name__)
 
@@ -27,21 +29,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--input", required=True, type=Path, help="JSONL of OpenAI Batch request lines or {id, text} lines")
     parser.add_argument("--output", required=True, type=Path, help="where to write the plan (JSONL of {id, batch, position})")
     parser.add_argument("--batch-size", required=True, type=_positive_int, help="most requests per batch (B)")
-    parser.add_argument("--encoder", default=None, help="sentence-transformers model: local folder, hub name, or "
-                        "`static` (distilled once, fast) (default: the packaged all-MiniLM-L6-v2, works offline)")
-    parser.add_argument("--max-seq-len", type=_positive_int, default=None, help="truncate texts to this many tokens (default: the model's)")
+    parser.add_argument("--encoder", default=DEFAULT_ENCODER, help=f"embeds the prompts: {ENCODER_CHOICES}")
+    parser.add_argument("--max-seq-len", type=_positive_int, default=None, help="truncate texts to this many tokens "
+                        "(default: the encoder's own limit)")
     parser.add_argument("--seed", type=int, default=0, help="planner seed (default 0)")
-    parser.add_argument("--skip-invalid", action="store_true", help="write bad lines to a rejects file instead of stopping")
-    parser.add_argument("--rejects", type=Path, default=None,
-                        help="rejects file for --skip-invalid (default: OUTPUT with .rejects.jsonl)")
+    parser.add_argument("--skip-invalid", action="store_true", help="write bad lines to the --errors file instead of "
+                        "stopping")
+    parser.add_argument("--errors", type=Path, default=None,
+                        help="with --skip-invalid: JSONL of the refused lines (default: OUTPUT with .errors.jsonl)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar while embedding")
 
 
 def run(args: argparse.Namespace) -> int:
     if args.input.is_dir():
         return _fail(f"--input {args.input}: is a folder; give the JSONL file of prompts")
-    if args.rejects is not None and not args.skip_invalid:
-        return _fail("--rejects only applies with --skip-invalid")
+    if args.errors is not None and not args.skip_invalid:
+        return _fail("--errors only applies with --skip-invalid; add --skip-invalid or drop --errors")
     problem = _unwritable(args.output) or _unknown_encoder(args.encoder)
     if problem:
         return _fail(problem)
@@ -49,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
         items, rejects = _read(args.input, args.skip_invalid)
     except (OSError, InputError) as exc:
         return _fail(f"{args.input}: {exc}")
-    rejects_path = args.rejects or args.output.with_suffix(".rejects.jsonl")
+    rejects_path = args.errors or args.output.with_suffix(".errors.jsonl")
     if rejects:
         _write_rejects(rejects_path, rejects)
         print(f"skipped {len(rejects)} invalid line(s) -> {rejects_path}", file=sys.stderr)

@@ -9,6 +9,9 @@ Policies, in the order of the output (random is always first):
                      (`cohort train` writes it beside the fine-tuned encoder)
     reference        fewest expected new experts by the traces' own profiles
 
+Loads and time per token count the steps with every slot busy (the engine kept full) unless
+--no-kept-full, or --replicas or --report, which count every step.
+
 With --replicas R: R replicas of S slots behind a router instead (eval.replicas; --routing picks
 round-robin, least-loaded, affinity or all), beside one engine of R*S slots for reference.
 Static plans are `cohort eval` (cli.eval), whose trace flags this command shares.
@@ -56,11 +59,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--clients", type=positive_int, default=None,
                         help="closed-loop clients sending the requests (at most clients - S wait; default: every "
                              "request waits from the start)")
-    parser.add_argument("--kept-full", action="store_true",
-                        help="loads per token over the steps with every slot busy only (a server under steady load), "
-                             "not the drain at the end where the last requests run beside free slots")
+    parser.add_argument("--kept-full", action=argparse.BooleanOptionalAction, default=None,
+                        help="loads and time per token over the steps with every slot busy only (the engine kept "
+                             "full, as on a loaded server), not the drain at the end where the last requests run "
+                             "beside free slots (default: on for one engine; off with --replicas or --report, which "
+                             "count every step)")
     parser.add_argument("--replicas", type=positive_int, default=None,
-                        help="R replicas of --slots each behind a router (eval.replicas; default: one engine)")
+                        help="R replicas of --slots each behind a router (default: one engine)")
     parser.add_argument("--routing", choices=("round-robin", "least-loaded", "affinity", "all"), default="all",
                         help="with --replicas: which routings to replay beside random (default %(default)s)")
     parser.add_argument("--report", metavar="DIR",
@@ -77,11 +82,13 @@ def run(args: argparse.Namespace) -> int:
     problem = path_problem(args) or engine_problem(args) or encoder_problem(args.encoder)
     if args.replicas is not None and args.report:
         problem = "--report draws one engine against S; leave it out with --replicas"
-    if (args.clients is not None or args.kept_full) and (args.replicas is not None or args.report):
+    one_engine = args.replicas is None and not args.report
+    if (args.clients is not None or args.kept_full) and not one_engine:
         problem = (f"{'--clients' if args.clients is not None else '--kept-full'} replays one engine at --slots; "
                    f"leave out --replicas and --report")
     if problem:
         return fail(problem, "replay")
+    args = _with(args, kept_full=one_engine if args.kept_full is None else args.kept_full)
     try:
         ts = load_input(args)
         plan = read_plan_file(args.plan, ts.request_ids) if args.plan else None

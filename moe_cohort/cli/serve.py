@@ -1,7 +1,8 @@
 """`cohort serve`: the OpenAI-compatible proxy in front of vLLM (or of an embedded tiny-MoE vLLM).
 
 Settings come from flags > COHORT_* variables > a config file (--config / COHORT_CONFIG) > defaults
-(proxy/settings.py); every one is checked before anything starts, and a bad one is one line, exit 2.
+(proxy/settings.py), its flags grouped by the settings' sections; every one is checked before anything
+starts, and a bad one is one line, exit 2.
 With --backend, the backend is asked for /health at start-up, retried with backoff for
 --backend-wait-s, then the proxy starts anyway (requests get 502 until the backend is up).
 """
@@ -18,7 +19,9 @@ import sys
 import time
 from pathlib import Path
 
-from moe_cohort.proxy.settings import Settings, SettingsError, add_setting_flags, flag_overrides, load_settings
+from moe_cohort.cli.checks import ENCODER_CHOICES
+from moe_cohort.proxy.settings import (Settings, SettingsError, add_setting_flags, flag_overrides, load_settings,
+                                       section_groups)
 
 # flag -> Settings field; defaults live in Settings (and COHORT_* variables), not here
 _FLAGS = {
@@ -26,83 +29,90 @@ _FLAGS = {
                                        "replicas (a comma list in the variable), each with --max-in-flight slots "
                                        "(default: start a tiny one)"),
     "--routing": ("routing", str, "which replica takes which request: affinity, least-loaded or round-robin"),
-    "--host": ("host", str, "address to listen on"),
-    "--port": ("port", int, "port to listen on"),
-    "--max-queue-ms": ("max_queue_ms", float, "fairness bound: a request waiting this long is admitted first"),
-    "--max-passed": ("max_passed", int, "fairness bound: a request that this many later arrivals were admitted "
-                                         "before goes first (default: 3 x the replica's slots)"),
-    "--max-in-flight": ("max_in_flight", int, "requests at each replica at once (default: from its vLLM: its "
-                                               "max_num_seqs, more where vLLM runs moe-cohort's scheduler, 256 where "
-                                               "it does not say)"),
-    "--profile-deadline-ms": ("profile_deadline_ms", float, "longest wait for a request's predicted profile; past "
-                                                             "it the request goes on without one (default: 50 for a "
-                                                             "static encoder, 500 for a transformer)"),
-    "--default-policy": ("default_policy", str, "routing policy when a request has no X-MoE-Routing header"),
-    "--encoder": ("encoder", str, "encoder name or path (a folder from `cohort train` brings its profile head); "
-                                  "'all-MiniLM-L6-v2' the packaged MiniLM; 'none': first come, first served (default: "
-                                  "static, distilled from the packaged MiniLM once, ~1 min)"),
-    "--encoder-threads": ("encoder_threads", int, "CPU threads the encoder may use (torch, BLAS, tokenizer); 1 "
-                                                   "leaves the other cores to the engine"),
-    "--allowed-policy": ("allowed_policies", list, "a routing policy clients may ask for (X-MoE-Routing, "
-                                                   "vllm_xargs.moe_routing): a name such as oea (any parameters) or "
-                                                   "a policy such as 'xshare;m=24'; repeatable (default: any)"),
     "--backend-api-key": ("backend_api_key", str, "API key to send to the backend"),
     "--request-timeout-s": ("request_timeout_s", float, "backend timeout per request"),
+    "--host": ("host", str, "address to listen on"),
+    "--port": ("port", int, "port to listen on"),
     "--max-body-bytes": ("max_body_bytes", int, "largest request body accepted"),
     "--max-header-bytes": ("max_header_bytes", int, "largest request head (target and headers together); over "
                                                      "it: 431"),
     "--max-headers": ("max_headers", int, "most headers a request may have; over it: 431"),
     "--head-timeout-s": ("head_timeout_s", float, "seconds a connection has to send a request's whole head "
                                                   "(from its opening or the last answer's end); then it is closed"),
-    "--max-file-bytes": ("max_file_bytes", int, "largest file uploaded to /v1/files (Batch API input)"),
-    "--data-dir": ("data_dir", str, "Batch API storage: uploaded files, results, SQLite records "
-                                    "(default: $XDG_DATA_HOME/moe-cohort or ~/.local/share/moe-cohort)"),
+    "--allowed-policy": ("allowed_policies", list, "a routing policy clients may ask for (X-MoE-Routing, "
+                                                   "vllm_xargs.moe_routing): a name such as oea (any parameters) or "
+                                                   "a policy such as 'xshare;m=24'; repeatable (default: any)"),
+    "--max-in-flight": ("max_in_flight", int, "requests at each replica at once (default: from its vLLM: its "
+                                               "max_num_seqs, more where vLLM runs moe-cohort's scheduler, 256 where "
+                                               "it does not say; the embedded vLLM: 16)"),
+    "--max-queue-ms": ("max_queue_ms", float, "fairness bound: a request waiting this long is admitted first"),
+    "--max-passed": ("max_passed", int, "fairness bound: a request that this many later arrivals were admitted "
+                                         "before goes first (default: 3 x the replica's slots)"),
+    "--default-policy": ("default_policy", str, "routing policy when a request has no X-MoE-Routing header"),
+    "--profile-deadline-ms": ("profile_deadline_ms", float, "longest wait for a request's predicted profile; past "
+                                                             "it the request goes on without one (default: 50 for a "
+                                                             "static encoder, 500 for a transformer)"),
+    "--encoder": ("encoder", str, f"predicts each request's experts from its text: {ENCODER_CHOICES}; 'none': "
+                                  f"no prediction, first come, first served"),
+    "--encoder-threads": ("encoder_threads", int, "CPU threads the encoder may use (torch, BLAS, tokenizer); 1 "
+                                                   "leaves the other cores to the engine"),
     "--learn-sample-rate": ("learn_sample_rate", float, "with --learn: share of the requests the reservoir does "
                                                          "not keep that are observed anyway, for the live fit "
                                                          "(the reservoir keeps every request until it is full, "
                                                          "then capacity / seen of them)"),
     "--learn-capacity": ("learn_capacity", int, "with --learn: observations kept (a uniform sample of all seen)"),
     "--learn-refit-every": ("learn_refit_every", int, "with --learn: kept observations between refits, at least"),
+    "--data-dir": ("data_dir", str, "Batch API storage (uploaded files, results, SQLite records) and the learned "
+                                    "head (learned/) (default: $XDG_DATA_HOME/moe-cohort or ~/.local/share/moe-cohort)"),
+    "--max-file-bytes": ("max_file_bytes", int, "largest file uploaded to /v1/files (Batch API input)"),
 }
 BACKEND_WAIT_S = 30.0
+# --learn: where the head it learns comes from, and what admission reads before its first
+LEARN_HELP = ("learn the profile head online from the engine's routing of answered requests: the expert counts "
+              "that moe-cohort's vLLM plugin serves (VLLM_PLUGINS=moe_cohort), or vLLM's routed_experts in "
+              "non-streamed answers (a vLLM started with --enable-return-routed-experts); it starts from what "
+              "earlier runs learned, kept in --data-dir/learned, and until its first head admission reads the "
+              "head of an --encoder folder from `cohort train` (fitted on recorded traces), if it has one "
+              "(default: on when a replica serves its expert counts; env COHORT_LEARN)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags in one argument group per section of the settings (`--help` shows them so)."""
     parser.add_argument("--config", metavar="FILE", help="settings file, YAML or TOML, keys = setting names "
                         "(e.g. port: 9000); flags and COHORT_* variables win over it (env COHORT_CONFIG)")
-    add_setting_flags(parser, _FLAGS)
-    parser.add_argument("--api-key", dest="api_keys", action="append", help="accept this proxy API key (repeatable; "
-                        "env COHORT_API_KEYS=k1,k2; default: none, the proxy is open)")
-    parser.add_argument("--log-prompts", action="store_true", default=None, help="log prompt texts (off: they are user data)")
-    parser.add_argument("--forward-profiles", action=argparse.BooleanOptionalAction, default=None, help="every "
-                        "request waits for its prediction (--profile-deadline-ms at most) and carries it: "
-                        "vllm_xargs.moe_profile for an engine running moe_cohort.engine.scheduler.ExpertAwareScheduler, "
-                        "x-cohort-key for a router such as llm-d's (default: on for each replica whose vLLM runs that "
-                        "scheduler, which then admits; env COHORT_FORWARD_PROFILES)")
-    parser.add_argument("--learn", action=argparse.BooleanOptionalAction, default=None, help="learn the profile head "
-                        "online from the served model's routing of answered requests: the expert counts moe-cohort's "
-                        "vLLM plugin serves (VLLM_PLUGINS=moe_cohort), or vLLM's routed_experts answers "
-                        "(--enable-return-routed-experts); kept in --data-dir/learned across restarts (default: on "
-                        "when a replica serves its expert counts; env COHORT_LEARN)")
-    parser.add_argument("--protect-metrics", action="store_true", default=None, help="/metrics needs an --api-key and "
+    groups = section_groups(parser)
+    groups["api_keys"].add_argument("--api-key", dest="api_keys", action="append", help="accept this proxy API key "
+                                    "(repeatable; env COHORT_API_KEYS=k1,k2; default: none, the proxy is open)")
+    groups["learn"].add_argument("--learn", action=argparse.BooleanOptionalAction, default=None, help=LEARN_HELP)
+    add_setting_flags(parser, _FLAGS, groups)
+    backend = groups["backend_url"]
+    backend.add_argument("--backend-wait-s", type=_seconds, default=BACKEND_WAIT_S,
+                         help="with --backend: how long to retry its /health at start-up before starting anyway; "
+                              "0: do not check")
+    backend.add_argument("--model-dir", help="without --backend: model folder for the embedded vLLM, served as it "
+                         "is; without a model there, the tiny MoE is trained on text into it once (default: "
+                         "trained-tiny-moe-model in $COHORT_CACHE_DIR, else $XDG_CACHE_HOME/moe-cohort or "
+                         "~/.cache/moe-cohort)")
+    backend.add_argument("--backend-port", type=_port, help="without --backend: port of the embedded vLLM "
+                         "(default: a free port)")
+    groups["log_prompts"].add_argument("--log-prompts", action="store_true", default=None,
+                                       help="log prompt texts (off: they are user data; env COHORT_LOG_PROMPTS)")
+    access = groups["api_keys"]
+    access.add_argument("--protect-metrics", action="store_true", default=None, help="/metrics needs an --api-key and "
                         "/health shows callers without one only its status (env COHORT_PROTECT_METRICS)")
-    parser.add_argument("--trust-client-hints", action="store_true", default=None, help="forward what clients send "
+    access.add_argument("--api-docs", action="store_true", default=None, help="serve /openapi.json, /docs and /redoc "
+                        "(behind the --api-key like every route; /docs and /redoc load JavaScript from a CDN; "
+                        "default: off, env COHORT_API_DOCS)")
+    access.add_argument("--trust-client-hints", action="store_true", default=None, help="forward what clients send "
                         "in vllm_xargs.moe_profile and moe_record (trusted callers only: a client's profile can put it "
                         "first in the engine's queue, moe_record writes its prompt to the engine's disk; default: "
                         "dropped; env COHORT_TRUST_CLIENT_HINTS)")
-    parser.add_argument("--api-docs", action="store_true", default=None, help="serve /openapi.json, /docs and /redoc "
-                        "(behind the --api-key like every route; /docs and /redoc load JavaScript from a CDN; "
-                        "default: off, env COHORT_API_DOCS)")
-    parser.add_argument("--model-dir", help="model folder for the embedded backend, served as it is; without a "
-                        "model there, the tiny MoE is trained on text into it (once, ~2-3 min; default: "
-                        "trained-tiny-moe-model in $COHORT_CACHE_DIR, else $XDG_CACHE_HOME/moe-cohort or "
-                        "~/.cache/moe-cohort)")
-    parser.add_argument("--backend-port", type=_port, help="port of the embedded vLLM, used only without --backend "
-                        "(default: a free port)")
+    groups["forward_profiles"].add_argument(
+        "--forward-profiles", action=argparse.BooleanOptionalAction, default=None, help="every request waits for its "
+        "prediction (--profile-deadline-ms at most) and carries it: vllm_xargs.moe_profile for a vLLM running "
+        "moe-cohort's expert-aware scheduler, x-cohort-key for a router such as llm-d's (default: on for each "
+        "replica whose vLLM runs that scheduler, which then admits; env COHORT_FORWARD_PROFILES)")
     parser.set_defaults(no_progress=True)  # a server log is no terminal: no "Loading weights" bars
-    parser.add_argument("--backend-wait-s", type=_seconds, default=BACKEND_WAIT_S,
-                        help="with --backend: how long to retry its /health at start-up before starting anyway; "
-                             "0: do not check")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,4 +1,5 @@
-"""`cohort train`: fine-tune a sentence encoder on expert traces so that cosine tracks expert overlap."""
+"""`cohort train`: fine-tune a sentence encoder on expert traces (by default to predict each request's expert
+profile, train.profile_loss), then fit the profile head that admission reads beside it."""
 
 from __future__ import annotations
 
@@ -18,8 +19,9 @@ _DEFAULTS = TrainConfig()
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--traces", required=True, help="trace file or directory with prompt texts (see `cohort traces`)")
     parser.add_argument("--base", default=DEFAULT_MODEL,
-                        help="base sentence-transformers model: a local folder, a hub name (online), or the bundled "
-                             "offline default %(default)s")
+                        help="the encoder to fine-tune: a sentence-transformers folder or hub name (default: the "
+                             "packaged all-MiniLM-L6-v2, not the other commands' 'static' --encoder: a static model "
+                             "has no transformer to fine-tune, and the static student is distilled from this one)")
     parser.add_argument("--output", required=True, help="folder for the fine-tuned model (a sentence-transformers folder)")
     parser.add_argument("--epochs", type=_positive_float, default=_DEFAULTS.epochs, help="passes over the pairs (default %(default)s)")
     parser.add_argument("--max-pairs", type=_int_from(2), default=_DEFAULTS.max_pairs,
@@ -27,14 +29,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "requests (default %(default)s)")
     parser.add_argument("--batch-size", type=_int_from(2), default=_DEFAULTS.batch_size, help="pairs per step (default %(default)s)")
     parser.add_argument("--learning-rate", type=_positive_float, default=_DEFAULTS.learning_rate, help="default %(default)s")
-    parser.add_argument("--max-seq-length", type=_int_from(0), default=_DEFAULTS.max_seq_length,
+    parser.add_argument("--max-seq-len", type=_int_from(0), default=_DEFAULTS.max_seq_length,
                         help="truncate texts to this many word pieces, in training and in the saved model; 0 keeps the base's (default %(default)s)")
     parser.add_argument("--target", choices=TARGETS, default=DEFAULT_TARGET, help="overlap target (default %(default)s)")
     parser.add_argument("--loss", choices=LOSSES, default=_DEFAULTS.loss,
-                        help="profile: learn to predict each request's expert profile (train.profile_loss); cosent, "
-                             "angle, cosine: make cosine track the --target overlap of pairs (default %(default)s)")
-    parser.add_argument("--holdout", type=_share, default=_DEFAULTS.holdout,
-                        help="share of requests held out for the before/after report (default %(default)s)")
+                        help="profile: learn to predict each request's expert profile; cosent, angle, cosine: make "
+                             "cosine track the --target overlap of pairs (default %(default)s)")
+    parser.add_argument("--holdout-share", type=_share, default=_DEFAULTS.holdout,
+                        help="share of the requests held out of training, for the before/after report (default "
+                             "%(default)s: with the default --seed, the held-out side of `cohort eval "
+                             "--heldout-only`)")
     parser.add_argument("--seed", type=int, default=_DEFAULTS.seed, help="split, pair sampling and training seed (default %(default)s)")
     parser.add_argument("--save-steps", type=_int_from(1), default=_DEFAULTS.save_steps, help="checkpoint every N steps (default %(default)s)")
     parser.add_argument("--resume", action="store_true", help="continue the run in --output from its newest checkpoint")
@@ -45,8 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "the --base encoder, saving it in --output, without fine-tuning")
     parser.add_argument("--student", choices=("static",),
                         help="instead of fine-tuning, distil the --base encoder (e.g. a folder from `cohort train`) "
-                             "into a static student: microseconds per prompt, the profile head fitted on it "
-                             "(train.static_student)")
+                             "into a static student, far faster per prompt, and fit the profile head on it")
 
 
 def _int_from(low: int):
@@ -86,8 +89,8 @@ def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         config = TrainConfig(epochs=args.epochs, max_pairs=args.max_pairs, batch_size=args.batch_size,
-                             learning_rate=args.learning_rate, max_seq_length=args.max_seq_length or None,
-                             target=args.target, loss=args.loss, holdout=args.holdout, seed=args.seed,
+                             learning_rate=args.learning_rate, max_seq_length=args.max_seq_len or None,
+                             target=args.target, loss=args.loss, holdout=args.holdout_share, seed=args.seed,
                              save_steps=args.save_steps)
         ts = load_traces(args.traces)
         check_traces(ts, config.holdout)  # before any model is loaded
@@ -100,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
         return _profile_head(ts, args.base, args.output, config)
     if args.student:
         return _student(ts, args, config)
-    print(f"training on {len(ts)} requests of {args.traces} (holdout {config.holdout:.0%}), base {args.base}")
+    print(f"training on {len(ts)} requests of {args.traces} ({config.holdout:.0%} held out), base {args.base}")
     try:
         result = train_encoder(ts, args.base, args.output, config, resume=args.resume, progress=not args.no_progress)
     except (TrainDataError, OSError, ValueError) as exc:  # OSError: e.g. a base model that cannot be found

@@ -229,15 +229,25 @@ class Settings:
 FlagTable = dict[str, tuple[str, type, str]]
 
 
-def add_setting_flags(parser, flags: FlagTable) -> None:
-    """Add one argparse option per flag, defaulting to None so unset flags fall back to env, config and
-    defaults; the help shows the Settings default and the variable."""
+def section_groups(parser) -> dict[str, object]:
+    """One argparse argument group per section of SECTIONS, in its order: {field: its section's group}."""
+    groups: dict[str, object] = {}
+    for name, (about, names) in SECTIONS.items():
+        group = parser.add_argument_group(name, about)
+        groups.update(dict.fromkeys(names, group))
+    return groups
+
+
+def add_setting_flags(parser, flags: FlagTable, groups: Mapping[str, object] | None = None) -> None:
+    """Add one argparse option per flag (to `groups[field]` where given, else to `parser`), defaulting to
+    None so unset flags fall back to env, config and defaults; the help shows the Settings default and the
+    variable."""
     defaults = {f.name: f.default for f in fields(Settings)}
     for flag, (dest, kind, help_text) in flags.items():
         shown = "" if "default" in help_text else f"default {defaults[dest]!r}; " if defaults[dest] != "" else ""
         kind_args = {"action": "append"} if kind is list else {"type": kind}  # list: repeatable, joined by commas
-        parser.add_argument(flag, dest=dest, **kind_args,
-                            help=f"{help_text} ({shown}env {ENV_PREFIX}{dest.upper()})".replace("%", "%%"))
+        (groups or {}).get(dest, parser).add_argument(
+            flag, dest=dest, **kind_args, help=f"{help_text} ({shown}env {ENV_PREFIX}{dest.upper()})".replace("%", "%%"))
 
 
 def flag_overrides(args, flags: FlagTable) -> dict[str, object]:

@@ -41,7 +41,7 @@ def test_kill_9_mid_run_then_rerun_finishes_without_loss_or_duplicates(vllm_serv
                                         for i in range(n)])
     out = tmp_path / "out.jsonl"
     cmd = [sys.executable, "-m", "moe_cohort.cli", "batch", "run", "--input", str(src), "--output", str(out),
-           "--backend", vllm_server.url, "--encoder", "none", "--concurrency", "1", "--no-progress"]
+           "--backend", vllm_server.url, "--encoder", "none", "--max-in-flight", "1", "--no-progress"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     journal = tmp_path / "out.jsonl.journal"
     deadline = time.monotonic() + 120
@@ -76,7 +76,7 @@ def test_invalid_lines_stop_the_run_before_anything_is_sent(tmp_path, capsys):
     out = tmp_path / "out.jsonl"
     # an unreachable backend: any request sent would end the run with another error
     code = main(["batch", "run", "--input", str(src), "--output", str(out), "--backend", "http://127.0.0.1:9",
-                 "--encoder", "none", "--max-line-bytes", "2000", "--no-progress"])
+                 "--encoder", "none", "--max-body-bytes", "2000", "--no-progress"])
     err = capsys.readouterr().err
     assert code == 2 and "3 invalid line(s); nothing was sent" in err
     assert "line 2: invalid JSON" in err and 'line 3: duplicate custom_id "a" (first on line 1)' in err
@@ -89,10 +89,10 @@ def test_invalid_lines_stop_the_run_before_anything_is_sent(tmp_path, capsys):
 def test_a_bad_policy_flag_is_one_line_naming_it_before_the_file_is_read(tmp_path, capsys, policy, said):
     src = write(tmp_path / "in.jsonl", [request_line(f"r{i}", "hi") for i in range(5)])
     code = main(["batch", "run", "--input", str(src), "--output", str(tmp_path / "out.jsonl"),
-                 "--backend", "http://127.0.0.1:9", "--encoder", "none", "--policy", policy])
+                 "--backend", "http://127.0.0.1:9", "--encoder", "none", "--default-policy", policy])
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1 and said in err, err
-    assert err.startswith("cohort batch: error: --policy (env COHORT_DEFAULT_POLICY)") and "X-MoE-Routing" not in err
+    assert err.startswith("cohort batch: error: --default-policy (env COHORT_DEFAULT_POLICY)") and "X-MoE-Routing" not in err
 
 
 def test_an_output_that_is_a_folder_is_one_line(tmp_path, capsys):
@@ -143,7 +143,7 @@ def test_learn_learns_from_the_plugins_counts_and_keeps_the_head_for_the_next_ru
                                         for i in range(24)])
     data = tmp_path / "data"
     args = ["batch", "run", "--input", str(src), "--output", str(tmp_path / "out.jsonl"), "--backend", vllm_server.url,
-            "--encoder", encoder, "--learn", "--data-dir", str(data), "--concurrency", "4", "--no-progress"]
+            "--encoder", encoder, "--learn", "--data-dir", str(data), "--max-in-flight", "4", "--no-progress"]
     assert main(args) == 0
     err = capsys.readouterr().err
     assert "done: 24 succeeded" in err and "learned: 24 observed requests, a head fitted on" in err, err
@@ -168,7 +168,7 @@ def test_dry_run_plans_with_the_encoder_and_sends_nothing(tmp_path, capsys):
     src = write(tmp_path / "in.jsonl", lines)  # interleaved: arrival order mixes the topics in every batch
     plan_path = tmp_path / "plan.jsonl"
     code = main(["batch", "run", "--input", str(src), "--output", str(tmp_path / "out.jsonl"), "--dry-run",
-                 "--plan", str(plan_path), "--concurrency", "8", "--no-progress"])
+                 "--plan", str(plan_path), "--max-in-flight", "8", "--no-progress"])
     assert code == 0 and "planned 16 requests into 2 batches" in capsys.readouterr().err
     plan = results(plan_path)
     assert sorted(p["custom_id"] for p in plan) == sorted(json.loads(x)["custom_id"] for x in lines)

@@ -114,21 +114,23 @@ def test_closed_loop_clients_leave_the_reference_less_to_choose_from(tmp_path, c
     assert "S = 4 slots, 5 closed-loop clients" in capsys.readouterr().out
 
 
-def test_kept_full_leaves_the_drain_out(tmp_path, capsys):
+def test_the_replay_keeps_the_engine_full_unless_told_not_to(tmp_path, capsys):
     from moe_cohort.traces.synthetic import synthetic_traces
 
     path = save_traces(tmp_path / "s.npz", synthetic_traces(40, num_experts=16, num_layers=3, top_k=2, seed=2))
     common = ["replay", "--traces", str(path), "--slots", "8", "--json", "--encoder", "none", "--lengths", "lognormal",
               "--mean-length", "12", "--seeds", "2"]
     rows = {}
-    for flag in ([], ["--kept-full"]):
+    for flag, kept_full in (([], True), (["--kept-full"], True), (["--no-kept-full"], False)):
         assert main(common + flag) == 0
         out = json.loads(capsys.readouterr().out)
-        assert out["kept_full"] == bool(flag)
-        rows[bool(flag)] = out["plans"]["random"]["loads_per_token"]
+        assert out["kept_full"] is kept_full, flag
+        rows[kept_full] = out["plans"]["random"]["loads_per_token"]
     assert rows[True] < rows[False]  # the drain: the last requests share each load with fewer tokens
-    assert main([a for a in common if a != "--json"] + ["--kept-full"]) == 0
+    assert main([a for a in common if a != "--json"]) == 0
     assert "S = 8 slots, steps with every slot busy only" in capsys.readouterr().out
+    assert main(common + ["--report", str(tmp_path / "r"), "--sweep", "8"]) == 0  # the report counts every step
+    assert json.loads((tmp_path / "r" / "report.json").read_text())["continuous"][0]["kept_full"] is False
 
 
 def test_replay_rejects_a_bad_cost_model_and_eval_needs_a_batch_size(trace_file, capsys):

@@ -32,7 +32,7 @@ def test_bad_line_stops_with_its_line_number(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("args, match", [
-    (["--batch-size", "4", "--rejects", "r.jsonl"], "--skip-invalid"),
+    (["--batch-size", "4", "--errors", "r.jsonl"], "--errors only applies with --skip-invalid"),
 ])
 def test_bad_arguments(tmp_path, capsys, args, match):
     src = write(tmp_path / "in.jsonl", GOOD)
@@ -52,7 +52,7 @@ def test_plans_good_lines_and_rejects_bad_ones(tmp_path, capsys, minilm_dir):
     lines = GOOD[:5] + ["{broken", "", GOOD[0].replace("Question 0", "dup")] + GOOD[5:]
     src, out, rejects = write(tmp_path / "in.jsonl", lines), tmp_path / "plan.jsonl", tmp_path / "rej.jsonl"
     rc = main(["plan", "--input", str(src), "--batch-size", "4", "--output", str(out), "--skip-invalid",
-               "--rejects", str(rejects), "--encoder", minilm_dir, "--max-seq-len", "64", "--no-progress"])
+               "--errors", str(rejects), "--encoder", minilm_dir, "--max-seq-len", "64", "--no-progress"])
     assert rc == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert all(set(r) == {"id", "batch", "position"} for r in rows)

@@ -97,11 +97,11 @@ def test_a_run_saves_the_profile_head_beside_the_encoder_and_only_fits_a_head_on
 @pytest.mark.parametrize("flag, value, said", [
     ("--learning-rate", "-1", "expected a number > 0, got '-1'"),
     ("--epochs", "0", "expected a number > 0, got '0'"),
-    ("--holdout", "2", "expected a number in [0, 1), got '2'"),
+    ("--holdout-share", "2", "expected a number in [0, 1), got '2'"),
     ("--max-pairs", "1", "expected an integer >= 2, got '1'"),
     ("--batch-size", "x", "expected an integer >= 2, got 'x'"),
     ("--save-steps", "0", "expected an integer >= 1, got '0'"),
-    ("--max-seq-length", "-3", "expected an integer >= 0, got '-3'"),
+    ("--max-seq-len", "-3", "expected an integer >= 0, got '-3'"),
 ])
 def test_a_bad_number_is_one_line_naming_its_flag_before_any_work(tmp_path, capsys, no_model_loading, flag, value, said):
     with pytest.raises(SystemExit) as exited:
