@@ -7,7 +7,7 @@ One vLLM CPU server: the tiny MoE trained on text (`cohort make-tiny-moe --train
 requests of $COHORT_DATA/prompts/mixed.jsonl in a seeded order (the file groups its prompts by source,
 which would favour file order), `ignore_eos`, --max-tokens each. A learning batch learns from its own
 answers: every request is predicted before it is observed, so what it gains is on requests its head
-never saw. Runs of `cohort batch run --concurrency SLOTS`, a subprocess each, the same file:
+never saw. Runs of `cohort batch run --max-in-flight SLOTS`, a subprocess each, the same file:
 - file order: `--encoder none`;
 - learning: `--learn` with an empty --data-dir (the default, static, encoder): file order until its first
   head, then admission by the head it keeps learning;
@@ -53,7 +53,7 @@ def run(name: str, flags: list[str], src: Path, work: Path, backend: str, slots:
     total = sum(1 for _ in src.open())
     marks = [total * k // 4 for k in (1, 2, 3, 4)]
     cmd = [sys.executable, "-m", "moe_cohort.cli", "batch", "run", "--input", str(src), "--output", str(out),
-           "--backend", backend, "--concurrency", str(slots), "--no-progress", *flags]
+           "--backend", backend, "--max-in-flight", str(slots), "--no-progress", *flags]
     snaps, start = [counters(backend)], time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     while proc.poll() is None:

@@ -11,7 +11,7 @@ to its last 256 tokens), stops the server, and rewrites each
 recorded file as TRACE_DIR/<prompt id>.npz with the prompt's own text, its id as request id, its
 category, and `extra["split"]` ("train" or "heldout" under traces.split, as the trained tiny MoE
 was trained). With every prompt recorded, file-name order is the prompt set's order, so
-`cohort eval --traces TRACE_DIR --heldout` holds out exactly the prompts the model never saw.
+`cohort eval --traces TRACE_DIR --heldout-only` holds out exactly the prompts the model never saw.
 Prints the recording time and the per-layer category/expert mutual information of the traces.
 """
 
