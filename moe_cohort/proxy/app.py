@@ -216,12 +216,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         raise ValueError("settings.backend_url is empty; pass --backend URL (or run `cohort serve` without it "
                          "to start the embedded vLLM backend)")
     learner = load_learner(settings) if settings.learn is not False and settings.encoder.lower() != "none" else None
-    built: list[Proxy] = []  # the predictor reads the proxy's learning (its head, whether on), built after it
-    predictor = make_predictor(settings, threads=settings.encoder_threads,
-                               learned=(lambda: built[0].learning.head if built else None) if learner else None,
-                               learning_on=lambda: built[0].learning.on if built and built[0].learning else None)
+    predictor = make_predictor(settings, threads=settings.encoder_threads)
     proxy = Proxy(settings, predictor, learner)
-    built.append(proxy)
+    if proxy.learning is not None:
+        predictor.follow(proxy.learning)  # admission reads the learned head, and whether learning is on
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):

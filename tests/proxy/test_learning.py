@@ -9,6 +9,7 @@ import re
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import numpy as np
@@ -283,7 +284,8 @@ def test_the_learner_gets_each_requests_features_and_arrival_prediction_without_
     rng = np.random.default_rng(0)
     head = ProfileHead(rng.normal(size=(8 + DEFAULT_NGRAM_DIM, LAYERS * EXPERTS)).astype(np.float32),
                        np.zeros(LAYERS * EXPERTS, np.float32), LAYERS, EXPERTS, top_k=K, ngram_dim=DEFAULT_NGRAM_DIM)
-    predictor = make_predictor(Settings(encoder=encoder), learned=lambda: head)
+    predictor = make_predictor(Settings(encoder=encoder))
+    predictor.follow(SimpleNamespace(head=head, on=True))
     texts = ["a question about python", "about cooking rice"]
     predicted = predictor.predict(texts)
     features, at_arrival = predictor.features(texts)
@@ -311,7 +313,8 @@ def test_a_batch_with_one_text_not_predicted_reads_only_that_one(encoder, monkey
     rng = np.random.default_rng(1)
     head = ProfileHead(rng.normal(size=(8 + DEFAULT_NGRAM_DIM, LAYERS * EXPERTS)).astype(np.float32),
                        np.zeros(LAYERS * EXPERTS, np.float32), LAYERS, EXPERTS, top_k=K, ngram_dim=DEFAULT_NGRAM_DIM)
-    predictor = make_predictor(Settings(encoder=encoder), learned=lambda: head)
+    predictor = make_predictor(Settings(encoder=encoder))
+    predictor.follow(SimpleNamespace(head=head, on=True))
     predicted = predictor.predict(["a question about python", "about cooking rice"])
     read.clear()
     texts = ["about cooking rice", "never predicted", "a question about python"]
@@ -342,8 +345,9 @@ def test_a_newer_head_predicts_texts_seen_lately_from_their_kept_features(encode
     heads = [ProfileHead(rng.normal(size=(8 + DEFAULT_NGRAM_DIM, LAYERS * EXPERTS)).astype(np.float32),
                          np.zeros(LAYERS * EXPERTS, np.float32), LAYERS, EXPERTS, top_k=K, ngram_dim=DEFAULT_NGRAM_DIM)
              for _ in range(2)]
-    current = [heads[0]]
-    predictor = make_predictor(Settings(encoder=encoder), learned=lambda: current[0])
+    learning = SimpleNamespace(head=heads[0], on=True)
+    predictor = make_predictor(Settings(encoder=encoder))
+    predictor.follow(learning)
     texts = ["a question about python", "about cooking rice"]
     predictor.predict(texts)
     expected = heads[1].from_features(head_features(Embedder(encoder).encode(texts), texts, DEFAULT_NGRAM_DIM))
@@ -352,7 +356,7 @@ def test_a_newer_head_predicts_texts_seen_lately_from_their_kept_features(encode
         raise AssertionError(f"read again: {texts}")
 
     monkeypatch.setattr(Embedder, "encode", read_again)
-    current[0] = heads[1]
+    learning.head = heads[1]
     again = predictor.predict(texts)
     np.testing.assert_allclose([p.vector for p in again], expected, atol=2e-3)  # from float16 features
     with pytest.raises(AssertionError, match="read again"):
@@ -392,19 +396,19 @@ def test_the_worker_limits_blas_without_inspecting_the_libraries_each_time(monke
 
     from threadpoolctl import threadpool_info
 
-    import moe_cohort.proxy.learning as learning
+    import moe_cohort.proxy.behind_serving as behind_serving
 
     made = []
-    real = learning.ThreadpoolController
-    monkeypatch.setattr(learning, "ThreadpoolController", lambda: made.append(1) or real())
-    learning._blas.cache_clear()
+    real = behind_serving.ThreadpoolController
+    monkeypatch.setattr(behind_serving, "ThreadpoolController", lambda: made.append(1) or real())
+    behind_serving._blas.cache_clear()
     for _ in range(5):
-        with learning.one_blas_thread():
+        with behind_serving.one_blas_thread():
             blas = [lib for lib in threadpool_info() if lib["user_api"] == "blas"]
             assert blas and all(lib["num_threads"] == 1 for lib in blas)
     assert len(made) == 1
     monkeypatch.setitem(sys.modules, "a_module_loaded_since", types.ModuleType("a_module_loaded_since"))
-    with learning.one_blas_thread():
+    with behind_serving.one_blas_thread():
         pass
     assert len(made) == 2
-    learning._blas.cache_clear()
+    behind_serving._blas.cache_clear()

@@ -64,3 +64,44 @@ def test_a_folder_with_a_head_that_reads_ngrams_predicts_profiles_from_the_texts
     (prediction,) = predictor.predict(["How do I sort a list in Python?"])
     assert predictor.kind == "profile" and prediction.vector.shape == (layers * experts,)
     assert prediction.vector[0] > 0 and expand(prediction.compact, layers, experts)[0, 0] > 0
+
+
+def test_a_predictor_that_follows_learning_waits_for_its_head_unless_learning_is_off(tmp_path):
+    """Following the proxy's learning: no prediction (first come, first served) while learning is undecided or on
+    without a head; embeddings once it is off; the learned head's profiles once there is one."""
+    from types import SimpleNamespace
+
+    import numpy as np
+    from tokenizers import Tokenizer
+
+    from moe_cohort.admission.resident import ResidentEmbedding, ResidentExperts
+    from moe_cohort.encoder.embedding import resolve_model
+    from moe_cohort.encoder.ngrams import DEFAULT_NGRAM_DIM
+    from moe_cohort.encoder.profile import ProfileHead
+    from moe_cohort.encoder.static import save_static
+    from moe_cohort.proxy.profiles import make_predictor
+    from moe_cohort.proxy.settings import Settings
+
+    tokenizer = Tokenizer.from_file(str(Path(resolve_model(None)) / "tokenizer.json"))
+    weights = np.random.default_rng(0).standard_normal((tokenizer.get_vocab_size(), 8)).astype(np.float32)  # [V, 8]
+    predictor = make_predictor(Settings(encoder=str(save_static(tokenizer, weights, tmp_path / "enc"))))
+    texts = ["How do I sort a list in Python?"]
+    assert predictor.kind == "embedding" and predictor.mode() == "embeddings" and predictor.ready()
+    learning = SimpleNamespace(head=None, on=None)
+    predictor.follow(learning)
+
+    def state():
+        return (predictor.kind, predictor.mode(), predictor.ready(), type(predictor.resident_factory(8)),
+                [None if p is None else p.vector.shape for p in predictor.predict(texts)])
+
+    waiting = ("profile", "first come, first served until the first learned head", False, ResidentExperts, [None])
+    assert state() == waiting  # not decided yet
+    learning.on = True
+    assert state() == waiting
+    learning.on = False
+    assert state() == ("profile", "embeddings", True, ResidentEmbedding, [(8,)])
+    layers, experts = 2, 4
+    learning.on, learning.head = True, ProfileHead(
+        np.zeros((8 + DEFAULT_NGRAM_DIM, layers * experts), np.float32), np.zeros(layers * experts, np.float32),
+        layers, experts, top_k=1, ngram_dim=DEFAULT_NGRAM_DIM)
+    assert state() == ("profile", "learned head", True, ResidentExperts, [(layers * experts,)])

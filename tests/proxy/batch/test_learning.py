@@ -44,13 +44,14 @@ def _slow(handler, prompts):
 def test_a_learning_batch_run_learns_from_its_answers_and_groups_the_rest_by_the_learned_head(encoder, tmp_path):
     parsed, prompts, tokens = _batch(tmp_path, 120), [], []
     learner = OnlineLearner(LearnConfig(capacity=200, first_fit=16, ngram_dim=4096), key=encoder)
-    predictor = make_predictor(Settings(encoder=encoder), learned=lambda: learner.head)
+    predictor = make_predictor(Settings(encoder=encoder))
     paths = JournalPaths.for_output(tmp_path / "out.jsonl")
 
     async def main():
         async with local_backend(_slow(_plugin_backend(tokens), prompts)) as url:
             backend = BackendClient(url, timeout_s=5)
             learning = Learning(learner, predictor.features, tmp_path / "learned", ProxyMetrics(), 0.0, backend)
+            predictor.follow(learning)
             journal = Journal.open(paths, parsed.journal_meta)
             try:
                 return await run_batch(parsed, journal, backend, predictor, CONFIG, learning=learning)
@@ -78,18 +79,19 @@ def test_a_request_a_refused_replica_never_ran_is_learned_once_from_the_replica_
 
     parsed, prompts, tokens = _batch(tmp_path, 24), [], []
     learner = OnlineLearner(LearnConfig(capacity=200, first_fit=16, ngram_dim=4096), key=encoder)
-    predictor = make_predictor(Settings(encoder=encoder), learned=lambda: learner.head)
+    predictor = make_predictor(Settings(encoder=encoder))
 
     async def main():
         async with local_backend(_slow(_plugin_backend(tokens), prompts)) as url:
             live, down = BackendClient(url, timeout_s=5), BackendClient(refused_url(), timeout_s=5)
             gate = AdmissionGate(None, ProxyMetrics(), ReplicaSet([down, live], [2, 2], "least-loaded"))
             learning = Learning(learner, predictor.features, tmp_path / "learned", ProxyMetrics(), 0.0, live)
+            predictor.follow(learning)
             journal = Journal.open(JournalPaths.for_output(tmp_path / "out.jsonl"), parsed.journal_meta)
             try:
                 stats = await run_batch(parsed, journal, live, predictor, CONFIG, gate=gate, learning=learning)
                 await learning.flush()
-                return stats, {client.base_url for client in learning._waiting}, learning.metrics
+                return stats, learning.counts.waiting_on(), learning.metrics
             finally:
                 journal.close()
                 await asyncio.to_thread(learning.close)
