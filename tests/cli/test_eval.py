@@ -232,8 +232,9 @@ def test_embedding_shows_progress_on_stderr_unless_no_progress(quiet):
     import subprocess
     import sys
 
+    # the packaged MiniLM: a transformer, embedding long enough for a bar (the default static encoder shows none)
     args = [sys.executable, "-m", "moe_cohort.cli", "eval", "--traces", "sample", "--batch-size", "16", "--json",
-            *(["--no-progress"] if quiet else [])]
+            "--encoder", "all-MiniLM-L6-v2", *(["--no-progress"] if quiet else [])]
     done = subprocess.run(args, capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert done.returncode == 0, done.stderr
     assert "encoder" in json.loads(done.stdout)["plans"]  # the traces' texts were embedded
