@@ -34,6 +34,7 @@ def parsers():
     (["traces", "-v", "info", "sample"], logging.INFO),
     (["traces", "-v", "info", "sample", "--verbose"], logging.DEBUG),
     (["traces", "info", "sample"], logging.WARNING),
+    (["traces", "import", "sample", "-o", "t.npz", "-v"], logging.INFO),
     (["batch", "run", "--input", "in.jsonl", "--output", "out.jsonl", "-v"], logging.INFO),
     (["eval", "--traces", "nope.npz", "--batch-size", "4", "-v"], logging.INFO),
 ])
