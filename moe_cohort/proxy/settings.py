@@ -247,7 +247,7 @@ def add_setting_flags(parser, flags: FlagTable, groups: Mapping[str, object] | N
         shown = "" if "default" in help_text else f"default {defaults[dest]!r}; " if defaults[dest] != "" else ""
         kind_args = {"action": "append"} if kind is list else {"type": kind}  # list: repeatable, joined by commas
         (groups or {}).get(dest, parser).add_argument(
-            flag, dest=dest, **kind_args, help=f"{help_text} ({shown}env {ENV_PREFIX}{dest.upper()})".replace("%", "%%"))
+            flag, dest=dest, metavar=flag.lstrip("-").replace("-", "_").upper(), **kind_args, help=f"{help_text} ({shown}env {ENV_PREFIX}{dest.upper()})".replace("%", "%%"))
 
 
 def flag_overrides(args, flags: FlagTable) -> dict[str, object]:
