@@ -71,7 +71,7 @@ def resolve_model(name: str | os.PathLike | None) -> str:
     if path.exists() or str(name).startswith((".", "/", "~")) or str(name).count("/") != 1:
         raise EncoderNotFound(f"encoder {str(name)!r}: no such model folder. Give a folder with a sentence-transformers "
                               f"model (e.g. from `cohort train`), a hub name like BAAI/bge-small-en-v1.5, `static`, "
-                              f"`onnx[:FOLDER]`, or leave it out for the packaged all-MiniLM-L6-v2")
+                              f"`onnx[:FOLDER]`, or all-MiniLM-L6-v2 (packaged)")
     return str(name)  # a hub name; sentence-transformers downloads it (or finds it in the HF cache)
 
 
@@ -87,8 +87,7 @@ def check_available(source: str) -> None:
     repo_id = source
     if isinstance(try_to_load_from_cache(repo_id, "config.json"), str):
         return
-    how = ("use a local model folder (--encoder PATH), `static`, or leave --encoder out for the packaged "
-           "all-MiniLM-L6-v2")
+    how = "use a local model folder (--encoder PATH), `static`, or the packaged all-MiniLM-L6-v2"
     if constants.HF_HUB_OFFLINE:
         raise EncoderNotFound(f"encoder {repo_id!r} is not in the local Hugging Face cache and HF_HUB_OFFLINE is set: {how}")
     try:

@@ -18,7 +18,6 @@ import asyncio
 import contextlib
 import gc
 import logging
-import time
 from typing import Sequence
 
 from fastapi import FastAPI, Request
@@ -28,28 +27,26 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from moe_cohort.proxy.http.answers import add_error_handlers, error_answer
 from moe_cohort.proxy.http.api_docs import OFF as API_DOCS_OFF, add_api_docs
 from moe_cohort.proxy.auth import Authorizer, backend_headers
-from moe_cohort.proxy.cohort_key import cohort_key_header
 from moe_cohort.proxy.backend_client import BackendClient
 from moe_cohort.proxy.batch.api import add_batch_api
 from moe_cohort.proxy.batch.jobs import BatchJobs
 from moe_cohort.proxy.gate import AdmissionGate, Profiler
 from moe_cohort.proxy.autoconfig import LearningPlan, describe, passed_bound, plan_learning, plan_replica
 from moe_cohort.proxy.handshake import UNREACHABLE, EngineInfo, ask
-from moe_cohort.proxy.http.errors import BackendUnreachable
 from moe_cohort.proxy.http.fastpath import FastPath
 from moe_cohort.proxy.health import health_answer
 from moe_cohort.proxy.hints import HintRules
-from moe_cohort.proxy.learning import Learning, learned_folder, load_learner, relay_answer
+from moe_cohort.proxy.learning import Learning, learned_folder, load_learner
 from moe_cohort.proxy.http.limits import HeadLimits
 from moe_cohort.proxy.metrics import ProxyMetrics
 from moe_cohort.proxy.http.middleware import RequestContext, access_log
 from moe_cohort.proxy.profiles import Predictor, make_predictor
-from moe_cohort.proxy.protocol import (ProxyRequest, Route, check_size, cohort_headers, parse_request, read_body,
-                            with_profile)
+from moe_cohort.proxy.lifecycle import Lifecycle
+from moe_cohort.proxy.protocol import ProxyRequest, Route, check_size, cohort_headers, parse_request, read_body
 from moe_cohort.proxy.relay import add_relay_routes
 from moe_cohort.proxy.replicas import ReplicaSet
 from moe_cohort.proxy.settings import Settings, load_settings
-from moe_cohort.proxy.streaming import StreamRelay, Upstream, unless_client_leaves
+from moe_cohort.proxy.streaming import StreamRelay, unless_client_leaves
 from moe_cohort.train.online import OnlineLearner
 
 log = logging.getLogger(__name__)
@@ -90,7 +87,6 @@ class Proxy:
         self._decide_learning()  # now when a setting says, else when a replica answers
         self.configuration = ""  # what `configure` chose, one line
         self.authorize = Authorizer(settings.api_keys)  # called with a request's headers
-        self.upstream = Upstream(self.gate, self.metrics, settings.keepalive_s, self.learning)
 
     async def close(self) -> None:
         self.gate.close()
@@ -162,51 +158,28 @@ class Proxy:
                              rules=HintRules.of(self.settings))
         if self.settings.log_prompts:
             log.info("%s request, policy %s: %r", route, preq.policy, preq.text)
-        if self.learning is not None:
-            self.learning.mark(preq.body)
         return await self.generate(request, preq)
 
     async def generate(self, request: Request, preq: ProxyRequest) -> Response:
-        """Admit `preq`, send it to the backend, relay the answer (streamed or whole)."""
-        headers = backend_headers(self.settings, request.headers)
+        """Admit `preq`, send it to the backend, relay the answer (streamed or whole): one Lifecycle."""
+        life = Lifecycle(self.gate, PATHS[preq.route], preq.body, preq.text,
+                         backend_headers(self.settings, request.headers), learning=self.learning)
         started = request.scope.get("state", {}).get("started")  # proxy.http.middleware
         if preq.stream:
-            return await StreamRelay(self.upstream, preq, PATHS[preq.route], headers, started).start()
-        answered = await unless_client_leaves(self._forward(preq, PATHS[preq.route], headers), request.receive)
-        if answered is None:  # the client left: the backend request was cancelled, which made vLLM abort it
+            return await StreamRelay(life, preq.route, self.metrics, self.settings.keepalive_s, started).start()
+        answer = await unless_client_leaves(self._whole(life, preq.route), request.receive)
+        if answer is None:  # the client left: the backend request was cancelled, which made vLLM abort it
             self.metrics.requests.labels(preq.route, str(CLIENT_CLOSED)).inc()
             return Response(status_code=CLIENT_CLOSED)
-        admission, answer, backend_s = answered
         self.metrics.requests.labels(preq.route, str(answer.status_code)).inc()
-        own = self.metrics.own_time(preq.route, started, admission, backend_s)
-        content = relay_answer(answer.content, preq.text, preq.body, self.learning) if answer.status_code == 200 \
-            else answer.content
-        return Response(content, status_code=answer.status_code,
-                        headers=cohort_headers(admission, backend_s, own), media_type=answer.content_type)
+        own = self.metrics.own_time(preq.route, started, life.granted, life.backend_s)
+        return Response(life.observed(answer.content), status_code=answer.status_code,
+                        headers=cohort_headers(life.granted, life.backend_s, own), media_type=answer.content_type)
 
-    async def _forward(self, preq: ProxyRequest, path: str, headers: dict[str, str]):
-        """(admission, the backend's answer, seconds at the backend) of `preq`, failed over when its replica is down."""
-        admission, backend_s = await self.gate.admit(preq.text), 0.0
-        try:  # released exactly once: answered, failed, or cancelled because the client left
-            while True:
-                sent = time.perf_counter()
-                try:
-                    with self.metrics.backend_seconds.labels(preq.route).time():
-                        answer = await admission.client.request("POST", path, json=with_profile(preq.body, admission),
-                                                                headers={**headers, **cohort_key_header(admission.prediction)})
-                    return admission, answer, backend_s + time.perf_counter() - sent
-                except BackendUnreachable as exc:
-                    backend_s += time.perf_counter() - sent
-                    if not await self.gate.failover(admission, exc):  # its replica may be generating it: never resent
-                        raise
-                    down, admission = admission, None
-                    self.gate.release(down)
-                    admission = await self.gate.readmit(down)  # another replica; its place kept
-        finally:
-            if admission is not None:
-                if self.learning is not None:
-                    self.learning.finished(admission.client, preq.body, preq.text)
-                self.gate.release(admission)
+    async def _whole(self, life: Lifecycle, route: Route):
+        async with life:
+            with self.metrics.backend_seconds.labels(route).time():
+                return await life.answer()
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:

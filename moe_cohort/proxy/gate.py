@@ -21,13 +21,14 @@ whole burst's prediction), and its profile joins its replica's resident set when
 later choices still count its experts; a request that has to wait is predicted first.
 Background work (the Batch API's jobs) shares the slots through `admit_background()` but only
 gets one that no waiting request wants. Nothing here knows HTTP: a
-caller awaits `admit()`, talks to the backend, then calls `release(admission)`.
+caller awaits `admit()` for a `proxy.replicas.Slot`, talks to the backend, then calls `release(slot)`
+(proxy/lifecycle.py does this for every request the proxy sends).
 
 The slots are a `proxy.replicas.ReplicaSet`: one backend is a set of one replica, several backends
 (`--backend` repeated) a set of R, each with `max_in_flight` slots, routed by `--routing`
 (admission.router.ReplicaRouter; "affinity" is this module's rule applied per replica), the same
-router that drives the batch order (proxy.batch.order) and the engine replay (eval.replay). An
-admission names its replica (`admission.client`); `failover()` and `readmit()` move a request whose
+router that drives the batch order (proxy.batch.order) and the engine replay (eval.replay). A
+slot names its replica (`slot.client`); `failover()` and `readmit()` move a request whose
 replica is down (it generated nothing of it) to another one.
 """
 
@@ -44,33 +45,13 @@ from typing import Awaitable, Callable
 from prometheus_client import Histogram
 
 from moe_cohort.admission.wire import Prediction
-from moe_cohort.proxy.backend_client import BackendClient
 from moe_cohort.proxy.metrics import ProxyMetrics
 from moe_cohort.proxy.profiles import PredictFn
-from moe_cohort.proxy.replicas import Lease, ReplicaSet
+from moe_cohort.proxy.replicas import ReplicaSet, Slot
 
 log = logging.getLogger(__name__)
 
 LATE_PROFILE_S = 0.02  # how long a request admitted at once waits before its profile is predicted
-
-
-@dataclass(frozen=True, eq=False)
-class Admission:
-    admission_id: str  # the admission's sequence number (X-Cohort-Admission)
-    queue_s: float  # arrival to admission: the profile's prediction, then the wait for a slot
-    lease: Lease = field(repr=False)  # the replica's slot
-    prediction: Prediction | None = None  # as predicted before admission (None: none, or predicted later)
-    arrived: float = 0.0
-    wait_s: float = 0.0  # the wait for a slot alone (queue_s less the prediction)
-
-    @property
-    def client(self) -> BackendClient:
-        """The BackendClient of the replica this admission's slot is on."""
-        return self.lease.client
-
-    @property
-    def replica(self) -> int:
-        return self.lease.replica
 
 
 class Profiler:
@@ -123,7 +104,6 @@ class AdmissionGate:
     # free slot with nobody waiting goes at once, and its prediction joins the resident set when ready
     profile_first: bool = True
     deadline_s: float = 0.05  # longest wait for a prediction; past it the request goes on without one (FCFS)
-    _background: list[Admission] = field(default_factory=list)  # background admissions not released, oldest first
     _late: set[asyncio.Task] = field(default_factory=set)  # predicting the profiles of requests admitted at once
     _ids: itertools.count = field(default_factory=itertools.count)
 
@@ -131,16 +111,16 @@ class AdmissionGate:
     def clock(self) -> Callable[[], float]:
         return self.replicas.clock
 
-    async def admit(self, text: str) -> Admission:
-        """Wait until this request's turn at a backend; the caller must `release()` it afterwards."""
-        arrived = self.clock()
+    async def admit(self, text: str) -> Slot:
+        """Wait until this request's turn at a backend; the caller must `release()` its slot afterwards."""
+        slot = Slot(arrived=self.clock())
         self.metrics.waiting.inc()
         if self.profiler is None or not self.profiler.ready():  # nothing to predict with: first come, first served
-            return await self._acquire(None, arrived)
+            return await self._acquire(slot)
         if not self.profile_first and self.replicas.router.places_at_once():
-            admission = await self._acquire(None, arrived)  # nothing to choose: no wait for the prediction
-            self._join_later(admission, self._profile_after(LATE_PROFILE_S, text))
-            return admission
+            await self._acquire(slot)  # nothing to choose: no wait for the prediction
+            self._join_later(slot, self._profile_after(LATE_PROFILE_S, text))
+            return slot
         predicting = asyncio.ensure_future(self.profiler.profile(text))
         try:
             prediction = await asyncio.wait_for(asyncio.shield(predicting), self.deadline_s)
@@ -150,10 +130,12 @@ class AdmissionGate:
         except asyncio.CancelledError:
             self.metrics.waiting.dec()
             raise
-        admission = await self._acquire(prediction, arrived)
+        if prediction is not None:
+            slot.vector, slot.prediction = prediction.vector, prediction
+        await self._acquire(slot)
         if prediction is None and not predicting.done():
-            self._join_later(admission, predicting)
-        return admission
+            self._join_later(slot, predicting)
+        return slot
 
     async def _profile_after(self, delay_s: float, text: str) -> Prediction | None:
         """The profile of a request admitted at once, predicted after `delay_s`: a burst of arrivals is taken in
@@ -161,43 +143,35 @@ class AdmissionGate:
         await asyncio.sleep(delay_s)
         return await self.profiler.profile(text)
 
-    def _join_later(self, admission: Admission, prediction: Awaitable[Prediction | None]) -> None:
+    def _join_later(self, slot: Slot, prediction: Awaitable[Prediction | None]) -> None:
         """The request's profile, once predicted, joins its replica's resident set (unless it finished meanwhile),
         so that later choices count its experts."""
         async def join() -> None:
             predicted = await prediction  # None when the encoder failed
             if predicted is not None:
-                self.replicas.router.assign(admission.lease.ticket, predicted.vector)
+                self.replicas.router.assign(slot, predicted.vector)
         task = asyncio.get_running_loop().create_task(join())
         self._late.add(task)
         task.add_done_callback(self._late.discard)
 
-    async def failover(self, admission: Admission, exc: Exception) -> bool:
-        """Whether `admission`'s request may go to another replica after `exc` (proxy.replicas.ReplicaSet.failover:
+    async def failover(self, slot: Slot, exc: Exception) -> bool:
+        """Whether `slot`'s request may go to another replica after `exc` (proxy.replicas.ReplicaSet.failover:
         its replica is down and no byte of the answer came back); that replica is then taken out. The caller
-        releases `admission` and asks `readmit(admission)` for a slot elsewhere."""
-        return await self.replicas.failover(admission.lease, exc)
+        releases `slot` and asks `readmit(slot)` for a place elsewhere."""
+        return await self.replicas.failover(slot, exc)
 
-    async def readmit(self, admission: Admission) -> Admission:
-        """A new slot for a request failed over: same prediction, its place by its first arrival."""
+    async def readmit(self, slot: Slot) -> Slot:
+        """`slot` again, on another replica after a failover: same prediction, its place by its first arrival."""
         self.metrics.waiting.inc()
-        return await self._acquire(admission.prediction, admission.arrived)
+        return await self._acquire(slot)
 
-    async def admit_background(self) -> Admission:
+    async def admit_background(self) -> Slot:
         """Wait for a slot that no waiting request wants; the caller must `release()` it afterwards."""
-        lease = await self.replicas.acquire_background()
-        admission = Admission(f"b{next(self._ids)}", lease.queue_s, lease)
-        self._background.append(admission)
-        self._in_flight_changed()
-        return admission
+        return await self._acquire(Slot(background=True))
 
-    def release(self, admission: Admission | None = None) -> None:
-        """Free the slot of an admitted request (answered, failed or abandoned); None: the oldest background one."""
-        if admission is None:
-            admission = self._background[0]
-        if admission in self._background:
-            self._background.remove(admission)
-        self.replicas.release(admission.lease)
+    def release(self, slot: Slot) -> None:
+        """Free the slot of an admitted request (answered, failed or abandoned)."""
+        self.replicas.release(slot)
         self._in_flight_changed()
 
     def close(self) -> None:
@@ -206,19 +180,21 @@ class AdmissionGate:
         if self.profiler is not None:
             self.profiler.close()
 
-    async def _acquire(self, prediction: Prediction | None, arrived: float) -> Admission:
+    async def _acquire(self, slot: Slot) -> Slot:
+        """`slot` granted; the waiting gauge (counted by the caller for a request, never for background work)
+        and the in-flight gauge follow."""
         asked = self.clock()
         try:
-            lease = await self.replicas.acquire(None if prediction is None else prediction.vector, arrived)
-        except BaseException:  # cancelled (a slot granted meanwhile is given back) or no healthy replica
-            self.metrics.waiting.dec()
+            await self.replicas.acquire(slot)
+        finally:  # granted, cancelled (a slot granted meanwhile is given back) or no healthy replica
+            if not slot.background:
+                self.metrics.waiting.dec()
             self._in_flight_changed()
-            raise
-        now = self.clock()
-        self.metrics.waiting.dec()
-        self.metrics.queue_seconds.observe(now - arrived)
-        self._in_flight_changed()
-        return Admission(f"a{next(self._ids)}", now - arrived, lease, prediction, arrived, now - asked)
+        if not slot.background:
+            self.metrics.queue_seconds.observe(slot.queue_s)
+        slot.wait_s = self.clock() - asked
+        slot.id = f"{'b' if slot.background else 'a'}{next(self._ids)}"  # numbered in the order admitted
+        return slot
 
     def _in_flight_changed(self) -> None:
         self.metrics.in_flight.set(self.replicas.in_flight())

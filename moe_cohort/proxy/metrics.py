@@ -45,9 +45,9 @@ class ProxyMetrics:
                                       "when predicted): the head's, and the mean profile's (what learning nothing "
                                       "scores)", ["predictor"], registry=r)
 
-    def own_time(self, route: str, started: float | None, admission, backend_s: float) -> float | None:
+    def own_time(self, route: str, started: float | None, slot, backend_s: float) -> float | None:
         """The proxy's own seconds for a request so far (proxy.protocol.own_seconds), observed under `route`."""
-        own = own_seconds(started, admission, backend_s)
+        own = own_seconds(started, slot, backend_s)
         if own is not None:
             self.own_seconds.labels(route).observe(own)
         return own

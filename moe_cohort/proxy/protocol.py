@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Literal, Mapping
 
-from moe_cohort.admission.wire import PROFILE_KEY, ROUTING_KEY
+from moe_cohort.admission.wire import ROUTING_KEY
 from moe_cohort.engine.policy import PolicyError, parse_policy
 from moe_cohort.encoder.text import RequestTextError, request_text
 from moe_cohort.proxy.http.errors import InvalidRequest, PayloadTooLarge
@@ -41,32 +41,24 @@ class ProxyRequest:
             return ""
 
 
-def cohort_headers(admission, backend_s: float | None = None, own_s: float | None = None) -> dict[str, str]:
-    """The X-Cohort-* response headers: the admission's sequence number, how long the request queued;
-    with `own_s`, a Server-Timing header (W3C): the proxy's own time, the wait for a slot, the backend's."""
-    headers = {"x-cohort-admission": admission.admission_id, "x-cohort-queue-ms": f"{admission.queue_s * 1000:.1f}"}
+def cohort_headers(slot, backend_s: float | None = None, own_s: float | None = None) -> dict[str, str]:
+    """The X-Cohort-* response headers of a request's `slot` (proxy.replicas.Slot): its admission's sequence
+    number, how long the request queued; with `own_s`, a Server-Timing header (W3C): the proxy's own time,
+    the wait for a slot, the backend's."""
+    headers = {"x-cohort-admission": slot.id, "x-cohort-queue-ms": f"{slot.queue_s * 1000:.1f}"}
     if own_s is not None:
-        headers["server-timing"] = (f"proxy;dur={own_s * 1000:.3f}, queue;dur={admission.wait_s * 1000:.3f}, "
+        headers["server-timing"] = (f"proxy;dur={own_s * 1000:.3f}, queue;dur={slot.wait_s * 1000:.3f}, "
                                     f"backend;dur={(backend_s or 0.0) * 1000:.3f}")
     return headers
 
 
-def own_seconds(started: float | None, admission, backend_s: float) -> float | None:
+def own_seconds(started: float | None, slot, backend_s: float) -> float | None:
     """The proxy's own time for a request so far: from its arrival (`started`, perf_counter, set by
     proxy.http.middleware) to now, less its wait for a backend slot and the backend's time; None without
     `started`. It includes the body read, parsing, the encoder and the event loop's queue."""
     if started is None:
         return None
-    return max(0.0, time.perf_counter() - started - admission.wait_s - backend_s)
-
-
-def with_profile(body: dict, admission) -> dict:
-    """The body to forward: with the admission's predicted profile in `vllm_xargs.moe_profile` (for an
-    engine that reorders its own queue, engine/scheduler.py), or unchanged without one."""
-    compact = None if admission.prediction is None else admission.prediction.compact
-    if compact is None:
-        return body
-    return {**body, "vllm_xargs": {**(body.get("vllm_xargs") or {}), PROFILE_KEY: compact}}
+    return max(0.0, time.perf_counter() - started - slot.wait_s - backend_s)
 
 
 def check_size(content_length: str | None, max_bytes: int) -> None:

@@ -1,32 +1,26 @@
-"""Several vLLM replicas behind the proxy: per-replica capacity and health, routing by expert affinity.
+"""The backend's slots: R vLLM replicas, each with its capacity and health, and the routing of admission.
 
-Issue 18, "Several backends in the proxy". `cohort serve --backend A --backend B` (proxy/app.py): the
-AdmissionGate (proxy/gate.py) profiles each request and takes its slot here; one backend is a
-set of one replica, so both cases share this one code path.
+One backend is a set of one replica; `cohort serve --backend A --backend B` a set of two, so both share
+this one code path.
 
-- `ReplicaSet` holds R `BackendClient`s, each with its capacity (that vLLM's max_num_seqs, as
-  `max_in_flight` is for one backend), and one `admission.router.ReplicaRouter`, the rule the
-  engine replay measures (eval.replicas, benchmarks/bench_replicas.py). A request waits in the
-  router until a slot frees on a healthy replica; with "affinity" that replica takes the waiting
-  request whose predicted profile (the vector the caller passes: proxy.profiles) fits its own
-  residents best. Nobody waits while a healthy replica has a free slot; the fairness bound
-  `max_queue_s` goes first, as in proxy.gate.
-- Health: `check()` probes every replica's GET /health (vLLM serves it). A replica that fails the
-  probe, or is found down during a request (`failover`), is taken out at once: it is offered nothing
-  new and its round-robin queue moves to the others. `check()` takes it back once it answers. When
-  the last replica goes out, every waiting request fails with BackendUnreachable (a 502), none hangs.
+- `ReplicaSet` holds R `BackendClient`s, each with its capacity (that vLLM's max_num_seqs), and one
+  `admission.router.ReplicaRouter`. A request waits in the router until a slot frees on a healthy
+  replica; with "affinity" that replica takes the waiting request whose predicted profile fits its own
+  residents best. Nobody waits while a healthy replica has a free slot; the fairness bounds go first.
+- A `Slot` is one request's place: created on arrival, granted a replica by `acquire`, freed by `release`
+  exactly once. It is the router's key for the request.
+- Health: `check()` probes every replica's GET /health. A replica that fails the probe, or is found down
+  during a request (`failover`), is taken out at once: it is offered nothing new. `check()` takes it back
+  once it answers. When the last replica goes out, every waiting request fails with BackendUnreachable
+  (a 502), none hangs.
 - Failover, never twice (`failover`): a request goes to another replica only if its own is down and
-  generating nothing: its connect failed (it never got the request), or its connection broke before
-  any byte of the answer came back and the replica is out already or fails a probe on a fresh
-  connection at once (a killed vLLM's port refuses it; pooled connections to it reset). A replica
-  that still answers may be generating the request: the caller answers 502, never a resend; an
-  answer under way is never resent either. Streams take an `acquire()` lease and stream from its
-  client; a stream under way when its replica dies is ended by the streaming code with an SSE error
-  event, as with one backend.
+  generating nothing: its connect failed (it never got the request), or its connection broke before any
+  byte of the answer came back and the replica is out already or fails a probe on a fresh connection at
+  once (a killed vLLM's port refuses it). A replica that still answers may be generating the request: the
+  caller answers 502, never a resend; an answer under way is never resent either.
+- Background work (the Batch API's jobs): a background slot is granted only when no waiting request can use
+  it (every replica with a free slot has nobody waiting for it).
 - `models()`: the healthy replicas' /v1/models lists merged by model id (first replica wins).
-- Background work (the Batch API's jobs): `acquire_background()` gets a slot only when no waiting
-  request can use it (every replica with a free slot has nobody waiting for it).
-- A client of None is a slot-only replica (tests of the admission order, which talk to no backend).
 """
 
 from __future__ import annotations
@@ -43,27 +37,27 @@ import numpy as np
 
 from moe_cohort.admission.resident import ResidentExperts
 from moe_cohort.admission.router import ReplicaRouter, ResidentFactory
-from moe_cohort.proxy.backend_client import BackendAnswer, BackendClient
+from moe_cohort.admission.wire import Prediction
+from moe_cohort.proxy.backend_client import BackendClient
 from moe_cohort.proxy.http.errors import BackendError, BackendUnreachable
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True, eq=False)
-class Lease:
-    """A slot on one replica: talk to `client`, then `ReplicaSet.release(lease)`."""
-
-    replica: int
-    client: BackendClient
-    queue_s: float
-    ticket: _Ticket = field(repr=False)  # the router's key of this request
-
-
 @dataclass(eq=False)
-class _Ticket:
-    vector: np.ndarray | None  # [L*E] predicted profile (or [D] embedding), None: first come, first served
-    arrived: float
-    future: asyncio.Future
+class Slot:
+    """One request's place at the backend, from its arrival until `ReplicaSet.release(slot)`."""
+
+    vector: np.ndarray | None = None  # [L*E] predicted profile (or [D] embedding); None: first come, first served
+    prediction: Prediction | None = None  # what the gate predicted before admission (forwarded to the engine)
+    arrived: float | None = None  # when the request arrived (the fairness bound's clock); None: when acquired
+    background: bool = False  # granted only when no waiting request can use the slot
+    id: str = ""  # once granted: its number in the order admitted (X-Cohort-Admission)
+    replica: int = -1  # once granted: the replica's index
+    client: BackendClient | None = None  # once granted: that replica's client
+    queue_s: float = 0.0  # arrival to grant
+    wait_s: float = 0.0  # the wait for a slot alone (queue_s less the prediction)
+    _granted: asyncio.Future | None = field(default=None, repr=False)
 
 
 class ReplicaSet:
@@ -80,8 +74,8 @@ class ReplicaSet:
         self.router = ReplicaRouter(capacities, routing, max_wait=max_queue_s, max_passed=max_passed,
                                     resident_factory=resident_factory)
         self.health_timeout_s, self.failover_probe_s, self.clock = health_timeout_s, failover_probe_s, clock
-        self._waiting: set[_Ticket] = set()
-        self._background: list[_Ticket] = []  # waiting background work, oldest first
+        self._waiting: set[Slot] = set()
+        self._background: list[Slot] = []  # waiting background work, oldest first
         self._turn = 0
 
     async def close(self) -> None:
@@ -102,40 +96,52 @@ class ReplicaSet:
     def in_flight(self) -> int:
         return int(self.router.busy.sum())
 
-    async def acquire(self, vector: np.ndarray | None = None, arrived: float | None = None) -> Lease:
-        """Wait for a slot on a healthy replica, by the routing; the caller must `release()` the lease.
-        `arrived` (default: now) is when the request arrived, for the fairness bound."""
-        arrived = self.clock() if arrived is None else arrived
-        return await self._wait(_Ticket(vector, arrived, asyncio.get_running_loop().create_future()))
-
-    async def acquire_background(self) -> Lease:
-        """Wait for a slot that no waiting request wants (Batch API work); `release()` it afterwards."""
+    async def acquire(self, slot: Slot) -> Slot:
+        """Wait until `slot` is granted a replica (by the routing; a background slot only when no waiting request
+        can use it) and return it; the caller must `release(slot)`. A slot released after a failover may be
+        acquired again: it keeps its arrival, so its place in the fairness bound."""
         if not self.router.healthy.any():
             raise _none_healthy()
-        ticket = _Ticket(None, self.clock(), asyncio.get_running_loop().create_future())
-        self._background.append(ticket)
+        if slot.arrived is None:
+            slot.arrived = self.clock()
+        slot.replica, slot.client = -1, None
+        slot._granted = asyncio.get_running_loop().create_future()
+        if slot.background:
+            self._background.append(slot)
+        elif (replica := self.router.place_at_once(slot, slot.vector)) is not None:  # a slot free, nobody waiting
+            self._grant(slot, replica, self.clock())
+        else:
+            self.router.add(slot, slot.vector, slot.arrived)
+            self._waiting.add(slot)
         self._pump()
         try:
-            return await ticket.future
+            return await slot._granted
         except asyncio.CancelledError:
-            if ticket.future.done() and not ticket.future.cancelled():
-                self.release(ticket.future.result())  # granted, but the waiter left before using the slot
-            elif ticket in self._background:
-                self._background.remove(ticket)
+            self._forget(slot)
             raise
 
-    async def failover(self, lease: Lease, exc: BackendError) -> bool:
-        """Whether a request that failed with `exc` on `lease` may go to another replica (see the module
+    def _forget(self, slot: Slot) -> None:
+        """A waiter that left: out of the queue, or its slot given back if it was granted meanwhile."""
+        if slot in self._waiting:
+            self.router.remove(slot)
+            self._waiting.discard(slot)
+        elif slot in self._background:
+            self._background.remove(slot)
+        elif slot._granted.done() and not slot._granted.cancelled():
+            self.release(slot)
+
+    async def failover(self, slot: Slot, exc: BackendError) -> bool:
+        """Whether a request that failed with `exc` on `slot` may go to another replica (see the module
         docstring: its replica is down, no byte of the answer came back, another replica exists); then
-        `lease`'s replica is taken out at once. The caller releases `lease` and acquires a new slot."""
+        `slot`'s replica is taken out at once. The caller releases `slot` and acquires it again."""
         if self.size < 2 or not isinstance(exc, BackendUnreachable) or exc.answer_started:
             return False
-        if (not _never_sent(exc) and self.router.healthy[lease.replica]
-                and await lease.client.alive(self.failover_probe_s)):
+        if (not _never_sent(exc) and self.router.healthy[slot.replica]
+                and await slot.client.alive(self.failover_probe_s)):
             return False  # the replica is up: it may be generating this request
         log.warning("replica %d (%s) is down (%s); taking it out and sending the request elsewhere",
-                    lease.replica, lease.client.base_url, exc.message)
-        self.set_healthy(lease.replica, False)
+                    slot.replica, slot.client.base_url, exc.message)
+        self.set_healthy(slot.replica, False)
         return True
 
     def any_client(self) -> BackendClient:
@@ -146,25 +152,10 @@ class ReplicaSet:
         self._turn += 1
         return self.clients[int(up[self._turn % len(up)])]
 
-    def release(self, lease: Lease) -> None:
-        """The request on `lease` is done (answered, failed or abandoned): its slot frees."""
-        self.router.release(lease.ticket)
+    def release(self, slot: Slot) -> None:
+        """The request on `slot` is done (answered, failed or abandoned): its slot frees."""
+        self.router.release(slot)
         self._pump()
-
-    async def request(self, method: str, path: str, *, json: dict | None = None, headers: dict[str, str] | None = None,
-                      vector: np.ndarray | None = None) -> tuple[int, BackendAnswer]:
-        """(replica, whole answer) of one request, resent elsewhere only if no backend accepted it."""
-        ticket = _Ticket(vector, self.clock(), asyncio.get_running_loop().create_future())
-        while True:
-            lease = await self._wait(ticket)
-            try:
-                return lease.replica, await lease.client.request(method, path, json=json, headers=headers)
-            except BackendUnreachable as exc:
-                if not await self.failover(lease, exc):
-                    raise
-                ticket.future = asyncio.get_running_loop().create_future()
-            finally:
-                self.release(lease)
 
     def set_healthy(self, replica: int, healthy: bool) -> None:
         """Take a replica out of the routing or back in; with none left, every waiting request fails."""
@@ -173,13 +164,9 @@ class ReplicaSet:
         log.warning("replica %d (%s) %s", replica, self.clients[replica].base_url, "is back" if healthy else "is out")
         self.router.set_healthy(replica, healthy)
         if not self.router.healthy.any():
-            for ticket in list(self._waiting):
-                self.router.remove(ticket)
-                self._waiting.discard(ticket)
-                ticket.future.set_exception(_none_healthy())
-            for ticket in self._background:
-                ticket.future.set_exception(_none_healthy())
-            self._background.clear()
+            for slot in [*self._waiting, *self._background]:
+                self._forget(slot)
+                slot._granted.set_exception(_none_healthy())
         self._pump()
 
     async def check(self) -> list[bool]:
@@ -206,45 +193,30 @@ class ReplicaSet:
             raise errors[0]
         return {"object": "list", "data": data}
 
-    async def _wait(self, ticket: _Ticket) -> Lease:
-        if not self.router.healthy.any():
-            raise _none_healthy()
-        replica = self.router.place_at_once(ticket, ticket.vector)  # a slot free and nobody waiting
-        if replica is not None:
-            return Lease(replica, self.clients[replica], self.clock() - ticket.arrived, ticket)
-        self.router.add(ticket, ticket.vector, ticket.arrived)
-        self._waiting.add(ticket)
-        self._pump()
-        try:
-            return await ticket.future
-        except asyncio.CancelledError:
-            if ticket in self._waiting:
-                self.router.remove(ticket)
-                self._waiting.discard(ticket)
-            elif ticket.future.done() and not ticket.future.cancelled():
-                self.release(ticket.future.result())  # granted, but the waiter left before using the slot
-            raise
-
     def _pump(self) -> None:
         if not self._background and not self.router.waiting():
             return  # nobody to admit
         now, admitted = self.clock(), True
         while admitted:
             admitted = False
-            for ticket, replica in self.router.admit(now):
-                self._waiting.discard(ticket)
-                if ticket.future.done():  # its waiter was cancelled and has not run its cleanup yet
-                    self.router.release(ticket)
+            for slot, replica in self.router.admit(now):
+                self._waiting.discard(slot)
+                if slot._granted.done():  # its waiter was cancelled and has not run its cleanup yet
+                    self.router.release(slot)
                     admitted = True  # the slot is free again: admit once more
                     continue
-                ticket.future.set_result(Lease(replica, self.clients[replica], now - ticket.arrived, ticket))
+                self._grant(slot, replica, now)
         while self._background and self.router.free().max(initial=0) > 0:  # no waiting request wants these
-            ticket = self._background.pop(0)
-            if ticket.future.done():  # cancelled while waiting
+            slot = self._background.pop(0)
+            if slot._granted.done():  # cancelled while waiting
                 continue
             replica = int(np.argmax(self.router.free()))
-            self.router.hold(ticket, replica)
-            ticket.future.set_result(Lease(replica, self.clients[replica], now - ticket.arrived, ticket))
+            self.router.hold(slot, replica)
+            self._grant(slot, replica, now)
+
+    def _grant(self, slot: Slot, replica: int, now: float) -> None:
+        slot.replica, slot.client, slot.queue_s = replica, self.clients[replica], now - slot.arrived
+        slot._granted.set_result(slot)
 
 
 def _never_sent(exc: BackendUnreachable) -> bool:

@@ -5,8 +5,8 @@ A streaming request waits for its turn up to `keepalive_s` before answering. Adm
 code; otherwise it answers 200 at once and sends SSE comments (`: queued`) until admitted, and a
 later error arrives as an SSE `data: {"error": ...}` event, as vLLM itself reports errors mid-stream.
 Whatever happens (finish, error, client disconnect) `close()` runs once: it closes the backend
-connection, which makes vLLM abort the request, and frees the admission slot. With several
-replicas the stream opens on the admission's replica; one that is down before any byte of the answer
+connection, which makes vLLM abort the request, and frees its slot (proxy/lifecycle.py). With several
+replicas the stream opens on its slot's replica; one that is down before any byte of the answer
 came back passes the request to another (proxy.replicas: it generated nothing of it); one that dies
 mid-stream ends it with an SSE error event.
 """
@@ -17,18 +17,14 @@ import asyncio
 import contextlib
 import json
 import logging
-import time
-from dataclasses import dataclass
 from typing import AsyncIterator, Awaitable, TypeVar
 
 from starlette.responses import StreamingResponse
 
-from moe_cohort.proxy.gate import AdmissionGate
-from moe_cohort.proxy.http.errors import BackendUnreachable, ProxyError
-from moe_cohort.proxy.learning import Learning
+from moe_cohort.proxy.http.errors import ProxyError
+from moe_cohort.proxy.lifecycle import Lifecycle
 from moe_cohort.proxy.metrics import ProxyMetrics
-from moe_cohort.proxy.cohort_key import cohort_key_header
-from moe_cohort.proxy.protocol import ProxyRequest, cohort_headers, with_profile
+from moe_cohort.proxy.protocol import cohort_headers
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -48,72 +44,39 @@ class _ClosingStreamingResponse(StreamingResponse):
             await self._on_close()
 
 
-@dataclass(frozen=True)
-class Upstream:
-    """What a relay uses: the dispatcher (`gate`, whose admissions name their replica's client), the
-    metrics, the keep-alive interval."""
-
-    gate: AdmissionGate
-    metrics: ProxyMetrics
-    keepalive_s: float
-    learning: Learning | None = None  # told when a request leaves its replica (proxy.learning)
-
-
 class StreamRelay:
-    """`started`: when the request arrived (perf_counter, proxy.http.middleware), for the Server-Timing header."""
+    """A streamed answer of one request (`life`, not yet admitted). `started`: when the request arrived
+    (perf_counter, proxy.http.middleware), for the Server-Timing header."""
 
-    def __init__(self, upstream: Upstream, preq: ProxyRequest, path: str, headers: dict[str, str],
+    def __init__(self, life: Lifecycle, route: str, metrics: ProxyMetrics, keepalive_s: float,
                  started: float | None = None) -> None:
-        self.up, self.preq, self.path, self.headers, self.started = upstream, preq, path, headers, started
-        self._backend_s = 0.0  # the backend's time to answer the stream's status line (every replica tried)
-        self._admit = asyncio.ensure_future(upstream.gate.admit(preq.text))
-        self._admission = None  # the slot held (the admission, or the one a failover gave)
-        self._opening = False  # from here on `_admission` is the slot held (None while between replicas)
-        self._stream: contextlib.AbstractAsyncContextManager | None = None
+        self.life, self.route, self.metrics, self.keepalive_s, self.started = life, route, metrics, keepalive_s, started
+        self._admit = asyncio.ensure_future(life.admit())
         self._response = None
-        self._closed = False
 
     async def start(self):
         """Return the response: relayed at once when admitted within keepalive_s, else keep-alives first."""
         try:
-            done, _ = await asyncio.wait({self._admit}, timeout=self.up.keepalive_s)
+            done, _ = await asyncio.wait({self._admit}, timeout=self.keepalive_s)
             if not done:
                 return _ClosingStreamingResponse(self._queued_then_relay(), self.close)
             await self._open()
         except BaseException:
             await self.close()
             raise
-        own = self.up.metrics.own_time(self.preq.route, self.started, self._admission, self._backend_s)
+        slot = self.life.granted
+        own = self.metrics.own_time(self.route, self.started, slot, self.life.backend_s)
         return _ClosingStreamingResponse(self._relay(), self.close,
-                                         headers=cohort_headers(self._admission, self._backend_s, own))
+                                         headers=cohort_headers(slot, self.life.backend_s, own))
 
     async def _open(self) -> None:
-        """Open the stream on the admission's replica; one that is down before the answer began (it generated
-        nothing of it) hands the request to another replica, when there is one."""
-        self._admission, self._opening = self._admit.result(), True
-        while True:
-            admission = self._admission
-            body = with_profile(self.preq.body, admission)
-            headers = {**self.headers, **cohort_key_header(admission.prediction)}
-            stream = admission.client.stream(self.path, json=body, headers=headers)
-            sent = time.perf_counter()
-            try:
-                self._response = await stream.__aenter__()  # raises on a backend error status
-                break
-            except BackendUnreachable as exc:
-                self._backend_s += time.perf_counter() - sent
-                if not await self.up.gate.failover(admission, exc):
-                    raise
-                self._admission = None
-                self.up.gate.release(admission)
-                self._admission = await self.up.gate.readmit(admission)
-        self._backend_s += time.perf_counter() - sent
-        self._stream = stream
-        self.up.metrics.requests.labels(self.preq.route, str(self._response.status)).inc()
+        self._admit.result()  # raises what the admission raised
+        self._response = await self.life.open_stream()
+        self.metrics.requests.labels(self.route, str(self._response.status)).inc()
 
     async def _relay(self) -> AsyncIterator[bytes]:
         try:  # a replica that dies mid-stream: the client gets an SSE error event, the request is not resent
-            async for chunk in self._admission.client.iter_raw(self._response):
+            async for chunk in self.life.slot.client.iter_raw(self._response):
                 yield chunk
         except ProxyError as exc:
             log.warning("backend stream broke: %s", exc.message)
@@ -122,7 +85,7 @@ class StreamRelay:
     async def _queued_then_relay(self) -> AsyncIterator[bytes]:
         while not self._admit.done():
             yield b": queued\n\n"
-            await asyncio.wait({self._admit}, timeout=self.up.keepalive_s)
+            await asyncio.wait({self._admit}, timeout=self.keepalive_s)
         try:
             await self._open()
         except ProxyError as exc:
@@ -132,22 +95,12 @@ class StreamRelay:
             yield chunk
 
     async def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
+        """Once, whatever happened: a queued request leaves the queue; an admitted one ends (proxy.lifecycle)."""
         if not self._admit.done():
             self._admit.cancel()  # the gate forgets the queued request
-            return
-        if self._stream is not None:
-            with contextlib.suppress(Exception):
-                await self._stream.__aexit__(None, None, None)
-        if not self._opening and not self._admit.cancelled() and self._admit.exception() is None:
-            self._admission = self._admit.result()  # admitted, never opened
-        if self._admission is not None:
-            if self.up.learning is not None:
-                self.up.learning.finished(self._admission.client, self.preq.body, self.preq.text)
-            self.up.gate.release(self._admission)
-            self._admission = None
+            with contextlib.suppress(BaseException):
+                await self._admit
+        await self.life.close()
 
 
 async def unless_client_leaves(work: Awaitable[T], receive) -> T | None:

@@ -19,6 +19,7 @@ from moe_cohort.eval.replay import decode_profiles, decode_tokens
 from moe_cohort.proxy.gate import AdmissionGate, Profiler
 from moe_cohort.proxy.metrics import ProxyMetrics
 from moe_cohort.proxy.replicas import ReplicaSet
+from tests.proxy.servers import idle_clients
 from tests.conftest import random_traces
 
 N, MAX_WAIT = 24, 15  # requests; the fairness bound in steps (seconds on the proxy's clock)
@@ -48,7 +49,7 @@ def _replayed(seed, slots, kind):
 async def _proxy_order(profiles, times, lengths, slots):
     """Admission order of the proxy's gate, driven step by step: the step's arrival, then its departure."""
     now = [0.0]
-    replicas = ReplicaSet([None], [slots], "affinity", max_queue_s=MAX_WAIT, clock=lambda: now[0])
+    replicas = ReplicaSet(idle_clients(1), [slots], "affinity", max_queue_s=MAX_WAIT, clock=lambda: now[0])
     gate = AdmissionGate(Profiler(lambda texts: [Prediction(profiles[int(t)]) for t in texts]), ProxyMetrics(), replicas)
     tasks, admitted, finish = {}, {}, {}  # request -> its admit() task, its Admission, its finishing step
     step = 0
@@ -65,7 +66,7 @@ async def _proxy_order(profiles, times, lengths, slots):
             finish.setdefault(i, round(a.arrived + a.queue_s) + int(lengths[i]))
         step += 1
     gate.close()
-    return [i for i, _ in sorted(admitted.items(), key=lambda kv: int(kv[1].admission_id[1:]))], finish
+    return [i for i, _ in sorted(admitted.items(), key=lambda kv: int(kv[1].id[1:]))], finish
 
 
 async def _settled(tasks, admitted, replicas):

@@ -30,7 +30,7 @@ def test_a_decode_folder_is_measured_on_its_heldout_generated_tokens_as_cohort_r
     assert result["decode_mode"] == "real" and result["num_requests"] == len(held)
     assert {"random", "arrival", "plan", "text-nearest-static", "text-profile-static", "reference"} == set(result["plans"])
     assert main(["replay", "--traces", str(save_traces(tmp_path / "held.npz", held)), "--slots", "4", "--seeds", "2",
-                 "--encoder", "none", "--json"]) == 0
+                 "--encoder", "none", "--no-kept-full", "--json"]) == 0
     replayed = json.loads(capsys.readouterr().out)["plans"]
     for name in ("random", "arrival"):  # same requests, tokens, lengths and seeds (the bench shuffles the reference's ties)
         assert result["plans"][name]["loads_per_token"] == replayed[name]["loads_per_token"]

@@ -98,7 +98,7 @@ def test_unknown_encoders_fail_at_once_saying_what_to_use(name, message, monkeyp
 
     with pytest.raises(EncoderNotFound, match=message) as info:
         check_available(resolve_model(name))
-    assert "packaged all-MiniLM-L6-v2" in str(info.value)
+    assert "all-MiniLM-L6-v2" in str(info.value) and "`static`" in str(info.value)
 
 
 def test_an_unreachable_hub_fails_fast_when_online(monkeypatch):

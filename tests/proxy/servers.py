@@ -6,8 +6,10 @@ a background thread, as `cohort serve` runs it."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
+import socket
 import threading
 import time
 
@@ -66,3 +68,60 @@ class ProxyThread:
     def __exit__(self, *exc):
         self.server.should_exit = True
         self.thread.join(10)
+
+
+def idle_clients(n: int) -> list:
+    """`n` backend clients for tests of the slots alone: they are never sent anything (port 9, discard)."""
+    from moe_cohort.proxy.backend_client import BackendClient
+
+    return [BackendClient("http://127.0.0.1:9") for _ in range(n)]
+
+
+def named(name: str, seen: list, health: dict | None = None):
+    """A replica that answers with its name and records (name, path); /health answers 503 while health["down"]."""
+    async def handler(request):
+        seen.append((name, request.path))
+        if request.path == "/health" and health is not None and health["down"]:
+            return answer({"error": "starting"}, status=503)
+        if request.path == "/v1/models":
+            return answer({"object": "list", "data": [{"id": f"m-{name}"}, {"id": "shared", "owned_by": name}]})
+        return answer({"replica": name})
+    return handler
+
+
+def refused_url() -> str:
+    """A local port nobody listens on (a replica that is down)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+@contextlib.asynccontextmanager
+async def dying_server(answer_head: bytes = b""):
+    """A server that reads one request, sends `answer_head` (b"": nothing of an answer), stops listening
+    and resets the connection: a backend killed with the request in hand (its port refuses from then on)."""
+    got: list[bytes] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        got.append(await reader.readuntil(b"\r\n\r\n"))
+        if answer_head:
+            writer.write(answer_head)
+            await writer.drain()
+        server.close()  # the port refuses new connections
+        writer.transport.abort()  # RST: the request was taken and will never be answered
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    try:
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", got
+    finally:
+        server.close()
+
+
+def alive_but_dropping(seen: list):
+    """A replica that drops every POST without answering but answers /health: it may be generating."""
+    async def handler(request):
+        if request.path == "/health":
+            return answer({})
+        seen.append(("dropping", request.path))
+        return drop(request)
+    return handler

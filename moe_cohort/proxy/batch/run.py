@@ -50,7 +50,10 @@ from moe_cohort.proxy.batch.format import BatchFile, BatchRequest
 from moe_cohort.proxy.http.errors import BackendStatusError, BackendTimeout, BackendUnreachable
 from moe_cohort.proxy.expert_loads import ExpertLoads, fetch_expert_loads
 from moe_cohort.proxy.batch.journal import Journal, JournalError, Record
-from moe_cohort.proxy.learning import Learning, relay_answer
+from moe_cohort.proxy.learning import Learning
+from moe_cohort.proxy.lifecycle import Lifecycle
+from moe_cohort.proxy.metrics import ProxyMetrics
+from moe_cohort.proxy.replicas import ReplicaSet
 from moe_cohort.proxy.profiles import Predictor
 
 log = logging.getLogger(__name__)
@@ -65,10 +68,6 @@ class RunAborted(RuntimeError):
 class Stopped(Exception):
     """Raised in a task group to end it: `stop` was set, or the deadline passed (asyncio's documented way
     to terminate a TaskGroup); what finished is kept."""
-
-
-class _Refused(Exception):
-    """A replica refused the connection and is out: the request goes to another one."""
 
 
 class _Unreachable(Exception):
@@ -116,7 +115,9 @@ class _Driver:
     def __init__(self, core: BatchCore, journal: Journal, backend: BackendClient, gate: AdmissionGate | None,
                  on_progress: ProgressFn, clock: Callable[[], float], seat: Seat | None,
                  learning: Learning | None = None) -> None:
-        self.core, self.journal, self.backend, self.gate, self.seat = core, journal, backend, gate, seat
+        self.core, self.journal, self.backend, self.seat = core, journal, backend, seat
+        # without the proxy's gate, the backend's slots are this run's alone (the core keeps within them)
+        self.gate = gate or AdmissionGate(None, ProxyMetrics(), ReplicaSet([backend], [core.config.concurrency]))
         self.learning = learning
         self.follow: Callable[[], Awaitable[None]] | None = None  # runs beside the sends (follow_heads)
         self.on_progress, self.clock = on_progress, clock
@@ -195,45 +196,21 @@ class _Driver:
             self.slot_freed.notify()
 
     async def _slotted(self, send: Send) -> Outcome:
-        """One attempt; with `gate`, on a background slot of the gate's replica (held for the attempt only),
-        and sent again on another replica when one refused the connection (it never got the request)."""
-        if self.gate is None:
-            return await self._attempt(send, self.backend)
-        while True:
-            try:
-                slot = await self.gate.admit_background()
-            except BackendUnreachable as exc:  # no healthy replica
-                return Unreachable(exc.message)
-            try:
-                return await self._attempt(send, slot.client or self.backend, slot)
-            except _Refused:
-                continue
-            finally:
-                self.gate.release(slot)
-
-    async def _attempt(self, send: Send, client: BackendClient, slot=None) -> Outcome:
-        """One POST; the backend's answer or failure as the core's Outcome (errors translated here)."""
+        """One attempt on a background slot (held for the attempt only), as the core's Outcome: the gate's
+        replica, and another one when that one is down and never got the request (proxy/lifecycle.py)."""
         headers = {**self.headers, "x-request-id": send.request_id}
-        body, text, learning = send.request.body, send.request.text, self.learning
-        if learning is not None:
-            body = {**body}
-            learning.mark(body)  # when sampled: the engine counts this request's experts
+        life = Lifecycle(self.gate, send.request.url, send.request.body, send.request.text, headers,
+                         learning=self.learning, background=True)
         try:
-            answer = await client.request("POST", send.request.url, json=body, headers=headers)
-            content = answer.content if learning is None else relay_answer(answer.content, text, body, learning)
-            return Answered(answer.status_code, _decode(content))
+            async with life:
+                answer = await life.answer()
+                return Answered(answer.status_code, _decode(life.observed(answer.content)))
         except BackendStatusError as exc:
             return Answered(exc.status_code, _decode(exc.content))
         except BackendTimeout as exc:
             return TimedOut(exc.message)
-        except BackendUnreachable as exc:
-            client = None  # refused, or down: no counts to ask it for (a resent attempt is marked afresh)
-            if slot is not None and await self.gate.failover(slot, exc):
-                raise _Refused() from exc
+        except BackendUnreachable as exc:  # no healthy replica, or down with the request in hand
             return Unreachable(exc.message)
-        finally:
-            if learning is not None and client is not None:
-                learning.finished(client, body, text)
 
     async def _write(self) -> None:
         """The one journal writer: what finished while a commit was on disk goes together in the next one."""

@@ -75,8 +75,8 @@ def test_each_replica_gets_whole_blocks_in_order_one_block_at_a_time(local_ray, 
     src = write(tmp_path / "in.jsonl", chat_lines(48))
     out = tmp_path / "out.jsonl"
     replicas = [Replica(), Replica()]
-    # --concurrency 1: blocks of 8 (BLOCK_BATCHES batches of 1), and the arrival order is the sending order
-    code = run_cli(replicas, ["--input", str(src), "--output", str(out), "--encoder", "none", "--concurrency", "1"])
+    # --max-in-flight 1: blocks of 8 (BLOCK_BATCHES batches of 1), and the arrival order is the sending order
+    code = run_cli(replicas, ["--input", str(src), "--output", str(out), "--encoder", "none", "--max-in-flight", "1"])
     assert code == 0, capsys.readouterr().err
     final = results(out)
     assert sorted(r["custom_id"] for r in final) == sorted(f"c{i}" for i in range(48)) and len(final) == 48
@@ -98,7 +98,7 @@ def test_blocks_follow_the_admission_plan_of_dry_run(local_ray, tmp_path, capsys
              ("moon", "stars", "wind", "waves", "harbour", "lighthouse", "sailors", "tide")]
     texts = [t for pair in zip(math, poems) for t in pair]  # interleaved topics
     src = write(tmp_path / "in.jsonl", chat_lines(16, lambda i: texts[i]))
-    args = ["--input", str(src), "--output", str(tmp_path / "out.jsonl"), "--concurrency", "2"]
+    args = ["--input", str(src), "--output", str(tmp_path / "out.jsonl"), "--max-in-flight", "2"]
     assert main(["batch", "run", *args, "--dry-run", "--plan", str(tmp_path / "plan.jsonl"), "--no-progress"]) == 0
     planned = [texts[int(p["custom_id"][1:])] for p in results(tmp_path / "plan.jsonl")]
     assert planned[:8] == [t for t in planned if t in math]  # admission reorders this file: one topic, then the other
@@ -117,7 +117,7 @@ def ids(prompts):
 def test_a_replica_that_dies_mid_run_then_the_rerun_finishes_every_line_once(local_ray, tmp_path, capsys):
     src = write(tmp_path / "in.jsonl", chat_lines(24))
     out = tmp_path / "out.jsonl"
-    args = ["--input", str(src), "--output", str(out), "--encoder", "none", "--concurrency", "1", "--max-retries", "0"]
+    args = ["--input", str(src), "--output", str(out), "--encoder", "none", "--max-in-flight", "1", "--max-retries", "0"]
     replica = Replica(answer_first=10)  # the 11th request it is sent breaks (block 1's 3rd, if the blocks go in order)
     assert run_cli([replica], args) == 1
     err = capsys.readouterr().err
@@ -138,7 +138,7 @@ def test_a_replica_that_dies_mid_run_then_the_rerun_finishes_every_line_once(loc
 def test_a_dead_replica_stops_the_run_and_the_blocks_out_elsewhere_are_kept(local_ray, tmp_path, capsys):
     src = write(tmp_path / "in.jsonl", chat_lines(48))
     out = tmp_path / "out.jsonl"
-    args = ["--input", str(src), "--output", str(out), "--encoder", "none", "--concurrency", "1", "--max-retries", "0"]
+    args = ["--input", str(src), "--output", str(out), "--encoder", "none", "--max-in-flight", "1", "--max-retries", "0"]
     dead, slow = Replica(answer_first=0), Replica(delay_s=0.1)  # a block at `dead` stops at once, `slow`'s take 0.8 s
     assert run_cli([dead, slow], args) == 1
     assert "cannot reach the backend" in capsys.readouterr().err
@@ -203,7 +203,7 @@ def test_ray_and_local_runner_give_the_same_results_on_vllm(local_ray, vllm_serv
     for engine in ("local", "ray"):
         out = tmp_path / f"{engine}.jsonl"
         code = main(["batch", "run", "--engine", engine, "--input", str(src), "--output", str(out),
-                     "--backend", vllm_server.url, "--concurrency", "4", "--no-progress"])
+                     "--backend", vllm_server.url, "--max-in-flight", "4", "--no-progress"])
         assert code == 0, capsys.readouterr().err
         runs[engine] = {r["custom_id"]: r for r in results(out)}
         assert len(results(out)) == n and results(tmp_path / f"{engine}.errors.jsonl") == []

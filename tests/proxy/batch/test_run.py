@@ -173,12 +173,12 @@ def test_gate_gives_batch_work_only_the_slots_online_traffic_leaves(tmp_path):
         return answer(OK)
 
     async def main():
-        gate = AdmissionGate(None, ProxyMetrics(), ReplicaSet([None], [3]))
-        await gate.admit("online 1")  # two interactive requests hold two of the three slots
-        await gate.admit("online 2")
         paths = JournalPaths.for_output(tmp_path / "out.jsonl")
         async with local_backend(backend) as url:
             client = BackendClient(url)
+            gate = AdmissionGate(None, ProxyMetrics(), ReplicaSet([client], [3]))
+            await gate.admit("online 1")  # two interactive requests hold two of the three slots
+            await gate.admit("online 2")
             journal = Journal.open(paths, parsed.journal_meta)
             try:
                 stats = await run_batch(parsed, journal, client, None, CONFIG, gate=gate)

@@ -1,0 +1,165 @@
+"""moe_cohort.proxy.lifecycle.Lifecycle against throwaway local servers: every send path (a whole answer, a
+stream, a batch line) fails over only when its replica is down and generated nothing, ends once, and frees its
+slot; a live replica that dropped the request, or an answer under way, is never resent."""
+
+import asyncio
+import json
+
+import pytest
+
+from moe_cohort.proxy.backend_client import BackendClient
+from moe_cohort.proxy.batch.core import RunConfig
+from moe_cohort.proxy.batch.format import read_batch_file
+from moe_cohort.proxy.batch.journal import Journal, JournalPaths
+from moe_cohort.proxy.batch.run import run_batch
+from moe_cohort.proxy.gate import AdmissionGate
+from moe_cohort.proxy.http.errors import BackendUnreachable
+from moe_cohort.proxy.lifecycle import Lifecycle
+from moe_cohort.proxy.metrics import ProxyMetrics
+from moe_cohort.proxy.replicas import ReplicaSet
+from tests.proxy.servers import alive_but_dropping, dying_server, local_backend, named, refused_url
+
+PATH = "/v1/completions"
+
+
+def gate_of(*urls: str, health_timeout_s: float = 5.0) -> AdmissionGate:
+    replicas = ReplicaSet([BackendClient(u) for u in urls], [1] * len(urls), "least-loaded",
+                          health_timeout_s=health_timeout_s)
+    return AdmissionGate(None, ProxyMetrics(), replicas)
+
+
+def freed(gate: AdmissionGate) -> bool:
+    return gate.replicas.router.busy.tolist() == [0] * gate.replicas.size
+
+
+async def whole(gate: AdmissionGate) -> tuple[int, bytes]:
+    async with Lifecycle(gate, PATH, {"prompt": "x"}, "x", {}) as life:
+        answer = await life.answer()
+        return life.granted.replica, answer.content
+
+
+async def streamed(gate: AdmissionGate) -> tuple[int, bytes]:
+    life = Lifecycle(gate, PATH, {"prompt": "x", "stream": True}, "x", {})
+    try:
+        await life.admit()
+        response = await life.open_stream()
+        return life.granted.replica, b"".join([c async for c in life.slot.client.iter_raw(response)])
+    finally:
+        await life.close()
+
+
+async def batch_line(gate: AdmissionGate, tmp_path) -> dict:
+    source = tmp_path / "in.jsonl"
+    source.write_text(json.dumps({"custom_id": "c0", "method": "POST", "url": PATH, "body": {"prompt": "x"}}) + "\n")
+    parsed = read_batch_file(source, default_policy="topk", max_line_bytes=10_000)
+    paths = JournalPaths.for_output(tmp_path / "out.jsonl")
+    journal = Journal.open(paths, parsed.journal_meta)
+    try:
+        stats = await run_batch(parsed, journal, gate.replicas.clients[0], None,
+                                RunConfig(concurrency=1, max_retries=0, metrics_interval_s=0), gate=gate)
+    finally:
+        journal.close()
+    assert stats.succeeded == 1
+    return json.loads(paths.output.read_text())
+
+
+@pytest.mark.parametrize("path", ["whole", "stream", "batch"])
+def test_each_send_path_leaves_a_replica_killed_with_the_request_in_hand_for_another_once(path, tmp_path):
+    seen: list = []
+
+    async def main():
+        async with dying_server() as (dead, got), local_backend(named("b", seen)) as live:
+            gate = gate_of(dead, live, health_timeout_s=60.0)  # only the failure takes it out
+            try:
+                if path == "batch":
+                    line = await batch_line(gate, tmp_path)
+                    assert line["response"]["body"] == {"replica": "b"}
+                else:
+                    replica, content = await (whole(gate) if path == "whole" else streamed(gate))
+                    assert (replica, content) == (1, b'{"replica": "b"}')
+                assert len(got) == 1 and got[0].startswith(b"POST " + PATH.encode())  # the dead one had it
+                assert gate.replicas.router.healthy.tolist() == [False, True]  # out at once
+                assert freed(gate)
+            finally:
+                await gate.replicas.close()
+
+    asyncio.run(main())
+    assert seen == [("b", PATH)]  # answered once
+
+
+def test_a_refused_replica_is_taken_out_and_the_request_goes_to_another():
+    seen: list = []
+
+    async def main():
+        async with local_backend(named("b", seen)) as live:
+            gate = gate_of(refused_url(), live)
+            try:
+                assert await whole(gate) == (1, b'{"replica": "b"}')
+                assert gate.replicas.router.healthy.tolist() == [False, True]
+                assert (await whole(gate))[0] == 1 and freed(gate)
+            finally:
+                await gate.replicas.close()
+
+    asyncio.run(main())
+    assert seen == [("b", PATH)] * 2
+
+
+def test_a_request_a_live_replica_dropped_is_never_resent():
+    seen: list = []
+
+    async def main():
+        async with local_backend(alive_but_dropping(seen)) as dropping, local_backend(named("b", seen)) as live:
+            gate = gate_of(dropping, live)
+            try:
+                with pytest.raises(BackendUnreachable):
+                    await whole(gate)
+                assert gate.replicas.router.healthy.tolist() == [True, True] and freed(gate)
+            finally:
+                await gate.replicas.close()
+
+    asyncio.run(main())
+    # the replica that took the request still answers its health check, so it may be generating: the client
+    # gets the error, b nothing
+    assert seen == [("dropping", PATH)]
+
+
+def test_an_answer_that_had_begun_is_never_resent_even_when_its_replica_is_dead():
+    seen: list = []
+
+    async def main():
+        head = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{\"partial"
+        async with dying_server(head) as (dead, got), local_backend(named("b", seen)) as live:
+            gate = gate_of(dead, live)
+            try:
+                with pytest.raises(BackendUnreachable) as caught:
+                    await whole(gate)
+                assert caught.value.answer_started and len(got) == 1 and freed(gate)
+            finally:
+                await gate.replicas.close()
+
+    asyncio.run(main())
+    assert seen == []
+
+
+def test_a_request_cancelled_while_queued_or_at_the_backend_frees_its_slot_once():
+    async def hang(request):
+        await asyncio.sleep(60)
+
+    async def main():
+        async with local_backend(hang) as slow:
+            gate = gate_of(slow)
+            try:
+                at_backend = asyncio.ensure_future(whole(gate))
+                while gate.replicas.in_flight() == 0:
+                    await asyncio.sleep(0.01)
+                queued = asyncio.ensure_future(whole(gate))  # the one slot is taken: it waits
+                await asyncio.sleep(0.05)
+                for task in (queued, at_backend):
+                    task.cancel()
+                await asyncio.gather(queued, at_backend, return_exceptions=True)
+                assert freed(gate) and gate.replicas.router.waiting() == 0
+                assert gate.metrics.registry.get_sample_value("cohort_waiting") == 0
+            finally:
+                await gate.replicas.close()
+
+    asyncio.run(main())
