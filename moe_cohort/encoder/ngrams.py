@@ -8,6 +8,11 @@ it with the embedding alone).
 Words are lower-cased runs of letters and digits, and single punctuation marks; a feature is the
 crc32 of an n-gram modulo `dim` (no vocabulary to store, stable across processes and versions);
 counts are log1p-damped and every row is made unit (an empty text is all zero).
+
+The hash is part of what a saved head means: its weights and neighbour memory are indexed by these
+features, so another hash (scikit-learn's HashingVectorizer uses murmurhash3) would make every saved
+head and learner reservoir read the wrong columns. The admission path hashes one prompt per call,
+where this loop has no per-call setup (tests/encoder/test_ngrams.py pins the hashing).
 """
 
 from __future__ import annotations

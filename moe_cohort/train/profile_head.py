@@ -3,18 +3,21 @@
 Targets are the requests' expert profiles (train.targets.profiles: per layer, the fraction of
 the request's decode tokens, or prompt tokens after BOS for prompt-only traces, that pick each
 expert). Features are the encoder's unit embeddings and, when the texts are given, their hashed
-word n-grams beside them (encoder.ngrams; encoder.profile.head_features): on the training side of
-both models in ../shared/data, 4-fold replays at S = 16 and 32 kept 68% of the reference with them
-against 54% without (gpt-oss-20b, static encoder) and 68% against 59% (DeepSeek-V2-Lite;
-docs/results.md, issue 25). Ridge with an unpenalised intercept,
-closed form through the spectrum of the centred features (`_spectrum`; with one penalty, a Cholesky
-solve); the penalty is chosen from `alphas` by
-exact leave-one-out error (for ridge, the LOO residual is the residual over 1 - h_ii, with h
-the hat matrix), so no request is ever scored by a fit that saw it. Only the training side of
+word n-grams beside them (encoder.ngrams; encoder.profile.head_features): the words say how a
+prompt will be answered where its embedding says what it is about (docs/results.md compares the
+two). Ridge with an unpenalised intercept, closed form through the spectrum of the centred features
+(`_spectrum`; with one penalty, a Cholesky solve); the penalty is chosen from `alphas` by exact
+leave-one-out error (for ridge, the LOO residual is the residual over 1 - h_ii, with h the hat
+matrix), so no request is ever scored by a fit that saw it. Only the training side of
 the project's split (traces.split) is ever passed in. The fitted requests are also kept as the
 head's neighbour memory (unit embeddings and float16 profiles): a ridge fit regresses every
 profile toward the mean, the neighbours' real profiles keep how concentrated a request's
 experts are, and the blend of both admits better than either (bench_continuous).
+
+The same fit as scikit-learn's RidgeCV(alphas) (efficient leave-one-out, one penalty for all targets) and
+Ridge(alpha, solver="cholesky") (tests/train/test_profile_head.py checks it against them), kept by hand
+because the online learner refits it while the proxy serves: the n-gram columns, mostly zero, enter
+the Gram matrix as a sparse product, where scikit-learn centres and multiplies them dense.
 """
 
 from __future__ import annotations
@@ -90,9 +93,9 @@ def _ridge_coefficients(cols: _Columns, yc: np.ndarray, alphas: Sequence[float])
 
 def _spectrum(cols: _Columns) -> tuple[np.ndarray, np.ndarray]:
     """The left singular vectors u [N, r] and squared singular values s2 [r] of the centred features. With
-    fewer requests than features (the online learner's reservoir: 1,000 x 4,352), from the eigenvectors of
-    the centred Gram matrix [N, N] (4x cheaper than the SVD there; its null direction, the centring's, has
-    s2 = 0 and so no weight); else the thin SVD."""
+    fewer requests than features (the online learner's reservoir), from the eigenvectors of the centred
+    Gram matrix [N, N] (cheaper than the SVD there; its null direction, the centring's, has s2 = 0 and so
+    no weight); else the thin SVD."""
     if cols.rows <= cols.features:
         s2, u = np.linalg.eigh(cols.centred_gram())
         return u, np.maximum(s2, 0.0)
@@ -103,9 +106,9 @@ def _spectrum(cols: _Columns) -> tuple[np.ndarray, np.ndarray]:
 @dataclass(frozen=True)
 class _Columns:
     """Features x [N, F] and their mean, split once for the products a fit needs: the mostly-zero columns
-    (a prompt sets a few hundred of the 4,096 hashed n-grams) as a scipy.sparse matrix, the rest dense.
-    The centred products are taken without forming x - mean, or x in float64 (35 MB at the reservoir's
-    1,000 x 4,352): only the dense columns and the sparse part's nonzeros are converted."""
+    (a prompt sets few of the hashed n-grams) as a scipy.sparse matrix, the rest dense. The centred
+    products are taken without forming x - mean, or x in float64: only the dense columns and the sparse
+    part's nonzeros are converted."""
 
     dense: np.ndarray  # [N, F_dense] float64
     sparse_part: scipy.sparse.csr_matrix  # [N, F_sparse] float64

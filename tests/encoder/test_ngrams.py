@@ -35,3 +35,11 @@ def test_matches_the_direct_count_on_random_texts():
     want = np.log1p(want)
     want /= np.maximum(np.linalg.norm(want, axis=1, keepdims=True), 1e-12)
     np.testing.assert_allclose(hashed_ngrams(texts, dim=128), want, rtol=1e-6, atol=1e-7)
+
+
+def test_the_columns_of_a_prompt_are_those_saved_heads_were_fitted_on():
+    """Saved heads and learner reservoirs are indexed by these columns: the hash must not change under them."""
+    row = hashed_ngrams(["Answer with one letter: A, B or C."], dim=4096)[0]
+    assert np.flatnonzero(row).tolist() == [55, 68, 268, 526, 576, 578, 878, 1286, 1367, 1415, 1560, 1599, 1744,
+                                            1777, 2597, 3128, 3408, 3594, 3651, 3951, 4089]
+    np.testing.assert_allclose(row[row > 0], 1 / np.sqrt(21), rtol=1e-6)  # 21 distinct n-grams, each once

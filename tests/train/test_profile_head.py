@@ -1,4 +1,4 @@
-"""The profile head's ridge fit against a direct solve, its leave-one-out choice against refits."""
+"""The profile head's ridge fit against a direct solve and scikit-learn's, its leave-one-out choice against refits."""
 
 import numpy as np
 import pytest
@@ -72,6 +72,36 @@ def test_leave_one_out_error_equals_refitting_without_each_request(n, d):
             w, b = _ridge(x[keep], y[keep], alpha)
             errors.append(((y[i] - (x[i] @ w + b)) ** 2).mean())
         np.testing.assert_allclose(_loo_error(u, s2, u.T @ yc, yc, alpha), np.mean(errors), rtol=1e-8)
+
+
+@pytest.mark.parametrize("n, d", [(40, 6), (14, 45)])  # the SVD; the Gram matrix's eigenvectors (sparse columns)
+def test_fit_and_its_leave_one_out_errors_equal_scikit_learns_ridge_cv_and_the_closed_form(n, d):
+    """RidgeCV(alphas): sklearn's efficient leave-one-out, one penalty for all targets. Its error for each
+    penalty, its choice and its coefficients are the hand-written fit's, and both are the direct solve's."""
+    from sklearn.linear_model import Ridge, RidgeCV
+
+    rng = np.random.default_rng(4)
+    x = _with_sparse_columns(rng.normal(size=(n, d)), rng)
+    y = x[:, :3] @ rng.normal(size=(3, 6)) + rng.normal(size=(n, 6))  # [n, 6] a signal in a few columns, and noise
+    prof = y.reshape(n, 2, 3)
+    alphas = (0.01, 0.3, 3.0, 30.0, 300.0)
+    u, s2 = _spectrum(_Columns.of(x))
+    yc = y - y.mean(0)
+    for a in alphas:
+        np.testing.assert_allclose(_loo_error(u, s2, u.T @ yc, yc, a), -RidgeCV(alphas=[a]).fit(x, y).best_score_,
+                                   rtol=1e-8)
+    ref = RidgeCV(alphas=alphas).fit(x, y)
+    assert alphas[0] < ref.alpha_ < alphas[-1]  # an inner choice: the search decides it
+    head = fit_profile_head(x, prof, top_k=1, alphas=alphas, mix=0.0)
+    assert head.alpha == ref.alpha_
+    w, b = _ridge(x, y, ref.alpha_)
+    for weight, bias in ((head.weight, head.bias), (ref.coef_.T, ref.intercept_)):
+        np.testing.assert_allclose(weight, w, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(bias, b, rtol=1e-4, atol=1e-5)
+    one = fit_profile_head(x, prof, top_k=1, alphas=(0.3,), mix=0.0)  # one penalty: the Cholesky solve
+    chol = Ridge(alpha=0.3, solver="cholesky").fit(x, y)
+    np.testing.assert_allclose(one.weight, chol.coef_.T, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(one.bias, chol.intercept_, rtol=1e-4, atol=1e-5)
 
 
 def test_train_profile_head_fits_the_training_side_only_and_saves_beside_the_encoder(tmp_path):
