@@ -42,11 +42,11 @@ from moe_cohort.proxy.metrics import ProxyMetrics
 from moe_cohort.proxy.http.middleware import RequestContext, access_log
 from moe_cohort.proxy.profiles import Predictor, make_predictor
 from moe_cohort.proxy.lifecycle import Lifecycle
-from moe_cohort.proxy.protocol import ProxyRequest, Route, check_size, cohort_headers, parse_request, read_body
+from moe_cohort.proxy.protocol import Route, check_size, read_body, read_request
 from moe_cohort.proxy.relay import add_relay_routes
 from moe_cohort.proxy.replicas import ReplicaSet
 from moe_cohort.proxy.settings import Settings, load_settings
-from moe_cohort.proxy.streaming import StreamRelay, unless_client_leaves
+from moe_cohort.proxy.streaming import StreamRelay
 from moe_cohort.train.online import OnlineLearner
 
 log = logging.getLogger(__name__)
@@ -55,7 +55,6 @@ PATHS: dict[Route, str] = {"chat": "/v1/chat/completions", "completion": "/v1/co
                            "responses": "/v1/responses"}
 HEALTH_EVERY_S = 2.0  # how often several replicas are probed (GET /health each)
 HEALTH_TIMEOUT_S = 1.0  # a replica that never answered the handshake is asked again once its /health answers
-CLIENT_CLOSED = 499  # the client left before its answer (nginx's code); in the metrics and the access log
 
 
 class Proxy:
@@ -153,33 +152,20 @@ class Proxy:
         return await read_body(request.stream(), self.settings.max_body_bytes)
 
     async def completion(self, request: Request, route: Route) -> Response:
-        preq = parse_request(await self.body(request), route, request.headers,
-                             default_policy=self.settings.default_policy, max_bytes=self.settings.max_body_bytes,
-                             rules=HintRules.of(self.settings))
+        """A generating route (chat, completion, responses): read and check the request, then its Lifecycle
+        admits it, sends it and answers, whole or streamed."""
+        self.authorize(request.headers)
+        preq = await read_request(request.stream(), request.headers, route, default_policy=self.settings.default_policy,
+                                  max_bytes=self.settings.max_body_bytes, rules=HintRules.of(self.settings))
         if self.settings.log_prompts:
             log.info("%s request, policy %s: %r", route, preq.policy, preq.text)
-        return await self.generate(request, preq)
-
-    async def generate(self, request: Request, preq: ProxyRequest) -> Response:
-        """Admit `preq`, send it to the backend, relay the answer (streamed or whole): one Lifecycle."""
-        life = Lifecycle(self.gate, PATHS[preq.route], preq.body, preq.text,
-                         backend_headers(self.settings, request.headers), learning=self.learning)
-        started = request.scope.get("state", {}).get("started")  # proxy.http.middleware
+        headers = backend_headers(self.settings, request.headers)
+        life = Lifecycle(self.gate, PATHS[route], preq.body, preq.text, headers, learning=self.learning, route=route,
+                         metrics=self.metrics,
+                         started=request.scope.get("state", {}).get("started"))  # proxy.http.middleware
         if preq.stream:
-            return await StreamRelay(life, preq.route, self.metrics, self.settings.keepalive_s, started).start()
-        answer = await unless_client_leaves(self._whole(life, preq.route), request.receive)
-        if answer is None:  # the client left: the backend request was cancelled, which made vLLM abort it
-            self.metrics.requests.labels(preq.route, str(CLIENT_CLOSED)).inc()
-            return Response(status_code=CLIENT_CLOSED)
-        self.metrics.requests.labels(preq.route, str(answer.status_code)).inc()
-        own = self.metrics.own_time(preq.route, started, life.granted, life.backend_s)
-        return Response(life.observed(answer.content), status_code=answer.status_code,
-                        headers=cohort_headers(life.granted, life.backend_s, own), media_type=answer.content_type)
-
-    async def _whole(self, life: Lifecycle, route: Route):
-        async with life:
-            with self.metrics.backend_seconds.labels(route).time():
-                return await life.answer()
+            return await StreamRelay(life, self.settings.keepalive_s).start()
+        return await life.reply(request.receive)
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:

@@ -29,9 +29,8 @@ from moe_cohort.encoder.profile import ProfileHead
 from moe_cohort.proxy.backend_client import BackendClient
 from moe_cohort.proxy.behind_serving import lowest_priority, one_blas_thread
 from moe_cohort.proxy.metrics import ProxyMetrics
-from moe_cohort.proxy.observed_counts import (PROMPT_START, ROUTED_EXPERTS, ObservedCounts, marked, one_routed_choice,
-                                              routed_answer, routed_counts, without_routed)
-from moe_cohort.traces.observed import BadObservation, Observed
+from moe_cohort.proxy.observed_counts import ObservedCounts
+from moe_cohort.traces.observed import Observed
 from moe_cohort.train.online import LearnConfig, OnlineLearner
 
 log = logging.getLogger(__name__)
@@ -112,15 +111,14 @@ class Learning:
         passed (the end of a batch run, a shutdown)."""
         await self.counts.flush(timeout_s)
 
-    def observe_routed(self, text: str, body: dict, answer: dict, kept: bool) -> None:
-        """Learn from vLLM's routed experts of the answer's one choice (the request sent `body`; `kept`: `sample`'s)."""
-        try:
-            observed = routed_counts(answer, body, self.learner.shape[1] if self.learner.shape else None)
-        except BadObservation as exc:
-            self.metrics.learned_dropped.labels("invalid").inc()
-            log.warning("cannot learn from an answer's routed experts: %s", exc)
-            return
-        self.add(text, observed, ROUTED_EXPERTS, kept)
+    def dropped(self, reason: str, n: int = 1) -> None:
+        """`n` observations not learned from, for `reason` (the metric's label)."""
+        self.metrics.learned_dropped.labels(reason).inc(n)
+
+    @property
+    def num_experts(self) -> int | None:
+        """Experts per layer of what was learned so far (None before the first observation)."""
+        return self.learner.shape[1] if self.learner.shape else None
 
     def add(self, text: str, observed: Observed, source: str, kept: bool) -> None:
         """Queue one observation of a request whose prompt is `text` (the worker learns from it)."""
@@ -205,15 +203,3 @@ def load_learner(settings) -> OnlineLearner:
 def learned_folder(settings) -> Path:
     """Where the proxy keeps what it learned: `--data-dir`/learned."""
     return settings.data_path / "learned"
-
-
-def relay_answer(content: bytes, text: str, body: dict, learning: Learning | None) -> bytes:
-    """A non-streamed answer's content as the client gets it: vLLM's routed experts learned from (with
-    `learning`, when sampled) and stripped unless the client asked for them (`body`: the request it sent)."""
-    answer = routed_answer(content)
-    if answer is None:
-        return content
-    if (learning is not None and not marked(body) and one_routed_choice(answer)  # marked: the plugin's counts come
-            and (kept := learning.sample()) is not None):
-        learning.observe_routed(text, body, answer, kept)
-    return content if body.get(PROMPT_START) is not None else without_routed(answer)

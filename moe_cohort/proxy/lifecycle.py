@@ -18,19 +18,25 @@ The chat, completions and responses routes (whole or streamed) and each line of 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from typing import Any, Awaitable, Callable, TypeVar
+
+from starlette.responses import Response
 
 from moe_cohort.admission.wire import PROFILE_KEY
 from moe_cohort.proxy.backend_client import BackendAnswer, BackendClient
 from moe_cohort.proxy.cohort_key import cohort_key_header
 from moe_cohort.proxy.gate import AdmissionGate
 from moe_cohort.proxy.http.errors import BackendUnreachable
-from moe_cohort.proxy.learning import Learning, relay_answer
+from moe_cohort.proxy.learning import Learning
+from moe_cohort.proxy.metrics import ProxyMetrics
+from moe_cohort.proxy.observed_counts import relay_answer
 from moe_cohort.proxy.replicas import Slot
 
 T = TypeVar("T")
+CLIENT_CLOSED = 499  # the client left before its answer (nginx's code); in the metrics and the access log
 
 
 class Lifecycle:
@@ -41,9 +47,12 @@ class Lifecycle:
     outlives the handler."""
 
     def __init__(self, gate: AdmissionGate, path: str, body: dict, text: str, headers: dict[str, str], *,
-                 learning: Learning | None = None, background: bool = False) -> None:
+                 learning: Learning | None = None, background: bool = False, route: str = "batch",
+                 metrics: ProxyMetrics | None = None, started: float | None = None) -> None:
         self.gate, self.path, self.text, self.headers = gate, path, text, headers
         self.learning, self.background = learning, background
+        self.route, self.metrics = route, metrics or gate.metrics  # the metrics' label and registry
+        self.started = started  # when the request arrived (perf_counter): the proxy's own time is counted from it
         self.body = dict(body)
         if learning is not None:
             learning.mark(self.body)  # when sampled, the engine counts this request's experts
@@ -65,6 +74,36 @@ class Lifecycle:
         self.slot = self.granted = await (self.gate.admit_background() if self.background
                                           else self.gate.admit(self.text))
         return self.slot
+
+    async def reply(self, receive) -> Response:
+        """The client's answer to a whole (not streamed) request: admitted, sent, answered; while the client
+        (ASGI `receive`) stays: when it leaves, the request is cancelled (vLLM aborts it) and 499 recorded."""
+        answer = await unless_client_leaves(self._whole(), receive)
+        if answer is None:
+            self.metrics.requests.labels(self.route, str(CLIENT_CLOSED)).inc()
+            return Response(status_code=CLIENT_CLOSED)
+        self.metrics.requests.labels(self.route, str(answer.status_code)).inc()
+        headers = self.response_headers()
+        return Response(self.observed(answer.content), status_code=answer.status_code, headers=headers,
+                        media_type=answer.content_type)
+
+    async def _whole(self) -> BackendAnswer:
+        async with self:
+            with self.metrics.backend_seconds.labels(self.route).time():
+                return await self.answer()
+
+    def response_headers(self) -> dict[str, str]:
+        """X-Cohort-Admission (the slot's number in admission order), X-Cohort-Queue-Ms, and a Server-Timing
+        header (W3C) when the arrival is known: the proxy's own time, the wait for a slot, the backend's.
+        The proxy's own time (arrival to now, less the wait and the backend) is observed in the metrics."""
+        slot = self.granted
+        headers = {"x-cohort-admission": slot.id, "x-cohort-queue-ms": f"{slot.queue_s * 1000:.1f}"}
+        if self.started is not None:
+            own = max(0.0, time.perf_counter() - self.started - slot.wait_s - self.backend_s)
+            headers["server-timing"] = (f"proxy;dur={own * 1000:.3f}, queue;dur={slot.wait_s * 1000:.3f}, "
+                                        f"backend;dur={self.backend_s * 1000:.3f}")
+            self.metrics.own_seconds.labels(self.route).observe(own)
+        return headers
 
     async def answer(self) -> BackendAnswer:
         """The backend's whole answer; BackendStatusError for 4xx/5xx."""
@@ -128,3 +167,27 @@ class Lifecycle:
 
     def _headers(self, slot: Slot) -> dict[str, str]:
         return {**self.headers, **cohort_key_header(slot.prediction)}
+
+
+async def unless_client_leaves(work: Awaitable[T], receive) -> T | None:
+    """Await `work` while watching the client's connection (ASGI `receive`, the request body already read):
+    if the client leaves first, `work` is cancelled, which closes its backend connection (vLLM aborts the
+    request; the work's own cleanup frees its slot), and the result is None."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_disconnected(receive))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:  # also when this handler is cancelled itself
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+    if task.cancelled() or not task.done():
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task  # let its cleanup run before the answer goes
+        return None
+    return task.result()
+
+
+async def _disconnected(receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from moe_cohort.proxy.protocol import own_seconds
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 OWN_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1)
@@ -44,13 +43,6 @@ class ProxyMetrics:
                                       "its prediction covers, over the latest observed requests (none seen by a head "
                                       "when predicted): the head's, and the mean profile's (what learning nothing "
                                       "scores)", ["predictor"], registry=r)
-
-    def own_time(self, route: str, started: float | None, slot, backend_s: float) -> float | None:
-        """The proxy's own seconds for a request so far (proxy.protocol.own_seconds), observed under `route`."""
-        own = own_seconds(started, slot, backend_s)
-        if own is not None:
-            self.own_seconds.labels(route).observe(own)
-        return own
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

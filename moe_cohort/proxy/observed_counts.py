@@ -21,7 +21,7 @@ import json
 import logging
 import secrets
 import time
-from typing import Callable
+from typing import Callable, Protocol
 
 from moe_cohort.admission.wire import OBSERVE_KEY
 from moe_cohort.proxy.backend_client import BackendClient
@@ -202,8 +202,39 @@ def routed_counts(answer: dict, body: dict, num_experts: int | None) -> Observed
 
 
 def without_routed(answer: dict) -> bytes:
-    """The answer's content with every choice's routed experts taken out."""
-    for choice in answer.get("choices") or []:
-        if isinstance(choice, dict):
-            choice.pop(ROUTED_EXPERTS, None)
-    return json.dumps(answer, separators=(",", ":")).encode()
+    """The answer's content with every choice's routed experts taken out (`answer` is left as it is)."""
+    choices = [{k: v for k, v in c.items() if k != ROUTED_EXPERTS} if isinstance(c, dict) else c
+               for c in answer.get("choices") or []]
+    return json.dumps({**answer, "choices": choices}, separators=(",", ":")).encode()
+
+
+class Learns(Protocol):
+    """What `relay_answer` hands vLLM's routed experts to (proxy.learning.Learning)."""
+
+    num_experts: int | None
+
+    def sample(self) -> bool | None: ...
+
+    def add(self, text: str, observed: Observed, source: str, kept: bool) -> None: ...
+
+    def dropped(self, reason: str) -> None: ...
+
+
+def relay_answer(content: bytes, text: str, body: dict, learning: Learns | None) -> bytes:
+    """A non-streamed answer's content as the client gets it: vLLM's routed experts stripped unless the client
+    asked for them (`body`: the request sent), and learned from by `learning` when it samples this request and
+    the plugin's counts do not come for it (`marked`)."""
+    answer = routed_answer(content)
+    if answer is None:
+        return content
+    relayed = content if body.get(PROMPT_START) is not None else without_routed(answer)
+    if learning is None or marked(body) or not one_routed_choice(answer) or (kept := learning.sample()) is None:
+        return relayed
+    try:
+        observed = routed_counts(answer, body, learning.num_experts)
+    except BadObservation as exc:
+        log.warning("cannot learn from an answer's routed experts: %s", exc)
+        learning.dropped("invalid")
+        return relayed
+    learning.add(text, observed, ROUTED_EXPERTS, kept)
+    return relayed

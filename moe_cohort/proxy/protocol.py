@@ -11,7 +11,6 @@ to vLLM as `vllm_xargs.moe_routing` in its canonical form. The keys the proxy ow
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Literal, Mapping
 
@@ -41,26 +40,6 @@ class ProxyRequest:
             return ""
 
 
-def cohort_headers(slot, backend_s: float | None = None, own_s: float | None = None) -> dict[str, str]:
-    """The X-Cohort-* response headers of a request's `slot` (proxy.replicas.Slot): its admission's sequence
-    number, how long the request queued; with `own_s`, a Server-Timing header (W3C): the proxy's own time,
-    the wait for a slot, the backend's."""
-    headers = {"x-cohort-admission": slot.id, "x-cohort-queue-ms": f"{slot.queue_s * 1000:.1f}"}
-    if own_s is not None:
-        headers["server-timing"] = (f"proxy;dur={own_s * 1000:.3f}, queue;dur={slot.wait_s * 1000:.3f}, "
-                                    f"backend;dur={(backend_s or 0.0) * 1000:.3f}")
-    return headers
-
-
-def own_seconds(started: float | None, slot, backend_s: float) -> float | None:
-    """The proxy's own time for a request so far: from its arrival (`started`, perf_counter, set by
-    proxy.http.middleware) to now, less its wait for a backend slot and the backend's time; None without
-    `started`. It includes the body read, parsing, the encoder and the event loop's queue."""
-    if started is None:
-        return None
-    return max(0.0, time.perf_counter() - started - slot.wait_s - backend_s)
-
-
 def check_size(content_length: str | None, max_bytes: int) -> None:
     """Reject a declared body size over the limit before reading it."""
     if content_length is not None and content_length.isdigit() and int(content_length) > max_bytes:
@@ -85,12 +64,22 @@ async def read_body(chunks: AsyncIterator[bytes], max_bytes: int) -> bytes:
     return b"".join([chunk async for chunk in limited(chunks, max_bytes)])
 
 
+async def read_request(chunks: AsyncIterator[bytes], headers: Mapping[str, str], route: Route, *, default_policy: str,
+                       max_bytes: int, rules: HintRules = HintRules()) -> ProxyRequest:
+    """The request of a generating route (chat, completion, responses): its body read no further than
+    `max_bytes` (a 413 past it), validated, its routing policy attached."""
+    check_size(headers.get("content-length"), max_bytes)
+    raw = await read_body(chunks, max_bytes)
+    return parse_request(raw, route, headers, default_policy=default_policy, max_bytes=max_bytes, rules=rules)
+
+
 def parse_request(raw: bytes, route: Route, headers: Mapping[str, str], *, default_policy: str,
                   max_bytes: int, rules: HintRules = HintRules()) -> ProxyRequest:
-    """Validate `raw` as a chat/completion request body and attach the routing policy."""
+    """Validate `raw` as a chat/completion/responses request body and attach the routing policy."""
     if len(raw) > max_bytes:
         raise PayloadTooLarge(_too_large(len(raw), max_bytes))
-    return prepare_body(json_object(raw), route, headers, default_policy=default_policy, rules=rules)
+    body = json_object(raw)
+    return prepare_body(body, route, headers, default_policy=default_policy, rules=rules)
 
 
 def prepare_body(body: dict, route: Route, headers: Mapping[str, str], *, default_policy: str,
@@ -127,7 +116,9 @@ def json_object(raw: bytes) -> dict:
 
 
 def _check_fields(body: dict, route: Route) -> None:
-    if route == "chat":
+    if route == "responses":
+        pass  # `input` is vLLM's to check; the encoder reads what text it finds
+    elif route == "chat":
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
             raise InvalidRequest("'messages' must be a non-empty list of message objects, e.g. "

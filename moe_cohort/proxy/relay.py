@@ -20,9 +20,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from moe_cohort.proxy.auth import backend_headers
-from moe_cohort.proxy.http.errors import InvalidRequest, NotFound
-from moe_cohort.proxy.hints import HintRules
-from moe_cohort.proxy.protocol import ProxyRequest, engine_hints, json_object
+from moe_cohort.proxy.http.errors import NotFound
+from moe_cohort.proxy.protocol import json_object
 
 POST_ROUTES = ("/v1/embeddings", "/tokenize", "/detokenize")
 
@@ -71,10 +70,4 @@ def add_relay_routes(app: FastAPI, proxy) -> None:
 
     @app.post("/v1/responses")
     async def responses(request: Request) -> Response:
-        body = json_object(await proxy.body(request))
-        if "stream" in body and not isinstance(body["stream"], bool):
-            raise InvalidRequest(f"'stream' must be true or false, got {body['stream']!r}", param="stream")
-        policy = engine_hints(body, request.headers, default_policy=proxy.settings.default_policy,
-                              rules=HintRules.of(proxy.settings))  # as chat's: a policy, none of the proxy's keys
-        preq = ProxyRequest(route="responses", body=body, stream=bool(body.get("stream")), policy=policy)
-        return await proxy.generate(request, preq)
+        return await proxy.completion(request, "responses")

@@ -17,17 +17,14 @@ import asyncio
 import contextlib
 import json
 import logging
-from typing import AsyncIterator, Awaitable, TypeVar
+from typing import AsyncIterator
 
 from starlette.responses import StreamingResponse
 
 from moe_cohort.proxy.http.errors import ProxyError
 from moe_cohort.proxy.lifecycle import Lifecycle
-from moe_cohort.proxy.metrics import ProxyMetrics
-from moe_cohort.proxy.protocol import cohort_headers
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 
 class _ClosingStreamingResponse(StreamingResponse):
@@ -45,12 +42,10 @@ class _ClosingStreamingResponse(StreamingResponse):
 
 
 class StreamRelay:
-    """A streamed answer of one request (`life`, not yet admitted). `started`: when the request arrived
-    (perf_counter, proxy.http.middleware), for the Server-Timing header."""
+    """A streamed answer of one request (`life`, not yet admitted)."""
 
-    def __init__(self, life: Lifecycle, route: str, metrics: ProxyMetrics, keepalive_s: float,
-                 started: float | None = None) -> None:
-        self.life, self.route, self.metrics, self.keepalive_s, self.started = life, route, metrics, keepalive_s, started
+    def __init__(self, life: Lifecycle, keepalive_s: float) -> None:
+        self.life, self.keepalive_s = life, keepalive_s
         self._admit = asyncio.ensure_future(life.admit())
         self._response = None
 
@@ -64,15 +59,12 @@ class StreamRelay:
         except BaseException:
             await self.close()
             raise
-        slot = self.life.granted
-        own = self.metrics.own_time(self.route, self.started, slot, self.life.backend_s)
-        return _ClosingStreamingResponse(self._relay(), self.close,
-                                         headers=cohort_headers(slot, self.life.backend_s, own))
+        return _ClosingStreamingResponse(self._relay(), self.close, headers=self.life.response_headers())
 
     async def _open(self) -> None:
         self._admit.result()  # raises what the admission raised
         self._response = await self.life.open_stream()
-        self.metrics.requests.labels(self.route, str(self._response.status)).inc()
+        self.life.metrics.requests.labels(self.life.route, str(self._response.status)).inc()
 
     async def _relay(self) -> AsyncIterator[bytes]:
         try:  # a replica that dies mid-stream: the client gets an SSE error event, the request is not resent
@@ -101,31 +93,6 @@ class StreamRelay:
             with contextlib.suppress(BaseException):
                 await self._admit
         await self.life.close()
-
-
-async def unless_client_leaves(work: Awaitable[T], receive) -> T | None:
-    """Await `work` (admission, then the backend's whole answer) while watching the client's connection
-    (ASGI `receive`, the request body already read): if the client leaves first, `work` is cancelled,
-    which closes its backend connection (vLLM aborts the request; the work's own cleanup frees its
-    admission slot), and the result is None."""
-    task = asyncio.ensure_future(work)
-    watch = asyncio.ensure_future(_disconnected(receive))
-    try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:  # also when this handler is cancelled itself
-        watch.cancel()
-        if not task.done():
-            task.cancel()
-    if task.cancelled() or not task.done():
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await task  # let its cleanup run before the answer goes
-        return None
-    return task.result()
-
-
-async def _disconnected(receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
 
 
 def _sse_error(exc: ProxyError) -> bytes:
