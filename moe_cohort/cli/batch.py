@@ -18,7 +18,9 @@ import sys
 from pathlib import Path
 
 from moe_cohort.cli.checks import ENCODER_CHOICES
-from moe_cohort.proxy.settings import Settings, SettingsError, add_setting_flags, flag_overrides, load_settings
+from moe_cohort.cli.setting_flags import add_setting_flags, flag_overrides
+from moe_cohort.proxy.setting_sources import load_settings
+from moe_cohort.proxy.settings import Settings, SettingsError
 
 # flag -> Settings field (defaults live in Settings and COHORT_* variables)
 _FLAGS = {

@@ -20,8 +20,9 @@ import time
 from pathlib import Path
 
 from moe_cohort.cli.checks import ENCODER_CHOICES
-from moe_cohort.proxy.settings import (Settings, SettingsError, add_setting_flags, flag_overrides, load_settings,
-                                       section_groups)
+from moe_cohort.cli.setting_flags import add_setting_flags, flag_overrides, section_groups
+from moe_cohort.proxy.setting_sources import load_settings
+from moe_cohort.proxy.settings import Settings, SettingsError
 
 # flag -> Settings field; defaults live in Settings (and COHORT_* variables), not here
 _FLAGS = {

@@ -18,16 +18,13 @@ the same decisions: rows whose effective policy is top-k keep exactly the router
 - eager (default on CPU): `route` calls `engine.selection.select_experts_mixed` on the
   sub-batch of re-routed rows, skipping steps where every row is top-k.
 
-Over 300 lines because the per-step bookkeeping of metrics, recording and the observed requests'
-expert counts (what `route` keeps and `end_step` publishes; the counting itself is
-`engine.expert_counts`) is one state machine with the routing; table mode is in
-`engine.routing_tables`.
+What `route` keeps of each layer and `end_step` publishes (metrics, recorded rows, the observed requests'
+expert counts) is `engine.step_outputs`; table mode is `engine.routing_tables`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -37,19 +34,16 @@ import numpy as np
 import torch
 
 from moe_cohort.engine.engine_state import RequestOptions, Step, request_options
-from moe_cohort.engine.distinct import distinct_experts
 from moe_cohort.engine.expert_counts import ExpertCounts
 from moe_cohort.engine.metrics import ExpertLoadMetrics
 from moe_cohort.engine.policy import Policy, PolicyError, TopK
 from moe_cohort.engine.recorder import TraceRecorder
-from moe_cohort.engine.selection import select_experts_mixed
 from moe_cohort.engine.routing_tables import TableMode
+from moe_cohort.engine.selection import select_experts_mixed
 from moe_cohort.engine.selection.step_tables import StepTables
+from moe_cohort.engine.step_outputs import KEEPERS, Kept, StepOutputs
 
 log = logging.getLogger(__name__)
-
-Kept = np.ndarray | torch.Tensor  # routing results kept from route() to end_step (see _KEEPERS)
-
 
 @dataclass(frozen=True)
 class LayerInfo:
@@ -85,8 +79,9 @@ class _Plan:
     policies: list[Policy]
 
 
-class RoutingHook(TableMode):
-    """Per-process state of the plugin inside the engine (table mode: `engine.routing_tables`)."""
+class RoutingHook(TableMode, StepOutputs):
+    """Per-process state of the plugin inside the engine (table mode: `engine.routing_tables`; what a step
+    publishes: `engine.step_outputs`)."""
 
     def __init__(self, config: HookConfig, metrics: ExpertLoadMetrics | None = None,
                  decode_text: Callable[[list[int]], str] | None = None) -> None:
@@ -188,7 +183,7 @@ class RoutingHook(TableMode):
         new_w, new_ids = weights, ids
         if self._plan is not None:
             new_w, new_ids = self._reroute(layer, info, router_logits, weights, ids)
-        keep, n = _KEEPERS[(ids.is_cpu, copy)], step.num_tokens
+        keep, n = KEEPERS[(ids.is_cpu, copy)], step.num_tokens
         if ids.shape[0] == n:  # no padding rows (always on CPU): keep whole tensors, skip the slicing
             kept_ids, kept_new, kept_w = ids, new_ids, new_w
         else:
@@ -238,98 +233,12 @@ class RoutingHook(TableMode):
             return
         if self.tables is not None:
             self._collect_tables(step)
-        if self.metrics is not None and self._routed:
-            before, after = self._count_distinct(step)
-            self.metrics.observe_forward(
-                list(step.groups), list(step.group_tokens), [row[:-1] for row in before],
-                [row[:-1] for row in after], step.batch_labels, [row[-1] for row in before],
-                [row[-1] for row in after])
-            self.metrics.flush()
-        if step.record and self._captured:
-            self._store_rows(step)
-        if step.observe and self._counted:
-            self._count_observed(step)
-        self._routed.clear()
-        self._captured.clear()
-        self._counted.clear()
-
-    def _count_distinct(self, step: Step) -> tuple[list[list[int]], list[list[int]]]:
-        """Distinct experts [L][G + 1] before and after the policies, for the layers of this step."""
-        num_experts = next(iter(self.layers.values())).num_experts  # one MoE shape per model
-        count = functools.partial(distinct_experts, group=step.token_group, num_groups=len(step.groups),
-                                  num_experts=num_experts)
-        before = count(_host([b for b, _ in self._routed]))  # [L][G + 1]
-        if all(a is None for _, a in self._routed):
-            return before, before
-        return before, count(_host([b if a is None else a for b, a in self._routed]))
-
-    def _store_rows(self, step: Step) -> None:
-        if len(self._captured) != len(self.layers):
-            self._warn_once("layers", "recording needs every MoE layer per forward; saw %d of %d",
-                            len(self._captured), len(self.layers))
-            return
-        ids = np.stack(_host([i for i, _ in self._captured]), axis=1)  # [n, L, k]
-        weights = np.stack(_host([w for _, w in self._captured]), axis=1).astype(np.float32)
-        recorder = self._get_recorder()
-        for span in step.spans:
-            if span.options.record:
-                recorder.add_rows(span.req_id, span.options.label, span.position,
-                                  ids[span.start:span.end], weights[span.start:span.end])
-
-    def _count_observed(self, step: Step) -> None:
-        if len(self._counted) != len(self.layers):
-            self._warn_once("counted", "counting experts needs every MoE layer per forward; saw %d of %d",
-                            len(self._counted), len(self.layers))
-            return
-        ids = np.stack(_host(self._counted), axis=1)  # [n, L, k]
-        if self.counts is None:
-            self.counts = ExpertCounts(len(self.layers), next(iter(self.layers.values())).num_experts)
-        for span in step.spans:
-            if span.options.observe:
-                self.counts.add(span.req_id, span.options.observe, span.position, span.num_prompt_tokens,
-                                ids[span.start:span.end])
-
-    def take_observed(self, tokens: Sequence[str]) -> dict[str, dict]:
-        """The finished observed requests' counts under `tokens` (engine.expert_counts), handed over once."""
-        return {} if self.counts is None else self.counts.take(tokens)
-
-    def _get_recorder(self) -> TraceRecorder:
-        if self._recorder is None:
-            info = next(iter(self.layers.values()))
-            self._recorder = TraceRecorder(
-                self.config.trace_dir, num_layers=len(self.layers), num_experts=info.num_experts,
-                top_k=info.top_k, model=self.model_name, decode_text=self.decode_text)
-            log.info("recording expert traces to %s", self.config.trace_dir)
-        return self._recorder
+        self._publish_outputs(step)
 
     def _warn_once(self, key: str, msg: str, *args: object) -> None:
         if key not in self._warned:
             self._warned.add(key)
             log.warning(msg, *args)
-
-
-def _numpy_view(t: torch.Tensor) -> np.ndarray:
-    return t.numpy()
-
-
-def _numpy_copy(t: torch.Tensor) -> np.ndarray:
-    return t.numpy().copy()
-
-
-def _same(t: torch.Tensor) -> torch.Tensor:
-    return t
-
-
-# How route() keeps tensors until end_step, by (on CPU, copy): CPU tensors as numpy arrays (these
-# are tiny, and numpy's per-op cost inside the engine is a fraction of torch's), other devices as
-# tensors moved to the host once per step in `_host`. Copies when asked: a compiled graph may
-# reuse the memory of its tensors for later layers.
-_KEEPERS = {(True, False): _numpy_view, (True, True): _numpy_copy, (False, False): _same, (False, True): torch.clone}
-
-
-def _host(parts: list) -> list[np.ndarray] | np.ndarray:
-    """What `_KEEPERS` kept, on the host: numpy arrays as they are, tensors in one transfer."""
-    return parts if isinstance(parts[0], np.ndarray) else torch.stack(parts).cpu().numpy()
 
 
 def _plan(step: Step) -> _Plan:

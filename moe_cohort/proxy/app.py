@@ -45,7 +45,8 @@ from moe_cohort.proxy.lifecycle import Lifecycle
 from moe_cohort.proxy.protocol import Route, check_size, read_body, read_request
 from moe_cohort.proxy.relay import add_relay_routes
 from moe_cohort.proxy.replicas import ReplicaSet
-from moe_cohort.proxy.settings import Settings, load_settings
+from moe_cohort.proxy.setting_sources import load_settings
+from moe_cohort.proxy.settings import Settings
 from moe_cohort.proxy.streaming import StreamRelay
 from moe_cohort.train.online import OnlineLearner
 

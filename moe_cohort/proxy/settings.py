@@ -1,29 +1,17 @@
-"""The proxy's one settings object, built once from CLI flags, `COHORT_*` variables and a config file.
+"""The proxy's one settings object: its fields, sections, defaults and the checks of their values.
 
-Precedence: explicit values (CLI flags) > environment (`COHORT_<FIELD>` upper-cased, e.g.
-`COHORT_MAX_QUEUE_MS=5000`, `COHORT_API_KEYS=k1,k2`) > a config file (`--config FILE` or
-`COHORT_CONFIG`, YAML or TOML, keys = the field names below; proxy/config_file.py) > the defaults below.
-A bad value is a SettingsError that names the flag, the variable and the config key it may have come from.
+It is built once per process from CLI flags, `COHORT_*` variables and a config file
+(proxy/setting_sources.py: `load_settings`). A bad value is a SettingsError naming the setting.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import logging
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
-
-log = logging.getLogger(__name__)
 
 ENV_PREFIX = "COHORT_"
-# how close (difflib's ratio) a COHORT_* variable must be to a setting's variable to be taken for a misspelling
-MISSPELT_CUTOFF = 0.8
-# keys: one that is given but empty (`COHORT_API_KEYS=`, `api_keys: []`, `--backend-api-key ''`) is refused, never
-# read as "no key": an unset secret in a template must not start an open proxy
-KEY_SETTINGS = ("api_keys", "backend_api_key")
 
 
 class SettingsError(ValueError):
@@ -227,124 +215,3 @@ class Settings:
 
 # A CLI's flag table: flag -> (Settings field, type, help). Defaults stay in Settings and COHORT_*.
 FlagTable = dict[str, tuple[str, type, str]]
-
-
-def section_groups(parser) -> dict[str, object]:
-    """One argparse argument group per section of SECTIONS, in its order: {field: its section's group}."""
-    groups: dict[str, object] = {}
-    for name, (about, names) in SECTIONS.items():
-        group = parser.add_argument_group(name, about)
-        groups.update(dict.fromkeys(names, group))
-    return groups
-
-
-def add_setting_flags(parser, flags: FlagTable, groups: Mapping[str, object] | None = None) -> None:
-    """Add one argparse option per flag (to `groups[field]` where given, else to `parser`), defaulting to
-    None so unset flags fall back to env, config and defaults; the help shows the Settings default and the
-    variable."""
-    defaults = {f.name: f.default for f in fields(Settings)}
-    for flag, (dest, kind, help_text) in flags.items():
-        shown = "" if "default" in help_text else f"default {defaults[dest]!r}; " if defaults[dest] != "" else ""
-        kind_args = {"action": "append"} if kind is list else {"type": kind}  # list: repeatable, joined by commas
-        (groups or {}).get(dest, parser).add_argument(
-            flag, dest=dest, metavar=flag.lstrip("-").replace("-", "_").upper(), **kind_args, help=f"{help_text} ({shown}env {ENV_PREFIX}{dest.upper()})".replace("%", "%%"))
-
-
-def flag_overrides(args, flags: FlagTable) -> dict[str, object]:
-    """The Settings overrides that the parsed `args` carry for `flags` (None where not given). A repeated flag
-    gives a tuple setting its values, and a text setting its values joined by commas (--backend A --backend B)."""
-    tuples = {f.name for f in fields(Settings) if str(f.type).startswith("tuple")}
-    values = {dest: getattr(args, dest) for dest, _, _ in flags.values()}
-    return {dest: (tuple(v) if dest in tuples else ",".join(v)) if isinstance(v, list) else v
-            for dest, v in values.items()}
-
-
-def load_settings(overrides: Mapping[str, object] | None = None, environ: Mapping[str, str] | None = None, *,
-                  config: str | Path | None = None, flags: FlagTable | None = None) -> Settings:
-    """Defaults, then the `config` file (else $COHORT_CONFIG, if set), then `COHORT_*` variables from
-    `environ` (os.environ), then non-None `overrides`. A SettingsError names the field's flag (from
-    `flags`), its variable, and its key in the config file."""
-    environ = os.environ if environ is None else environ
-    config = config or environ.get(ENV_PREFIX + "CONFIG") or None
-    types = {f.name: f.type for f in fields(Settings)}
-    values: dict[str, object] = {}
-    if config:
-        from moe_cohort.proxy.config_file import ConfigFileError, read_config
-
-        try:
-            values.update(_no_empty_keys(read_config(config, types), lambda name: f"{name!r} in {config}"))
-        except ConfigFileError as exc:
-            raise SettingsError(str(exc)) from None
-    for name, type_name in types.items():
-        raw = environ.get(ENV_PREFIX + name.upper())
-        if raw is not None:
-            values.update(_no_empty_keys({name: _convert(name, type_name, raw)}, lambda name: ENV_PREFIX + name.upper()))
-    _warn_misspelt_variables(environ, types)
-    flag_of = {dest: flag for flag, (dest, _, _) in (flags or {}).items()}
-    values.update(_no_empty_keys({k: v for k, v in (overrides or {}).items() if v is not None},
-                                 lambda name: flag_of.get(name, name)))
-    unknown = sorted(set(values) - set(types))
-    if unknown:
-        raise SettingsError(unknown_setting(repr(unknown[0]), unknown[0], types, more=len(unknown) - 1))
-    try:
-        return Settings(**values)
-    except SettingsError as exc:
-        if exc.field is None:
-            raise
-        raise SettingsError(f"{setting_names(exc.field, flags, config)} {exc.detail}", field=exc.field,
-                            detail=exc.detail) from None
-
-
-def unknown_setting(what: str, name: str, names, *, more: int = 0, spell=lambda name: name) -> str:
-    """One short line for `what`, a setting `name` that is none of `names`: the nearest valid name (as
-    `spell(name)` writes it), never the whole list."""
-    close = difflib.get_close_matches(name.lower(), list(names), 1)
-    hint = f"did you mean {spell(close[0])!r}?" if close else "see the settings (env COHORT_<NAME>) in `cohort serve --help`"
-    others = f" (and {more} more unknown)" if more else ""
-    return f"{what} is no setting{others}; {hint}"
-
-
-def _warn_misspelt_variables(environ: Mapping[str, str], names) -> None:
-    """A COHORT_* variable that is no setting but close to one: one warning line naming the setting's variable.
-    Other COHORT_* variables (the engine's, the tools') are far from every setting and left alone."""
-    for var in environ:
-        name = var[len(ENV_PREFIX):].lower()
-        if var.startswith(ENV_PREFIX) and name not in names and name != "config" and \
-                difflib.get_close_matches(name, list(names), 1, cutoff=MISSPELT_CUTOFF):
-            log.warning("%s (ignored)", unknown_setting(var, name, names, spell=lambda n: ENV_PREFIX + n.upper()))
-
-
-def _no_empty_keys(values: dict[str, object], where) -> dict[str, object]:
-    """`values`, unless a key setting among them is given but empty: a SettingsError naming it (`where(name)`)."""
-    for name in KEY_SETTINGS:
-        if name in values and not values[name]:
-            what = ("would start the proxy without keys, open to anyone; give at least one key, or leave the "
-                    "setting out for an open proxy") if name == "api_keys" else \
-                   "give the backend's key, or leave the setting out to send none"
-            raise SettingsError(f"{where(name)} is given but empty: {what}", field=name)
-    return values
-
-
-def setting_names(field: str, flags: FlagTable | None = None, config: str | Path | None = None) -> str:
-    """How a user sets `field`: "--port (env COHORT_PORT, 'port' in cohort.yaml)"."""
-    flag = next((f for f, (dest, _, _) in (flags or {}).items() if dest == field), field)
-    where = [f"env {ENV_PREFIX}{field.upper()}"] + ([f"{field!r} in {config}"] if config else [])
-    return f"{flag} ({', '.join(where)})"
-
-
-def _convert(name: str, type_name: str, raw: str) -> object:
-    type_name = type_name.removesuffix(" | None")  # an unset variable is None already: a given one has the type
-    try:
-        if type_name == "int":
-            return int(raw)
-        if type_name == "float":
-            return float(raw)
-        if type_name == "bool":
-            if raw.lower() not in {"1", "true", "yes", "0", "false", "no", ""}:
-                raise ValueError(raw)
-            return raw.lower() in {"1", "true", "yes"}
-        if type_name.startswith("tuple"):
-            return tuple(s.strip() for s in raw.split(",") if s.strip())
-        return raw
-    except ValueError:
-        raise SettingsError(f"{ENV_PREFIX}{name.upper()}={raw!r}: expected {type_name}") from None

@@ -147,7 +147,8 @@ def test_the_limits_are_settings(tmp_path):
 @pytest.mark.parametrize("env, message", [({"COHORT_MAX_HEADERS": "0"}, "COHORT_MAX_HEADERS"),
                                           ({"COHORT_MAX_HEADER_BYTES": "-1"}, "COHORT_MAX_HEADER_BYTES")])
 def test_bad_limits_are_refused(env, message):
-    from moe_cohort.proxy.settings import SettingsError, load_settings
+    from moe_cohort.proxy.setting_sources import load_settings
+    from moe_cohort.proxy.settings import SettingsError
 
     with pytest.raises(SettingsError, match=message):
         load_settings(environ=env)
@@ -214,7 +215,7 @@ def test_api_docs_turned_on_are_behind_the_key(tmp_path):
 
 
 def test_api_docs_setting_and_flag():
-    from moe_cohort.proxy.settings import load_settings
+    from moe_cohort.proxy.setting_sources import load_settings
 
     assert load_settings(environ={"COHORT_API_DOCS": "true"}).api_docs is True
     assert load_settings(environ={}).api_docs is False
@@ -410,7 +411,7 @@ def test_batch_lines_follow_the_same_rules(tmp_path):
 @pytest.mark.parametrize("env, expected", [({"COHORT_ALLOWED_POLICIES": "topk, OEA,xshare; m=8"},
                                             ("topk", "oea", "xshare;m=8;k0=1")), ({}, ())])
 def test_allowed_policies_setting(env, expected):
-    from moe_cohort.proxy.settings import load_settings
+    from moe_cohort.proxy.setting_sources import load_settings
 
     assert load_settings(environ=env).allowed_policies == expected
     assert load_settings(environ={"COHORT_TRUST_CLIENT_HINTS": "1"}).trust_client_hints is True
@@ -421,7 +422,8 @@ def test_allowed_policies_from_the_command_line():
     import argparse
 
     from moe_cohort.cli import serve as cli
-    from moe_cohort.proxy.settings import flag_overrides, load_settings
+    from moe_cohort.cli.setting_flags import flag_overrides
+    from moe_cohort.proxy.setting_sources import load_settings
 
     parser = argparse.ArgumentParser()
     cli.add_arguments(parser)
@@ -433,7 +435,8 @@ def test_allowed_policies_from_the_command_line():
 
 
 def test_a_bad_allowed_policy_names_the_setting():
-    from moe_cohort.proxy.settings import SettingsError, load_settings
+    from moe_cohort.proxy.setting_sources import load_settings
+    from moe_cohort.proxy.settings import SettingsError
 
     with pytest.raises(SettingsError, match=r"allowed_policies \(env COHORT_ALLOWED_POLICIES\) must be policy names"):
         load_settings(environ={"COHORT_ALLOWED_POLICIES": "topk,bogus"})

@@ -5,7 +5,6 @@ mid-answer); then one run against two real vLLM CPU servers."""
 
 import asyncio
 import contextlib
-import json
 import socket
 import time
 import urllib.request
@@ -278,7 +277,9 @@ def test_serve_takes_backend_repeated_and_routing():
     import argparse
 
     from moe_cohort.cli import serve as cli
-    from moe_cohort.proxy.settings import SettingsError, flag_overrides, load_settings
+    from moe_cohort.cli.setting_flags import flag_overrides
+    from moe_cohort.proxy.setting_sources import load_settings
+    from moe_cohort.proxy.settings import SettingsError
 
     parser = argparse.ArgumentParser()
     cli.add_arguments(parser)

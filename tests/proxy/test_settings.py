@@ -1,6 +1,7 @@
 import pytest
 
-from moe_cohort.proxy.settings import SettingsError, load_settings
+from moe_cohort.proxy.setting_sources import load_settings
+from moe_cohort.proxy.settings import SettingsError
 
 
 def test_environment_then_flags():
