@@ -8,14 +8,13 @@ as the proxy serves (proxy/replicas.py drives the same router) and as a batch fi
   requests that arrive together joining in a fixed order: random, trace order, or a static plan's
   batches one after another;
 - `by_profile`: fewest expected new experts given the residents' expert profiles [L*E]
-  (admission.resident.ResidentExperts). With the traces' own profiles it is the reference (issue
-  13, 2c); with profiles predicted from text (encoder.profile.ProfileHead) it is a text policy;
+  (admission.resident.ResidentExperts). With the traces' own profiles it is the reference (what
+  `capture` divides by); with profiles predicted from text (encoder.profile.ProfileHead) it is a text policy;
 - `by_embedding`: nearest embedding to the resident set (text only; ResidentEmbedding).
 
 Every rule of the router holds in the replay as served: the fairness bound first, FCFS for a request
-without a vector, the oldest when nobody is resident (before the router drove the replay, the profile
-policy ranked an empty set's candidates by their profile mass, so its numbers moved a little), ties to
-the earliest arrival.
+without a vector, the oldest when nobody is resident (an empty set ranks nobody), ties to the earliest
+arrival.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ its prompt token 1 + (t mod (n - 1)) (token 0 is BOS), for as many steps as its 
 
 Vectorised by spans: between two events (an admission, a departure, an arrival) the resident sets
 are fixed, so the loads of all the span's steps come from one gather [R, span, L, W] and one OR
-over R. A replay of 1,499 requests costs about one span per request.
+over R. A replay costs about one span per request.
 
 The load bound is checked here, independently of the router: a span in which some replica has a free
 slot while an arrived request still waits counts its steps as violations; a routing with one shared

@@ -10,10 +10,10 @@ tokens takes part in `decode_steps` steps and at step t contributes its prompt t
 1 + (t mod (n - 1)) (token 0 is BOS). Short and long prompts run equally long, so grouping
 prompts by length gains nothing from run time. It does gain from phase, though: two requests
 of equal length visit the same token positions at the same steps, and on real traces routing
-correlates with position (sorting DeepSeek prompts by length alone captures ~58% of the oracle
-at B = 16). `phase="random"` removes that: request r starts its cycle at a seeded random offset
-o_r, contributing token 1 + ((t + o_r) mod (n - 1)). "aligned" (o_r = 0) is the default, the
-definition the reference figures use.
+correlates with position (on the DeepSeek traces, sorting prompts by length alone captures a
+large share of the oracle's saving; docs/results.md). `phase="random"` removes that: request r
+starts its cycle at a seeded random offset o_r, contributing token 1 + ((t + o_r) mod (n - 1)).
+"aligned" (o_r = 0) is the default, the definition the reference figures use.
 
 Expert sets are bitmasks: W = ceil(E / 64) uint64 words per (request, step, layer), so the
 union of a batch is a bitwise OR and its size a popcount.

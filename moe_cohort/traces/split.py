@@ -5,7 +5,7 @@ every held-out figure (bench_train, bench_continuous, `cohort eval` on held-out 
 measured on the other side, so no number is ever taken on a request a model saw. Requests with
 the same text land on the same side (a duplicate prompt on both sides would leak).
 
-    train_idx, held_idx = heldout_split(ts)          # the project's split: 20% held out, seed 0
+    train_idx, held_idx = heldout_split(ts)          # the project's split: a fifth held out, seed 0
     train_idx, held_idx = split_requests(n, 0.2, 0)  # the same rule over bare indices
 """
 

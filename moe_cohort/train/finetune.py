@@ -19,12 +19,12 @@ weighted Jaccard of expert-frequency profiles (train.targets says why).
 
 The `profile` loss (train.profile_loss) needs no pairs: the training requests themselves, each with
 its expert profile, as many examples as the pair objectives' budget (epochs x max_pairs), so the run
-costs about the same number of steps and no pair mining. It is the default because it wins on both
-models measured (docs/results.md; the engine kept full, shares of the reference at
-S = 16 / 32): DeepSeek-V2-Lite held out, 99% / 93% against CoSENT's 91% / 84%; gpt-oss-20b, where the
-held-out side is too small to tell encoders apart, in 4 folds of the training side with the encoder
-fine-tuned per fold (benchmarks/bench_predictor_cv.py), 86% / 83% against CoSENT's 82% / 70% and the
-untuned MiniLM's 79% / 77%. Longer texts (max_seq_length 128) did not help there (88% / 79%).
+costs about the same number of steps and no pair mining. It is the default because its encoders
+admit better than CoSENT's on both models, the engine kept full at S = 16 and 32: on DeepSeek-V2-Lite's
+held-out requests, and on gpt-oss-20b, whose held-out side is too small to tell encoders apart, out of
+fold on the training side with the encoder fine-tuned per fold (benchmarks/bench_predictor_cv.py);
+figures in docs/results.md ("How close do text predictors get to the reference?"). The profile loss
+keeps the default truncation (`TrainConfig.max_seq_length`): longer texts admit no better on gpt-oss-20b.
 
 Checkpoints go to OUTPUT/checkpoints every `save_steps` steps; `resume=True` reloads the saved
 pairs (OUTPUT/pairs.npz) and continues from the newest checkpoint. The Trainer shows a progress
@@ -64,11 +64,12 @@ class TrainDataError(ValueError):
 class TrainConfig:
     """Everything that decides a training run; stored in training.json and checked on resume.
 
-    Defaults: the loss, by held-out admission on both models (module docstring). The pair settings, measured
-    with benchmarks/bench_train.py on the DeepSeek traces (80/20 split, seed 0): 188 CoSENT steps of 32 pairs lift held-out B = 16 capture from 73.7% (base) to 99.2%; the
-    learning rate 5e-5 beat 2e-5 (with the overlap target: 90.9% against 78.4%), the target is
-    chosen in train.targets. Texts are truncated to 64 word pieces because a
-    CPU step costs about linearly in the padded length, and 77% of the Puffin prompts fit (median 27).
+    Defaults: the loss, by held-out admission on both models (module docstring). The pair settings were
+    chosen with benchmarks/bench_train.py on the DeepSeek traces (the project's split): one epoch of
+    CoSENT steps of 32 pairs lifts the held-out capture well above the base encoder's, and the learning
+    rate 5e-5 beat 2e-5 (figures in docs/results.md); the target is chosen in train.targets. Texts are
+    truncated to 64 word pieces because a CPU step costs about linearly in the padded length, and most
+    Puffin prompts fit in 64.
     """
 
     epochs: float = 1.0

@@ -11,8 +11,8 @@ changed (`LearnConfig.refit_every`, and at least a quarter of what the last fit 
 grows, half of it once full: a full reservoir is a uniform sample of all traffic, and a refit on a
 quarter of new rows from the same traffic buys little but costs the same). Once the reservoir is full a
 request is kept with probability capacity / seen, so observations and refits grow rarer as traffic goes
-on: their cost per request falls as 1 / seen (benchmarks/bench_refit --service: about 0.5 s / seen at
-1,000 rows, refit and save). The new head is swapped in with
+on: their cost per request falls as 1 / seen (benchmarks/bench_refit --service measures it,
+refit and save; docs/results.md). The new head is swapped in with
 one assignment (readers in other threads see the old head or the new one, never a mix).
 
 Its live quality signal: each observation is of a request no head had seen when admission predicted
@@ -64,7 +64,7 @@ class LearnConfig:
     ngram_dim: int = DEFAULT_NGRAM_DIM  # hashed n-gram features beside the embedding (encoder.ngrams)
     recent: int = 100  # unseen observations the live fit is measured over
     # a refitted head is saved at most this often (and when the learner stops): a crash loses at most this much
-    # learning, and the reservoir (megabytes) is not rewritten after every refit of a fast-growing one
+    # learning, and the reservoir (the bulk of the state) is not rewritten after every refit of a fast-growing one
     save_every_s: float = 60.0
     seed: int = 0
 

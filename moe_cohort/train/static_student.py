@@ -1,10 +1,10 @@
-"""A static student of a fine-tuned encoder: the teacher's planning quality at microseconds per prompt.
+"""A static student of a fine-tuned encoder: most of the teacher's planning quality at a static model's cost.
 
 `--encoder static` (encoder.static) distils all-MiniLM-L6-v2 token by token (Model2Vec): every
 vocabulary token is embedded alone, so what the fine-tuning taught about expert overlap, which
-lives in how tokens combine in context, is lost (bench_encoder: 75% / 62% of the fine-tuned
-MiniLM's continuous saving at S = 16 / 32). Fine-tuning the static model with CoSENT pairs did
-not recover it (static-ft, 72% / 71%).
+lives in how tokens combine in context, is lost: it keeps clearly less of the fine-tuned MiniLM's
+continuous saving (bench_encoder; docs/results.md), and fine-tuning the static model with CoSENT pairs
+does not recover it.
 
 The student here learns from sentences instead (the idea of Tokenlearn, Minish Lab 2025): one
 vector per vocabulary token, mean-pooled over a text's tokens (sentence-transformers'
@@ -18,18 +18,16 @@ quarter of a text), which multiply the examples of each token in new company. A 
 texts (with their windows) is set aside to pick the step; the held-out requests are never seen.
 The student keeps the teacher's tokenizer and its truncation, so it reads the same tokens.
 
-Measured (bench_encoder, held-out requests, the fine-tuned MiniLM of `cohort train` as teacher):
-over a hundred times plain MiniLM `encode` per CPU-second, at about nine tenths of the teacher's
-continuous saving (the figures, with their spread over seeds: docs/results.md, section 4). The
-defaults below were set before those runs, not tuned on held-out requests.
+What it buys (bench_encoder on held-out requests, the fine-tuned MiniLM of `cohort train` as teacher):
+many times plain MiniLM `encode`'s prompts per CPU-second, at most of the teacher's continuous saving
+(the figures, with their spread over seeds: docs/results.md, "The static student"). The defaults
+below are not tuned on held-out requests.
 
-What limits it is generalisation, not capacity: on the texts it fits the student reaches cosine 0.989
-to the teacher, on the 107 whole texts set aside 0.918. Varied on the training side alone
-(2026-11-23): 400 steps, learning rate 0.01, pull 0.03 / 0.3 moved the set-aside cosine (texts and
-windows) by -0.003 to +0.0004; 0 / 12 / 24 windows gave 0.917-0.919 on the whole texts, and a bag
-with hashed token bigrams too (32k or 128k buckets) 0.919-0.922, so none was adopted. The lever left
-is more in-domain text to distil on (the training side of prompts/mixed.jsonl, another domain, made
-the held-out saving worse: 82% / 82% over 20 seeds).
+What limits it is generalisation, not capacity: the student follows the teacher much more closely on
+the texts it fits than on the texts set aside, and neither more steps, another learning rate or pull,
+more or fewer windows, nor hashed token bigrams in the bag close that gap (varied on the training side
+alone), so the defaults keep the simple bag. What would help is more in-domain text to distil on;
+text of another domain (the training side of prompts/mixed.jsonl) makes the held-out saving worse.
 
 Output: an ordinary sentence-transformers folder; `cohort train --student static` fits the
 expert-profile head on the student's own embeddings beside it, and `--encoder FOLDER` loads both.
@@ -50,7 +48,8 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class StudentConfig:
-    """Defaults measured with benchmarks.bench_encoder on the DeepSeek traces (docs/results.md)."""
+    """Defaults, not tuned on held-out requests; benchmarks.bench_encoder measures the student they give on
+    the DeepSeek traces (docs/results.md)."""
 
     windows: int = 6  # random windows per text
     steps: int = 200  # full-batch Adam steps (the best on the validation texts is kept)

@@ -8,30 +8,27 @@ them, otherwise the prompt tokens after BOS (the prompt-token decode proxy).
 Targets for a pair (a, b), all in [0, 1]:
 
 - ``weighted_jaccard`` (the default): per layer sum_e min(u_a, u_b) / sum_e max(u_a, u_b),
-  averaged over layers; it equals Jaccard on 0/1 sets (the issue's proposal; a weighted version
-  of the Jaccard target of Doubleword, "MoE expert co-activations: reordering inputs yields easy
-  throughput gains").
+  averaged over layers; it equals Jaccard on 0/1 sets (a weighted version of the Jaccard target
+  of Doubleword, "MoE expert co-activations: reordering inputs yields easy throughput gains").
 - ``overlap``: sum_{l,e} u_a[l,e] * u_b[l,e] / (L * k). If each decode step draws each request's
   token independently from its profile, sum_e u_a[l,e] u_b[l,e] is the expected number of experts
   the two share at layer l, i.e. exactly the decode loads saved by pairing them, so overlap / 2
   is the expected pair saving 1 - loads({a,b}) / (loads(a) + loads(b)).
 - ``jaccard``: Jaccard of the sets of (layer, expert) a request touches at all (Doubleword's
-  target); it saturates on real traces, where a 26-token prompt touches most experts.
+  target); it saturates on real traces, where even a short prompt touches most experts.
 
-Why weighted Jaccard is the default, measured on the 1,499 DeepSeek-V2-Lite Puffin traces
-(64-step decode proxy; benchmarks/target_study.py and benchmarks/bench_train.py):
+Why weighted Jaccard is the default (on the DeepSeek-V2-Lite Puffin traces; benchmarks/target_study.py
+and benchmarks/bench_train.py; figures in the appendix of docs/results.md):
 
-- As a predictor of *pair* savings, overlap wins by far: Spearman with the measured saving is
-  0.80 over all 1.1M pairs (0.86 with random proxy phase), 0.85-0.88 for random groups of 4-8;
-  weighted Jaccard is near 0 or negative there (0.07; -0.17 / -0.27), plain Jaccard -0.23 / -0.51.
+- As a predictor of *pair* savings, overlap is far better: it ranks pairs and small random groups
+  by their measured saving, where weighted Jaccard and plain Jaccard do not.
 - But the planner partitions *all* requests into batches of B >= 8, and that is what counts.
   End to end, with the same training settings and held-out split, the encoder fine-tuned on
-  weighted Jaccard captures 84.5 / 99.2 / 94.4% of the oracle at B = 8 / 16 / 32, the one
-  fine-tuned on overlap 81.9 / 90.9 / 78.8% (base: 71.2 / 73.7 / 55.9%); with a random proxy
-  phase 80.6 / 97.1 / 90.2% against 77.7 / 88.7 / 74.5%. Our reading: in a batch of 16 the
-  experts of a layer saturate, so requests with diffuse profiles (long prompts) cost little
-  once batched with each other, and concentrated ones (short prompts) save most beside similar
-  ones. Weighted Jaccard puts like with like at both ends and is a proper similarity (1 with
+  weighted Jaccard captures more of the oracle than the one fine-tuned on overlap at B = 8, 16
+  and 32, with aligned or random proxy phase, and both more than the base encoder. The reason: in
+  a batch of that size the experts of a layer saturate, so requests with diffuse profiles (long
+  prompts) cost little once batched with each other, and concentrated ones (short prompts) save
+  most beside similar ones. Weighted Jaccard puts like with like at both ends and is a proper similarity (1 with
   itself, and 1 - it is a metric) that cosine clustering can follow; overlap, a first-order
   pair quantity, rates a diffuse request about equal with everyone and ignores saturation.
 
@@ -50,7 +47,7 @@ Target = Literal["overlap", "weighted_jaccard", "jaccard"]
 TARGETS: tuple[str, ...] = ("overlap", "weighted_jaccard", "jaccard")
 DEFAULT_TARGET: Target = "weighted_jaccard"
 TokenMode = Literal["auto", "decode", "prompt"]
-_CHUNK_FLOATS = 1 << 24  # ~64 MB of float32 per broadcast chunk
+_CHUNK_FLOATS = 1 << 24  # float32 values per broadcast chunk (64 MiB), which bounds the memory
 
 
 def counted_tokens(ts: TraceSet, tokens: TokenMode = "auto") -> np.ndarray:  # [T] bool
