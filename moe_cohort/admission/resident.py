@@ -71,7 +71,7 @@ class ResidentExperts:
 
     def idle(self) -> np.ndarray:  # [L*E]
         """Probability that each (layer, expert) is used by no resident token in a step (below 1e-30: 0,
-        so float32 products never meet denormals, which are ~100x slower on x86)."""
+        so float32 products never meet denormals, which x86 computes far more slowly)."""
         idle = np.exp(-self.log_idle)
         idle[idle < 1e-30] = 0.0
         return idle

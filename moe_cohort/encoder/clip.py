@@ -1,7 +1,7 @@
 """Long prompts cut to a character prefix before tokenisation, where that changes no token the model sees.
 
-An encoder that keeps a text's first N tokens still tokenises the whole text first: a prompt of
-20,000 characters costs milliseconds of tokenizer time for 128 tokens of input, and a static
+An encoder that keeps a text's first N tokens still tokenises the whole text first: a long prompt
+costs tokenizer time in proportion to its length for the same N tokens of input, and a static
 model's whole cost is that tokenizer pass. For a BERT-style tokenizer the first tokens of a text
 are those of any prefix that ends at whitespace: BertNormalizer works per character (clean-up,
 CJK spacing, accents, case), BertPreTokenizer splits words at whitespace and punctuation, and

@@ -7,7 +7,7 @@ and cached, encoder.onnx), or from a hub name such as `BAAI/bge-small-en-v1.5` w
 Output: L2-normalised float32 [N, D].
 
 With `cache_size` > 0, embeddings of texts seen before come from an LRU cache keyed by a hash of
-the text (a hit costs microseconds), and behind it one keyed by a hash of the text's token ids
+the text (a hit runs no tokenizer and no model), and behind it one keyed by a hash of the text's token ids
 after truncation to `max_seq_len`: texts that share their first max_seq_len tokens (one system
 prompt or template, different endings past the cut) have the same model input, hence the same
 embedding, and are encoded once. That key is exact, not a prefix approximation: a mean-pooled
@@ -235,7 +235,7 @@ class Embedder:
 
     def _static_forward(self, ids: list[list[int]]) -> np.ndarray:
         """Unit embeddings [b, D] of a static model: the mean of each text's token vectors, as its
-        EmbeddingBag computes it, in numpy (a few microseconds a text; torch's call alone costs more)."""
+        EmbeddingBag computes it, in numpy (a gather and a mean per text: torch's call overhead alone costs more)."""
         out = np.zeros((len(ids), self._table.shape[1]), dtype=np.float32)  # [b, D]; a text without tokens stays 0
         for row, one in zip(out, ids):
             if one:

@@ -1,10 +1,10 @@
-"""The sentence encoder on ONNX Runtime, int8: the same model, exported once, a few times cheaper per prompt.
+"""The sentence encoder on ONNX Runtime, int8: the same model, exported once, cheaper per prompt (docs/results.md).
 
 `--encoder onnx` is the packaged all-MiniLM-L6-v2, `--encoder onnx:SPEC` any sentence-transformers
 model SPEC names (a folder such as a `cohort train` output, or a hub name). The transformer is
 exported with `torch.onnx.export`, its MatMul weights quantised to int8 per output channel
-(`onnxruntime.quantization.quantize_dynamic`; per-tensor int8 loses too much: cosine to the torch
-model down to 0.92 on short texts, per channel >= 0.98), and run by plain `onnxruntime` on token
+(`onnxruntime.quantization.quantize_dynamic`; per-tensor int8 moves the embeddings of short texts
+too far from the torch model's, per channel keeps them close), and run by plain `onnxruntime` on token
 ids from the fast `tokenizers` encoder (sentence-transformers' own tokenisation costs as much as
 the model at these sizes). Pooling (mean or CLS) and normalisation are done in numpy.
 Dynamic int8 quantises activations with one scale per call, over every row and pad of the batch,

@@ -116,8 +116,8 @@ def load_profile_head(folder: str | Path) -> ProfileHead | None:
 
 
 def _used_rows(f: np.ndarray, m: np.ndarray) -> np.ndarray:  # [N, F] @ [F, K] -> [N, K]
-    """f @ m over the features some row of f uses: a prompt's hashed n-grams set a few hundred of 4,096, so
-    one request's prediction reads that many rows of the weights and the memory, not all (~10x fewer)."""
+    """f @ m over the features some row of f uses: a prompt's hashed n-grams set only a small share of the
+    n-gram columns, so one request's prediction reads those rows of the weights and the memory, not all."""
     used = np.flatnonzero(f.any(axis=0))  # [C]
     if 2 * len(used) > f.shape[1]:  # dense enough: BLAS on the whole
         return f @ m

@@ -1,4 +1,4 @@
-"""A static-embedding encoder distilled from the sentence encoder: microseconds per prompt.
+"""A static-embedding encoder distilled from the sentence encoder: no transformer pass per prompt.
 
 A static model embeds a text as the weighted mean of per-token vectors (no attention, no
 transformer layers), so its cost is one tokenizer pass and one gather. Model2Vec distillation
@@ -8,7 +8,7 @@ PCA to `dims` and weights them by Zipf's law. The result is an ordinary sentence
 folder: `Embedder(folder)` loads it, and `cohort train --encoder folder` fine-tunes it to expert
 overlap like any other encoder.
 
-`static_model_dir()` distils once (about a minute on 2 cores) into a cache folder and reuses it;
+`static_model_dir()` distils once (every vocabulary token through the teacher) into a cache folder and reuses it;
 `--encoder static` anywhere names that folder. It says so (a warning, so a server's console shows
 it), and processes that start together distil once: the first holds a file lock beside the cache
 folder, the others wait for it and reuse its folder. The cache lives in $COHORT_CACHE_DIR (default
@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 
 STATIC_NAME = "static"
 DEFAULT_DIMS = 256
-DISTILL_TIME = "a minute or two on 2 CPU cores"  # every token of the packaged MiniLM's 30k vocabulary, embedded
+DISTILL_TIME = "a few minutes"  # every token of the packaged MiniLM's 30k vocabulary, embedded (log: the time it took)
 
 
 def cache_root() -> Path:

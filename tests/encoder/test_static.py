@@ -127,4 +127,4 @@ def test_first_distillation_says_what_happens_and_how_long_it_takes(tmp_path, ca
         static_model_dir("/models/teacher", dims=8, root=tmp_path, build=build)
         static_model_dir("/models/teacher", dims=8, root=tmp_path, build=build)
     (said,) = [r.getMessage() for r in caplog.records]  # once, at a level a server's console shows
-    assert "distilling it from /models/teacher" in said and "a minute or two on 2 CPU cores" in said
+    assert "distilling it from /models/teacher" in said and "a few minutes" in said
