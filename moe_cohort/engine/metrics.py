@@ -27,12 +27,12 @@ Transport: counted in vLLM's worker process, served by the API server process, o
 - prometheus_client's multiprocess mode, if this process runs in it (PROMETHEUS_MULTIPROC_DIR set
   before prometheus_client was imported: by the user, or by vLLM for --api-server-count > 1):
   every update also goes to a `Counter`/`Histogram`, i.e. to that directory, and vLLM's /metrics
-  serves it (`MultiProcessCollector`). That costs an mmap write per update, an order of magnitude
+  serves it (`MultiProcessCollector`). That costs an mmap write per update, far
   more per forward than counting in memory (docs/results.md, section 7).
   Dead processes' totals stay: no `mark_process_dead` (it only drops live gauges; we have none).
 - else (vLLM's default; the worker is forked from the API server, so its prometheus_client
   counts in memory) the API server makes a private directory (`COHORT_METRICS_DIR`, inherited by
-  its children); each worker writes its totals there (`write_to_textfile`, a few ms) at most
+  its children); each worker writes its totals there (`write_to_textfile`) at most
   once a second while busy and whenever the engine runs out of work; a `SnapshotCollector` on
   the default registry (what vLLM's /metrics serves then) sums the files.
 """

@@ -29,8 +29,8 @@ plugin chooses V1 where the user did not choose: `choose_model_runner`), and mod
 `FusedMoEFactory`. `PATCHED` lists every member patched (tested
 against the installed vLLM); the plugin's per-process state is one `PluginState`, `STATE`.
 
-Over 250 lines on purpose: this is the one place that touches vLLM internals, so a reader checking
-a new vLLM release reads one file, and every patch is installed behind one version check.
+Every patch lives in this one module: it is the one place that touches vLLM internals, so a reader
+checking a new vLLM release reads one file, and every patch is installed behind one version check.
 """
 
 from __future__ import annotations

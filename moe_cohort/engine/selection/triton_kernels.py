@@ -2,8 +2,8 @@
 
 Same decisions as `engine.selection.table_torch.route_tables` (the reference these are tested
 against; the papers are cited in the per-policy modules), as three launches per MoE
-layer, none with a host synchronisation (a version that recomputed S in every route program,
-saving a launch, measured slower on an H100):
+layer, none with a host synchronisation (S is computed once per policy slot in a launch of its own:
+recomputing it in every route program would save a launch but costs more on the GPU):
 
     _stats_kernel    grid (NB [+ R])  per block of BT tokens: scores, ranks, per-slot partial
                                       stats; with XShare-spec also one program per request:
