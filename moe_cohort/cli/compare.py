@@ -19,9 +19,9 @@ forward touch fewer experts by themselves). FCFS and admission alternate on one 
 engine's drift over minutes hits both alike. The counters are server-wide: run it on a backend that
 nothing else uses.
 
-Over 300 lines because it is one command read top to bottom: finding the proxy's backend and model,
-the learning phase, the rounds, the closed-loop clients and the printed rows share one Target and one
-Run, and split apart they would be imported by nothing else.
+One module, one command read top to bottom: finding the proxy's backend and model, the learning
+phase, the rounds, the closed-loop clients and the printed rows share one Target and one Run, and
+split apart they would be imported by nothing else.
 """
 
 from __future__ import annotations

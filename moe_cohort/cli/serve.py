@@ -229,11 +229,11 @@ def _start_embedded(settings: Settings, model_dir: str | None, port: int | None,
     max_num_seqs = settings.max_in_flight if given else 16
     path = Path(model_dir) if model_dir else default_model_dir()
     if not has_model(path):
-        print(f"no model in {path}: training the tiny MoE on text there, once (about {TRAIN_MINUTES}; "
+        print(f"no model in {path}: training the tiny MoE on text there, once (it takes {TRAIN_MINUTES}; "
               f"--model-dir DIR serves a model folder of yours)...", flush=True)
     path = ensure_trained_model(path)
     print(f"no --backend given: starting a local vLLM CPU server on the tiny MoE in {path} (with the moe-cohort "
-          f"plugin and its expert-aware scheduler, max_num_seqs {max_num_seqs}; up to 2 minutes on 2 CPU cores)...",
+          f"plugin and its expert-aware scheduler, max_num_seqs {max_num_seqs}; this can take a few minutes)...",
           flush=True)
     server = start_embedded_backend(path, max_num_seqs=max_num_seqs, port=port)
     print(f"vLLM backend ready at {server.url} (model '{server.served_model_name}', log {server.log_path})")
@@ -245,7 +245,7 @@ def _start_embedded(settings: Settings, model_dir: str | None, port: int | None,
 
 def _serve(settings: Settings) -> int:
     """Listen at once (proxy/http/starting.py answers 503 "not ready" meanwhile) and build the proxy, whose
-    encoder may take a minute or two the first time (encoder/static.py); 1 when it could not be built."""
+    encoder may take minutes the first time (encoder/static.py distils it); 1 when it could not be built."""
     import uvicorn
 
     from moe_cohort.proxy.app import create_app

@@ -5,8 +5,8 @@ touches nearly every expert in any batch. This recipe trains a model with many e
 by default) on the corpus of `devtools.corpus` (training side of the project's held-out split
 only), with the usual next-token loss, the Switch-Transformer load-balancing loss (Fedus et al.
 2021, as transformers' Qwen3-MoE computes it) and a sequence-expert mutual-information term
-(`routing_mi_loss`), so that experts specialise by text and all stay in use. A few minutes of
-CPU training do not reach the domain specialisation large MoEs show; the MI term stands in.
+(`routing_mi_loss`), so that experts specialise by text and all stay in use. A short CPU training
+does not reach the domain specialisation large MoEs show; the MI term stands in.
 
     out = train_tiny_moe("/tmp/tiny-trained", RECIPES["full"])   # cached: the second call copies
 
@@ -15,8 +15,9 @@ result is cached in `cache_dir/<recipe hash>/` (hash of the arguments, the corpu
 library versions) and copied to `out_dir`; `cohort_tiny_moe.json` records the training figures
 (time, peak memory, losses, size on disk).
 
-Cost: "full" trains 819,200 tokens in minutes on a 2-core CPU host (far longer when the cores are
-shared), "ci" in seconds to a few minutes; measured figures in docs/results.md (section 9).
+Cost: "full" trains 819,200 tokens (400 steps of 16 x 128), "ci" a small fraction of that; how long
+they take on a CPU host (far longer when its cores are shared) is measured in docs/results.md
+(section 9), and every run records its own figures in `cohort_tiny_moe.json`.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The HTTP client for the vLLM backend; transport failures become proxy errors here, at the boundary.
 
-It is aiohttp rather than httpx: on the proxy's hot path httpx cost about four times aiohttp's CPU
-per request (most of it httpcore scanning its connection pool; benchmarks.bench_proxy,
+It is aiohttp rather than httpx: on the proxy's hot path httpx costs far more CPU than aiohttp
+per request, most of it httpcore scanning its connection pool (benchmarks.bench_proxy,
 docs/results.md section 5). The session is made lazily in the running event loop (aiohttp
 sessions belong to one loop).
 """

@@ -19,7 +19,7 @@ from moe_cohort.proxy.vllm_server import VllmServer, start
 
 log = logging.getLogger(__name__)
 
-TRAIN_MINUTES = "2-3 minutes on 2 idle CPU cores"  # devtools/train_moe.py, recipe "full" (docs/results.md, section 9)
+TRAIN_MINUTES = "a few minutes"  # devtools/train_moe.py, recipe "full" (measured in docs/results.md, section 9)
 
 
 def cache_root() -> Path:

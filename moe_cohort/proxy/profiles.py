@@ -63,8 +63,8 @@ def limit_threads(threads: int) -> None:
     """Let this process's encoder use at most `threads` CPU threads: torch's intra-op pool, the BLAS
     libraries loaded so far (threadpoolctl), the tokenizer's batch parallelism. For the proxy's process,
     after its encoder loaded: a request is embedded alone or in a small batch, where more threads
-    gain little and their spinning takes the event loop's core (one thread costs less than half the
-    CPU per request of the default pools: docs/results.md)."""
+    gain little and their spinning takes the event loop's core (one thread costs less CPU per request
+    than the default pools: docs/results.md)."""
     from threadpoolctl import threadpool_limits
 
     os.environ["TOKENIZERS_PARALLELISM"] = "true" if threads > 1 else "false"
@@ -82,8 +82,8 @@ class Predictor:
                  deadline_s: float = STATIC_DEADLINE_S) -> None:
         self._predict, self._resident_factory = predict, resident_factory
         self.kind = kind  # "profile" or "embedding": what `predict` returns
-        # how long a request may wait for its prediction by default: a static encoder embeds in microseconds, a
-        # transformer on one CPU thread takes tens of milliseconds a prompt (Settings.profile_deadline_ms: 0)
+        # how long a request may wait for its prediction by default: a static encoder embeds almost at once, a
+        # transformer on one CPU thread takes far longer per prompt (Settings.profile_deadline_ms: 0)
         self.deadline_s = deadline_s
 
     def predict(self, texts: Sequence[str]) -> list[Prediction | None]:

@@ -2,8 +2,8 @@
 that it, and every process it starts, dies with the process PARENT_PID, however that one ends.
 
 vLLM's API server starts an engine core, which starts its workers (multiprocessing, fork or spawn);
-none of them notices when the process that started the API server dies, so a `kill -9` (or the OOM
-killer) of `cohort serve` left them running, orphaned, with their memory (issue 27 item 8). The
+none of them notices when the process that started the API server dies, so without the guard a
+`kill -9` (or the OOM killer) of `cohort serve` leaves them running, orphaned, with their memory. The
 guard is the leader of the server's process group (proxy/vllm_server.py starts it in a session of its
 own, and vLLM's processes stay in their parent's group), and it asks Linux to signal it when its
 parent dies (prctl PR_SET_PDEATHSIG: sent when the *thread* that started the guard ends, so start it
@@ -13,7 +13,7 @@ PR_SET_PDEATHSIG SIGKILL towards the guard too, for a guard killed outright.
 
 Otherwise the guard is transparent: SIGTERM and SIGINT go on to the API server (VllmServer.stop's
 graceful shutdown), and it exits with the server's status (128 + N for a server killed by signal N).
-Linux only; it imports nothing heavy (it costs a few MB).
+Linux only; it imports nothing heavy, so it stays small beside the server.
 """
 
 from __future__ import annotations

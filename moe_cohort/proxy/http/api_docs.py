@@ -1,8 +1,8 @@
 """The API's own description, off unless the operator turns it on (`api_docs`, --api-docs): /openapi.json,
 /docs (Swagger UI) and /redoc, each behind the proxy's key like every other route when keys are set.
 
-FastAPI serves them by default, to anyone: a keyed proxy told every caller its routes, and /docs and /redoc
-have the browser load JavaScript from a CDN (jsdelivr). Turned on, they need `Authorization: Bearer <key>`
+FastAPI serves them by default, to anyone: a keyed proxy would tell every caller its routes, and /docs and
+/redoc have the browser load JavaScript from a CDN (jsdelivr). Turned on, they need `Authorization: Bearer <key>`
 on a keyed proxy, which a browser does not send by itself: read /openapi.json with a client (curl, the
 SDK), or open /docs where the proxy has no keys.
 """

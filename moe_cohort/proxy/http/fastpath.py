@@ -1,7 +1,7 @@
 """The hot routes' short way through the app: POST /v1/chat/completions and /v1/completions.
 
-Profiled at 64 clients (py-spy on `cohort serve`, benchmarks/bench_proxy.py), a third of the proxy's
-CPU per request went to FastAPI's layers around these two routes: route matching over every
+Under load a large share of the proxy's CPU per request goes to FastAPI's layers around these two
+routes (py-spy on `cohort serve` under benchmarks/bench_proxy.py): route matching over every
 route, the dependency solver, the exception and exit-stack middlewares, the response wrappers. The
 proxy's own work (auth, parse, admit, forward) does not need them. `FastPath` is plain ASGI
 middleware that sends these two paths straight to their handlers and everything else on to the

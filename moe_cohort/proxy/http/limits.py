@@ -1,7 +1,7 @@
 """Limits on a request's head (request line and headers), enforced while uvicorn parses it.
 
 uvicorn's httptools parser (the one `cohort serve` runs: uvicorn[standard]) has no limit on headers:
-one request with 8,192 headers of 8 KB was read whole (67 MB) and answered. The protocols here count
+it reads a head of any number and size of headers whole, into memory, and answers it. The protocols here count
 while parsing and answer 431 in the OpenAI error shape, then close the connection, as soon as a head
 passes `max_header_bytes` (request target + each header's name, value and 4 bytes of ": " and CRLF) or
 `max_headers` headers:
@@ -14,8 +14,8 @@ passes `max_header_bytes` (request target + each header's name, value and 4 byte
 
 And a time limit, `timeout_s`: a connection that has not sent a whole request head within it (from its
 opening, or from the end of its last answer) is closed. Without it a client that sends nothing, or its
-headers a byte a second (slowloris), held its connection for ever: a thousand idle connections stayed
-open. A head under way when the limit passes is answered 408 first; an idle connection is just closed.
+headers a byte a second (slowloris), holds its connection for ever, and enough of them exhaust the
+server's connections. A head under way when the limit passes is answered 408 first; an idle connection is just closed.
 
 `HeadLimits.check` does the same count on an ASGI scope: proxy/http/middleware.py applies it to every request,
 whatever server runs the app (a complete head that h11 read in one piece, or another ASGI server).

@@ -1,7 +1,7 @@
 """The ASGI app `cohort serve` runs: it listens at once and answers while the proxy is being built.
 
 Building the proxy (`create_app`) loads the encoder, and the first start with the default encoder
-distils it (encoder/static.py: a minute or two). A server that does not listen meanwhile looks dead
+distils it (encoder/static.py), which takes minutes. A server that does not listen meanwhile looks dead
 to a load balancer or an orchestrator's probe; this one answers at once:
 
     GET /health      503 {"status": "not ready", "detail": "loading the encoder"}   (the proxy's /health shape)
