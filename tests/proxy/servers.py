@@ -13,6 +13,7 @@ import socket
 import threading
 import time
 
+import httpx
 import uvicorn
 from aiohttp import web
 from aiohttp.test_utils import RawTestServer
@@ -125,3 +126,79 @@ def alive_but_dropping(seen: list):
         seen.append(("dropping", request.path))
         return drop(request)
     return handler
+
+
+SEPARATORS = "one\u0085two\u2028three\u2029four"  # JSON allows them raw; str.splitlines() breaks at each
+
+
+class EchoBackend:
+    """A stdlib HTTP server in a thread: every POST answers a chat completion with SEPARATORS in its text; one
+    with max_tokens 1, a 400 with SEPARATORS in its message. `bodies`: what it was sent."""
+
+    def __init__(self) -> None:
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                sent = json.loads(self.rfile.read(int(self.headers["content-length"])))
+                bodies.append((self.path, sent))
+                refused = sent.get("max_tokens") == 1
+                body = json.dumps({"error": {"message": SEPARATORS, "type": "invalid_request_error"}} if refused else
+                                  {"id": "c1", "object": "chat.completion", "model": "m", "choices": [
+                                      {"index": 0, "message": {"role": "assistant", "content": SEPARATORS},
+                                       "finish_reason": "stop"}]}, ensure_ascii=False).encode()
+                self.send_response(400 if refused else 200)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self):
+                self.send_response(200)
+                self.send_header("content-length", "0")
+                self.end_headers()
+
+            def log_message(self, *args):
+                pass
+
+        self.bodies = bodies = []  # (path, body) of every POST, as the proxy forwarded it
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def __enter__(self):
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
+OK_BODY = {"id": "x", "object": "chat.completion", "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}}]}
+
+
+async def ok(request):
+    return answer(OK_BODY)
+
+
+@contextlib.asynccontextmanager
+async def proxy_client(handler, **settings):
+    """An httpx client of the in-process proxy, in front of a local server answering with `handler`."""
+    async with local_backend(handler) as url:
+        base = {"backend_url": url, "encoder": "none", **settings}
+        app = create_app(Settings(**base))
+        try:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy") as c:
+                yield c
+        finally:
+            await app.state.proxy.close()
+
+
+async def post(handler, body=CHAT, path="/v1/chat/completions", settings=None, **kw):
+    async with proxy_client(handler, **(settings or {})) as c:
+        return await c.post(path, json=body, **kw)
+
+
+def run(coro):
+    return asyncio.run(coro)

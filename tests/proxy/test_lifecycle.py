@@ -1,11 +1,15 @@
 """moe_cohort.proxy.lifecycle.Lifecycle against throwaway local servers: every send path (a whole answer, a
 stream, a batch line) fails over only when its replica is down and generated nothing, ends once, and frees its
-slot; a live replica that dropped the request, or an answer under way, is never resent."""
+slot; a live replica that dropped the request, or an answer under way, is never resent; a client that leaves
+frees its slot and closes the backend connection."""
 
 import asyncio
 import json
+import re
 
+import httpx
 import pytest
+from aiohttp import web
 
 from moe_cohort.proxy.backend_client import BackendClient
 from moe_cohort.proxy.batch.core import RunConfig
@@ -17,7 +21,10 @@ from moe_cohort.proxy.http.errors import BackendUnreachable
 from moe_cohort.proxy.lifecycle import Lifecycle
 from moe_cohort.proxy.metrics import ProxyMetrics
 from moe_cohort.proxy.replicas import ReplicaSet
-from tests.proxy.servers import alive_but_dropping, dying_server, local_backend, named, refused_url
+from moe_cohort.proxy.settings import Settings
+from moe_cohort.proxy.vllm_server import free_port
+from tests.proxy.servers import (CHAT, OK_BODY, ProxyThread, alive_but_dropping, answer, body_of, dying_server, local_backend,
+                                 named, refused_url, run)
 
 PATH = "/v1/completions"
 
@@ -163,3 +170,70 @@ def test_a_request_cancelled_while_queued_or_at_the_backend_frees_its_slot_once(
                 await gate.replicas.close()
 
     asyncio.run(main())
+
+
+def test_non_streaming_clients_that_leave_free_their_slots_and_close_the_backend_connection():
+    """One slot: A holds it at a backend that never answers, B waits for it; both clients hang up. A's backend
+    connection is closed (how vLLM learns to abort), B never reaches the backend, and the slot serves C."""
+    arrived, a_closed = [], asyncio.Event()
+
+    async def backend(request):
+        content = (await body_of(request))["messages"][0]["content"]
+        arrived.append(content)
+        if content == "c":
+            return answer(OK_BODY)
+        response = web.StreamResponse(headers={"content-type": "application/json", "content-length": "1000000"})
+        await response.prepare(request)
+        try:
+            while True:  # an answer that never ends, until the proxy hangs up
+                await response.write(b" ")
+                await asyncio.sleep(0.01)
+        except (ConnectionError, asyncio.CancelledError):
+            a_closed.set()
+            raise
+
+    async def send(port, content):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        body = json.dumps({**CHAT, "messages": [{"role": "user", "content": content}]}).encode()
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: proxy\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        await writer.drain()
+        return writer
+
+    async def until(condition):
+        for _ in range(1000):
+            if await condition():
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError("timed out")
+
+    async def main():
+        async with local_backend(backend) as url:
+            settings = Settings(backend_url=url, port=free_port(), encoder="none", max_in_flight=1)
+            with ProxyThread(settings) as proxy:
+                async with httpx.AsyncClient(base_url=proxy.url, timeout=10) as c:
+                    async def gauge(name):
+                        return float(re.search(rf"^{name} (\S+)$", (await c.get("/metrics")).text, re.M).group(1))
+
+                    a = await send(settings.port, "a")
+                    await until(lambda: _true(arrived == ["a"]))
+                    b = await send(settings.port, "b")
+                    await until(lambda: _equal(gauge("cohort_waiting"), 1))
+                    b.close()  # B leaves while it waits, then A while at the backend
+                    await until(lambda: _equal(gauge("cohort_waiting"), 0))
+                    a.close()
+                    await asyncio.wait_for(a_closed.wait(), 10)
+                    await until(lambda: _equal(gauge("cohort_in_flight"), 0))
+                    third = await c.post("/v1/chat/completions", json={**CHAT, "messages": [{"role": "user", "content": "c"}]})
+        return third
+
+    assert run(main()).status_code == 200
+    assert arrived == ["a", "c"]
+
+
+async def _true(value):
+    return value
+
+
+async def _equal(awaitable, expected):
+    return await awaitable == expected

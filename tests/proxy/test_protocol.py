@@ -4,6 +4,7 @@ import pytest
 
 from moe_cohort.proxy.http.errors import InvalidRequest, PayloadTooLarge
 from moe_cohort.proxy.protocol import check_size, parse_request
+from tests.proxy.servers import OK_BODY, answer, body_of, post, run
 
 
 def parse(body, route="chat", headers=None, default="topk", max_bytes=10_000):
@@ -72,3 +73,15 @@ def test_size_limit_is_413():
     with pytest.raises(PayloadTooLarge):
         check_size("5000", 100)
     check_size(None, 100)
+
+
+def test_policy_reaches_the_backend_as_vllm_xargs():
+    bodies = []
+
+    async def backend(request):
+        bodies.append(await body_of(request))
+        return answer(OK_BODY)
+
+    resp = run(post(backend, {**CHAT, "custom": 1}, headers={"X-MoE-Routing": "lynx-lat;drop=2"}))
+    assert resp.status_code == 200 and resp.headers["x-cohort-admission"].startswith("a")
+    assert bodies[0]["vllm_xargs"]["moe_routing"].startswith("lynx-lat") and bodies[0]["custom"] == 1

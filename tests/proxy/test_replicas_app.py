@@ -24,7 +24,7 @@ from moe_cohort.proxy.replicas import ReplicaSet
 from moe_cohort.proxy.settings import Settings
 from tests.proxy.servers import answer, body_of, local_backend
 from tests.proxy.batch.test_run import CONFIG, OK, batch_file
-from tests.proxy.test_failures import sse
+from tests.proxy.test_streaming import sse
 
 CHAT_OK = {"id": "x", "object": "chat.completion", "created": 0, "model": "tiny",
            "choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "hi"}}]}

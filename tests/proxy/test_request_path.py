@@ -15,7 +15,7 @@ from moe_cohort.proxy.vllm_server import free_port
 from moe_cohort.proxy.app import create_app
 from moe_cohort.proxy.settings import Settings
 from tests.proxy.servers import ProxyThread, answer
-from tests.proxy.test_failures import CHAT, OK_BODY, ok, proxy_client, run
+from tests.proxy.servers import CHAT, OK_BODY, ok, proxy_client, run
 
 CHUNK = 64 * 1024
 # what the proxy may read past a limit: the one body message that crosses it (uvicorn stops reading from the

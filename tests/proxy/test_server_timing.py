@@ -12,7 +12,7 @@ from aiohttp import web
 
 from moe_cohort.proxy.replicas import ReplicaSet
 from tests.proxy.servers import answer
-from tests.proxy.test_failures import CHAT, OK_BODY, proxy_client, run
+from tests.proxy.servers import CHAT, OK_BODY, proxy_client, run
 
 BACKEND_S = 0.25  # how long the backend takes to answer, on the test's clock (a binary fraction: sums are exact)
 

@@ -10,7 +10,7 @@ from starlette.routing import Route
 
 from moe_cohort.proxy.http.errors import InvalidRequest, ProxyError
 from moe_cohort.proxy.http.fastpath import FastPath
-from tests.proxy.test_failures import CHAT, ok, proxy_client
+from tests.proxy.servers import CHAT, ok, proxy_client
 
 
 def _client(app) -> httpx.AsyncClient:

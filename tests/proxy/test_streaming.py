@@ -1,0 +1,92 @@
+"""Streams through the proxy: keep-alives while queued, chunks relayed as they arrive, a stream the backend
+drops ends with an SSE error event."""
+
+import asyncio
+import json
+
+import httpx
+from aiohttp import web
+
+from moe_cohort.proxy.settings import Settings
+from moe_cohort.proxy.vllm_server import free_port
+from tests.proxy.servers import CHAT, OK_BODY, ProxyThread, answer, body_of, local_backend, post, proxy_client, run
+
+
+async def sse(request, *chunks, drop=False):
+    """An event stream of `chunks`; with `drop`, the connection is cut instead of ending the stream."""
+    response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+    await response.prepare(request)
+    for chunk in chunks:
+        await response.write(chunk)
+    if drop:
+        await asyncio.sleep(0.01)
+        request.transport.abort()
+    else:
+        await response.write_eof()
+    return response
+
+
+def test_stream_dropped_by_the_backend_ends_with_an_error_event():
+    async def backend(request):
+        return await sse(request, b'data: {"choices": [{"delta": {"content": "a"}}]}\n\n', drop=True)
+
+    resp = run(post(backend, {**CHAT, "stream": True}))
+    events = [e for e in resp.text.split("\n\n") if e]
+    assert resp.status_code == 200 and events[0].startswith("data: {\"choices\"")
+    assert "cannot reach the backend" in json.loads(events[-1].removeprefix("data: "))["error"]["message"]
+
+
+def test_streaming_request_gets_keepalives_while_queued():
+    holding, release = asyncio.Event(), asyncio.Event()
+
+    async def backend(request):
+        if (await body_of(request)).get("stream"):
+            return await sse(request, b"data: [DONE]\n\n")
+        holding.set()
+        await release.wait()  # the first (non-streaming) request holds the only slot
+        return answer(OK_BODY)
+
+    async def main():
+        async with proxy_client(backend, max_in_flight=1, keepalive_s=0.02) as c:
+            first = asyncio.create_task(c.post("/v1/chat/completions", json=CHAT))
+            await holding.wait()
+            second = asyncio.create_task(c.post("/v1/chat/completions", json={**CHAT, "stream": True}))
+            while "cohort_waiting 1.0" not in (await c.get("/metrics")).text:  # the second waits for the slot
+                await asyncio.sleep(0.01)
+            # one event loop: the relay's keep-alive timer (due 0.02 s after it began waiting) fires first
+            await asyncio.sleep(0.1)
+            release.set()
+            return await first, await second
+
+    first, second = run(main())
+    assert first.status_code == 200
+    assert second.text.startswith(": queued\n\n") and second.text.endswith("data: [DONE]\n\n")
+
+
+def test_stream_chunks_are_relayed_as_they_arrive():
+    """The backend holds its second event until the client has the first: a buffering proxy hangs."""
+    first_seen = asyncio.Event()
+
+    async def backend(request):
+        response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(b'data: {"n": 1}\n\n')
+        await first_seen.wait()
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    async def main():
+        async with local_backend(backend) as url:
+            settings = Settings(backend_url=url, port=free_port(), encoder="none")
+            with ProxyThread(settings) as proxy:  # a real server: httpx.ASGITransport buffers whole bodies
+                async with httpx.AsyncClient(base_url=proxy.url, timeout=10) as c:
+                    async with c.stream("POST", "/v1/chat/completions", json={**CHAT, "stream": True}) as resp:
+                        chunks = resp.aiter_raw()
+                        first = await asyncio.wait_for(anext(chunks), timeout=5)
+                        first_seen.set()
+                        rest = b"".join([chunk async for chunk in chunks])
+        return first, rest
+
+    first, rest = run(main())
+    assert first == b'data: {"n": 1}\n\n' and rest == b"data: [DONE]\n\n"
