@@ -5,7 +5,8 @@ Sources (read in place, never copied into the repository):
 - code:  the Python standard library's own top-level modules (`sysconfig` stdlib path);
 - prose: `pydoc_data.topics` (the Python language reference, shipped with Python);
 - math, chat and more code: the prompt set `prompts/mixed.jsonl` of $COHORT_DATA (GSM8K test,
-  HumanEval, MT-Bench, Vicuna-bench; licenses beside the file), when it is at hand.
+  HumanEval, MT-Bench, Vicuna-bench; licenses beside the file), when it is at hand; else prompts made
+  from templates (`devtools.templated_prompts`) of the same kinds.
 
 Every source is split by request with the project's one held-out split (`traces.split.
 split_requests`, its defaults, grouped by text); only the training side is ever trained
@@ -27,17 +28,18 @@ import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from moe_cohort.devtools.templated_prompts import templated_prompts
 from moe_cohort.traces.split import split_requests
 
 log = logging.getLogger(__name__)
 
 KINDS = ("code", "math", "chat", "prose")
-DATA_ENV = "COHORT_DATA"  # the data folder; unset: no prompt set, package text only
+DATA_ENV = "COHORT_DATA"  # the data folder; unset: templated prompts instead of its prompt set
 PROMPTS = "prompts/mixed.jsonl"  # the prompt set inside the data folder
 
 
 def default_prompts_path() -> str | None:
-    """$COHORT_DATA/prompts/mixed.jsonl when $COHORT_DATA is set, else None (package text only)."""
+    """$COHORT_DATA/prompts/mixed.jsonl when $COHORT_DATA is set, else None (templated prompts instead)."""
     folder = os.environ.get(DATA_ENV)
     return str(Path(folder) / PROMPTS) if folder else None
 
@@ -53,7 +55,7 @@ class Doc:
 
 @dataclass(frozen=True)
 class CorpusArgs:
-    """Which text goes in. `prompts_path` None or missing: package text only (code and prose)."""
+    """Which text goes in. `prompts_path` None or missing: templated prompts stand in for the prompt set."""
 
     prompts_path: str | None = field(default_factory=default_prompts_path)
     max_code_files: int = 400  # stdlib top-level modules, in name order
@@ -78,9 +80,10 @@ class Corpus:
 
 
 def build_corpus(args: CorpusArgs = CorpusArgs()) -> Corpus:
-    """Package code and prose, plus mixed.jsonl when present, each split into train / held out."""
+    """Package code and prose, plus mixed.jsonl when present (else templated prompts), each split into train /
+    held out."""
     corpus = Corpus()
-    for docs in (stdlib_code(args), pydoc_prose(args), mixed_prompts(args)):
+    for docs in (stdlib_code(args), pydoc_prose(args), mixed_prompts(args) or templated(args)):
         train_idx, held_idx = split_requests(len(docs), args.holdout, args.seed, groups=[d.text for d in docs])
         corpus.train += [docs[i] for i in train_idx]
         corpus.heldout += [docs[i] for i in held_idx]
@@ -122,10 +125,17 @@ def pydoc_prose(args: CorpusArgs) -> list[Doc]:
 def mixed_prompts(args: CorpusArgs) -> list[Doc]:
     """mixed.jsonl's prompts in file order, as Doc(kind, text, category); [] when the file is absent."""
     if not args.prompts_path or not Path(args.prompts_path).exists():
-        log.info("no prompt set at %s: training on package text only", args.prompts_path)
+        log.info("no prompt set at %s: templated prompts stand in for it", args.prompts_path)
         return []
     rows = read_prompts(args.prompts_path)
     return [Doc(prompt_kind(r["category"]), r["text"], r["category"]) for r in rows]
+
+
+def templated(args: CorpusArgs) -> list[Doc]:
+    """Prompts made from templates (devtools.templated_prompts), standing in for a prompt set: math, code and
+    chat requests (every other instruction is chat, as in `prompt_kind`)."""
+    return [Doc(kind if kind in KINDS else "chat", text, f"templated-{kind}")
+            for kind, text in templated_prompts(seed=args.seed)]
 
 
 def read_prompts(path: str | Path) -> list[dict]:

@@ -43,3 +43,13 @@ def test_kinds_and_package_sources(tmp_path):
     assert [prompt_kind(c) for c in ("math", "code", "coding", "writing")] == ["math", "code", "code", "chat"]
     assert build_corpus(CorpusArgs(prompts_path=None, max_code_files=2)).digest() != corpus.digest()
     assert any("def " in d.text for d in corpus.train if d.category == "stdlib")
+
+
+def test_without_a_prompt_set_templated_prompts_of_every_kind_stand_in(tmp_path):
+    corpus = build_corpus(CorpusArgs(prompts_path=str(tmp_path / "absent.jsonl"), max_code_files=2))
+    templated = [d for d in corpus.train + corpus.heldout if d.category.startswith("templated-")]
+    assert {d.kind for d in templated} == {"math", "code", "chat"}
+    assert {d.kind for d in corpus.train + corpus.heldout} == {"code", "math", "chat", "prose"}
+    held = {d.text for d in corpus.heldout if d.category.startswith("templated-")}
+    assert held and not held & {d.text for d in corpus.train}  # the split keeps identical texts on one side
+    assert build_corpus(CorpusArgs(prompts_path=None, max_code_files=2)).digest() == corpus.digest()
