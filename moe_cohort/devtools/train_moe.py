@@ -17,7 +17,7 @@ library versions) and copied to `out_dir`; `cohort_tiny_moe.json` records the tr
 
 Cost: "full" trains 819,200 tokens (400 steps of 16 x 128), "ci" a small fraction of that; how long
 they take on a CPU host (far longer when its cores are shared) is measured in docs/results.md
-(section 9), and every run records its own figures in `cohort_tiny_moe.json`.
+("The trained tiny MoE"), and every run records its own figures in `cohort_tiny_moe.json`.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ the model at these sizes). Pooling (mean or CLS) and normalisation are done in n
 Dynamic int8 quantises activations with one scale per call, over every row and pad of the batch,
 so a text's embedding would depend on its batch-mates; Embedder feeds one text per call, which
 keeps the embedding a function of the text (the cache relies on it) and cost no more CPU here
-than batches of 64 (docs/results.md, section 4).
+than batches of 64 (docs/results.md, "Which encoder").
 Not `SentenceTransformer(backend="onnx")`: that needs optimum, which downgrades transformers.
 
 The export lives in $COHORT_CACHE_DIR (encoder.static.cache_root), in a folder named after the

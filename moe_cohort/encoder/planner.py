@@ -54,7 +54,7 @@ def plan_batches(x: np.ndarray, batch_size: int, *, seed: int = 0, config: Plann
 
     BLAS runs on `config.blas_threads` threads: the planner makes thousands of small matrix
     products, where multi-threaded OpenBLAS spins more than it computes on a busy host
-    (docs/results.md, section 10).
+    (docs/results.md).
     """
     x = _checked(x, batch_size)
     if len(x) == 0:

@@ -28,7 +28,7 @@ Transport: counted in vLLM's worker process, served by the API server process, o
   before prometheus_client was imported: by the user, or by vLLM for --api-server-count > 1):
   every update also goes to a `Counter`/`Histogram`, i.e. to that directory, and vLLM's /metrics
   serves it (`MultiProcessCollector`). That costs an mmap write per update, far
-  more per forward than counting in memory (docs/results.md, section 7).
+  more per forward than counting in memory (docs/results.md).
   Dead processes' totals stay: no `mark_process_dead` (it only drops live gauges; we have none).
 - else (vLLM's default; the worker is forked from the API server, so its prometheus_client
   counts in memory) the API server makes a private directory (`COHORT_METRICS_DIR`, inherited by

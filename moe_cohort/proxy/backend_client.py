@@ -2,7 +2,7 @@
 
 It is aiohttp rather than httpx: on the proxy's hot path httpx costs far more CPU than aiohttp
 per request, most of it httpcore scanning its connection pool (benchmarks.bench_proxy,
-docs/results.md section 5). The session is made lazily in the running event loop (aiohttp
+docs/results.md, "What does the proxy cost?"). The session is made lazily in the running event loop (aiohttp
 sessions belong to one loop).
 """
 

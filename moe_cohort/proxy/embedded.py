@@ -19,7 +19,7 @@ from moe_cohort.proxy.vllm_server import VllmServer, start
 
 log = logging.getLogger(__name__)
 
-TRAIN_MINUTES = "a few minutes"  # devtools/train_moe.py, recipe "full" (measured in docs/results.md, section 9)
+TRAIN_MINUTES = "a few minutes"  # devtools/train_moe.py, recipe "full" (docs/results.md, "The trained tiny MoE")
 
 
 def cache_root() -> Path:
