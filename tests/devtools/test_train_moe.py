@@ -97,5 +97,6 @@ def test_cache_is_reused_and_keyed_by_recipe(tmp_path, monkeypatch, capsys):
 def test_training_text_keeps_to_the_prompt_kind():
     docs = build_corpus(CorpusArgs(prompts_path=None, max_code_files=2)).train
     texts = train_moe.training_texts(docs)
-    assert set(texts) == {"code", "prose"}
-    assert all(t.endswith("<|endoftext|>") for t in texts["code"] + texts["prose"])
+    assert set(texts) == {"code", "prose", "math", "chat"}  # templated prompts stand in for the prompt set
+    assert all(t.endswith("<|endoftext|>") for t in texts["prose"])
+    assert all(t.startswith(train_moe.USER) for t in texts["math"] + texts["chat"])
