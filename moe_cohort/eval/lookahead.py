@@ -16,6 +16,13 @@ first; else the fewest expected new experts, ties to the earliest arrival) and, 
   residents' true tokens per layer and step, as eval.replay counts them), over the steps with every slot
   busy when `full_only` (what `Replay.loads_per_token_full` measures), else over all of them.
 
+The same search can plan from predictions instead: with `expected`, a rollout counts per step the
+expected distinct experts of its residents' profiles (sum over layers and experts of
+1 - prod_r (1 - u_r[l, e]), the quantity whose increments the greedy rule minimises) instead of their
+true tokens, and with `plan_lengths` it assumes those output lengths (a resident past its planned
+length is assumed to run one more step) instead of the true ones. With predicted profiles, both set,
+it is a rule that sees no trace.
+
 The candidate of the lowest score takes the slot (ties: the earlier in greedy order). K = 1 or H = 0
 is the greedy rule itself. With K, H and `width` at least the number of requests the search runs
 every admission order to the end, so the replay reaches the fewest loads per token (over full steps
@@ -48,6 +55,8 @@ class Lookahead:
     horizon: int = 4  # H: admissions after the candidate's within a rollout's window
     width: int = 1  # choices searched at each admission inside a rollout (1: greedy)
     full_only: bool = True  # score the window's steps with every slot busy only
+    expected: bool = False  # rollouts count the profiles' expected loads, not the true tokens'
+    plan_lengths: np.ndarray | None = field(default=None, repr=False)  # [N] lengths rollouts assume (None: true)
     shuffle: bool = True  # requests join in a random order of the run's seed, as the reference's
 
     def run(self, tokens: DecodeTokens, lengths: np.ndarray, slots: int, seed: int = 0,
@@ -57,8 +66,9 @@ class Lookahead:
             raise ValueError("lookahead admission replays one engine, every request at step 0, without a fairness bound")
         n = len(tokens)
         order = np.random.default_rng(seed).permutation(n) if self.shuffle else np.arange(n)
-        router = LookaheadRouter(slots, tokens, np.asarray(lengths, np.int64), self.vectors,
-                                 self.candidates, self.horizon, self.width, self.full_only)
+        plan = np.asarray(lengths if self.plan_lengths is None else self.plan_lengths, np.int64)
+        router = LookaheadRouter(slots, tokens, plan, self.vectors, self.candidates, self.horizon, self.width,
+                                 self.full_only, self.expected)
         return replay(tokens, lengths, router, vectors=self.vectors, order=order)
 
 
@@ -66,7 +76,7 @@ class LookaheadRouter(ReplicaRouter):
     """The replay's router ("affinity", one replica of `slots`) whose choice at a free slot looks ahead."""
 
     def __init__(self, slots: int, tokens: DecodeTokens, lengths: np.ndarray, vectors: np.ndarray,
-                 candidates: int, horizon: int, width: int = 1, full_only: bool = True):
+                 candidates: int, horizon: int, width: int = 1, full_only: bool = True, expected: bool = False):
         super().__init__([slots], "affinity")
         if candidates < 1 or horizon < 0 or width < 1:
             raise ValueError(f"need candidates >= 1, horizon >= 0, width >= 1; got {candidates}, {horizon}, {width}")
@@ -74,7 +84,7 @@ class LookaheadRouter(ReplicaRouter):
         self.profiles = np.ascontiguousarray(np.asarray(vectors, np.float32).reshape(len(lengths), -1))  # [N, L*E]
         self.neg_log = np.stack([_neg_log_idle(p) for p in self.profiles])  # [N, L*E] float64
         self.candidates, self.horizon, self.width, self.slots = candidates, horizon, width, slots
-        self.full_only = full_only
+        self.full_only, self.expected = full_only, expected
         self.started: dict[int, int] = {}  # resident request -> step it was admitted
         self.joined: dict[int, int] = {}  # waiting request -> its place in arrival order
 
@@ -127,6 +137,10 @@ class LookaheadRouter(ReplicaRouter):
             return idx[ties][np.argmin(s.seq[idx][ties])][None]
         return idx[np.lexsort((s.seq[idx], cost))[:k]]
 
+    def _expected_loads(self, res: np.ndarray) -> float:
+        """Expected distinct experts per step of residents `res`, summed over layers, if tokens pick independently."""
+        return float((1.0 - np.exp(-self.neg_log[res].sum(axis=0))).sum())
+
     def _admit_and_roll(self, s: "_State", c: int, made: int, loads: int, toks: int) -> tuple[int, int]:
         """(loads, tokens) of the window from the root, prefix `loads`, `toks` included, after `c` takes a
         slot of state `s` (the `made`-th admission of the rollout) and the rollout runs on."""
@@ -145,10 +159,10 @@ class LookaheadRouter(ReplicaRouter):
                 return min(branches, key=lambda lt: lt[0] / lt[1] if lt[1] else np.inf)
             if len(s.res) == 0:
                 return loads, toks
-            left = self.lengths[s.res] - s.t  # [R]
+            left = np.maximum(self.lengths[s.res] - s.t, 1)  # [R] planned steps left (>= 1: it is still running)
             span = int(left.min())
             if len(s.res) == self.slots or not self.full_only:
-                loads += span_loads(self.tokens, s.res, s.t, span)
+                loads += span * self._expected_loads(s.res) if self.expected else span_loads(self.tokens, s.res, s.t, span)
                 toks += span * len(s.res)
             stay = left > span
             s = _State(s.res[stay], s.t[stay] + span, s.free + int((~stay).sum()), s.waiting, s.seq, True)

@@ -60,3 +60,30 @@ def test_bounded_lookahead_fills_every_slot_and_admits_everyone():
     got = Lookahead(prof.reshape(len(prof), -1), candidates=3, horizon=2).run(tokens, lengths, 4, 1)
     assert got.violations == 0 and sorted(got.order.tolist()) == list(range(30))
     assert got.tokens == int(lengths.sum())
+
+
+def _expected_per_token(run, lengths, prof, slots):
+    """Brute force: over the steps with every slot busy, the residents' expected distinct experts
+    (sum over layers and experts of 1 - prod_r (1 - u_r), u clipped below 1 as the resident set clips it)
+    per generated token."""
+    u = np.clip(prof.reshape(len(prof), -1).astype(np.float64), 0.0, 1.0 - 1e-3)
+    loads = toks = 0.0
+    for step in range(run.makespan):
+        live = [r for r in range(len(lengths)) if run.start[r] <= step < run.start[r] + lengths[r]]
+        if len(live) == slots:
+            loads += (1.0 - np.prod(1.0 - u[live], axis=0)).sum()
+            toks += slots
+    return loads / toks
+
+
+@pytest.mark.parametrize("seed", [0, 4])
+def test_full_lookahead_on_expected_loads_finds_the_order_of_fewest_expected_loads(seed):
+    tokens, lengths, prof = _setup(6, seed=seed, max_decode=6)
+    n, slots = len(lengths), 2
+    brute = min(_expected_per_token(fixed_order(p).run(tokens, lengths, slots), lengths, prof, slots)
+                for p in itertools.permutations(range(n)))
+    got = Lookahead(prof.reshape(n, -1), candidates=n, horizon=n, width=n, expected=True).run(tokens, lengths, slots, 0)
+    assert _expected_per_token(got, lengths, prof, slots) == pytest.approx(brute, rel=1e-9)
+    wrong = Lookahead(prof.reshape(n, -1), candidates=n, horizon=n, width=n, expected=True,
+                      plan_lengths=lengths[::-1].copy()).run(tokens, lengths, slots, 0)
+    assert _expected_per_token(wrong, lengths, prof, slots) > brute + 1e-9  # planning on wrong lengths misses it
