@@ -17,11 +17,29 @@ queue (engine.expert_queue) keeps the pool and a resident set without it. Routin
 - "round-robin": bound on arrival: the i-th request goes to the queue of replica i mod R (the
   healthy ones); each replica serves its own queue first come first served.
 
+Two more routings bind on arrival the same way, as Ray Serve's request routers do when they dispatch
+to replicas that take many requests each (a large max_ongoing_requests) and vLLM serves its own
+queue first come first served; the replay measures ours against them (`RAY_ROUTINGS`; the proxy
+serves `ROUTINGS`):
+
+- "power-of-two" (Ray Serve's default router): two distinct healthy replicas drawn at random,
+  `rng.choice(healthy, 2, replace=False)` from the router's seeded Generator, and the request goes
+  to the one with fewer requests (resident + queued), ties to the lower index; with one healthy
+  replica, that one, and nothing drawn.
+- "prefix" (Ray Serve LLM's PrefixCacheAffinityRouter): the request goes to the replica that was
+  last given a request with its longest matching prompt prefix, compared in blocks (`prefix_blocks`:
+  a text's first 64 characters in blocks of 16, the last one possibly shorter; or the caller's own
+  tuple of chunks). A table maps every block-prefix (the first d blocks, d >= 1) of every routed
+  request to the replica it went to, the oldest entries dropped past `prefix_entries`. When the load
+  imbalance (max - min of resident + queued over the healthy replicas) exceeds `imbalance` (default:
+  the most slots of a replica), or no block-prefix of the request maps to a healthy replica, it
+  falls back to power-of-two. Only this routing reads `add`'s `prefix`.
+
 When several replicas have free slots, the one with the most free slots admits first (ties: the
 lowest index), one request at a time, so R empty replicas take R different seeds before any of
 them fills up. Load bound: with a shared pool a free slot takes a waiting request at once, so no
 replica idles while another has a queue (`idle_while_queued` says whether that holds now);
-round-robin can break it, when one replica's queue runs dry before another's.
+a routing that binds on arrival can break it, when one replica's queue runs dry before another's.
 """
 
 from __future__ import annotations
@@ -34,7 +52,11 @@ import numpy as np
 from moe_cohort.admission.resident import Resident, ResidentExperts
 from moe_cohort.admission.waiting import WaitingPool
 
-ROUTINGS = ("round-robin", "least-loaded", "affinity")
+ROUTINGS = ("round-robin", "least-loaded", "affinity")  # what the proxy serves
+RAY_ROUTINGS = ("power-of-two", "prefix")  # Ray Serve's request routers, replayed against ours
+ON_ARRIVAL = ("round-robin", "power-of-two", "prefix")  # bound to a replica's own queue on arrival
+PREFIX_CHARS, PREFIX_BLOCK = 64, 16  # "prefix": a text's first 64 characters, compared in blocks of 16
+Prefix = str | tuple  # a prompt text, or a tuple of hashable chunks
 ResidentFactory = Callable[[int], Resident]  # vector size -> an empty resident set
 
 
@@ -42,9 +64,10 @@ class ReplicaRouter:
     """R replicas' free slots, resident sets and health, and the waiting requests; see the module docstring."""
 
     def __init__(self, slots: Sequence[int], routing: str = "affinity", *, max_wait: float | None = None,
-                 max_passed: int | None = None, resident_factory: ResidentFactory = lambda size: ResidentExperts(1, size)):
-        if routing not in ROUTINGS:
-            raise ValueError(f"routing must be one of {', '.join(ROUTINGS)}, got {routing!r}")
+                 max_passed: int | None = None, resident_factory: ResidentFactory = lambda size: ResidentExperts(1, size),
+                 rng: np.random.Generator | None = None, imbalance: int | None = None, prefix_entries: int = 1 << 16):
+        if routing not in ROUTINGS + RAY_ROUTINGS:
+            raise ValueError(f"routing must be one of {', '.join(ROUTINGS + RAY_ROUTINGS)}, got {routing!r}")
         if len(slots) < 1 or min(slots) < 1:
             raise ValueError(f"every replica needs >= 1 slot, got {list(slots)}")
         self.routing, self.max_wait, self.max_passed = routing, max_wait, max_passed  # admission.waiting's bounds
@@ -52,12 +75,17 @@ class ReplicaRouter:
         self.busy = np.zeros(len(slots), np.int64)  # [R] admitted, not yet released
         self.healthy = np.ones(len(slots), bool)  # [R] a replica that is down admits nothing
         self.pool = WaitingPool()  # shared: least-loaded and affinity
-        self.queues: list[deque] = [deque() for _ in slots]  # per replica: round-robin
+        self.queues: list[deque] = [deque() for _ in slots]  # per replica: the routings of ON_ARRIVAL
         self.placed: dict[Hashable, tuple[int, np.ndarray | None]] = {}  # admitted key -> (replica, vector held)
         self._factory = resident_factory
         self._residents: list[Resident | None] = [None] * len(slots)
-        self._vectors: dict[Hashable, np.ndarray | None] = {}  # waiting key -> vector (round-robin queues)
+        self._vectors: dict[Hashable, np.ndarray | None] = {}  # waiting key -> vector (queues of ON_ARRIVAL)
         self._turn = 0
+        self._rng = np.random.default_rng(0) if rng is None else rng  # power-of-two's draws
+        self.imbalance = int(self.capacity.max()) if imbalance is None else imbalance  # prefix: past it, power-of-two
+        self._prefix_entries = prefix_entries
+        self._served: dict[tuple, int] = {}  # block-prefix -> the replica last given it, oldest first (prefix)
+        self._prefixes: dict[Hashable, Prefix | None] = {}  # waiting key -> its prefix (prefix)
 
     @property
     def replicas(self) -> int:
@@ -69,19 +97,21 @@ class ReplicaRouter:
     def waiting(self) -> int:
         return len(self.pool) + sum(len(q) for q in self.queues)
 
-    def add(self, key: Hashable, vector: np.ndarray | None, now: float) -> None:
-        """A request arrives: `vector` is its flat predicted profile [L*E] (or embedding), None for FCFS."""
+    def add(self, key: Hashable, vector: np.ndarray | None, now: float, prefix: Prefix | None = None) -> None:
+        """A request arrives: `vector` is its flat predicted profile [L*E] (or embedding), None for FCFS;
+        `prefix` its prompt text (or chunks), read by the "prefix" routing only."""
         if key in self.placed or key in self._vectors or key in self.pool:
             raise ValueError(f"{key!r} is routed already")
-        if self.routing != "round-robin":
+        if self.routing not in ON_ARRIVAL:
             self.pool.add(key, vector, now)
             return
-        up = np.flatnonzero(self.healthy)
+        up = np.flatnonzero(self.healthy)  # [H]
         if len(up) == 0:
             raise ValueError("no healthy replica to queue the request on")
-        self.queues[int(up[self._turn % len(up)])].append(key)
+        self.queues[self._bind(up, prefix)].append(key)
         self._vectors[key] = vector
-        self._turn += 1
+        if self.routing == "prefix":
+            self._prefixes[key] = prefix
 
     def remove(self, key: Hashable) -> None:
         """A waiting request leaves before admission (its client went away)."""
@@ -89,6 +119,7 @@ class ReplicaRouter:
             self.pool.remove(key)
             return
         self._vectors.pop(key)  # KeyError for a key that is not waiting
+        self._prefixes.pop(key, None)
         next(q for q in self.queues if key in q).remove(key)
 
     def update(self, key: Hashable, vector: np.ndarray | None) -> None:
@@ -116,7 +147,7 @@ class ReplicaRouter:
         """A request that arrives while nobody waits and a slot is free: placed now, on the replica with the
         most free slots, exactly as `add` + `admit` would place it, without the pool's bookkeeping (the
         proxy's common case: a slot free, nothing to reorder). Returns the replica, or None when the
-        request must go through `add` (a queue, round-robin). A vector may also come
+        request must go through `add` (a queue, a routing that binds on arrival). A vector may also come
         later (`assign`)."""
         if not self.places_at_once() or key in self.placed:
             return None
@@ -130,7 +161,7 @@ class ReplicaRouter:
     def places_at_once(self) -> bool:
         """Whether a request arriving now is placed at once (`place_at_once`): a shared pool, nobody
         waiting, a free slot on a healthy replica."""
-        return (self.routing != "round-robin" and not self.waiting()
+        return (self.routing not in ON_ARRIVAL and not self.waiting()
                 and self.free().max(initial=0) > 0)
 
     def assign(self, key: Hashable, vector: np.ndarray) -> bool:
@@ -165,8 +196,9 @@ class ReplicaRouter:
         return r
 
     def set_healthy(self, replica: int, healthy: bool) -> list[Hashable]:
-        """Take a replica out (or back in). Out: its round-robin queue moves to the other healthy replicas,
-        in order; the keys moved are returned. Its admitted requests stay placed until released."""
+        """Take a replica out (or back in). Out: its queue (routings that bind on arrival) is routed again
+        over the other healthy replicas, in order; the keys moved are returned. Its admitted requests stay
+        placed until released."""
         self.healthy[replica] = healthy
         if healthy or not self.queues[replica] or not self.healthy.any():
             return []  # with no healthy replica left the queue stays where it is
@@ -174,7 +206,7 @@ class ReplicaRouter:
         self.queues[replica].clear()
         for key in moved:
             vector = self._vectors.pop(key)
-            self.add(key, vector, now=0.0)
+            self.add(key, vector, now=0.0, prefix=self._prefixes.pop(key, None))
         return moved
 
     def idle_while_queued(self) -> bool:
@@ -185,18 +217,56 @@ class ReplicaRouter:
         """Replica's resident set (affinity only; None before the first vector)."""
         return self._residents[replica]
 
+    def load(self) -> np.ndarray:  # [R] requests per replica: admitted + queued on it
+        return self.busy + np.array([len(q) for q in self.queues], np.int64)
+
+    def _bind(self, up: np.ndarray, prefix: Prefix | None) -> int:
+        """The replica whose queue an arriving request joins (routings that bind on arrival), among `up` [H]."""
+        if self.routing == "round-robin":
+            self._turn += 1
+            return int(up[(self._turn - 1) % len(up)])
+        if self.routing == "power-of-two":
+            return self._two_choices(up)
+        blocks = prefix_blocks(prefix)
+        load = self.load()[up]  # [H]
+        r = None if load.max() - load.min() > self.imbalance else self._longest_match(blocks)
+        r = self._two_choices(up) if r is None else r
+        for d in range(1, len(blocks) + 1):  # every block-prefix now maps to r, as the newest entry
+            self._served.pop(blocks[:d], None)
+            self._served[blocks[:d]] = r
+        while len(self._served) > self._prefix_entries:
+            del self._served[next(iter(self._served))]
+        return r
+
+    def _two_choices(self, up: np.ndarray) -> int:
+        """Power of two choices among the healthy replicas `up` [H]: the one with fewer requests, ties to the lower."""
+        if len(up) == 1:
+            return int(up[0])
+        a, b = sorted(int(r) for r in self._rng.choice(up, 2, replace=False))
+        load = self.load()
+        return b if load[b] < load[a] else a
+
+    def _longest_match(self, blocks: tuple) -> int | None:
+        """The healthy replica last given the longest block-prefix of `blocks`, None when none matches."""
+        for d in range(len(blocks), 0, -1):
+            r = self._served.get(blocks[:d])
+            if r is not None and self.healthy[r]:
+                return r
+        return None
+
     def _has_candidate(self, r: int) -> bool:
-        return bool(self.queues[r]) if self.routing == "round-robin" else len(self.pool) > 0
+        return bool(self.queues[r]) if self.routing in ON_ARRIVAL else len(self.pool) > 0
 
     def _choose(self, r: int, now: float) -> Hashable:
-        if self.routing == "round-robin":
+        if self.routing in ON_ARRIVAL:
             return self.queues[r].popleft()
         resident = self._resident_for(r) if self.routing == "affinity" else None
         return self.pool.pick(resident, now, self.max_wait, self.max_passed)
 
     def _place(self, key: Hashable, r: int) -> None:
-        if self.routing == "round-robin":
+        if self.routing in ON_ARRIVAL:
             vector = self._vectors.pop(key)
+            self._prefixes.pop(key, None)
         else:
             row = self.pool.rows[key]
             vector = self.pool.matrix[row].copy() if self.pool.profiled[row] else None
@@ -215,3 +285,14 @@ class ReplicaRouter:
         if self._residents[r] is None or self._residents[r].size != size:
             self._residents[r] = self._factory(size)
         return self._residents[r]
+
+
+def prefix_blocks(prefix: Prefix | None) -> tuple:
+    """What "prefix" routing compares: a text's first PREFIX_CHARS characters in blocks of PREFIX_BLOCK (the
+    last one possibly shorter), a tuple of chunks as it is, None as no blocks."""
+    if prefix is None:
+        return ()
+    if isinstance(prefix, str):
+        head = prefix[:PREFIX_CHARS]
+        return tuple(head[i:i + PREFIX_BLOCK] for i in range(0, len(head), PREFIX_BLOCK))
+    return tuple(prefix)

@@ -2,10 +2,13 @@
 
 The execution model and decode tokens of eval.replay: replica r keeps up to S requests resident, and
 a freed slot is filled at once by the router (`admission.router.ReplicaRouter`: round-robin,
-least-loaded or affinity; eval.policies.Policy says which). Loads per generated token are summed over
-every replica's steps, and so is the modelled MoE time (eval.cost, per replica step at that
-replica's tokens): the GPU time of all replicas together. The replay refuses a run of a shared-pool
-routing in which a replica idled while a request waited (the load bound).
+least-loaded, affinity, or Ray Serve's power-of-two and prefix; eval.policies.Policy says which).
+Loads per generated token are summed over every replica's steps, and so is the modelled MoE time
+(eval.cost, per replica step at that replica's tokens): the GPU time of all replicas together. The
+replay refuses a run of a shared-pool routing in which a replica idled while a request waited (the
+load bound); the routings that bind on arrival may break it, and `violations` counts those steps.
+With `kept_full`, loads and time per token count only the spans in which a replica had every slot
+busy (eval.engine.summary_row), and each row keeps the all-steps figures beside them.
 
     summary = evaluate_replicas(tokens, 4, 16, {"affinity": by_profile(profiles)}, lengths, cost, L)
 """
@@ -13,14 +16,14 @@ routing in which a replica idled while a request waited (the load bound).
 from __future__ import annotations
 
 import logging
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 from threadpoolctl import threadpool_limits
 
 from moe_cohort.eval.cost import CostModel
 from moe_cohort.eval.engine import Lengths, non_moe_us_per_step, summary_row
-from moe_cohort.eval.policies import Policy, by_embedding, by_profile, random_order
+from moe_cohort.eval.policies import Policy, by_embedding, by_prefix, by_profile, random_order
 from moe_cohort.eval.replay import DecodeTokens, Replay
 
 log = logging.getLogger(__name__)
@@ -28,12 +31,15 @@ log = logging.getLogger(__name__)
 
 def evaluate_replicas(tokens: DecodeTokens, replicas: int, slots: int, routings: Mapping[str, Policy], lengths: Lengths,
                       cost: CostModel, num_layers: int, *, seeds: int = 5, random_draws: int = 4,
-                      max_wait: float | None = None, arrivals: Callable[[int], np.ndarray] | None = None) -> dict:
+                      max_wait: float | None = None, arrivals: Callable[[int], np.ndarray] | None = None,
+                      kept_full: bool = False) -> dict:
     """Every routing and the random baseline (least-loaded, random arrival order) over `seeds` seeds.
 
     Rows as eval.engine.evaluate_continuous's (loads_per_token, saving vs random, saving_std,
-    moe_us_per_token, step_us_per_token, ...) plus `violations` (steps, summed over the runs),
-    `makespan` (steps to finish, mean) and `capture` against the row named "affinity-reference"."""
+    saving_per_seed, moe_us_per_token, step_us_per_token, ...) plus `violations` (steps, summed over the
+    runs), `makespan` (steps to finish, mean) and `capture` against the row named "affinity-reference".
+    With `kept_full` those count the spans of full replicas only, and `all_steps` holds the row's
+    loads_per_token, saving and saving_per_seed over every step."""
     sizes = [slots] * replicas
     random = random_order()
     runs: dict[str, list[list[Replay]]] = {"random": []}
@@ -44,7 +50,11 @@ def evaluate_replicas(tokens: DecodeTokens, replicas: int, slots: int, routings:
                                    for j in range(random_draws)])
             for name, routing in routings.items():
                 runs.setdefault(name, []).append([routing.run(tokens, lens, sizes, seed, max_wait, times)])
-    rows = {name: summary_row(rs, runs["random"], cost, num_layers) for name, rs in runs.items()}
+    rows = {name: summary_row(rs, runs["random"], cost, num_layers, kept_full) for name, rs in runs.items()}
+    if kept_full:
+        for name, rs in runs.items():
+            every = summary_row(rs, runs["random"], cost, num_layers)
+            rows[name]["all_steps"] = {k: every[k] for k in ("loads_per_token", "saving", "saving_per_seed")}
     non_moe = non_moe_us_per_step(rows["random"], cost)
     ref = rows.get("affinity-reference", {}).get("saving", 0.0)
     for name, row in rows.items():
@@ -55,7 +65,7 @@ def evaluate_replicas(tokens: DecodeTokens, replicas: int, slots: int, routings:
         row["step_us_per_token"] = row["moe_us_per_token"] + non_moe * row["steps_per_token"]
         row["seeds"] = seeds
     log.info("replica replay R = %d x S = %d: %d routings x %d seeds", replicas, slots, len(rows), seeds)
-    return {"engine": "continuous", "replicas": replicas, "slots": slots, "num_requests": len(tokens),
+    return {"engine": "continuous", "replicas": replicas, "slots": slots, "kept_full": kept_full, "num_requests": len(tokens),
             "decode_mode": tokens.mode, "cost_model": cost.name, "non_moe_us_per_step": non_moe, "plans": rows}
 
 
@@ -66,11 +76,14 @@ def poisson_arrivals(n: int, rate: float, seed: int) -> np.ndarray:  # [N] sorte
 
 
 def routings_for(names: str, *, predicted: np.ndarray | None = None, embeddings: np.ndarray | None = None,
-                 reference: np.ndarray | None = None) -> dict[str, Policy]:
-    """The rows of `names` ("round-robin", "least-loaded", "affinity" or "all"): affinity by the predicted
-    profiles [N, L*E] (else nearest embedding [N, D]), and affinity-reference by the traces' own [N, L*E]."""
-    wanted = ("round-robin", "least-loaded", "affinity") if names == "all" else (names,)
-    out = {name: Policy(name) for name in wanted if name != "affinity"}
+                 reference: np.ndarray | None = None, texts: Sequence[str] | None = None) -> dict[str, Policy]:
+    """The rows of `names` (comma-separated: "round-robin", "least-loaded", "affinity", "power-of-two",
+    "prefix", or "all" for the first three): affinity by the predicted profiles [N, L*E] (else nearest
+    embedding [N, D]), affinity-reference by the traces' own [N, L*E], prefix by the prompt `texts` [N]."""
+    wanted = ("round-robin", "least-loaded", "affinity") if names == "all" else tuple(names.split(","))
+    if "prefix" in wanted and texts is None:
+        raise ValueError("the prefix routing needs the requests' texts")
+    out = {name: by_prefix(texts) if name == "prefix" else Policy(name) for name in wanted if name != "affinity"}
     if "affinity" in wanted:
         if predicted is not None:
             out["affinity"] = by_profile(predicted)
@@ -101,12 +114,18 @@ HEADER = (f"{'routing':<22} {'loads/tok':>9} {'saving':>7} {'std':>6} {'capture'
 
 def format_replica_table(result: dict) -> str:
     """One row per routing of evaluate_replicas."""
+    full = result.get("kept_full", False)
     lines = [f"R = {result['replicas']} replicas x S = {result['slots']} slots, {result['num_requests']} requests "
              f"({result['decode_mode']} decode), cost model {result['cost_model']}; saving vs random order, "
-             f"capture vs affinity-reference; makespan and idle-while-queued in steps", HEADER]
+             f"capture vs affinity-reference; makespan and idle-while-queued in steps"
+             + ("; per token over full replicas' steps, all-steps beside" if full else ""),
+             HEADER + (f" {'all-steps lpt':>13} {'saving':>7}" if full else "")]
     for name, r in result["plans"].items():
-        lines.append(f"{name:<22} {r['loads_per_token']:>9.2f} {r['saving']:>7.1%} {r['saving_std']:>6.1%} "
-                     f"{r['capture']:>8.1%} {r['moe_us_per_token']:>10.1f} {r['step_us_per_token']:>11.1f} "
-                     f"{r['makespan']:>8.0f} {r['violations']:>17d}")
+        line = (f"{name:<22} {r['loads_per_token']:>9.2f} {r['saving']:>7.1%} {r['saving_std']:>6.1%} "
+                f"{r['capture']:>8.1%} {r['moe_us_per_token']:>10.1f} {r['step_us_per_token']:>11.1f} "
+                f"{r['makespan']:>8.0f} {r['violations']:>17d}")
+        if full:
+            line += f" {r['all_steps']['loads_per_token']:>13.2f} {r['all_steps']['saving']:>7.1%}"
+        lines.append(line)
     return "\n".join(lines)
 
