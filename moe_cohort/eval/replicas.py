@@ -38,8 +38,10 @@ def evaluate_replicas(tokens: DecodeTokens, replicas: int, slots: int, routings:
     Rows as eval.engine.evaluate_continuous's (loads_per_token, saving vs random, saving_std,
     saving_per_seed, moe_us_per_token, step_us_per_token, ...) plus `violations` (steps, summed over the
     runs), `makespan` (steps to finish, mean) and `capture` against the row named "affinity-reference".
-    With `kept_full` those count the spans of full replicas only, and `all_steps` holds the row's
-    loads_per_token, saving and saving_per_seed over every step."""
+    With `kept_full` those count the spans of full replicas only (none: loads per token 0, saving nan),
+    `full_share` is the share of the tokens generated in them, and `all_steps` holds the row's
+    loads_per_token, saving and saving_per_seed over every step. The non-MoE time per step is the
+    random order's over every step, with or without `kept_full`."""
     sizes = [slots] * replicas
     random = random_order()
     runs: dict[str, list[list[Replay]]] = {"random": []}
@@ -50,12 +52,16 @@ def evaluate_replicas(tokens: DecodeTokens, replicas: int, slots: int, routings:
                                    for j in range(random_draws)])
             for name, routing in routings.items():
                 runs.setdefault(name, []).append([routing.run(tokens, lens, sizes, seed, max_wait, times)])
-    rows = {name: summary_row(rs, runs["random"], cost, num_layers, kept_full) for name, rs in runs.items()}
+    every = {name: summary_row(rs, runs["random"], cost, num_layers) for name, rs in runs.items()}
+    rows = every
     if kept_full:
+        with np.errstate(divide="ignore", invalid="ignore"):  # no full span: nan, as the docstring says
+            rows = {name: summary_row(rs, runs["random"], cost, num_layers, True) for name, rs in runs.items()}
         for name, rs in runs.items():
-            every = summary_row(rs, runs["random"], cost, num_layers)
-            rows[name]["all_steps"] = {k: every[k] for k in ("loads_per_token", "saving", "saving_per_seed")}
-    non_moe = non_moe_us_per_step(rows["random"], cost)
+            rows[name]["all_steps"] = {k: every[name][k] for k in ("loads_per_token", "saving", "saving_per_seed")}
+            shares = [_full_tokens(r) / max(r.tokens, 1) for group in rs for r in group]
+            rows[name]["full_share"] = float(np.mean(shares))
+    non_moe = non_moe_us_per_step(every["random"], cost)  # the random order's, over every step
     ref = rows.get("affinity-reference", {}).get("saving", 0.0)
     for name, row in rows.items():
         flat = [r for group in runs[name] for r in group]
@@ -65,8 +71,14 @@ def evaluate_replicas(tokens: DecodeTokens, replicas: int, slots: int, routings:
         row["step_us_per_token"] = row["moe_us_per_token"] + non_moe * row["steps_per_token"]
         row["seeds"] = seeds
     log.info("replica replay R = %d x S = %d: %d routings x %d seeds", replicas, slots, len(rows), seeds)
-    return {"engine": "continuous", "replicas": replicas, "slots": slots, "kept_full": kept_full, "num_requests": len(tokens),
-            "decode_mode": tokens.mode, "cost_model": cost.name, "non_moe_us_per_step": non_moe, "plans": rows}
+    return {"engine": "continuous", "replicas": replicas, "slots": slots, "kept_full": kept_full,
+            "num_requests": len(tokens), "decode_mode": tokens.mode, "cost_model": cost.name,
+            "non_moe_us_per_step": non_moe, "plans": rows}
+
+
+def _full_tokens(r: Replay) -> int:
+    """Tokens generated in the spans in which their replica had every slot busy."""
+    return int((r.steps[r.full] * r.resident[r.full]).sum())
 
 
 def poisson_arrivals(n: int, rate: float, seed: int) -> np.ndarray:  # [N] sorted int64 steps, the first at 0
@@ -118,14 +130,20 @@ def format_replica_table(result: dict) -> str:
     lines = [f"R = {result['replicas']} replicas x S = {result['slots']} slots, {result['num_requests']} requests "
              f"({result['decode_mode']} decode), cost model {result['cost_model']}; saving vs random order, "
              f"capture vs affinity-reference; makespan and idle-while-queued in steps"
-             + ("; per token over full replicas' steps, all-steps beside" if full else ""),
-             HEADER + (f" {'all-steps lpt':>13} {'saving':>7}" if full else "")]
+             + ("; per token over full replicas' steps (full tok: their share of the tokens), all-steps beside"
+                if full else ""),
+             HEADER + (f" {'full tok':>8} {'all-steps lpt':>13} {'saving':>7}" if full else "")]
     for name, r in result["plans"].items():
-        line = (f"{name:<22} {r['loads_per_token']:>9.2f} {r['saving']:>7.1%} {r['saving_std']:>6.1%} "
-                f"{r['capture']:>8.1%} {r['moe_us_per_token']:>10.1f} {r['step_us_per_token']:>11.1f} "
-                f"{r['makespan']:>8.0f} {r['violations']:>17d}")
+        if full and not np.isfinite(r["saving"]):  # this row or random had no full replica's span to count
+            line = (f"{name:<22} {'n/a':>9} {'n/a':>7} {'':>6} {'':>8} {'':>10} {'':>11} "
+                    f"{r['makespan']:>8.0f} {r['violations']:>17d}")
+        else:
+            line = (f"{name:<22} {r['loads_per_token']:>9.2f} {r['saving']:>7.1%} {r['saving_std']:>6.1%} "
+                    f"{r['capture']:>8.1%} {r['moe_us_per_token']:>10.1f} {r['step_us_per_token']:>11.1f} "
+                    f"{r['makespan']:>8.0f} {r['violations']:>17d}")
         if full:
-            line += f" {r['all_steps']['loads_per_token']:>13.2f} {r['all_steps']['saving']:>7.1%}"
+            every = r["all_steps"]
+            line += f" {r['full_share']:>8.1%} {every['loads_per_token']:>13.2f} {every['saving']:>7.1%}"
         lines.append(line)
     return "\n".join(lines)
 

@@ -130,6 +130,10 @@ def test_evaluate_replicas_kept_full_and_ray_serve_routings():
         assert row["all_steps"]["loads_per_token"] == pytest.approx(every["plans"][name]["loads_per_token"])
         assert row["all_steps"]["saving"] == pytest.approx(every["plans"][name]["saving"])
     assert any(full["plans"][n]["loads_per_token"] != every["plans"][n]["loads_per_token"] for n in routings)
+    assert all(0 < row["full_share"] < 1 for row in full["plans"].values())
+    runs = [routings["least-loaded"].run(tok, lengths(seed), [3, 3], seed) for seed in range(2)]
+    by_hand = np.mean([sum(int(s * k) for s, k, f in zip(r.steps, r.resident, r.full) if f) / r.tokens for r in runs])
+    assert full["plans"]["least-loaded"]["full_share"] == pytest.approx(by_hand)
     assert "all-steps" in format_replica_table(full) and "all-steps" not in format_replica_table(every)
     with pytest.raises(ValueError, match="texts"):
         routings_for("prefix")
