@@ -199,4 +199,4 @@ def test_the_built_wheel_installs_one_top_level_name(tmp_path):
     (wheel,) = tmp_path.glob("moe_cohort-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")} == {NS}
-    assert {f"{NS}/cli.py", f"{NS}/admission/waiting.py", f"{NS}/proxy/batch/core.py", f"{NS}/engine/selection/__init__.py"} <= set(names)
+    assert {f"{NS}/cli/__init__.py", f"{NS}/admission/waiting.py", f"{NS}/proxy/batch/core.py", f"{NS}/engine/selection/__init__.py"} <= set(names)
