@@ -24,7 +24,6 @@ import argparse
 import asyncio
 import json
 import os
-import random
 import shutil
 import tempfile
 import time
@@ -34,13 +33,9 @@ import aiohttp
 import numpy as np
 
 from benchmarks import bench_proxy
-from benchmarks.bench_learning_e2e import health_of, send, wait_learned
-from benchmarks.bench_out_of_box import SCHEDULER
-from benchmarks.bench_proxy import split_cpus, start_proxy
-from benchmarks.heldout import prompt_texts
+from benchmarks.bench_out_of_box import SCHEDULER, add_served_arguments, learn_through, served_setup
+from benchmarks.bench_proxy import start_proxy
 from moe_cohort.proxy.backend_metrics import decode_counters, decode_rates
-from moe_cohort.proxy.embedded import default_model_dir, ensure_trained_model
-from moe_cohort.traces.split import split_requests
 
 POLICIES = "topk,xshare;m=16;k0=1,xshare;m=24;k0=1,moe-spec;budget=16,moe-spec;budget=24"
 
@@ -140,40 +135,17 @@ def summary(rows: list[dict]) -> list[str]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model-dir", default=str(default_model_dir()), help="the trained tiny MoE (trained here if missing)")
-    p.add_argument("--learn", type=int, default=400, help="training-side requests the proxy learns from first")
-    p.add_argument("--measure", type=int, default=240, help="held-out requests per measured run")
-    p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--clients", type=int, default=64)
-    p.add_argument("--slots", type=int, default=16, help="vLLM's max_num_seqs")
-    p.add_argument("--max-tokens", type=int, default=64)
+    add_served_arguments(p, rounds=2)
     p.add_argument("--policies", default=POLICIES, help="comma-separated routing policies; the first is the reference")
-    p.add_argument("--json", help="also write the rows here")
     args = p.parse_args()
     from moe_cohort.proxy.vllm_server import start
 
-    model = ensure_trained_model(Path(args.model_dir))
-    layers = json.loads((model / "config.json").read_text())["num_hidden_layers"]
-    texts = prompt_texts()
-    train_idx, held_idx = split_requests(len(texts), groups=texts)
-    learn, held = [texts[i] for i in train_idx], [texts[i] for i in held_idx]
-    random.Random(0).shuffle(learn)
-    random.Random(1).shuffle(held)
-    learn, held = learn[: args.learn], held[: args.measure]
-    backend_cpus, bench_proxy.PROXY_CPUS = split_cpus()
-    os.sched_setaffinity(0, backend_cpus)  # vLLM's processes inherit it; then the clients move off it
+    model, layers, learn, held, _ = served_setup(args)
     work = Path(tempfile.mkdtemp(prefix="bench-levers-e2e-"))
     state = work / "learned-state"
     with start(model, max_num_seqs=args.slots, max_model_len=1024, extra_args=SCHEDULER) as server:
-        os.sched_setaffinity(0, bench_proxy.PROXY_CPUS)
-        proc, proxy = start_proxy(server.url, "--data-dir", str(state), log=work / "learning.log")
-        try:
-            print(f"configuration: {json.dumps(health_of(proxy).get('configuration'))}")
-            learned = asyncio.run(send(proxy, learn, args.clients, args.max_tokens))
-            print(f"learning: {len(learn)} requests in {learned['wall_s']:.0f} s; learned from "
-                  f"{wait_learned(proxy, len(learn))}", flush=True)
-        finally:
-            proc.terminate(), proc.wait(60)
+        os.sched_setaffinity(0, bench_proxy.PROXY_CPUS)  # the clients, off vLLM's core
+        learn_through(server.url, learn, args, state, work / "learning.log")
         rows = rounds(server.url, state, held, args, layers, work)
     print("\n".join(summary(rows)))
     print(f"proxy logs: {work}")

@@ -86,14 +86,7 @@ def one_server(kind: str, model: Path, layers: int, learn: list[str], held: list
             as server:
         os.sched_setaffinity(0, bench_proxy.PROXY_CPUS)  # the clients, off vLLM's core
         print(f"\n-- vLLM {'with' if kind == 'ours' else 'without'} moe-cohort's scheduler ({server.url})", flush=True)
-        proc, proxy = start_proxy(server.url, "--data-dir", str(state), log=logs / "learning.log")
-        try:
-            print(f"configuration: {json.dumps(health_of(proxy).get('configuration'))}")
-            learned = asyncio.run(send(proxy, learn, args.clients, args.max_tokens))
-            print(f"learning: {len(learn)} requests in {learned['wall_s']:.0f} s, {len(learned['failures'])} kinds of "
-                  f"failure {learned['failures']}; learned from {wait_learned(proxy, len(learn))}", flush=True)
-        finally:
-            proc.terminate(), proc.wait(60)
+        learn_through(server.url, learn, args, state, logs / "learning.log")
         rows = []
         for r in range(args.rounds):
             resumed = Path(tempfile.mkdtemp(dir=work))
@@ -121,18 +114,21 @@ def summary(kind: str, rows: list[dict]) -> str:
             f"against {mean('wall_s', 'fcfs'):.1f} s; {failed} requests failed")
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_served_arguments(p: argparse.ArgumentParser, rounds: int) -> None:
+    """The flags of a run through vLLM CPU on the trained tiny MoE (this benchmark's, bench_levers_e2e's)."""
     p.add_argument("--model-dir", default=str(default_model_dir()), help="the trained tiny MoE (trained here if missing)")
     p.add_argument("--learn", type=int, default=400, help="training-side requests the proxy learns from first")
     p.add_argument("--measure", type=int, default=240, help="held-out requests per measured run")
-    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=rounds)
     p.add_argument("--clients", type=int, default=64)
     p.add_argument("--slots", type=int, default=16, help="vLLM's max_num_seqs")
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--servers", default="ours,plain", help="ours (vLLM with our scheduler), plain (without), or both")
     p.add_argument("--json", help="also write the rows here")
-    args = p.parse_args()
+
+
+def served_setup(args) -> tuple[Path, int, list[str], list[str], set[int]]:
+    """(the model, its MoE layers, the learning prompts, the held-out prompts, vLLM's CPUs); this process is
+    pinned to vLLM's CPUs (its processes inherit them) and bench_proxy.PROXY_CPUS set to the others."""
     model = ensure_trained_model(Path(args.model_dir))
     layers = json.loads((model / "config.json").read_text())["num_hidden_layers"]
     texts = prompt_texts()
@@ -140,9 +136,30 @@ def main() -> None:
     learn, held = [texts[i] for i in train_idx], [texts[i] for i in held_idx]
     random.Random(0).shuffle(learn)  # mixed.jsonl groups its prompts by source
     random.Random(1).shuffle(held)
-    learn, held = learn[: args.learn], held[: args.measure]
     backend_cpus, bench_proxy.PROXY_CPUS = split_cpus()
-    os.sched_setaffinity(0, backend_cpus)  # vLLM's processes inherit it; then the clients move off it
+    os.sched_setaffinity(0, backend_cpus)
+    return model, layers, learn[: args.learn], held[: args.measure], backend_cpus
+
+
+def learn_through(url: str, learn: list[str], args, state: Path, log: Path) -> None:
+    """The no-flag proxy (`cohort serve --backend URL --data-dir STATE`) answers `learn` and stops, saving what it
+    learned in `state`."""
+    proc, proxy = start_proxy(url, "--data-dir", str(state), log=log)
+    try:
+        print(f"configuration: {json.dumps(health_of(proxy).get('configuration'))}")
+        learned = asyncio.run(send(proxy, learn, args.clients, args.max_tokens))
+        print(f"learning: {len(learn)} requests in {learned['wall_s']:.0f} s, {len(learned['failures'])} kinds of "
+              f"failure {learned['failures']}; learned from {wait_learned(proxy, len(learn))}", flush=True)
+    finally:
+        proc.terminate(), proc.wait(60)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_served_arguments(p, rounds=4)
+    p.add_argument("--servers", default="ours,plain", help="ours (vLLM with our scheduler), plain (without), or both")
+    args = p.parse_args()
+    model, layers, learn, held, backend_cpus = served_setup(args)
     print(f"{len(learn)} learning prompts, {len(held)} held-out; {args.clients} clients, {args.slots} slots, "
           f"{args.max_tokens} tokens each; vLLM on CPUs {sorted(backend_cpus)}, proxies and clients on "
           f"{sorted(bench_proxy.PROXY_CPUS)}; model {model}", flush=True)

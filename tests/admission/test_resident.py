@@ -44,7 +44,8 @@ def test_an_empty_resident_set_counts_every_expert_of_the_candidate_as_new():
     np.testing.assert_allclose(state.cost(p), p.sum(axis=(1, 2)), rtol=1e-6)
 
 
-def test_embedding_cost_is_minus_the_cosine_with_the_resident_sum():
+def embedded_residents() -> tuple[np.ndarray, ResidentEmbedding]:
+    """20 unit embeddings [20, 5] and a resident set that holds rows 2 and 9 (4 came and left)."""
     rng = np.random.default_rng(3)
     x = rng.normal(size=(20, 5)).astype(np.float32)
     x /= np.linalg.norm(x, axis=1, keepdims=True)
@@ -52,6 +53,11 @@ def test_embedding_cost_is_minus_the_cosine_with_the_resident_sum():
     for r in (2, 4, 9):
         state.add(x[r])
     state.remove(x[4])
+    return x, state
+
+
+def test_embedding_cost_is_minus_the_cosine_with_the_resident_sum():
+    x, state = embedded_residents()
     centre = x[2] + x[9]
     np.testing.assert_allclose(state.cost(x), -(x @ centre) / np.linalg.norm(centre), rtol=1e-5, atol=1e-6)
     state.remove(x[2])

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from benchmarks.resident_pick import pick
-from moe_cohort.admission.resident import ResidentEmbedding, ResidentExperts
-from tests.admission.test_resident import _brute_expected_new, _profiles
+from moe_cohort.admission.resident import ResidentExperts
+from tests.admission.test_resident import _brute_expected_new, _profiles, embedded_residents
 
 
 def test_pick_is_the_allowed_candidate_with_the_fewest_expected_new_experts():
@@ -21,13 +21,7 @@ def test_pick_is_the_allowed_candidate_with_the_fewest_expected_new_experts():
 
 
 def test_pick_is_the_allowed_candidate_nearest_the_resident_embeddings():
-    rng = np.random.default_rng(3)
-    x = rng.normal(size=(20, 5)).astype(np.float32)
-    x /= np.linalg.norm(x, axis=1, keepdims=True)
-    state = ResidentEmbedding(5)
-    for r in (2, 4, 9):
-        state.add(x[r])
-    state.remove(x[4])
+    x, state = embedded_residents()
     allowed = np.ones(20, bool)
     allowed[[2, 9]] = False
     centre = x[2] + x[9]
