@@ -19,7 +19,7 @@ forward touch fewer experts by themselves). FCFS and admission alternate on one 
 engine's drift over minutes hits both alike. The counters are server-wide: run it on a backend that
 nothing else uses.
 
-One module, one command read top to bottom: finding the proxy's backend and model, the learning
+Longer than the house's other modules on purpose: one command read top to bottom: finding the proxy's backend and model, the learning
 phase, the rounds, the closed-loop clients and the printed rows share one Target and one Run, and
 split apart they would be imported by nothing else.
 """

@@ -17,7 +17,7 @@ plain XShare (Alg. 1-2) and its expert-parallel variant (Alg. 5-6) are stated fo
 apply in prefill too. A decode-only policy routes prefill batches with plain top-k.
 
 The algorithms behind the names live in `engine.selection`; see each selector's docstring.
-One module on purpose: the grammar is one table of policy dataclasses (fields, ranges, model
+One module on purpose, though long: the grammar is one table of policy dataclasses (fields, ranges, model
 checks) that the proxy and the plugin share; split, a policy's rules would live in two places.
 """
 

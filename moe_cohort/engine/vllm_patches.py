@@ -29,7 +29,7 @@ plugin chooses V1 where the user did not choose: `choose_model_runner`), and mod
 `FusedMoEFactory`. `PATCHED` lists every member patched (tested
 against the installed vLLM); the plugin's per-process state is one `PluginState`, `STATE`.
 
-Every patch lives in this one module: it is the one place that touches vLLM internals, so a reader
+Every patch lives in this one module, long as it is: it is the one place that touches vLLM internals, so a reader
 checking a new vLLM release reads one file, and every patch is installed behind one version check.
 """
 

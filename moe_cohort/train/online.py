@@ -3,28 +3,22 @@
 The proxy (proxy/learning.py) hands the learner each observed request as what the head reads
 (encoder.profile.head_features: the unit embedding beside the prompt's hashed n-grams, never the
 text) and its observed counts (traces.observed). The learner keeps a bounded uniform sample of all
-requests offered to it (`Reservoir`, Vitter's algorithm R, which decides before a request runs whether
-it will be kept, so only those need observing), refits the head on it (train.profile_head's ridge +
-neighbours, penalty by leave-one-out, searched while the reservoir grows and at every SEARCH_EVERY-th
-refit once it is full, reused in between) once `first_fit` rows are in and then whenever enough rows
-changed (`LearnConfig.refit_every`, and at least a quarter of what the last fit saw while the reservoir
-grows, half of it once full: a full reservoir is a uniform sample of all traffic, and a refit on a
-quarter of new rows from the same traffic buys little but costs the same). Once the reservoir is full a
-request is kept with probability capacity / seen, so observations and refits grow rarer as traffic goes
-on: their cost per request falls as 1 / seen (benchmarks/bench_refit --service measures it,
-refit and save; docs/results.md). The new head is swapped in with
-one assignment (readers in other threads see the old head or the new one, never a mix).
+requests offered to it (`Reservoir`, Vitter's algorithm R: it decides before a request runs whether
+it will be kept, so only those need observing) and refits the head on it (train.profile_head; the
+penalty searched while the reservoir grows and every SEARCH_EVERY-th refit once full) once `first_fit`
+rows are in, then whenever enough rows changed (`LearnConfig.refit_every`, and at least a quarter of
+what the last fit saw while growing, half once full: a full reservoir is a uniform sample of all
+traffic). Once full, a request is kept with probability capacity / seen, so the cost per request of
+observing and refitting falls as 1 / seen (benchmarks/bench_refit --service). The new head is swapped
+in with one assignment (readers in other threads see the old head or the new one, never a mix).
 
-Its live quality signal: each observation is of a request no head had seen when admission predicted
-its profile on arrival (that prediction is passed in when at hand; else the current head predicts it,
-having never seen it either); `live_fit()` is the mean overlap (the share of the observed profile's
-mass the prediction covers, sum min(p, o) / sum o) over the most recent `recent` of them, beside the
-overlap of the reservoir's mean profile (what a head that learned nothing would score).
+`live_fit()`: the mean overlap (sum min(p, o) / sum o) of each observed profile with the prediction
+made for it on arrival, when no head had seen it, over the most recent `recent`, beside the overlap
+of the reservoir's mean profile (what a head that learned nothing would score).
 
-`save(folder)` / `OnlineLearner.load(folder)` keep the reservoir and the head across restarts
-(npz files, no pickles; written to a temporary name and renamed, so a crash leaves the last state).
-Not thread-safe: one thread observes and refits (the proxy's learning worker); `head` may be read, and
-`reservoir.offer` called, from anywhere.
+`save(folder)` / `OnlineLearner.load(folder)` keep the reservoir and the head across restarts (npz, no
+pickles; written to a temporary name and renamed). Not thread-safe: one thread observes and refits
+(the proxy's learning worker); `head` may be read, and `reservoir.offer` called, from anywhere.
 """
 
 from __future__ import annotations
