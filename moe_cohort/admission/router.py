@@ -91,6 +91,18 @@ class ReplicaRouter:
     def replicas(self) -> int:
         return len(self.capacity)
 
+    def add_replica(self, slots: int) -> int:
+        """A new replica of `slots` slots, healthy and empty (a replica set that scales up, or replaces one
+        that died: the dead one stays, out of the routing); returns its index."""
+        if slots < 1:
+            raise ValueError(f"every replica needs >= 1 slot, got {slots}")
+        self.capacity = np.append(self.capacity, slots)
+        self.busy = np.append(self.busy, 0)
+        self.healthy = np.append(self.healthy, True)
+        self.queues.append(deque())
+        self._residents.append(None)
+        return self.replicas - 1
+
     def free(self) -> np.ndarray:  # [R] free slots of the healthy replicas (0 for those down)
         return np.where(self.healthy, np.maximum(self.capacity - self.busy, 0), 0)  # capacity may have shrunk
 
@@ -139,9 +151,17 @@ class ReplicaRouter:
             if free.max(initial=0) <= 0:
                 return out
             r = int(np.argmax(free))  # most free slots first, ties to the lowest index
-            key = self._choose(r, now)
-            self._place(key, r)
-            out.append((key, r))
+            out.append((self.admit_to(r, now), r))
+
+    def admit_to(self, replica: int, now: float) -> Hashable | None:
+        """The request that a free slot of `replica` admits now, by the routing's rule (fairness bound first),
+        placed there; None when the replica is down or full, or no request waits for it. For a caller that
+        learns of free slots one replica at a time (a Ray Serve request router); `admit` fills them all."""
+        if self.free()[replica] <= 0 or not self._has_candidate(replica):
+            return None
+        key = self._choose(replica, now)
+        self._place(key, replica)
+        return key
 
     def place_at_once(self, key: Hashable, vector: np.ndarray | None) -> int | None:
         """A request that arrives while nobody waits and a slot is free: placed now, on the replica with the

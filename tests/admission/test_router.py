@@ -353,3 +353,43 @@ def test_the_routings_of_ray_serve_bind_on_arrival_like_round_robin():
         assert moved and all(k in router.queues[1 - gone] for k in moved)
     assert prefix_blocks("a" * 70) == ("a" * 16,) * 4 and prefix_blocks("abc") == ("abc",)
     assert prefix_blocks(("s", 1)) == ("s", 1) and prefix_blocks(None) == ()
+
+
+@pytest.mark.parametrize("routing", ROUTINGS)
+def test_admit_to_one_replica_admits_what_admit_would_give_it(routing):
+    """A caller told of one free slot at a time (a Ray Serve router) gets the same choices as `admit`."""
+    rng = np.random.default_rng(2)
+    whole, single = ReplicaRouter([2, 2], routing), ReplicaRouter([2, 2], routing)
+    for key in range(10):
+        vector = rng.random(6).astype(np.float32)
+        whole.add(key, vector, 0.0)
+        single.add(key, vector, 0.0)
+    for now in range(4):
+        admitted = whole.admit(float(now))
+        assert [(single.admit_to(r, float(now)), r) for _, r in admitted] == admitted
+        for key, r in admitted[:2]:
+            assert whole.release(key) == single.release(key) == r
+
+
+def test_admit_to_gives_nothing_to_a_full_or_down_replica_or_from_an_empty_pool():
+    router = ReplicaRouter([1, 1], "affinity")
+    assert router.admit_to(0, 0.0) is None  # nobody waits
+    for key in "abc":
+        router.add(key, A, 0.0)
+    assert router.admit_to(0, 0.0) == "a" and router.admit_to(0, 0.0) is None  # full
+    router.set_healthy(1, False)
+    assert router.admit_to(1, 0.0) is None  # down
+    assert router.waiting() == 2
+
+
+def test_an_added_replica_takes_requests_and_residents_of_its_own():
+    router = ReplicaRouter([1], "affinity")
+    for key, vector in (("a", A), ("b", B), ("a2", A2)):
+        router.add(key, vector, now=0.0)
+    assert router.admit(0.0) == [("a", 0)]
+    assert router.add_replica(2) == 1 and router.free().tolist() == [0, 2]
+    assert router.admit(0.0) == [("b", 1), ("a2", 1)]  # the new replica: the most free slots
+    router.set_healthy(0, False)  # a replica that died stays out; the new one is what serves
+    assert router.load().tolist() == [1, 2] and router.resident(1) is not None
+    with pytest.raises(ValueError, match=">= 1 slot"):
+        router.add_replica(0)
