@@ -17,6 +17,9 @@ from moe_cohort.proxy.settings import Settings
 from tests.proxy.servers import ProxyThread
 
 MESSAGES = [{"role": "user", "content": "Write a poem about the sea"}]
+# one client for the metrics polls: each `httpx.get` builds an SSL context (OpenSSL reads the CA bundle, holding
+# the GIL), which took seconds while vLLM's generation held both cores, so a poll outlasted the request it waited for
+HTTP = httpx.Client(timeout=30, limits=httpx.Limits(keepalive_expiry=2))  # under the servers' 5 s keep-alive
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +96,7 @@ def test_policy_header_reaches_the_engine(client, vllm_server):
 
 
 def _vllm_metric(server, name):
-    text = httpx.get(server.url + "/metrics").text
+    text = HTTP.get(server.url + "/metrics").text
     return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+]+)$", text, re.M))
 
 
@@ -104,7 +107,7 @@ def _generated_after(server, run_and_leave):
     """Run `run_and_leave()` (a client that starts a LONG request and leaves), wait until vLLM runs
     nothing, and return the tokens it generated meanwhile (LONG when it was not aborted)."""
     warm = {"model": "tiny", "prompt": "warm", "max_tokens": 4, "stream": True}
-    httpx.post(server.url + "/v1/completions", json=warm, timeout=60)  # a cold server streams its first request late
+    HTTP.post(server.url + "/v1/completions", json=warm, timeout=60)  # a cold server streams its first request late
     tokens = _vllm_metric(server, "vllm:generation_tokens_total")
     run_and_leave()
     deadline = time.monotonic() + 60
@@ -149,7 +152,7 @@ def test_client_that_leaves_a_non_streaming_request_aborts_it_at_the_backend(pro
 
 def _proxy_metric(proxy, sample, **labels):
     """The sum of the proxy's `sample` values with these labels (0 when it has none yet)."""
-    families = text_string_to_metric_families(httpx.get(proxy.url + "/metrics").text)
+    families = text_string_to_metric_families(HTTP.get(proxy.url + "/metrics").text)
     return sum(s.value for f in families for s in f.samples
                if s.name == sample and all(s.labels.get(k) == v for k, v in labels.items()))
 
