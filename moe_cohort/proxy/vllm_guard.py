@@ -13,7 +13,9 @@ PR_SET_PDEATHSIG SIGKILL towards the guard too, for a guard killed outright.
 
 Otherwise the guard is transparent: SIGTERM and SIGINT go on to the API server (VllmServer.stop's
 graceful shutdown), and it exits with the server's status (128 + N for a server killed by signal N).
-Linux only; it imports nothing heavy, so it stays small beside the server.
+Whatever the server leaves behind in the group when it exits (an engine core and its workers, when the
+server was stopped before it stopped them: a Ray worker's exit signals the processes it started) is
+SIGKILLed first. Linux only; it imports nothing heavy, so it stays small beside the server.
 """
 
 from __future__ import annotations
@@ -41,6 +43,18 @@ def kill_group(*_) -> None:
     os.killpg(os.getpgrp(), signal.SIGKILL)
 
 
+def kill_the_rest() -> None:
+    """SIGKILL every process of this group but this one (what the server left behind)."""
+    me, group = os.getpid(), os.getpgrp()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != me:
+            try:
+                if os.getpgid(int(entry)) == group:
+                    os.kill(int(entry), signal.SIGKILL)
+            except OSError:  # gone meanwhile
+                pass
+
+
 def main(argv: list[str]) -> int:
     if len(argv) < 2 or not argv[0].isdigit():
         print("usage: python -m moe_cohort.proxy.vllm_guard PARENT_PID COMMAND...", file=sys.stderr)
@@ -54,6 +68,7 @@ def main(argv: list[str]) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, _: server.send_signal(signum))
     status = server.wait()
+    kill_the_rest()
     return status if status >= 0 else 128 - status
 
 

@@ -288,3 +288,30 @@ def test_the_guard_kills_its_whole_group_when_its_parent_dies(tmp_path):
             with contextlib.suppress(psutil.NoSuchProcess):
                 p.kill()
     assert left == []
+
+
+@pytest.mark.integration
+def test_a_server_stopped_by_sigterm_leaves_nothing_of_its_group():
+    """SIGTERM to the guard goes on to the server stand-in, which dies of it and leaves its child behind (what a
+    vLLM API server stopped before it stopped its engine core does); the guard kills that child and exits with
+    the server's status."""
+    psutil = pytest.importorskip("psutil")
+    tree = "import subprocess, time; subprocess.Popen(['sleep', '600']); time.sleep(600)"
+    guard = subprocess.Popen([sys.executable, "-m", "moe_cohort.proxy.vllm_guard", str(os.getpid()), sys.executable,
+                              "-c", tree], start_new_session=True)
+    family = []
+    try:
+        deadline = time.monotonic() + 60
+        while len(family) < 2:  # the server stand-in, its sleep
+            assert time.monotonic() < deadline, family
+            time.sleep(0.1)
+            family = psutil.Process(guard.pid).children(recursive=True)
+        guard.terminate()
+        assert guard.wait(10) == 128 + 15  # the server's status: killed by SIGTERM
+        _, alive = psutil.wait_procs(family, timeout=10)
+        left = [(p.pid, p.name()) for p in alive]
+    finally:
+        for p in family:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
+    assert left == []
