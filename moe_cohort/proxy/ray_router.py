@@ -10,7 +10,7 @@ OpenAI request). Configured per deployment:
 max_num_seqs; default the deployment's max_ongoing_requests), `encoder` (a name or path as `cohort serve
 --encoder`, a `cohort train` folder with its profile head), `head` (a folder holding a profile head that
 wins over the encoder's, such as a proxy's `--data-dir`/learned), `max_queue_ms` and `max_passed` (the
-fairness bound), `forward_profiles`. The rules it keeps are in proxy/serve_admission.py.
+fairness bound; `max_passed` 0: 3 x `slots`, as `cohort serve`), `forward_profiles`. The rules it keeps are in proxy/serve_admission.py.
 """
 
 from __future__ import annotations
@@ -58,7 +58,8 @@ class ExpertAffinityRouter(RequestRouter):
             predictor.follow(FixedHead(head))
         self._predictor, self._forward = predictor, forward_profiles
         self._profiler = None if predictor is None else Profiler(predictor.predict, ready=predictor.ready)
-        self._book = ServeAdmission(slots, max_wait=max_queue_ms / 1000, max_passed=max_passed or None,
+        passed = max_passed or (3 * slots if slots else None)  # 0: 3 x the slots, as the proxy's default
+        self._book = ServeAdmission(slots, max_wait=max_queue_ms / 1000, max_passed=passed,
                                     resident_factory=None if predictor is None else predictor.resident_factory)
         self._waiting: dict[str, PendingRequest] = {}  # key -> the request, until handed a replica
         self._predictions: dict[str, Prediction] = {}  # key -> its prediction, until handed a replica

@@ -121,8 +121,8 @@ class Engine:
 api = FastAPI()
 
 
-@serve.deployment(ray_actor_options={"num_cpus": 0})
-@serve.ingress(api)
+@serve.deployment(max_ongoing_requests=64, ray_actor_options={"num_cpus": 0})  # all the clients: they wait in the
+@serve.ingress(api)                                                            # engine's router, not before it
 class Ingress:
     def __init__(self, engine) -> None:
         self.engine = engine
