@@ -261,33 +261,45 @@ def test_kill_9_of_serve_takes_its_embedded_vllm_with_it(tiny_moe_dir, tmp_path)
     assert not _ok(f"http://127.0.0.1:{backend_port}/health")
 
 
-@pytest.mark.integration
-def test_the_guard_kills_its_whole_group_when_its_parent_dies(tmp_path):
-    """The guard alone (no vLLM): a parent starts it over a process that starts another; SIGKILL the parent,
-    and both go (the grandchild only through the group kill: nothing else ties it to the parent)."""
+@contextlib.contextmanager
+def _descendants(pid: int, count: int):
+    """`pid`'s descendants once there are `count` of them; whatever is left of them is killed on exit."""
     psutil = pytest.importorskip("psutil")
-    tree = "import subprocess, time; subprocess.Popen(['sleep', '600']); time.sleep(600)"
-    parent = ("import os, subprocess, sys, time\n"
-              "subprocess.Popen([sys.executable, '-m', 'moe_cohort.proxy.vllm_guard', str(os.getpid()), sys.executable,"
-              f" '-c', {tree!r}], start_new_session=True)\n"
-              "time.sleep(600)\n")
-    proc = subprocess.Popen([sys.executable, "-c", parent])
-    family = []
+    family, deadline = [], time.monotonic() + 60
     try:
-        deadline = time.monotonic() + 60
-        while len(family) < 3:  # the guard, the server stand-in, its sleep
+        while len(family) < count:
             assert time.monotonic() < deadline, family
             time.sleep(0.1)
-            family = psutil.Process(proc.pid).children(recursive=True)
-        proc.kill()
-        proc.wait(10)
-        _, alive = psutil.wait_procs(family, timeout=30)
-        left = [(p.pid, p.name()) for p in alive]
+            family = psutil.Process(pid).children(recursive=True)
+        yield family
     finally:
         for p in family:
             with contextlib.suppress(psutil.NoSuchProcess):
                 p.kill()
-    assert left == []
+
+
+def _alive(family, timeout_s: float) -> list:
+    import psutil
+
+    return [(p.pid, p.name()) for p in psutil.wait_procs(family, timeout=timeout_s)[1]]
+
+
+STAND_IN = "import subprocess, time; subprocess.Popen(['sleep', '600']); time.sleep(600)"  # a server with a child
+
+
+@pytest.mark.integration
+def test_the_guard_kills_its_whole_group_when_its_parent_dies(tmp_path):
+    """The guard alone (no vLLM): a parent starts it over a process that starts another; SIGKILL the parent,
+    and both go (the grandchild only through the group kill: nothing else ties it to the parent)."""
+    parent = ("import os, subprocess, sys, time\n"
+              "subprocess.Popen([sys.executable, '-m', 'moe_cohort.proxy.vllm_guard', str(os.getpid()), sys.executable,"
+              f" '-c', {STAND_IN!r}], start_new_session=True)\n"
+              "time.sleep(600)\n")
+    proc = subprocess.Popen([sys.executable, "-c", parent])
+    with _descendants(proc.pid, 3) as family:  # the guard, the server stand-in, its sleep
+        proc.kill()
+        proc.wait(10)
+        assert _alive(family, 30) == []
 
 
 @pytest.mark.integration
@@ -295,23 +307,9 @@ def test_a_server_stopped_by_sigterm_leaves_nothing_of_its_group():
     """SIGTERM to the guard goes on to the server stand-in, which dies of it and leaves its child behind (what a
     vLLM API server stopped before it stopped its engine core does); the guard kills that child and exits with
     the server's status."""
-    psutil = pytest.importorskip("psutil")
-    tree = "import subprocess, time; subprocess.Popen(['sleep', '600']); time.sleep(600)"
     guard = subprocess.Popen([sys.executable, "-m", "moe_cohort.proxy.vllm_guard", str(os.getpid()), sys.executable,
-                              "-c", tree], start_new_session=True)
-    family = []
-    try:
-        deadline = time.monotonic() + 60
-        while len(family) < 2:  # the server stand-in, its sleep
-            assert time.monotonic() < deadline, family
-            time.sleep(0.1)
-            family = psutil.Process(guard.pid).children(recursive=True)
+                              "-c", STAND_IN], start_new_session=True)
+    with _descendants(guard.pid, 2) as family:  # the server stand-in, its sleep
         guard.terminate()
         assert guard.wait(10) == 128 + 15  # the server's status: killed by SIGTERM
-        _, alive = psutil.wait_procs(family, timeout=10)
-        left = [(p.pid, p.name()) for p in alive]
-    finally:
-        for p in family:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                p.kill()
-    assert left == []
+        assert _alive(family, 10) == []
