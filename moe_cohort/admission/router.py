@@ -5,8 +5,9 @@ replica r loads the experts of ITS residents only, so what routing decides is wh
 resident together on one replica. `ReplicaRouter` is pure bookkeeping (no clock, no I/O): a
 caller adds waiting requests, asks `admit(now)` which request takes which free slot, and
 releases a request when it finishes. It is the one admission driver: the proxy's gate
-(proxy.replicas, one backend or several), the batch order (proxy.batch.order, one replica of
-`--concurrency` slots) and the engine replay (eval.replay) all admit through it; only vLLM's own
+(proxy.replicas, one backend or several), the Ray Serve request router (proxy.ray_router, told of
+one free replica at a time: `admit_to`), the batch order (proxy.batch.order, one replica of
+`--max-in-flight` slots) and the engine replay (eval.replay) all admit through it; only vLLM's own
 queue (engine.expert_queue) keeps the pool and a resident set without it. Routings:
 
 - "affinity": one shared waiting pool (admission.waiting.WaitingPool). When replica r has a free
