@@ -23,6 +23,7 @@ import json
 import os
 import tempfile
 import time
+from collections import deque
 from pathlib import Path
 
 import aiohttp
@@ -140,6 +141,40 @@ def one_run(kind: str, urls: list[str], held: list[str], args, layers: int, head
             "ingress_cpu_ms_per_request": 1000 * cpu / max(1, len(latencies)), "wall_s": wall, "failed": failed}
 
 
+def router_cpu_ms(prompts: list[str], head: str, slots: int, waiting: int = 64) -> dict[str, float]:
+    """The router's own work per request, in this process (CPU ms): its prediction (the static encoder and the
+    learned head, one prompt at a time, as requests arrive) and its bookkeeping (arrive, a freed slot's take
+    over `waiting` waiting requests, the completion), on two replicas of `slots`; Serve's own routing
+    machinery, the same for every router, is left out."""
+    from moe_cohort.proxy.profiles import make_predictor
+    from moe_cohort.proxy.ray_router import FixedHead
+    from moe_cohort.proxy.serve_admission import ServeAdmission
+    from moe_cohort.proxy.settings import Settings
+
+    predictor = make_predictor(Settings(encoder="static"))
+    predictor.follow(FixedHead(head))
+    predictor.predict(prompts[:8])  # loaded, warm
+    book = ServeAdmission(slots, resident_factory=predictor.resident_factory)
+    book.replicas_changed({"a": slots, "b": slots})
+    placed = {"a": deque(), "b": deque()}  # each replica's requests, oldest first
+    predict = book_cpu = 0.0
+    for i, text in enumerate(prompts * 2):
+        rid = "ab"[i % 2]
+        start = time.process_time()
+        vector = predictor.predict([text])[0].vector
+        middle = time.process_time()
+        book.arrive(i, vector, float(i))
+        if i >= waiting and placed[rid]:  # the pool is full: one of rid's requests completes first
+            book.completed(rid, placed[rid].popleft())
+        taken = book.take(rid, float(i))
+        book_cpu += time.process_time() - middle
+        predict += middle - start
+        if taken is not None:
+            placed[rid].append(taken)
+    n = 2 * len(prompts)
+    return {"predict_ms": 1000 * predict / n, "bookkeeping_ms": 1000 * book_cpu / n}
+
+
 def summary(rows: list[dict]) -> list[str]:
     """Ours against the default router of the same round: saving in loads per token, latency ratios, router CPU."""
     lines, paired = [], []
@@ -174,6 +209,9 @@ def main() -> None:
         os.sched_setaffinity(0, bench_proxy.PROXY_CPUS)  # Ray, Serve and the clients, off vLLM's CPUs
         learn_through(urls[0], learn, args, work / "state", work / "learning.log")
         head = str(work / "state" / "learned")
+        cpu = router_cpu_ms(held, head, args.slots)
+        print(f"router's own CPU per request (this process): prediction {cpu['predict_ms']:.3f} ms, bookkeeping "
+              f"{cpu['bookkeeping_ms']:.3f} ms", flush=True)
         ray.init(include_dashboard=False, log_to_driver=False)
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
