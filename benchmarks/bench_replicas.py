@@ -60,8 +60,11 @@ from moe_cohort.eval.replicas import (evaluate_replicas, evaluate_with_single, f
                                       routings_for)
 from moe_cohort.traces.importers import load_traces
 
-ROUTINGS = "round-robin,power-of-two,prefix,least-loaded,affinity"  # affinity brings affinity-reference
-AGAINST = ("power-of-two", "prefix", "least-loaded", "round-robin")  # what affinity's paired saving is against
+# affinity brings affinity-reference; "+inside": each replica admits from its own queue by fit (our scheduler)
+ROUTINGS = ("round-robin,power-of-two,prefix,least-loaded,affinity,"
+            "round-robin+inside,power-of-two+inside,prefix+inside")
+AGAINST = ("power-of-two", "prefix", "least-loaded", "round-robin", "power-of-two+inside")  # the paired columns
+PAIRED = ("affinity", "affinity-reference", "power-of-two+inside", "prefix+inside", "round-robin+inside")  # rows
 
 
 def main() -> None:
@@ -122,7 +125,7 @@ def paired(rows: dict) -> dict:
     """name -> other -> (mean, std over seeds) of 1 - loads per token of `name` / of `other`, seed by seed
     (each seed's saving vs random shares that seed's random baseline, so the ratio of (1 - saving) is it)."""
     out = {}
-    for name in ("affinity", "affinity-reference"):
+    for name in (n for n in PAIRED if n in rows):
         mine = 1.0 - np.array(rows[name]["saving_per_seed"])  # [seeds] loads per token / random's
         out[name] = {}
         for other in AGAINST:
@@ -133,15 +136,15 @@ def paired(rows: dict) -> dict:
 
 
 def format_paired(results: list[dict], key: str = "against", steps: str = "kept full") -> str:
-    """Per R x S: affinity's and affinity-reference's paired saving (`key` of each result) against each other
-    routing, and the idle steps."""
+    """Per R x S: the paired saving (`key` of each result) of each row of PAIRED against each routing of AGAINST,
+    and the idle steps."""
     lines = [f"fewer decode expert loads per generated token than ... ({steps}; paired per seed, mean +- std "
              "over seeds)",
-             f"{'R x S':<8} {'routing':<19} " + " ".join(f"{'vs ' + o:>18}" for o in AGAINST)]
+             f"{'R x S':<8} {'routing':<19} " + " ".join(f"{'vs ' + o:>24}" for o in AGAINST)]
     for r in results:
         for name, vs in r[key].items():
             lines.append(f"{r['replicas']:>2} x {r['slots']:<3} {name:<19} " +
-                         " ".join(f"{m:>+10.2%} +- {s:>4.1%}" if np.isfinite(m) else f"{'n/a':>18}"
+                         " ".join(f"{m:>+16.2%} +- {s:>4.1%}" if np.isfinite(m) else f"{'n/a':>24}"
                                   for m, s in (vs[o] for o in AGAINST)))
         idle = ", ".join(f"{n} {r['plans'][n]['violations']}" for n in ("round-robin", "power-of-two", "prefix",
                                                                            "least-loaded", "affinity"))

@@ -36,6 +36,10 @@ serves `ROUTINGS`):
   the most slots of a replica), or no block-prefix of the request maps to a healthy replica, it
   falls back to power-of-two. Only this routing reads `add`'s `prefix`.
 
+`inside` (routings that bind on arrival only): each replica admits from its own queue by the pool's rule
+against its own residents (fairness bound first, then the lowest cost), as vLLM with our scheduler does
+behind such a router; without it, each queue is first come, first served.
+
 When several replicas have free slots, the one with the most free slots admits first (ties: the
 lowest index), one request at a time, so R empty replicas take R different seeds before any of
 them fills up. Load bound: with a shared pool a free slot takes a waiting request at once, so no
@@ -66,9 +70,12 @@ class ReplicaRouter:
 
     def __init__(self, slots: Sequence[int], routing: str = "affinity", *, max_wait: float | None = None,
                  max_passed: int | None = None, resident_factory: ResidentFactory = lambda size: ResidentExperts(1, size),
-                 rng: np.random.Generator | None = None, imbalance: int | None = None, prefix_entries: int = 1 << 16):
+                 rng: np.random.Generator | None = None, imbalance: int | None = None, prefix_entries: int = 1 << 16,
+                 inside: bool = False):
         if routing not in ROUTINGS + RAY_ROUTINGS:
             raise ValueError(f"routing must be one of {', '.join(ROUTINGS + RAY_ROUTINGS)}, got {routing!r}")
+        if inside and routing not in ON_ARRIVAL:
+            raise ValueError(f"inside: only a routing that binds on arrival has queues per replica, not {routing!r}")
         if len(slots) < 1 or min(slots) < 1:
             raise ValueError(f"every replica needs >= 1 slot, got {list(slots)}")
         self.routing, self.max_wait, self.max_passed = routing, max_wait, max_passed  # admission.waiting's bounds
@@ -87,6 +94,8 @@ class ReplicaRouter:
         self._prefix_entries = prefix_entries
         self._served: dict[tuple, int] = {}  # block-prefix -> the replica last given it, oldest first (prefix)
         self._prefixes: dict[Hashable, Prefix | None] = {}  # waiting key -> its prefix (prefix)
+        # inside: each replica's queue also as a waiting pool of its own, admitted by the pool's rule
+        self._own: list[WaitingPool] | None = [WaitingPool() for _ in slots] if inside else None
 
     @property
     def replicas(self) -> int:
@@ -102,6 +111,8 @@ class ReplicaRouter:
         self.healthy = np.append(self.healthy, True)
         self.queues.append(deque())
         self._residents.append(None)
+        if self._own is not None:
+            self._own.append(WaitingPool())
         return self.replicas - 1
 
     def free(self) -> np.ndarray:  # [R] free slots of the healthy replicas (0 for those down)
@@ -121,8 +132,11 @@ class ReplicaRouter:
         up = np.flatnonzero(self.healthy)  # [H]
         if len(up) == 0:
             raise ValueError("no healthy replica to queue the request on")
-        self.queues[self._bind(up, prefix)].append(key)
+        r = self._bind(up, prefix)
+        self.queues[r].append(key)
         self._vectors[key] = vector
+        if self._own is not None:
+            self._own[r].add(key, vector, now)
         if self.routing == "prefix":
             self._prefixes[key] = prefix
 
@@ -133,7 +147,10 @@ class ReplicaRouter:
             return
         self._vectors.pop(key)  # KeyError for a key that is not waiting
         self._prefixes.pop(key, None)
-        next(q for q in self.queues if key in q).remove(key)
+        r = next(r for r, q in enumerate(self.queues) if key in q)
+        self.queues[r].remove(key)
+        if self._own is not None:
+            self._own[r].remove(key)
 
     def update(self, key: Hashable, vector: np.ndarray | None) -> None:
         """A new prediction for a waiting request (a newer profile head's); it keeps its place in the queue."""
@@ -141,6 +158,8 @@ class ReplicaRouter:
             self.pool.update(key, vector)
         elif key in self._vectors:
             self._vectors[key] = vector
+            if self._own is not None:
+                next(own for own in self._own if key in own).update(key, vector)
         else:
             raise KeyError(f"{key!r} is not waiting")
 
@@ -225,6 +244,8 @@ class ReplicaRouter:
             return []  # with no healthy replica left the queue stays where it is
         moved = list(self.queues[replica])
         self.queues[replica].clear()
+        if self._own is not None:
+            self._own[replica] = WaitingPool()
         for key in moved:
             vector = self._vectors.pop(key)
             self.add(key, vector, now=0.0, prefix=self._prefixes.pop(key, None))
@@ -279,6 +300,10 @@ class ReplicaRouter:
         return bool(self.queues[r]) if self.routing in ON_ARRIVAL else len(self.pool) > 0
 
     def _choose(self, r: int, now: float) -> Hashable:
+        if self._own is not None:  # the replica's own queue, by the pool's rule against its own residents
+            key = self._own[r].pick(self._resident_for(r, self._own[r].size), now, self.max_wait, self.max_passed)
+            self.queues[r].remove(key)
+            return key
         if self.routing in ON_ARRIVAL:
             return self.queues[r].popleft()
         resident = self._resident_for(r) if self.routing == "affinity" else None
@@ -288,19 +313,22 @@ class ReplicaRouter:
         if self.routing in ON_ARRIVAL:
             vector = self._vectors.pop(key)
             self._prefixes.pop(key, None)
+            if self._own is not None:
+                self._own[r].remove(key, admitted=True)
         else:
             row = self.pool.rows[key]
             vector = self.pool.matrix[row].copy() if self.pool.profiled[row] else None
             self.pool.remove(key, admitted=True)
         held = None
-        if self.routing == "affinity" and vector is not None:
+        if (self.routing == "affinity" or self._own is not None) and vector is not None:
             held = vector
-            self._resident_for(r).add(held)
+            self._resident_for(r, len(vector)).add(held)
         self.placed[key] = (r, held)
         self.busy[r] += 1
 
-    def _resident_for(self, r: int) -> Resident | None:
-        size = self.pool.size
+    def _resident_for(self, r: int, size: int | None = None) -> Resident | None:
+        """Replica r's resident set of vectors of `size` (default: the shared pool's); None before any size."""
+        size = self.pool.size if size is None else size
         if size is None:
             return None
         if self._residents[r] is None or self._residents[r].size != size:

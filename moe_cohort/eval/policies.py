@@ -42,12 +42,13 @@ class Policy:
     shuffle: bool = False  # requests that arrive together join in a random order of the run's seed
     order: np.ndarray | None = field(default=None, repr=False)  # [N] else in this order (None: trace order)
     texts: Sequence[str] | None = field(default=None, repr=False)  # [N] prompt texts, the "prefix" routing's prefixes
+    inside: bool = False  # a routing that binds on arrival, each replica admitting from its queue by fit (vectors)
 
     def router(self, slots: Sequence[int], max_wait: float | None = None, seed: int = 0) -> ReplicaRouter:
         """A fresh router of replicas with `slots` slots each, with this policy's resident sets; `seed` seeds
         power-of-two's draws. With texts, request i arrives with texts[i] as its prefix."""
         factory: ResidentFactory = ResidentEmbedding if self.embedding else (lambda size: ResidentExperts(1, size))
-        options = dict(max_wait=max_wait, resident_factory=factory, rng=np.random.default_rng(seed))
+        options = dict(max_wait=max_wait, resident_factory=factory, rng=np.random.default_rng(seed), inside=self.inside)
         if self.texts is None:
             return ReplicaRouter(slots, self.routing, **options)
         return _TextRouter(self.texts, slots, self.routing, **options)

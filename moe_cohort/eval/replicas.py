@@ -15,6 +15,8 @@ busy (eval.engine.summary_row), and each row keeps the all-steps figures beside 
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 from typing import Callable, Mapping, Sequence
 
@@ -90,12 +92,16 @@ def poisson_arrivals(n: int, rate: float, seed: int) -> np.ndarray:  # [N] sorte
 def routings_for(names: str, *, predicted: np.ndarray | None = None, embeddings: np.ndarray | None = None,
                  reference: np.ndarray | None = None, texts: Sequence[str] | None = None) -> dict[str, Policy]:
     """The rows of `names` (comma-separated: "round-robin", "least-loaded", "affinity", "power-of-two",
-    "prefix", or "all" for the first three): affinity by the predicted profiles [N, L*E] (else nearest
-    embedding [N, D]), affinity-reference by the traces' own [N, L*E], prefix by the prompt `texts` [N]."""
+    "prefix", or "all" for the first three; a routing that binds on arrival with "+inside": each replica
+    admitting from its own queue by the predicted profiles, as our scheduler in vLLM): affinity by the
+    predicted profiles [N, L*E] (else nearest embedding [N, D]), affinity-reference by the traces' own
+    [N, L*E], prefix by the prompt `texts` [N]."""
     wanted = ("round-robin", "least-loaded", "affinity") if names == "all" else tuple(names.split(","))
-    if "prefix" in wanted and texts is None:
+    if any(name.startswith("prefix") for name in wanted) and texts is None:
         raise ValueError("the prefix routing needs the requests' texts")
-    out = {name: by_prefix(texts) if name == "prefix" else Policy(name) for name in wanted if name != "affinity"}
+    if any(name.endswith("+inside") for name in wanted) and predicted is None:
+        raise ValueError("admission inside each replica needs predicted profiles")
+    out = {name: _bound_on_arrival(name, predicted, texts) for name in wanted if name != "affinity"}
     if "affinity" in wanted:
         if predicted is not None:
             out["affinity"] = by_profile(predicted)
@@ -104,6 +110,16 @@ def routings_for(names: str, *, predicted: np.ndarray | None = None, embeddings:
         if reference is not None:
             out["affinity-reference"] = by_profile(reference)
     return out
+
+
+def _bound_on_arrival(name: str, predicted: np.ndarray | None, texts: Sequence[str] | None) -> Policy:
+    """The Policy of a row name other than affinity: "ROUTING" or "ROUTING+inside"."""
+    routing, inside = name.removesuffix("+inside"), name.endswith("+inside")
+    base = by_prefix(texts) if routing == "prefix" else Policy(routing)
+    if not inside:
+        return base
+    flat = np.ascontiguousarray(np.asarray(predicted).reshape(len(predicted), -1), dtype=np.float32)  # [N, L*E]
+    return dataclasses.replace(base, vectors=flat, inside=True)
 
 
 def evaluate_with_single(tokens: DecodeTokens, replicas: int, slots: int, routings: Mapping[str, Policy],

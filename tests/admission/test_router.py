@@ -393,3 +393,37 @@ def test_an_added_replica_takes_requests_and_residents_of_its_own():
     assert router.load().tolist() == [1, 2] and router.resident(1) is not None
     with pytest.raises(ValueError, match=">= 1 slot"):
         router.add_replica(0)
+
+
+@pytest.mark.parametrize("routing", ["round-robin", "power-of-two", "prefix"])
+def test_inside_each_replica_admits_from_its_own_queue_by_fit(routing):
+    """`inside` (our scheduler in each replica, behind a router that binds on arrival): the same queues as without,
+    and each free slot takes, from its own replica's queue, the request that adds the fewest experts there."""
+    rng = np.random.default_rng(5)
+    plain = ReplicaRouter([2, 2], routing, rng=np.random.default_rng(1), imbalance=100)
+    inside = ReplicaRouter([2, 2], routing, rng=np.random.default_rng(1), imbalance=100, inside=True)
+    vectors = {k: (rng.random(8) * (rng.random(8) < 0.4)).astype(np.float32) for k in range(16)}
+    for k, v in vectors.items():
+        plain.add(k, v, 0.0, prefix=f"topic {k % 3}")
+        inside.add(k, v, 0.0, prefix=f"topic {k % 3}")
+    assert [list(q) for q in inside.queues] == [list(q) for q in plain.queues]
+    placed = {0: [], 1: []}
+    for now in range(8):
+        for r in (0, 1):
+            waiting = list(inside.queues[r])
+            key = inside.admit_to(r, float(now))
+            if key is None:
+                continue
+            assert key in waiting
+            residents = [vectors[k] for k in placed[r]]
+            if residents:
+                best = min(_expected_new(vectors[k], residents) for k in waiting)
+                assert _expected_new(vectors[key], residents) <= best + 1e-5
+            else:
+                assert key == waiting[0]  # nothing to fit yet: the oldest
+            placed[r].append(key)
+        for r in (0, 1):
+            if placed[r] and now % 2:
+                inside.release(placed[r].pop(0))
+    with pytest.raises(ValueError, match="binds on arrival"):
+        ReplicaRouter([2], "affinity", inside=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from benchmarks.bench_replicas import AGAINST, measure_model, paired
+from benchmarks.bench_replicas import AGAINST, PAIRED, measure_model, paired
 from benchmarks.heldout import HeldOut
 from moe_cohort.traces.importers import load_traces
 from tests.conftest import random_traces, write_trace_dir
@@ -28,18 +28,18 @@ def test_every_routing_is_replayed_on_the_heldout_side_and_compared_seed_by_seed
                                                                                                 (3, 2, len(held), True)]
     for r in results:
         rows = r["plans"]
-        assert list(rows) == ["random", "round-robin", "power-of-two", "prefix", "least-loaded", "affinity",
-                              "affinity-reference"]
+        assert list(rows) == ["random", "round-robin", "power-of-two", "prefix", "least-loaded", "round-robin+inside",
+                              "power-of-two+inside", "prefix+inside", "affinity", "affinity-reference"]
         assert r["decode_mode"] == ("real" if decode else "proxy")
         assert rows["least-loaded"]["violations"] == rows["affinity"]["violations"] == 0
         for key, source in (("against", rows), ("against_all_steps", {k: v["all_steps"] for k, v in rows.items()})):
-            for name in ("affinity", "affinity-reference"):
+            for name in PAIRED:
                 for other in AGAINST:
                     by_hand = [1 - (1 - a) / (1 - b) for a, b in zip(source[name]["saving_per_seed"],
                                                                     source[other]["saving_per_seed"])]
                     assert r[key][name][other][0] == pytest.approx(np.mean(by_hand)), (key, name, other)
     (one,) = measure_model(ts, None, [2], [2], 1, [0], embed=_embed, report=lines.append)  # one seed: the rows' ratio
-    for name in ("affinity", "affinity-reference"):
+    for name in PAIRED:
         for other in AGAINST:
             for key, rows in (("against", one["plans"]), ("against_all_steps", {k: v["all_steps"] for k, v in
                                                                                  one["plans"].items()})):

@@ -139,6 +139,20 @@ def test_evaluate_replicas_kept_full_and_ray_serve_routings():
         routings_for("prefix")
 
 
+def test_inside_rows_bind_as_their_routing_and_admit_by_the_predicted_profiles():
+    ts = random_traces(24, max_prompt=6, seed=2)
+    predicted = np.random.default_rng(0).random((len(ts), ts.num_layers * ts.num_experts)).astype(np.float32)
+    routings = routings_for("power-of-two,power-of-two+inside", predicted=predicted)
+    plain, inside = routings["power-of-two"], routings["power-of-two+inside"]
+    assert inside.inside and not plain.inside and inside.routing == "power-of-two"
+    assert inside.vectors.shape == predicted.shape and plain.vectors is None
+    tok, lengths = decode_tokens(ts), lengths_from_spec("lognormal", ts.request_ids, mean=6)
+    first, second = (p.run(tok, lengths(0), [3, 3], 0) for p in (plain, inside))
+    assert first.tokens == second.tokens and not np.array_equal(first.order, second.order)  # other batch mates
+    with pytest.raises(ValueError, match="predicted profiles"):
+        routings_for("prefix+inside", texts=["a"] * len(ts))
+
+
 def test_cohort_replay_replicas_json_and_table(tmp_path, capsys):
     from moe_cohort.cli import main
     from moe_cohort.traces.format import save_traces
