@@ -21,20 +21,9 @@ queue (engine.expert_queue) keeps the pool and a resident set without it. Routin
 Two more routings bind on arrival the same way, as Ray Serve's request routers do when they dispatch
 to replicas that take many requests each (a large max_ongoing_requests) and vLLM serves its own
 queue first come first served; the replay measures ours against them (`RAY_ROUTINGS`; the proxy
-serves `ROUTINGS`):
-
-- "power-of-two" (Ray Serve's default router): two distinct healthy replicas drawn at random,
-  `rng.choice(healthy, 2, replace=False)` from the router's seeded Generator, and the request goes
-  to the one with fewer requests (resident + queued), ties to the lower index; with one healthy
-  replica, that one, and nothing drawn.
-- "prefix" (Ray Serve LLM's PrefixCacheAffinityRouter): the request goes to the replica that was
-  last given a request with its longest matching prompt prefix, compared in blocks (`prefix_blocks`:
-  a text's first 64 characters in blocks of 16, the last one possibly shorter; or the caller's own
-  tuple of chunks). A table maps every block-prefix (the first d blocks, d >= 1) of every routed
-  request to the replica it went to, the oldest entries dropped past `prefix_entries`. When the load
-  imbalance (max - min of resident + queued over the healthy replicas) exceeds `imbalance` (default:
-  the most slots of a replica), or no block-prefix of the request maps to a healthy replica, it
-  falls back to power-of-two. Only this routing reads `add`'s `prefix`.
+serves `ROUTINGS`): "power-of-two" (Ray Serve's default router) and "prefix" (Ray Serve LLM's
+PrefixCacheAffinityRouter). Where a request that binds on arrival goes is admission.binding's; "prefix" falls
+back to power-of-two past a load spread of `imbalance` (default: the most slots of a replica).
 
 `inside` (routings that bind on arrival only): each replica admits from its own queue by the pool's rule
 against its own residents (fairness bound first, then the lowest cost), as vLLM with our scheduler does
@@ -54,14 +43,13 @@ from collections.abc import Callable, Hashable, Sequence
 
 import numpy as np
 
+from moe_cohort.admission.binding import Binding, Prefix
 from moe_cohort.admission.resident import Resident, ResidentExperts
 from moe_cohort.admission.waiting import WaitingPool
 
 ROUTINGS = ("round-robin", "least-loaded", "affinity")  # what the proxy serves
 RAY_ROUTINGS = ("power-of-two", "prefix")  # Ray Serve's request routers, replayed against ours
 ON_ARRIVAL = ("round-robin", "power-of-two", "prefix")  # bound to a replica's own queue on arrival
-PREFIX_CHARS, PREFIX_BLOCK = 64, 16  # "prefix": a text's first 64 characters, compared in blocks of 16
-Prefix = str | tuple  # a prompt text, or a tuple of hashable chunks
 ResidentFactory = Callable[[int], Resident]  # vector size -> an empty resident set
 
 
@@ -88,11 +76,8 @@ class ReplicaRouter:
         self._factory = resident_factory
         self._residents: list[Resident | None] = [None] * len(slots)
         self._vectors: dict[Hashable, np.ndarray | None] = {}  # waiting key -> vector (queues of ON_ARRIVAL)
-        self._turn = 0
-        self._rng = np.random.default_rng(0) if rng is None else rng  # power-of-two's draws
-        self.imbalance = int(self.capacity.max()) if imbalance is None else imbalance  # prefix: past it, power-of-two
-        self._prefix_entries = prefix_entries
-        self._served: dict[tuple, int] = {}  # block-prefix -> the replica last given it, oldest first (prefix)
+        self._binding = Binding(routing, np.random.default_rng(0) if rng is None else rng,
+                                int(self.capacity.max()) if imbalance is None else imbalance, prefix_entries)
         self._prefixes: dict[Hashable, Prefix | None] = {}  # waiting key -> its prefix (prefix)
         # inside: each replica's queue also as a waiting pool of its own, admitted by the pool's rule
         self._own: list[WaitingPool] | None = [WaitingPool() for _ in slots] if inside else None
@@ -264,37 +249,7 @@ class ReplicaRouter:
 
     def _bind(self, up: np.ndarray, prefix: Prefix | None) -> int:
         """The replica whose queue an arriving request joins (routings that bind on arrival), among `up` [H]."""
-        if self.routing == "round-robin":
-            self._turn += 1
-            return int(up[(self._turn - 1) % len(up)])
-        if self.routing == "power-of-two":
-            return self._two_choices(up)
-        blocks = prefix_blocks(prefix)
-        load = self.load()[up]  # [H]
-        r = None if load.max() - load.min() > self.imbalance else self._longest_match(blocks)
-        r = self._two_choices(up) if r is None else r
-        for d in range(1, len(blocks) + 1):  # every block-prefix now maps to r, as the newest entry
-            self._served.pop(blocks[:d], None)
-            self._served[blocks[:d]] = r
-        while len(self._served) > self._prefix_entries:
-            del self._served[next(iter(self._served))]
-        return r
-
-    def _two_choices(self, up: np.ndarray) -> int:
-        """Power of two choices among the healthy replicas `up` [H]: the one with fewer requests, ties to the lower."""
-        if len(up) == 1:
-            return int(up[0])
-        a, b = sorted(int(r) for r in self._rng.choice(up, 2, replace=False))
-        load = self.load()
-        return b if load[b] < load[a] else a
-
-    def _longest_match(self, blocks: tuple) -> int | None:
-        """The healthy replica last given the longest block-prefix of `blocks`, None when none matches."""
-        for d in range(len(blocks), 0, -1):
-            r = self._served.get(blocks[:d])
-            if r is not None and self.healthy[r]:
-                return r
-        return None
+        return self._binding.bind(up, self.load(), self.healthy, prefix)
 
     def _has_candidate(self, r: int) -> bool:
         return bool(self.queues[r]) if self.routing in ON_ARRIVAL else len(self.pool) > 0
@@ -335,13 +290,3 @@ class ReplicaRouter:
             self._residents[r] = self._factory(size)
         return self._residents[r]
 
-
-def prefix_blocks(prefix: Prefix | None) -> tuple:
-    """What "prefix" routing compares: a text's first PREFIX_CHARS characters in blocks of PREFIX_BLOCK (the
-    last one possibly shorter), a tuple of chunks as it is, None as no blocks."""
-    if prefix is None:
-        return ()
-    if isinstance(prefix, str):
-        head = prefix[:PREFIX_CHARS]
-        return tuple(head[i:i + PREFIX_BLOCK] for i in range(0, len(head), PREFIX_BLOCK))
-    return tuple(prefix)

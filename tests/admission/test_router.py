@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 
-from moe_cohort.admission.router import RAY_ROUTINGS, ROUTINGS, ReplicaRouter, prefix_blocks
+from moe_cohort.admission.binding import prefix_blocks
+from moe_cohort.admission.router import RAY_ROUTINGS, ROUTINGS, ReplicaRouter
 
 A, B = np.array([1.0, 1.0, 0, 0, 0, 0]), np.array([0, 0, 0, 0, 1.0, 1.0])  # two experts each, disjoint
 A2, B2 = np.array([1.0, 0, 1.0, 0, 0, 0]), np.array([0, 0, 0, 1.0, 0, 1.0])  # one new expert next to A / B
