@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import shutil
 import tempfile
@@ -33,7 +32,7 @@ import aiohttp
 import numpy as np
 
 from benchmarks import bench_proxy
-from benchmarks.bench_out_of_box import SCHEDULER, add_served_arguments, learn_through, served_setup
+from benchmarks.bench_out_of_box import SCHEDULER, add_served_arguments, finish, learn_through, served_setup
 from benchmarks.bench_proxy import start_proxy
 from moe_cohort.proxy.backend_metrics import decode_counters, decode_rates
 
@@ -147,10 +146,7 @@ def main() -> None:
         os.sched_setaffinity(0, bench_proxy.PROXY_CPUS)  # the clients, off vLLM's core
         learn_through(server.url, learn, args, state, work / "learning.log")
         rows = rounds(server.url, state, held, args, layers, work)
-    print("\n".join(summary(rows)))
-    print(f"proxy logs: {work}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
+    finish(summary(rows), rows, work, args.json)
 
 
 if __name__ == "__main__":

@@ -167,11 +167,15 @@ def main() -> None:
     for kind in args.servers.split(","):
         os.sched_setaffinity(0, backend_cpus)
         out[kind] = one_server(kind, model, layers, learn, held, args, work)
-    for kind, rows in out.items():
-        print(summary(kind, rows))
+    finish([summary(kind, rows) for kind, rows in out.items()], out, work, args.json)
+
+
+def finish(lines: list[str], rows, work: Path, json_path: str | None) -> None:
+    """The end of a served benchmark: its summary lines, where the logs are, and the rows as JSON when asked."""
+    print("\n".join(lines))
     print(f"proxy logs: {work}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+    if json_path:
+        Path(json_path).write_text(json.dumps(rows, indent=2) + "\n")
 
 
 if __name__ == "__main__":
