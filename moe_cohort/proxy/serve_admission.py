@@ -26,7 +26,6 @@ length caches); behind one ingress deployment of one replica, that is every requ
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Hashable, Iterable, Sequence
 from typing import Any
 
@@ -35,8 +34,6 @@ import numpy as np
 from moe_cohort.admission.router import ReplicaRouter, ResidentFactory
 from moe_cohort.admission.wire import PROFILE_KEY, Prediction
 from moe_cohort.encoder.text import RequestTextError, request_text
-
-log = logging.getLogger(__name__)
 
 
 class ServeAdmission:

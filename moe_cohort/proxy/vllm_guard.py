@@ -45,12 +45,12 @@ def kill_group(*_) -> None:
 
 def kill_the_rest() -> None:
     """SIGKILL every process of this group but this one (what the server left behind)."""
-    me, group = os.getpid(), os.getpgrp()
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and int(entry) != me:
+    from moe_cohort.proxy.vllm_server import group_members  # standard library only, as this module
+
+    for pid in group_members(os.getpgrp()):
+        if pid != os.getpid():
             try:
-                if os.getpgid(int(entry)) == group:
-                    os.kill(int(entry), signal.SIGKILL)
+                os.kill(pid, signal.SIGKILL)
             except OSError:  # gone meanwhile
                 pass
 
