@@ -1,7 +1,7 @@
 """How much admission leaves on the table: greedy reference, lookahead ceiling and trained text policy.
 
     python -m benchmarks.bench_ceiling [--traces A,B] [--slots 8,16,32,64] [--seeds 10]
-        [--lookahead 8x16,8x16a] [--width 1] [--seeds-at 64=5] [--text-lookahead 4x32a]
+        [--lookahead 8x16,8x16a] [--width 1] [--seeds-at 64=5] [--text-lookahead 4x32a] [--profile-lookahead 8x16]
 
 Per model (default: both trace folders of the data folder) and S, on the held-out requests of the
 project's split (benchmarks.heldout), every request arriving at step 0, one engine of S slots. Loads
@@ -20,6 +20,9 @@ the share of tokens generated in full steps says how much of the replay the firs
   rollouts counting expected loads (eval.lookahead's `expected`), planned on the true output lengths
   ("text-lookahead-KxH-len", an upper bound for length prediction) and on one constant length, the
   training side's mean ("text-lookahead-KxH-mean": a rule that sees no trace of the held-out side).
+- with --profile-lookahead KxH, the same search on the requests' TRUE profiles and true lengths
+  ("profile-lookahead-KxH"): what a rule that plans on profiles could reach with a perfect predictor of
+  both. The gap between it and lookahead-KxH is what only the tokens' own routing step by step tells.
 
 Savings are against random admission with the same lengths (each seed's baseline is 4 random orders,
 as in eval.engine.evaluate_continuous), mean ± std over seeds; share = full-step saving / the
@@ -61,7 +64,7 @@ def trained_policy(data: HeldOut, cache: str | None) -> Policy:
 
 
 def measure(path: str, slots: list[int], seeds: int, configs: list[str], width: int, cache: str,
-            seeds_at: dict[int, int], text_configs: list[str] = ()) -> list[dict]:
+            seeds_at: dict[int, int], text_configs: list[str] = (), profile_configs: list[str] = ()) -> list[dict]:
     data = HeldOut.of(load_traces(path))
     tokens = decode_tokens(data.held)
     lengths = held_lengths(data.held, tokens.mode)
@@ -70,6 +73,9 @@ def measure(path: str, slots: list[int], seeds: int, configs: list[str], width: 
     for c in configs:
         k, h, full_only = _config(c)
         policies[f"lookahead-{c}"] = Lookahead(ref, k, h, width, full_only)
+    for c in profile_configs:
+        k, h, full_only = _config(c)
+        policies[f"profile-lookahead-{c}"] = Lookahead(ref, k, h, width, full_only, expected=True)
     policies[TRAINED] = trained_policy(data, cache)
     mean = DEFAULT_MEAN_LENGTH if tokens.mode == "proxy" else float(data.traces.num_decode_tokens[data.train_idx].mean())
     constant = np.full(len(data.held), max(int(round(mean)), 1), np.int64)  # [n]
@@ -143,18 +149,20 @@ def main() -> None:
     p.add_argument("--lookahead", default="8x16", help="KxH or KxHa (rollouts scored over all steps) configurations, comma-separated (default %(default)s)")
     p.add_argument("--width", type=int, default=1, help="choices searched at each rollout admission (1: greedy)")
     p.add_argument("--text-lookahead", default="", help="KxH or KxHa configurations of the search on predicted profiles")
+    p.add_argument("--profile-lookahead", default="", help="KxH or KxHa configurations of the search on the true profiles and lengths")
     p.add_argument("--seeds-at", default="", help="S=n,...: n seeds at that S instead of --seeds")
     p.add_argument("--cache", default="/tmp/cohort-bench-cache", help="embedding cache (outside the repository)")
     p.add_argument("--json", help="also write the results to this file")
     args = p.parse_args()
     configs = [c for c in args.lookahead.split(",") if c]
     text_configs = [c for c in args.text_lookahead.split(",") if c]
+    profile_configs = [c for c in args.profile_lookahead.split(",") if c]
     seeds_at = {int(k): int(v) for k, v in (c.split("=") for c in args.seeds_at.split(",") if c)}
     out = {}
     for path in (args.traces.split(",") if args.traces else [str(data_path(m)) for m in MODELS]):
         print(f"\n===== {path} =====")
         out[path] = measure(path, [int(v) for v in args.slots.split(",")], args.seeds, configs, args.width, args.cache,
-                            seeds_at, text_configs)
+                            seeds_at, text_configs, profile_configs)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2, default=float) + "\n")
 
