@@ -29,6 +29,7 @@ Environment (read when the plugin registers, in every vLLM process):
     COHORT_TRACE_DIR            where trace files go (default ./cohort-traces of the server's cwd)
     COHORT_MOE_METRICS          0: no expert-load metrics (default 1)
     COHORT_ALLOW_UNTESTED_VLLM  1: patch a vLLM version this plugin was not written for
+    COHORT_DIE_WITH_PARENT      1: each vLLM process dies with its parent (set by proxy/vllm_guard)
 
     COHORT_GRAPH_XSHARE_SPEC    1: with CUDA graphs, also serve xshare-spec (its per-request kernel then
                                 runs in every step; default 0: such requests get HTTP 400)
@@ -52,6 +53,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from moe_cohort.engine.parent_death import follow_parent
 from moe_cohort.engine.policy import Policy, PolicyError, parse_policy
 
 log = logging.getLogger(__name__)
@@ -169,6 +171,7 @@ def register() -> None:
         return
     import vllm
 
+    follow_parent()  # under proxy/vllm_guard: this vLLM process dies with the one that started it
     config = PluginConfig.from_env()
     check_vllm_version(vllm.__version__, allow_untested=_env_flag(os.environ, ENV_ALLOW, False))
     _use_vllm_logging()

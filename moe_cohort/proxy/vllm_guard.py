@@ -8,8 +8,10 @@ guard is the leader of the server's process group (proxy/vllm_server.py starts i
 own, and vLLM's processes stay in their parent's group), and it asks Linux to signal it when its
 parent dies (prctl PR_SET_PDEATHSIG: sent when the *thread* that started the guard ends, so start it
 from the main thread or another that lives as long as the server). On that signal it SIGKILLs the
-whole group, itself included: nobody is left to want a graceful shutdown. The API server gets
-PR_SET_PDEATHSIG SIGKILL towards the guard too, for a guard killed outright.
+whole group, itself included: nobody is left to want a graceful shutdown. For a guard killed outright,
+each vLLM process dies with the one that started it (engine.parent_death: the server runs with
+COHORT_DIE_WITH_PARENT=1, and our plugin asks for SIGKILL on its parent's death in every vLLM process;
+the API server is asked here too, before it runs, for a server started without the plugin).
 
 Otherwise the guard is transparent: SIGTERM and SIGINT go on to the API server (VllmServer.stop's
 graceful shutdown), and it exits with the server's status (128 + N for a server killed by signal N).
@@ -20,23 +22,15 @@ SIGKILLed first. Linux only; it imports nothing heavy, so it stays small beside 
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import subprocess
 import sys
 
-PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+from moe_cohort.engine import parent_death
+from moe_cohort.engine.parent_death import die_with_parent
+
 PARENT_DIED = signal.SIGHUP  # the guard runs in a session without a terminal: nothing else sends it a hangup
-
-_prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved before any fork: the child only calls it
-
-
-def die_with_parent(sig: int) -> None:
-    """Ask Linux to send this process `sig` when the thread that created it ends."""
-    if _prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
-        errno = ctypes.get_errno()
-        raise OSError(errno, f"prctl(PR_SET_PDEATHSIG): {os.strerror(errno)}")
 
 
 def kill_group(*_) -> None:
@@ -64,7 +58,8 @@ def main(argv: list[str]) -> int:
     die_with_parent(PARENT_DIED)
     if os.getppid() != parent:  # it died before we asked
         kill_group()
-    server = subprocess.Popen(command, preexec_fn=lambda: die_with_parent(signal.SIGKILL))  # one thread here: safe
+    server = subprocess.Popen(command, env={**os.environ, parent_death.ENV: "1"},
+                              preexec_fn=lambda: die_with_parent(signal.SIGKILL))  # one thread here: safe
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, _: server.send_signal(signum))
     status = server.wait()

