@@ -19,11 +19,13 @@ import signal
 ENV = "COHORT_DIE_WITH_PARENT"
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
-_prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved before any fork: a child only calls it
+_prctl = getattr(ctypes.CDLL(None, use_errno=True), "prctl", None)  # Linux only; resolved before any fork
 
 
 def die_with_parent(sig: int) -> None:
     """Ask Linux to send this process `sig` when the thread that created it ends."""
+    if _prctl is None:
+        raise OSError(f"prctl(PR_SET_PDEATHSIG) is Linux only: unset {ENV} (the guard of proxy/vllm_guard.py sets it)")
     if _prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
         errno = ctypes.get_errno()
         raise OSError(errno, f"prctl(PR_SET_PDEATHSIG): {os.strerror(errno)}")
