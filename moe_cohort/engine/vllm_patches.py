@@ -30,10 +30,8 @@ plugin chooses V1 where the user did not choose: `choose_model_runner`), and mod
 against the installed vLLM); the plugin's per-process state is one `PluginState`, `STATE`.
 
 One module on purpose, though long: every place the plugin touches vLLM is here and in `PATCHED`, so a
-vLLM upgrade is checked against one file; the logic behind each patch lives in engine.routing_hook.
-
-Every patch lives in this one module, long as it is: it is the one place that touches vLLM internals, so a reader
-checking a new vLLM release reads one file, and every patch is installed behind one version check.
+vLLM upgrade is checked against one file and every patch is installed behind one version check; the logic
+behind each patch lives in engine.routing_hook.
 """
 
 from __future__ import annotations

@@ -28,7 +28,6 @@ import subprocess
 import sys
 
 from moe_cohort.engine import parent_death
-from moe_cohort.engine.parent_death import die_with_parent
 
 PARENT_DIED = signal.SIGHUP  # the guard runs in a session without a terminal: nothing else sends it a hangup
 
@@ -55,11 +54,11 @@ def main(argv: list[str]) -> int:
         return 2
     parent, command = int(argv[0]), argv[1:]
     signal.signal(PARENT_DIED, kill_group)
-    die_with_parent(PARENT_DIED)
+    parent_death.die_with_parent(PARENT_DIED)
     if os.getppid() != parent:  # it died before we asked
         kill_group()
     server = subprocess.Popen(command, env={**os.environ, parent_death.ENV: "1"},
-                              preexec_fn=lambda: die_with_parent(signal.SIGKILL))  # one thread here: safe
+                              preexec_fn=lambda: parent_death.die_with_parent(signal.SIGKILL))  # one thread here: safe
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, _: server.send_signal(signum))
     status = server.wait()

@@ -246,7 +246,7 @@ def test_kill_9_of_serve_takes_its_embedded_vllm_with_it(tiny_moe_dir, tmp_path)
             time.sleep(0.5)
         family = psutil.Process(proc.pid).children(recursive=True)  # before the kill: orphans change parents
         names = [p.name() for p in family]
-        assert any(n.startswith("VLLM::EngineCor") for n in names) and any(n.startswith("VLLM::Worker") for n in names), names
+        assert _engine_core_and_worker(names), names
         proc.kill()
         proc.wait(30)
         _, alive = psutil.wait_procs(family, timeout=60)
@@ -273,7 +273,7 @@ def test_a_guard_killed_outright_takes_the_engine_core_and_workers_with_it(tiny_
     family = psutil.Process(server.process.pid).children(recursive=True)
     try:
         names = [p.name() for p in family]
-        assert any(n.startswith("VLLM::EngineCor") for n in names) and any(n.startswith("VLLM::Worker") for n in names), names
+        assert _engine_core_and_worker(names), names
         server.process.kill()
         server.process.wait(10)
         left = _alive(family, 60)
@@ -283,6 +283,10 @@ def test_a_guard_killed_outright_takes_the_engine_core_and_workers_with_it(tiny_
                 p.kill()
         server.stop()
     assert left == [], f"left running after the guard was killed outright: {left}"
+
+
+def _engine_core_and_worker(names: list[str]) -> bool:
+    return any(n.startswith("VLLM::EngineCor") for n in names) and any(n.startswith("VLLM::Worker") for n in names)
 
 
 @contextlib.contextmanager

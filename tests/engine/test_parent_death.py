@@ -12,7 +12,7 @@ from moe_cohort.engine import parent_death
 
 psutil = pytest.importorskip("psutil")
 
-CHILD = ("import os, sys, time\n"
+CHILD = ("import time\n"
          "from moe_cohort.engine.parent_death import follow_parent\n"
          "print(follow_parent(), flush=True)\n"
          "time.sleep(600)\n")
