@@ -2,12 +2,16 @@
 
     cohort batch run --input requests.jsonl --output results.jsonl --backend http://127.0.0.1:8000
 
-The whole file is validated first (nothing is sent if a line is bad, unless --skip-invalid), then
-every request's expert profile (or embedding) is predicted once (with --learn, again by each head
-learned from the batch's own answers, for the requests next in line), then requests are sent with
---max-in-flight (the backend's max_num_seqs) at the backend, each freed slot going to the waiting
-request that best fits those out now (--encoder none keeps file order). Results and failures are appended as they finish, with a journal next to the output
-(`results.jsonl.journal`): after a crash or kill, the same command finishes the rest.
+The whole file is validated first (nothing is sent if a line is bad, unless --skip-invalid). Then the
+run asks each backend what it is, as `cohort serve` does (proxy/handshake.py, proxy/autoconfig.py), and says
+what it chose: as many requests out as the engine's max_num_seqs (plus a short queue where vLLM runs
+moe-cohort's scheduler, which gets each request's predicted profile), and learning on where the engine serves
+its expert counts. Flags win. With no profile head yet (a fresh --data-dir) it sends a sample drawn from
+across the file first, learns the head from the engine's counts of those answers, then predicts the rest and
+sends it in admission order: each freed slot goes to the waiting request that best fits those out now, the
+whole remaining file being the pool (--encoder none keeps file order). Results and failures are appended as
+they finish, with a journal next to the output (`results.jsonl.journal`): after a crash or kill, the same
+command finishes the rest, and a head learned before the kill orders it from its first line.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+import time
+from dataclasses import replace
 from pathlib import Path
 
 from moe_cohort.cli.checks import ENCODER_CHOICES
@@ -29,8 +35,8 @@ _FLAGS = {
                                                  "xshare;m=32"),
     "--encoder": ("encoder", str, f"orders the requests by their predicted experts: {ENCODER_CHOICES}; 'none' "
                                   f"keeps the file order"),
-    "--max-in-flight": ("batch_concurrency", int, "requests at the backend at once, as many as its max_num_seqs "
-                                                  "(default: the max_in_flight setting, else 256)"),
+    "--max-in-flight": ("batch_concurrency", int, "requests at each backend at once (default: from its vLLM: "
+                                                  "max_num_seqs, plus a short queue where our scheduler runs)"),
     "--max-retries": ("batch_max_retries", int, "retries per request for 429, 5xx and timeouts"),
     "--request-timeout-s": ("request_timeout_s", float, "backend timeout per request"),
     "--backend-api-key": ("backend_api_key", str, "API key to send to the backend"),
@@ -59,18 +65,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             help="learn the profile head from the engine's routing of this batch's answers as it "
                                  "runs (the expert counts of moe-cohort's vLLM plugin, or vLLM's routed_experts), "
                                  "re-predicting the requests next in line with each new head; starts from, and "
-                                 "saves to, --data-dir's learned/ (default: off; env COHORT_LEARN)")
+                                 "saves to, --data-dir's learned/ (default: on where the backend serves its expert "
+                                 "counts; env COHORT_LEARN)")
+    run_parser.add_argument("--forward-profiles", action=argparse.BooleanOptionalAction, default=None,
+                            help="send each request's predicted profile for vLLM's scheduler to admit by (default: "
+                                 "where vLLM runs moe-cohort's scheduler; env COHORT_FORWARD_PROFILES)")
     run_parser.add_argument("--engine", choices=("local", "ray"), default="local",
                             help="local: this process sends, to one --backend; ray: Ray Data sends, to every "
                                  "--backend (comma-separated replicas)")
 
 
 def run(args: argparse.Namespace) -> int:
+    started = time.monotonic()
     if args.output.is_dir():
         return _fail(f"--output {args.output} is a folder; give a file path for the results, "
                      f"e.g. {args.output / 'results.jsonl'}")
     try:
-        settings = load_settings({**flag_overrides(args, _FLAGS), "learn": args.learn}, flags=_FLAGS)
+        settings = load_settings({**flag_overrides(args, _FLAGS), "learn": args.learn,
+                                  "forward_profiles": args.forward_profiles}, flags=_FLAGS)
     except SettingsError as exc:
         return _fail(str(exc))
     if not settings.backend_url and not args.dry_run:
@@ -96,14 +108,26 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if not batch.requests and not batch.errors:
         return _fail(f"{args.input} has no requests")
-    from moe_cohort.proxy.learning import load_learner
-    from moe_cohort.proxy.profiles import make_predictor
-
-    learner = load_learner(settings) if settings.learn else None
-    predictor = make_predictor(settings)
     if args.dry_run:
-        return _dry_run(args, settings, batch, predictor)
-    return _execute(args, settings, batch, predictor, learner)
+        from moe_cohort.proxy.profiles import make_predictor
+
+        return _dry_run(args, settings, batch, make_predictor(settings))
+    settings, layers = _configured(settings, args.engine)
+    return _execute(args, settings, batch, layers, started)
+
+
+def _configured(settings: Settings, engine: str) -> tuple[Settings, int | None]:
+    """The run's settings as the backends' handshake makes them (flags win), said in one line; and the model's
+    MoE layers when an engine told them."""
+    from moe_cohort.proxy.autoconfig import plan_batch
+    from moe_cohort.proxy.handshake import ask_all
+
+    infos = asyncio.run(ask_all(settings.backend_urls, settings))
+    plan = plan_batch(settings, settings.backend_urls, infos)
+    learn = plan.learn and engine == "local" and settings.encoder.lower() != "none"
+    print(f"cohort batch: {plan.line}" + ("" if learn == plan.learn else " (not with --engine ray)"), file=sys.stderr)
+    return replace(settings, batch_concurrency=plan.slots, forward_profiles=plan.forward_profiles, learn=learn), \
+        plan.layers
 
 
 def _dry_run(args, settings: Settings, batch, predictor) -> int:
@@ -122,7 +146,7 @@ def _dry_run(args, settings: Settings, batch, predictor) -> int:
     return 0
 
 
-def _execute(args, settings: Settings, batch, predictor, learner) -> int:
+def _execute(args, settings: Settings, batch, layers: int | None, started: float) -> int:
     from moe_cohort.proxy.batch.run import RunAborted
     from moe_cohort.proxy.batch.journal import Journal, JournalError, JournalPaths
 
@@ -133,50 +157,102 @@ def _execute(args, settings: Settings, batch, predictor, learner) -> int:
         return _fail(str(exc))
     try:
         progress, skip = not args.no_progress, args.skip_invalid
-        stats = _run_ray(settings, batch, journal, predictor, progress=progress, skip_invalid=skip) \
-            if args.engine == "ray" else \
-            asyncio.run(_run(settings, batch, journal, predictor, learner, progress=progress, skip_invalid=skip))
+        stats = _run_ray(settings, batch, journal, progress=progress, skip_invalid=skip) if args.engine == "ray" \
+            else asyncio.run(_run(settings, batch, journal, progress=progress, skip_invalid=skip))
     except RunAborted as exc:
         return _fail(f"{exc}\nresults so far are in {paths.output}; run the same command again to finish the rest", 1)
     except KeyboardInterrupt:
         return _fail(f"interrupted; results so far are in {paths.output}; run the same command again to finish", 130)
     finally:
         journal.close()
-    _summary(stats, journal, paths)
+    _summary(stats, journal, paths, layers, time.monotonic() - started)
     return 0
 
 
-async def _run(settings: Settings, batch, journal, predictor, learner, *, progress: bool, skip_invalid: bool):
+async def _run(settings: Settings, batch, journal, *, progress: bool, skip_invalid: bool):
     from moe_cohort.proxy.backend_client import BackendClient
     from moe_cohort.proxy.batch.core import RunConfig
     from moe_cohort.proxy.batch.run import run_batch
-    from moe_cohort.proxy.learning import Learning, learned_folder
+    from moe_cohort.proxy.learning import Learning, learned_folder, load_learner
     from moe_cohort.proxy.metrics import ProxyMetrics
 
     backend = BackendClient.from_settings(settings)
-    learning = None if learner is None else Learning(learner, predictor.features, learned_folder(settings),
-                                                     ProxyMetrics(), settings.learn_sample_rate, backend)
-    if learning is not None:
-        predictor.follow(learning)  # admission by the learned head once there is one (before it: file order)
+    loading = _load_predictor(settings)  # the encoder loads while the first requests go (a sample, in any case)
+    learning = None
+    if settings.learn:
+        learning = Learning(load_learner(settings), lambda texts: loading.result().features(texts),
+                            learned_folder(settings), ProxyMetrics(), settings.learn_sample_rate, backend)
+    predictor = None if loading is None else asyncio.wrap_future(_following(loading, learning))
     finished = sum(1 for r in batch.requests if r.line in journal.done)
+    before = await _metrics(backend)
     with _ProgressBar(len(batch.requests), finished, enabled=progress) as bar:
         try:
-            return await run_batch(batch, journal, backend, predictor, RunConfig.from_settings(settings),
-                                   skip_invalid=skip_invalid, on_progress=bar.update, learning=learning)
+            stats = await run_batch(batch, journal, backend, predictor, RunConfig.from_settings(settings),
+                                    skip_invalid=skip_invalid, on_progress=bar.update, learning=learning)
         finally:
             if learning is not None:
                 await learning.flush()  # the last answers' counts
                 await asyncio.to_thread(learning.close)  # what it learned is saved for the next run (and serve)
-                _learned(learner, learned_folder(settings))
+                _learned(learning.learner, learned_folder(settings))
+            after = await _metrics(backend)
             await backend.close()
+    if before is not None and after is not None:
+        stats.decode = {key: after[key] - before[key] for key in before}
+    return stats
 
 
-def _run_ray(settings: Settings, batch, journal, predictor, *, progress: bool, skip_invalid: bool):
+def _load_predictor(settings: Settings):
+    """The settings' predictor, loading on a thread (a concurrent Future); None with --encoder none."""
+    if settings.encoder.lower() == "none":
+        return None
+    from concurrent.futures import ThreadPoolExecutor
+
+    from moe_cohort.proxy.profiles import make_predictor
+
+    pool = ThreadPoolExecutor(1, "cohort-encoder-load")
+    loading = pool.submit(make_predictor, settings)
+    pool.shutdown(wait=False)  # the load goes on; the thread ends with it
+    return loading
+
+
+def _following(loading, learning):
+    """`loading`'s predictor, made to follow `learning` (its head, once learned) as soon as it is loaded."""
+    from concurrent.futures import Future
+
+    out: Future = Future()
+
+    def done(future) -> None:
+        try:
+            predictor = future.result()
+            if learning is not None:
+                predictor.follow(learning)
+            out.set_result(predictor)
+        except BaseException as exc:  # the encoder failed to load: the run fails with its error
+            out.set_exception(exc)
+    loading.add_done_callback(done)
+    return out
+
+
+async def _metrics(backend) -> dict[str, float] | None:
+    """The plugin's decode counters on the backend now (proxy/backend_metrics.py); None where it serves none."""
+    from moe_cohort.proxy.backend_metrics import decode_sums, has_plugin_counters
+    from moe_cohort.proxy.http.errors import ProxyError
+
+    try:
+        text = (await backend.request("GET", "/metrics")).text
+    except ProxyError:
+        return None
+    return decode_sums(text) if has_plugin_counters(text) else None
+
+
+def _run_ray(settings: Settings, batch, journal, *, progress: bool, skip_invalid: bool):
     from moe_cohort.proxy.batch.ray import run_batch_ray
+    from moe_cohort.proxy.profiles import make_predictor
 
     finished = sum(1 for r in batch.requests if r.line in journal.done)
     with _ProgressBar(len(batch.requests), finished, enabled=progress) as bar:
-        return run_batch_ray(settings, batch, journal, predictor, skip_invalid=skip_invalid, on_progress=bar.update)
+        return run_batch_ray(settings, batch, journal, make_predictor(settings), skip_invalid=skip_invalid,
+                             on_progress=bar.update)
 
 
 def _one_backend(settings: Settings) -> str | None:
@@ -220,14 +296,22 @@ class _ProgressBar:
         self.bar.close()
 
 
-def _summary(stats, journal, paths) -> None:
+def _summary(stats, journal, paths, layers: int | None, wall_s: float) -> None:
     ok, failed = journal.counts["output"], journal.counts["errors"]
     print(f"done: {ok} succeeded -> {paths.output}; {failed} failed or skipped -> {paths.errors}", file=sys.stderr)
     if stats.succeeded + stats.failed == 0:
         print(f"nothing to send: all {stats.total} requests were finished by an earlier run", file=sys.stderr)
         return
-    print(f"this run: {stats.succeeded + stats.failed} requests in {stats.elapsed:.1f} s, "
-          f"{stats.tokens_per_s:.0f} generated tokens/s", file=sys.stderr)
+    print(f"this run: {stats.succeeded + stats.failed} requests in {stats.elapsed:.1f} s from the first sent "
+          f"({wall_s:.1f} s with start-up), {stats.tokens_per_s:.0f} generated tokens/s", file=sys.stderr)
+    decode = stats.decode
+    if decode and decode["tokens"] > 0:
+        from moe_cohort.proxy.backend_metrics import decode_rates
+
+        per_token, per_forward = decode_rates({k: 0.0 for k in decode}, decode, layers)
+        shared = f", {per_forward:.2f} decode tokens per forward" if per_forward else ""
+        print(f"decode: {per_token:.3f} expert loads per generated token{shared} (the engine's counters over this "
+              f"run; compare with --encoder none on the same file for file order)", file=sys.stderr)
     loads = stats.expert_loads
     if loads is not None and loads.per_forward is not None:
         saving = f", routing policy saved {loads.policy_saving:.1%} of them" if loads.policy_saving else ""

@@ -31,7 +31,7 @@ from moe_cohort.proxy.backend_client import BackendClient
 from moe_cohort.proxy.batch.api import add_batch_api
 from moe_cohort.proxy.batch.jobs import BatchJobs
 from moe_cohort.proxy.gate import AdmissionGate, Profiler
-from moe_cohort.proxy.autoconfig import LearningPlan, describe, passed_bound, plan_learning, plan_replica
+from moe_cohort.proxy.autoconfig import LearningPlan, describe, passed_bound, plan_batch, plan_learning, plan_replica
 from moe_cohort.proxy.handshake import UNREACHABLE, EngineInfo, ask
 from moe_cohort.proxy.http.fastpath import FastPath
 from moe_cohort.proxy.health import health_answer
@@ -64,8 +64,8 @@ class Proxy:
     def __init__(self, settings: Settings, predictor: Predictor | None, learner: OnlineLearner | None = None) -> None:
         self.settings, self.predictor = settings, predictor
         self.metrics = ProxyMetrics()
-        clients = [BackendClient(url, timeout_s=settings.request_timeout_s, connect_timeout_s=settings.connect_timeout_s)
-                   for url in settings.backend_urls]
+        clients = [BackendClient(url, timeout_s=settings.request_timeout_s, connect_timeout_s=settings.connect_timeout_s,
+                                 api_key=settings.backend_api_key) for url in settings.backend_urls]
         self.learning = None if learner is None or predictor is None else Learning(
             learner, predictor.features, learned_folder(settings), self.metrics, settings.learn_sample_rate, clients[0],
             on=None)
@@ -86,6 +86,7 @@ class Proxy:
         self.learning_plan: LearningPlan | None = None
         self._decide_learning()  # now when a setting says, else when a replica answers
         self.configuration = ""  # what `configure` chose, one line
+        self.batch_jobs: BatchJobs | None = None  # the Batch API's, configured with the replicas (`configure`)
         self.authorize = Authorizer(settings.api_keys)  # called with a request's headers
 
     async def close(self) -> None:
@@ -107,6 +108,8 @@ class Proxy:
         self.gate.profile_first = any(p.engine_side for p in self.plans)
         self.replicas.router.max_passed = self.settings.max_passed or passed_bound(self.plans)
         self._decide_learning()
+        if self.batch_jobs is not None:
+            self.batch_jobs.configure(plan_batch(self.settings, self.settings.backend_urls, self.engines))
         return describe(self.settings.backend_urls, self.plans, self.learning_plan)
 
     def _decide_learning(self) -> None:
@@ -206,7 +209,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.proxy = proxy
     access_log.setLevel(logging.INFO if settings.access_log else logging.WARNING)
     add_error_handlers(app, proxy.metrics, PATHS)
-    batch_jobs = BatchJobs(settings, proxy.backend, proxy.predictor, gate=proxy.gate, learning=proxy.learning)
+    batch_jobs = proxy.batch_jobs = BatchJobs(settings, proxy.backend, proxy.predictor, gate=proxy.gate,
+                                              learning=proxy.learning)
     add_batch_api(app, batch_jobs, proxy.authorize, settings.max_file_bytes)
 
     async def chat_completions(request: Request) -> Response:

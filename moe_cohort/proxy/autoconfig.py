@@ -15,6 +15,11 @@ Rules (a setting the user gave wins over each of them):
   Setting: max_passed.
 - Learning. On when a replica serves its expert counts (the endpoint plugin is loaded); off with
   `--encoder none`, or when no replica counts experts. Setting: learn.
+- Batches (`plan_replica(..., batch=True)`: `cohort batch run`, the Batch API). A batch knows every line from
+  the start, so its runner chooses from the whole file, never the engine's queue alone: it keeps max_num_seqs
+  requests at a replica that admits in the proxy, and max_num_seqs plus a short queue (a quarter more, at least
+  2) at one that admits inside vLLM, whose scheduler refills a freed slot at once from that queue, by the
+  forwarded profiles, against the requests it has resident. Setting: batch_concurrency, else max_in_flight.
 
 Pure: no I/O; the proxy asks the replicas and applies the plan (proxy/app.py).
 """
@@ -30,6 +35,7 @@ from moe_cohort.proxy.settings import Settings
 
 UNKNOWN_SLOTS = 256  # vLLM's default max_num_seqs
 ENGINE_SIDE_SLOTS = 256  # at least this many requests forwarded to an engine that admits by itself
+BATCH_QUEUE_SHARE, BATCH_QUEUE_MIN = 4, 2  # a batch's queue at an engine that admits by itself: S / 4, at least 2
 PASSED_PER_SLOT = 3  # engine.scheduler's: the same fairness in the proxy as in vLLM's queue
 TURN_ON_SCHEDULER = f"start vLLM with --scheduler-cls {SCHEDULER_CLS} to run admission inside it"
 INSTALL_PLUGIN = ("install moe-cohort in vLLM's environment (its plugin tells the proxy max_num_seqs and serves the "
@@ -52,28 +58,42 @@ class LearningPlan:
     could: str = ""
 
 
-def plan_replica(settings: Settings, info: EngineInfo) -> ReplicaPlan:
-    """How to serve one replica that answered the handshake with `info`."""
+def plan_replica(settings: Settings, info: EngineInfo, *, batch: bool = False) -> ReplicaPlan:
+    """How to serve one replica that answered the handshake with `info`: online requests, or a batch's lines
+    (`batch`: see the module docstring)."""
     engine_side = info.expert_aware if settings.forward_profiles is None else settings.forward_profiles
-    slots = settings.max_in_flight or (max(ENGINE_SIDE_SLOTS, 4 * (info.max_num_seqs or 0)) if engine_side
-                                       else info.max_num_seqs or UNKNOWN_SLOTS)
-    given = " (--max-in-flight)" if settings.max_in_flight else ""
+    given_slots = (settings.batch_concurrency if batch else 0) or settings.max_in_flight
+    slots = given_slots or _slots(info, engine_side, batch)
+    given = " (--max-in-flight)" if given_slots else ""
     if engine_side:
         who = "moe-cohort's scheduler" if info.expert_aware else "--forward-profiles"
+        if batch:
+            return ReplicaPlan(slots, True, f"admission inside vLLM ({who}) from the lines the runner chooses out of "
+                                            f"the whole file: {slots} at a time{given}, with predicted profiles")
         return ReplicaPlan(slots, True, f"admission inside vLLM ({who}): forwarded at once with predicted profiles, "
                                         f"up to {slots} at a time{given}")
     if info.source == UNREACHABLE:
         return ReplicaPlan(slots, False, f"not answering yet: admission in the proxy, {slots} slots{given} until it "
                                          f"answers (asked again then)")
     if not info.plugin:
-        lost = "" if settings.max_in_flight else ": its max_num_seqs unknown, so nothing waits in the proxy and " \
-                                                 "requests go first come, first served"
+        lost = "" if given_slots else ": its max_num_seqs unknown, so nothing waits in the proxy and " \
+                                      "requests go first come, first served"
         return ReplicaPlan(slots, False, f"no moe-cohort plugin: admission in the proxy, {slots} slots{given}{lost}",
                            INSTALL_PLUGIN)
     why = "--no-forward-profiles" if settings.forward_profiles is False else "vLLM runs its own scheduler"
     return ReplicaPlan(slots, False, f"{why}: admission in the proxy, {slots} slots"
                                      f"{given or ' (its max_num_seqs)'}", "" if settings.forward_profiles is False
                        else TURN_ON_SCHEDULER)
+
+
+def _slots(info: EngineInfo, engine_side: bool, batch: bool) -> int:
+    """A replica's slots when no setting gives them (the module docstring's rules)."""
+    seqs = info.max_num_seqs
+    if not engine_side or not seqs:
+        return seqs or (ENGINE_SIDE_SLOTS if engine_side else UNKNOWN_SLOTS)
+    if batch:
+        return seqs + max(BATCH_QUEUE_MIN, seqs // BATCH_QUEUE_SHARE)
+    return max(ENGINE_SIDE_SLOTS, 4 * seqs)
 
 
 def passed_bound(plans: Sequence[ReplicaPlan]) -> int:
@@ -97,6 +117,27 @@ def plan_learning(settings: Settings, infos: Sequence[EngineInfo]) -> LearningPl
     if any(i.plugin for i in infos):
         return LearningPlan(False, "learning off: vLLM does not serve its expert counts", TURN_ON_COUNTS)
     return LearningPlan(False, "learning off: no replica counts experts")
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """How a batch's lines go to its replicas (the same for each: the smallest replica's slots)."""
+
+    slots: int  # lines out at each replica at once
+    forward_profiles: bool  # each line carries its predicted profile (every replica admits inside vLLM)
+    learn: bool  # the run learns its head from the engine's counts of its answers
+    line: str  # what was chosen and why (the run's first line)
+    layers: int | None  # the model's MoE layers, when an engine said (decode loads per token in the summary)
+
+
+def plan_batch(settings: Settings, urls: Sequence[str], infos: Sequence[EngineInfo]) -> BatchPlan:
+    """How to run a batch on replicas that answered the handshake with `infos` (`plan_replica(..., batch=True)`
+    and `plan_learning`, as the proxy serves them)."""
+    plans = [plan_replica(settings, info, batch=True) for info in infos]
+    learning = plan_learning(settings, infos)
+    layers = next((info.moe[0] for info in infos if info.moe), None)
+    return BatchPlan(min(p.slots for p in plans), all(p.engine_side for p in plans), bool(learning.on),
+                     describe(urls, plans, learning), layers)
 
 
 def describe(urls: Sequence[str], plans: Sequence[ReplicaPlan], learning: LearningPlan) -> str:

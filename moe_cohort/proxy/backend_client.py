@@ -38,11 +38,13 @@ class BackendAnswer:
 
 
 class BackendClient:
-    """POST/GET to `base_url` (the server root, without /v1) over one pooled keep-alive session."""
+    """POST/GET to `base_url` (the server root, without /v1) over one pooled keep-alive session; with `api_key`,
+    every request carries it (`Authorization: Bearer`) unless the caller's headers give their own."""
 
     def __init__(self, base_url: str, *, timeout_s: float = 600.0, connect_timeout_s: float = 5.0,
-                 max_connections: int = 512) -> None:
+                 max_connections: int = 512, api_key: str = "") -> None:
         self.base_url = base_url.rstrip("/")
+        self.auth = {"authorization": f"Bearer {api_key}"} if api_key else {}
         self.max_connections = max_connections
         # timeout_s bounds each wait for bytes (a whole answer, or the next chunk of a stream)
         self.timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s, sock_read=timeout_s)
@@ -53,7 +55,7 @@ class BackendClient:
     def from_settings(cls, settings) -> "BackendClient":
         """The client of `settings.backend_url` with its timeouts (proxy.settings.Settings)."""
         return cls(settings.backend_url, timeout_s=settings.request_timeout_s,
-                   connect_timeout_s=settings.connect_timeout_s)
+                   connect_timeout_s=settings.connect_timeout_s, api_key=settings.backend_api_key)
 
     async def close(self) -> None:
         if self._session is not None:
@@ -110,7 +112,7 @@ class BackendClient:
         may be a stale connection to a server that died; a dead server's port refuses a new one at once)."""
         try:
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
-                async with session.get(self.base_url + "/health") as response:
+                async with session.get(self.base_url + "/health", headers=self.auth) as response:
                     return response.status < 400
         except (aiohttp.ClientError, OSError, TimeoutError):
             return False
@@ -122,6 +124,7 @@ class BackendClient:
                 yield chunk
 
     def _send(self, method: str, path: str, body: dict | None, headers: dict[str, str] | None):
+        headers = {**self.auth, **(headers or {})}
         if body is not None:
             headers = {**(headers or {}), "content-type": "application/json"}
         data = None if body is None else jsonlib.dumps(body).encode()

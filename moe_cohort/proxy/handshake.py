@@ -19,6 +19,7 @@ import asyncio
 import json
 import logging
 from dataclasses import dataclass
+from typing import Sequence
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -126,6 +127,16 @@ async def _ask_metrics(client: BackendClient) -> EngineInfo:
     except ProxyError:
         pass
     return EngineInfo(PLAIN)
+
+
+async def ask_all(urls: Sequence[str], settings) -> list[EngineInfo]:
+    """What each replica at `urls` says it is (`ask`, at once), through clients of `settings` (proxy.settings)."""
+    clients = [BackendClient(url, timeout_s=TIMEOUT_S, connect_timeout_s=settings.connect_timeout_s,
+                             api_key=settings.backend_api_key) for url in urls]
+    try:
+        return list(await asyncio.gather(*(ask(client) for client in clients)))
+    finally:
+        await asyncio.gather(*(client.close() for client in clients))
 
 
 def _int(text: str | None) -> int | None:

@@ -169,6 +169,18 @@ class Learning:
         finally:
             self.metrics.learning_cpu.labels("worker").inc(time.thread_time() - started)
 
+    async def fit_now(self) -> None:
+        """Refit the head on every observation kept so far and save it, on the worker after what is queued (a
+        batch's hand-over from its sample to its order: proxy/batch/follow.py)."""
+        await self.in_background(self._fit_and_save)
+
+    def _fit_and_save(self) -> None:
+        if self.learner.reservoir.size >= 2 and self.learner.reservoir.stored != self.learner.stored_at_fit:
+            self.learner.refit()
+            self.metrics.learned_refits.inc()
+        if self.learner.observed:
+            self.learner.save(self.folder)
+
     async def in_background(self, fn: Callable[..., T], *args) -> T:
         """fn(*args) on the learning worker, behind serving (a batch's re-predictions: proxy/batch/follow.py)."""
         return await asyncio.get_running_loop().run_in_executor(self._executor, self._on_worker, fn, *args)

@@ -48,8 +48,10 @@ class Lifecycle:
 
     def __init__(self, gate: AdmissionGate, path: str, body: dict, text: str, headers: dict[str, str], *,
                  learning: Learning | None = None, background: bool = False, route: str = "batch",
-                 metrics: ProxyMetrics | None = None, started: float | None = None) -> None:
+                 metrics: ProxyMetrics | None = None, started: float | None = None,
+                 profile: list[int] | None = None) -> None:
         self.gate, self.path, self.text, self.headers = gate, path, text, headers
+        self.profile = profile  # the compact profile predicted before the gate (a batch's order) to forward
         self.learning, self.background = learning, background
         self.route, self.metrics = route, metrics or gate.metrics  # the metrics' label and registry
         self.started = started  # when the request arrived (perf_counter): the proxy's own time is counted from it
@@ -160,7 +162,7 @@ class Lifecycle:
                     self.backend_s += time.perf_counter() - sent
 
     def _body(self, slot: Slot) -> dict:
-        compact = None if slot.prediction is None else slot.prediction.compact
+        compact = self.profile if slot.prediction is None else slot.prediction.compact
         if compact is None:
             return self.body
         return {**self.body, "vllm_xargs": {**(self.body.get("vllm_xargs") or {}), PROFILE_KEY: compact}}

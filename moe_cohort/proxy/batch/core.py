@@ -1,7 +1,8 @@
 """The decisions of a batch run, without I/O: what to send next, what to make of an answer, when to stop.
 
 Shaped like nano-vllm's scheduler. `BatchCore` holds the waiting requests in file order, asks its
-`Order` (proxy/batch/order.py: file order, or admission by predicted experts) which one goes next,
+`Order` (proxy/batch/order.py: file order, a spread sample, or admission by predicted experts; the run may
+hand `order` over to another between two sends: proxy/batch/follow.py) which one goes next,
 and answers the driver (proxy/batch/run.py), which does the sending, the sleeping and the writing:
 
     schedule(now)          Send(request, request_id) while fewer than `concurrency` requests are out;
@@ -44,12 +45,13 @@ class RunConfig:
     backoff_s: float = 0.5  # first retry delay; doubles per attempt, up to max_backoff_s
     max_backoff_s: float = 30.0
     metrics_interval_s: float = 2.0  # how often the backend's expert-load counters are read (0: never)
+    forward_profiles: bool = False  # each request carries its predicted profile (an engine that admits by itself)
     api_key: str = ""  # sent to the backend as `Authorization: Bearer` (proxy/auth.py builds the header)
 
     @classmethod
     def from_settings(cls, settings: Settings, **overrides) -> "RunConfig":
         """The run's configuration from the process's one Settings object (`overrides` win)."""
-        return cls(**{"concurrency": settings.batch_in_flight,
+        return cls(**{"concurrency": settings.batch_in_flight, "forward_profiles": bool(settings.forward_profiles),
                       "max_retries": settings.batch_max_retries, "api_key": settings.backend_api_key, **overrides})
 
 
@@ -64,6 +66,7 @@ class RunStats:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     expert_loads: ExpertLoads | None = None  # backend counters since this run started
+    decode: dict[str, float] | None = None  # the plugin's decode counters over the run (proxy/backend_metrics.py)
 
     def __post_init__(self) -> None:
         self.started = self.started or self.clock()
@@ -135,6 +138,7 @@ class BatchCore:
         self.config, self.stats, self.deadline = config, stats, deadline
         self.order, self.rng = order or FileOrder(), rng or random.Random()
         self.waiting = list(requests)
+        self.out: dict[int, BatchRequest] = {}  # input line -> the request, for requests out now
         self.attempts: dict[int, int] = {}  # input line -> failed attempts so far, for requests out now
 
     def schedule(self, now: float) -> Send | Stop | None:
@@ -147,7 +151,7 @@ class BatchCore:
             return None
         request = self.waiting.pop(self.order.pick(self.waiting))
         self.order.sent(request)
-        self.attempts[request.line] = 0
+        self.out[request.line], self.attempts[request.line] = request, 0
         return Send(request, new_id("req_"))
 
     def on_outcome(self, send: Send, outcome: Outcome) -> Finish | Retry | Abort:
@@ -180,7 +184,7 @@ class BatchCore:
 
     def _finish(self, request: BatchRequest, record: Record | None) -> Finish:
         """Free the request's slot (record None: it goes unfinished, the run aborts)."""
-        del self.attempts[request.line]
+        del self.attempts[request.line], self.out[request.line]
         self.order.finished(request)
         return Finish(record)
 

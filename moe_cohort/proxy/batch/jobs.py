@@ -31,8 +31,10 @@ import asyncio
 import contextlib
 import logging
 import time
+from dataclasses import replace
 from typing import Callable
 
+from moe_cohort.proxy.autoconfig import BatchPlan
 from moe_cohort.proxy.batch.core import RunConfig, RunStats, expired_records
 from moe_cohort.proxy.batch.folder import BatchFolder, validation_errors
 from moe_cohort.proxy.batch.job import CANCELLABLE, Job
@@ -62,6 +64,12 @@ class BatchJobs:
         self.share = FairShare(settings.batch_in_flight)  # the batches' requests at the backend, shared fairly
         self._jobs: dict[str, tuple[Job, asyncio.Task]] = {}
         self._closing = False
+
+    def configure(self, plan: BatchPlan) -> None:
+        """Run batches as the engines' handshake says (proxy/autoconfig.plan_batch): lines out at once, shared by
+        the running batches, and whether each carries its predicted profile."""
+        self.config = replace(self.config, concurrency=plan.slots, forward_profiles=plan.forward_profiles)
+        self.share.resize(plan.slots)
 
     @property
     def store(self) -> BatchStore:

@@ -1,4 +1,4 @@
-"""Which request of a batch file goes to the backend next: file order, or admission by predicted experts.
+"""Which request of a batch file goes to the backend next: file order, a spread draw, or admission by predicted experts.
 
 A batch run keeps `concurrency` requests (the backend's max_num_seqs) at the backend; whenever one
 finishes, the next is chosen from everything still waiting. `ExpertOrder` is the proxy's online
@@ -13,12 +13,14 @@ pure (no I/O, no asyncio): `BatchCore` calls `pick` with its waiting requests an
 
 from __future__ import annotations
 
+import random
 from collections import deque
-from typing import Protocol, Sequence
+from typing import Iterable, Protocol, Sequence
 
 import numpy as np
 
 from moe_cohort.admission.router import ReplicaRouter, ResidentFactory
+from moe_cohort.admission.wire import Prediction
 from moe_cohort.proxy.batch.format import BatchRequest
 from moe_cohort.proxy.profiles import Predictor
 
@@ -29,6 +31,7 @@ class Order(Protocol):
     def pick(self, waiting: Sequence[BatchRequest]) -> int: ...
     def sent(self, request: BatchRequest) -> None: ...
     def finished(self, request: BatchRequest) -> None: ...
+    def compact(self, line: int) -> list[int] | None: ...  # the line's predicted profile as forwarded, if any
 
 
 class FileOrder:
@@ -43,6 +46,22 @@ class FileOrder:
     def finished(self, request: BatchRequest) -> None:
         pass
 
+    def compact(self, line: int) -> list[int] | None:
+        return None
+
+
+class SpreadOrder(FileOrder):
+    """The waiting requests in a seeded random permutation of `lines`: the first n sent are a uniform sample of
+    the file (of what an earlier run left), whatever n turns out to be."""
+
+    def __init__(self, lines: Iterable[int], seed: int = 0) -> None:
+        order = list(lines)
+        random.Random(seed).shuffle(order)
+        self.rank = {line: i for i, line in enumerate(order)}
+
+    def pick(self, waiting: Sequence[BatchRequest]) -> int:
+        return min(range(len(waiting)), key=lambda i: self.rank.get(waiting[i].line, len(self.rank)))
+
 
 class ExpertOrder:
     """Admission by predicted experts over the waiting requests, through a ReplicaRouter of one replica of
@@ -52,8 +71,30 @@ class ExpertOrder:
     def __init__(self, vectors: dict[int, np.ndarray | None], resident_factory: ResidentFactory, concurrency: int, *,
                  window: int = DEFAULT_WINDOW) -> None:
         self.vectors, self.window = vectors, window
+        self.compacts: dict[int, list[int] | None] = {}  # by input line: the predicted profile as forwarded
         self.router = ReplicaRouter([concurrency], "affinity", resident_factory=resident_factory)
         self._chosen: deque[int] = deque()  # lines the router admitted that were not sent yet, in its order
+
+    @classmethod
+    def taking_over(cls, predictions: dict[int, Prediction | None], out: dict[int, Prediction | None],
+                    resident_factory: ResidentFactory, concurrency: int, *, window: int = DEFAULT_WINDOW) -> ExpertOrder:
+        """The order of the waiting lines' `predictions` from now on, while the lines in `out` (sent by an earlier
+        order, not finished) stay at the backend: they hold their slots, and their predictions count as residents."""
+        order = cls({}, resident_factory, concurrency, window=window)
+        order.predicted({**predictions, **out})
+        for line, prediction in out.items():
+            order.router.hold(line, 0)
+            if prediction is not None:
+                order.router.assign(line, prediction.vector)
+        return order
+
+    def compact(self, line: int) -> list[int] | None:
+        return self.compacts.get(line)
+
+    def predicted(self, predictions: dict[int, Prediction | None]) -> None:
+        """New predictions by input line (`refresh` with the vectors; the compact profiles kept to forward)."""
+        self.compacts.update({line: None if p is None else p.compact for line, p in predictions.items()})
+        self.refresh({line: None if p is None else p.vector for line, p in predictions.items()})
 
     def pick(self, waiting: Sequence[BatchRequest]) -> int:
         if not self._chosen:
@@ -86,9 +127,9 @@ def make_order(requests: Sequence[BatchRequest], predictor: Predictor | None, co
     or file order without a predictor."""
     if predictor is None:
         return FileOrder()
-    predicted = predictor.predict([r.text for r in requests])
-    vectors = {r.line: (None if p is None else p.vector) for r, p in zip(requests, predicted)}
-    return ExpertOrder(vectors, predictor.resident_factory, concurrency, window=window)
+    order = ExpertOrder({}, predictor.resident_factory, concurrency, window=window)
+    order.predicted(dict(zip((r.line for r in requests), predictor.predict([r.text for r in requests]))))
+    return order
 
 
 def simulated_order(requests: Sequence[BatchRequest], order: Order, concurrency: int) -> list[BatchRequest]:

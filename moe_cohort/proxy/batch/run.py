@@ -29,11 +29,12 @@ Prompts are user data: nothing here logs request text or bodies, only custom_ids
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import logging
 import time
 from pathlib import Path
-from typing import Awaitable, Callable, Sequence
+from typing import Awaitable, Callable, Sequence, TypeVar
 
 import numpy as np
 
@@ -43,8 +44,8 @@ from moe_cohort.proxy.backend_client import BackendClient
 from moe_cohort.proxy.gate import AdmissionGate
 from moe_cohort.proxy.batch.core import (Abort, Answered, BatchCore, Outcome, Retry, RunConfig, RunStats, Send, Stop, TimedOut,
                               Unreachable, invalid_records)
-from moe_cohort.proxy.batch.follow import follow_heads
-from moe_cohort.proxy.batch.order import ExpertOrder, make_order
+from moe_cohort.proxy.batch.follow import follow_heads, order_after, sample_size
+from moe_cohort.proxy.batch.order import ExpertOrder, SpreadOrder, make_order
 from moe_cohort.proxy.batch.share import Seat
 from moe_cohort.proxy.batch.format import BatchFile, BatchRequest
 from moe_cohort.proxy.http.errors import BackendStatusError, BackendTimeout, BackendUnreachable
@@ -59,6 +60,7 @@ from moe_cohort.proxy.profiles import Predictor
 log = logging.getLogger(__name__)
 
 ProgressFn = Callable[[RunStats], None]
+T = TypeVar("T")
 
 
 class RunAborted(RuntimeError):
@@ -74,13 +76,15 @@ class _Unreachable(Exception):
     """The backend stayed unreachable through a request's retries."""
 
 
-async def run_batch(batch: BatchFile, journal: Journal, backend: BackendClient, predictor: Predictor | None,
+async def run_batch(batch: BatchFile, journal: Journal, backend: BackendClient,
+                    predictor: Predictor | Awaitable[Predictor] | None,
                     config: RunConfig, *, skip_invalid: bool = True, on_progress: ProgressFn | None = None,
                     stop: asyncio.Event | None = None, gate: AdmissionGate | None = None,
                     deadline: float | None = None, clock: Callable[[], float] = time.time,
                     seat: Seat | None = None, learning: Learning | None = None) -> RunStats:
     """Finish every line of `batch` that `journal` has not: invalid ones into the error file (`skip_invalid`),
-    the rest sent in admission order (`predictor`: proxy/profiles.py; None: file order). Returns when all are committed, `stop` is set, or `clock()` reaches
+    the rest sent in admission order (`predictor`: proxy/profiles.py, or an awaitable of one still loading; None:
+    file order; until it can predict, a sample: proxy/batch/follow.py). Returns when all are committed, `stop` is set, or `clock()` reaches
     `deadline`; raises RunAborted when the backend stays unreachable or the journal cannot be written.
     `seat` (proxy/batch/share.py): each request also holds one of the slots the running batches share.
     `learning` (proxy/learning.py, with `predictor` made to read its head): the run learns from its answers."""
@@ -90,17 +94,28 @@ async def run_batch(batch: BatchFile, journal: Journal, backend: BackendClient, 
     stats = RunStats(total=len(batch.requests), finished_before=len(batch.requests) - len(pending))
     if not pending:
         return stats
-    order = await asyncio.to_thread(make_order, pending, predictor, config.concurrency)
-    log.info("%d requests to send, %d at a time, in %s", len(pending), config.concurrency,
-             "file order" if predictor is None else f"admission by {predictor.kind}")
-    core = BatchCore(pending, config, stats, order=order, deadline=deadline)
+    core = BatchCore(pending, config, stats, deadline=deadline)
     driver = _Driver(core, journal, backend, gate, on_progress or (lambda stats: None), clock, seat, learning)
+    background = asyncio.to_thread if learning is None else learning.in_background
+    if predictor is not None and not inspect.isawaitable(predictor) and predictor.ready():
+        core.order = await asyncio.to_thread(make_order, pending, predictor, config.concurrency)
+        if learning is not None:
+            driver.follow = lambda: follow_heads(lambda: learning.head, predictor.predict, core.order,
+                                                 lambda: core.waiting, background)
+    elif predictor is not None:  # no prediction yet (the encoder loading, or no head learned): a sample first
+        core.order = SpreadOrder((r.line for r in pending), seed=len(batch.requests))
+        ready = predictor if inspect.isawaitable(predictor) else _now(predictor)
+        driver.follow = lambda: order_after(core, ready, learning, sample=sample_size(len(pending)), run=background)
+    log.info("%d requests to send, %d at a time, in %s", len(pending), config.concurrency,
+             "file order" if predictor is None else "admission order" if isinstance(core.order, ExpertOrder)
+             else "a sample drawn from across the file until there are predictions, then admission order")
     if learning is not None:
         await learning.probe()  # the first requests are marked when the backend counts experts
-        if isinstance(order, ExpertOrder):
-            driver.follow = lambda: follow_heads(lambda: learning.head, predictor.predict, order, lambda: core.waiting,
-                                                 learning.in_background)
     return await driver.run(stop or asyncio.Event())
+
+
+async def _now(value: T) -> T:
+    return value
 
 
 def write_plan(path: str | Path, requests: Sequence[BatchRequest], concurrency: int) -> None:
@@ -199,8 +214,9 @@ class _Driver:
         """One attempt on a background slot (held for the attempt only), as the core's Outcome: the gate's
         replica, and another one when that one is down and never got the request (proxy/lifecycle.py)."""
         headers = {**self.headers, "x-request-id": send.request_id}
+        profile = self.core.order.compact(send.request.line) if self.core.config.forward_profiles else None
         life = Lifecycle(self.gate, send.request.url, send.request.body, send.request.text, headers,
-                         learning=self.learning, background=True)
+                         learning=self.learning, background=True, profile=profile)
         try:
             async with life:
                 answer = await life.answer()

@@ -24,8 +24,16 @@ class FairShare:
     def __init__(self, slots: int) -> None:
         if slots < 1:
             raise ValueError(f"a share needs at least one slot, got {slots}")
-        self.free = slots
+        self.slots = self.free = slots
         self._waiting: dict[str, dict[str, deque[asyncio.Future]]] = {}  # tenant -> batch -> waiters, in turn order
+
+    def resize(self, slots: int) -> None:
+        """Share `slots` from now on (the engines' handshake: proxy/autoconfig.plan_batch); requests out beyond a
+        smaller size finish as they are, and no slot is handed out until they did."""
+        if slots < 1:
+            raise ValueError(f"a share needs at least one slot, got {slots}")
+        self.free, self.slots = self.free + slots - self.slots, slots
+        self._release(0)
 
     def seat(self, tenant: str, batch: str) -> "Seat":
         """The handle one batch of `tenant` takes its slots with."""
@@ -36,7 +44,7 @@ class FairShare:
         return sum(len(q) for batches in self._waiting.values() for q in batches.values())
 
     async def _acquire(self, tenant: str, batch: str) -> None:
-        if self.free and not self._waiting:
+        if self.free > 0 and not self._waiting:
             self.free -= 1
             return
         future = asyncio.get_running_loop().create_future()
@@ -50,9 +58,9 @@ class FairShare:
                 self._forget(tenant, batch, future)
             raise
 
-    def _release(self) -> None:
-        self.free += 1
-        while self.free and self._waiting:
+    def _release(self, freed: int = 1) -> None:
+        self.free += freed
+        while self.free > 0 and self._waiting:
             tenant = next(iter(self._waiting))
             batches = self._waiting.pop(tenant)
             batch = next(iter(batches))

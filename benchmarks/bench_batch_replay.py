@@ -1,0 +1,230 @@
+"""The batch runner's "learned-first" schedule in the continuous-batching replay, on held-out requests only.
+
+    python -m benchmarks.bench_batch_replay [--traces A,B] [--slots 16,32] [--samples 16,32,64,100,150] [--seeds 10]
+        [--json FILE]
+
+A batch file with no profile head: every line waits from step 0, S slots (vLLM's max_num_seqs),
+continuous batching (eval.replay: every resident emits one token per step, a freed slot is refilled at
+once). The learned-first schedule (`LearnedFirstRouter`):
+
+1. a sample of n lines, the first n of a seeded random permutation of the file, is sent first come,
+   first served in that permutation's order, S at a time;
+2. once all n have finished (the engine reports each one's expert counts when it finishes), a profile
+   head is fitted on those n observations (train.online.OnlineLearner, the default LearnConfig, fed
+   (head features, observed profile) as benchmarks.bench_learning feeds it, then `refit()`), every line's
+   profile is predicted, and from then on every freed slot admits the waiting line expected to add the
+   fewest experts to the residents (ReplicaRouter's "affinity" rule, eval.policies.by_profile's router),
+   the whole remaining file its pool, ties to the earliest in the permutation. The residents at that
+   moment count by their predicted profiles. Until then freed slots keep taking lines in the
+   permutation's order (the sample extends until the head is ready).
+
+For each model (default: both trace folders of the data folder; DeepSeek-V2-Lite's prompt tokens stand in
+for decode with lognormal lengths, gpt-oss-20b runs its own generated tokens and lengths, as
+benchmarks.bench_learning replays them) the batch file is the held-out side of the project's split
+(benchmarks.heldout), its lines in a random order of each seed. Rows, per S and seed:
+- file order: first come, first served in the file's order, the baseline of every saving;
+- learned-first n, for each n of --samples below the file's size;
+- offline head: the head fitted on the training side (HeldOut.fit_head, static encoder), admitting by the
+  rule from the first line;
+- reference: the held-out lines' own profiles, by the same rule.
+Printed per model and S: the saving in decode expert loads per generated token against file order, over
+all steps and over the steps with the engine kept full (eval.replay.Replay.loads_per_token and
+loads_per_token_full), mean ± std over seeds, each learned-first row's share of the offline head's saving
+and, at S = 16, whether it keeps >= 85% of it (the target), and the step at which the head took over as
+a share of the makespan.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import replace
+from pathlib import Path
+from typing import Callable, Hashable, Sequence
+
+import numpy as np
+from threadpoolctl import threadpool_limits
+
+from benchmarks.bench_continuous import MODELS, held_lengths
+from benchmarks.bench_learning import observation
+from benchmarks.heldout import HeldOut, data_path, embeddings
+from moe_cohort.admission.router import ReplicaRouter
+from moe_cohort.encoder.profile import head_features
+from moe_cohort.eval.engine import REFERENCE
+from moe_cohort.eval.policies import by_profile, fixed_order
+from moe_cohort.eval.replay import DecodeTokens, Replay, decode_tokens, replay
+from moe_cohort.traces.format import TraceSet
+from moe_cohort.traces.importers import load_traces
+from moe_cohort.traces.observed import Observed
+from moe_cohort.train.online import LearnConfig, OnlineLearner
+
+TARGET = (16, 0.85)  # at S = 16, learned-first keeps >= 85% of the offline head's saving
+FILE, OFFLINE = "file order", "offline head"
+METRICS = {"all": lambda r: r.loads_per_token, "full": lambda r: r.loads_per_token_full}
+Embed = Callable[[list[str]], np.ndarray]  # texts -> [N, D]
+Predict = Callable[[list[int]], np.ndarray]  # sample keys in the order they finished -> [N, P] every line's profile
+
+
+class LearnedFirstRouter(ReplicaRouter):
+    """Affinity routing that admits first come, first served (no vectors) until every `sample` key has been
+    released, then asks `predict` for every key's profile and fits from then on: waiting keys get theirs
+    (`update`), residents are counted by theirs (`assign`). Keys are 0..N-1, as eval.replay adds them."""
+
+    def __init__(self, slots: Sequence[int], sample: Sequence[Hashable], predict: Predict, **kwargs):
+        super().__init__(slots, "affinity", **kwargs)
+        self.sample, self.predict = frozenset(sample), predict
+        self.finished: list[Hashable] = []  # sample keys, in the order they finished
+        self.switched_at: float | None = None  # the step at which the head took over
+
+    def release(self, key: Hashable) -> int:
+        if key in self.sample:
+            self.finished.append(key)
+        return super().release(key)
+
+    def admit(self, now: float) -> list[tuple[Hashable, int]]:
+        if self.switched_at is None and len(self.finished) == len(self.sample):
+            self.switch(now)
+        return super().admit(now)
+
+    def switch(self, now: float) -> None:
+        vectors = self.predict(list(self.finished))  # [N, P]
+        for key in list(self.pool.rows):
+            self.update(key, vectors[key])
+        for key in list(self.placed):
+            self.assign(key, vectors[key])
+        self.switched_at = now
+
+
+def learned_first(tokens: DecodeTokens, lengths: np.ndarray, slots: int, permutation: np.ndarray, n: int,
+                  predict: Predict) -> tuple[Replay, float]:
+    """One replay of the schedule with the first `n` of `permutation` [N] as the sample; (replay, switch step)."""
+    router = LearnedFirstRouter([slots], permutation[:n], predict)
+    result = replay(tokens, lengths, router, order=permutation)
+    return result, float(router.switched_at if router.switched_at is not None else result.makespan)
+
+
+def online_predictor(features: np.ndarray, observed: Sequence[Observed]) -> Predict:
+    """keys -> [N, L*E]: a fresh OnlineLearner (default LearnConfig) fed the keys' (features [N, F], observed
+    profile), refitted, predicting every line."""
+    def predict(keys: list[int]) -> np.ndarray:
+        learner = OnlineLearner(LearnConfig())
+        learner.observe(features[keys], [observed[k] for k in keys])
+        learner.refit()
+        return learner.head.from_features(features)
+    return predict
+
+
+def seed_orders(m: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """The file's order of this seed [m] and the runner's random permutation of that file [m]."""
+    file = np.random.default_rng(seed).permutation(m)
+    return file, file[np.random.default_rng([seed, 1]).permutation(m)]
+
+
+def replay_seed(tokens: DecodeTokens, lengths: np.ndarray, slots: int, seed: int, samples: list[int],
+                fixed: dict[str, np.ndarray], predict: Predict) -> dict[str, tuple[Replay, float | None]]:
+    """Every row's replay at one seed: name -> (replay, switch step or None)."""
+    file, perm = seed_orders(len(tokens), seed)
+    out = {FILE: (fixed_order(file).run(tokens, lengths, slots), None)}
+    for n in samples:
+        out[f"learned-first {n}"] = learned_first(tokens, lengths, slots, perm, n, predict)
+    for name, profiles in fixed.items():
+        out[name] = (replace(by_profile(profiles), order=file).run(tokens, lengths, slots), None)
+    return out
+
+
+def summarise(runs: list[dict[str, tuple[Replay, float | None]]]) -> dict[str, dict]:
+    """Per row: saving against file order per seed, mean and std, for each metric; the mean switch share."""
+    rows = {}
+    for name in runs[0]:
+        row = {}
+        for metric, f in METRICS.items():
+            saving = np.array([1.0 - f(r[name][0]) / f(r[FILE][0]) for r in runs])  # [seeds]
+            row[metric] = {"saving": float(saving.mean()), "std": float(saving.std()), "per_seed": saving.tolist()}
+        if runs[0][name][1] is not None:
+            row["switch_share"] = float(np.mean([r[name][1] / r[name][0].makespan for r in runs]))
+        rows[name] = row
+    for row in rows.values():
+        row["of_offline"] = {m: row[m]["saving"] / rows[OFFLINE][m]["saving"] if rows[OFFLINE][m]["saving"] else
+                             float("nan") for m in METRICS}
+    return rows
+
+
+def measure_slots(tokens: DecodeTokens, lengths, slots: int, seeds: int, samples: list[int],
+                  fixed: dict[str, np.ndarray], predict: Predict, report=print) -> dict:
+    """One S: every row over `seeds` seeds, printed as a table; the target's verdict per sample size at S = 16."""
+    with threadpool_limits(limits=1, user_api="blas"):
+        rows = summarise([replay_seed(tokens, lengths(seed), slots, seed, samples, fixed, predict)
+                          for seed in range(seeds)])
+    report(f"S = {slots} ({seeds} seeds): saving in decode loads per generated token against file order")
+    report(f"  {'':>20}  {'all steps':>17}  {'kept full':>17}  {'of offline (all / full)':>24}  head from")
+    for name, row in rows.items():
+        share = f"{row['of_offline']['all']:>10.0%} / {row['of_offline']['full']:<4.0%}" if name != FILE else ""
+        switch = f"{row['switch_share']:.0%} of the run" if "switch_share" in row else ""
+        report(f"  {name:>20}  " + "  ".join(f"{row[m]['saving']:>+7.2%} ± {row[m]['std']:<6.2%}" for m in METRICS)
+               + f"  {share:>24}  {switch}")
+    out = {"slots": slots, "seeds": seeds, "rows": rows}
+    if slots == TARGET[0]:
+        out["target"] = target(rows, samples, report)
+    return out
+
+
+def target(rows: dict, samples: list[int], report=print) -> dict:
+    """Per sample size: whether learned-first keeps >= TARGET of the offline head's saving (each metric)."""
+    goal, verdicts = TARGET[1], {}
+    for n in samples:
+        share = rows[f"learned-first {n}"]["of_offline"]
+        verdicts[n] = {m: bool(share[m] >= goal) for m in METRICS}
+        report(f"  target: learned-first {n} keeps >= {goal:.0%} of the offline head's saving at S = {TARGET[0]}: "
+               + ", ".join(f"{'all steps' if m == 'all' else 'kept full'} {share[m]:.0%} "
+                           f"{'met' if verdicts[n][m] else 'NOT met'}" for m in METRICS))
+    return verdicts
+
+
+def measure_model(ts: TraceSet, slots: list[int], samples: list[int], seeds: int, embed: Embed, report=print) -> dict:
+    """One trace set's held-out side as the batch file: every S's rows (`measure_slots`)."""
+    data = HeldOut.of(ts)
+    texts = [str(t) for t in ts.texts]
+    x = embed(texts)  # [N, D]
+    f = head_features(x, texts, LearnConfig().ngram_dim)[data.held_idx]  # [m, F]
+    offline = data.fit_head(x)
+    fixed = {OFFLINE: offline.from_features(f), REFERENCE: data.reference}  # [m, L*E], [m, L, E]
+    predict = online_predictor(f, [observation(ts, i) for i in data.held_idx])
+    tokens = decode_tokens(data.held)
+    lengths = held_lengths(data.held, tokens.mode)
+    m = len(data.held_idx)
+    kept = [n for n in samples if n < m]
+    report(f"batch file: the {m} held-out requests of {len(ts)}, {tokens.mode} decode tokens "
+           f"({'their own lengths' if tokens.mode == 'real' else 'lognormal lengths, mean 64'}); samples {kept}"
+           + (f" (skipped, not below the file's size: {[n for n in samples if n >= m]})" if len(kept) < len(samples)
+              else "") + f"; offline head alpha {offline.alpha:g}")
+    return {"heldout": m, "decode_mode": tokens.mode, "samples": kept,
+            "by_slots": [measure_slots(tokens, lengths, s, seeds, kept, fixed, predict, report) for s in slots]}
+
+
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v.strip()]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--traces", help=f"trace folders, comma-separated (default: {', '.join(MODELS)} of the data folder)")
+    p.add_argument("--slots", default="16,32")
+    p.add_argument("--samples", default="16,32,64,100,150", help="sample sizes n (>= 2) of learned-first")
+    p.add_argument("--seeds", type=int, default=10)
+    p.add_argument("--cache", default="/tmp/cohort-bench-cache", help="embedding cache folder (outside the repository)")
+    p.add_argument("--json", help="also write the numbers here")
+    args = p.parse_args()
+    samples = _ints(args.samples)
+    if min(samples, default=0) < 2:
+        p.error("every sample size must be >= 2 (a head needs observations to fit)")
+    out = {}
+    for path in (args.traces.split(",") if args.traces else [str(data_path(m)) for m in MODELS]):
+        print(f"\n===== {path} =====", flush=True)
+        out[path] = measure_model(load_traces(path), _ints(args.slots), samples, args.seeds,
+                                  lambda texts: embeddings(texts, "static", args.cache))
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
