@@ -234,15 +234,15 @@ def _following(loading, learning):
 
 
 async def _metrics(backend) -> dict[str, float] | None:
-    """The plugin's decode counters on the backend now (proxy/backend_metrics.py); None where it serves none."""
-    from moe_cohort.proxy.backend_metrics import decode_sums, has_plugin_counters
+    """The plugin's decode counters on the backend now (proxy/backend_metrics.py: zeros before its first step, or
+    without the plugin); None where /metrics cannot be read."""
+    from moe_cohort.proxy.backend_metrics import decode_sums
     from moe_cohort.proxy.http.errors import ProxyError
 
     try:
-        text = (await backend.request("GET", "/metrics")).text
-    except ProxyError:
+        return decode_sums((await backend.request("GET", "/metrics")).text)
+    except (ProxyError, ValueError):
         return None
-    return decode_sums(text) if has_plugin_counters(text) else None
 
 
 def _run_ray(settings: Settings, batch, journal, *, progress: bool, skip_invalid: bool):

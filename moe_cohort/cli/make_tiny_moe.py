@@ -2,6 +2,10 @@
 
 `cohort make-tiny-moe --trained DIR` writes a trained one instead (devtools.train_moe: 64 experts,
 top-4, routing that follows the text), trained once per recipe and cached outside git.
+
+`--expert-width N` widens every expert of either model to intermediate size N with inert neurons
+(devtools.widen: new output weights zero, so the logits stay the same): experts of real size, whose
+loads cost time on a CPU. The cached trained model stays as it is; DIR gets the widened copy.
 """
 
 from __future__ import annotations
@@ -9,6 +13,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import tempfile
+from pathlib import Path
 
 from moe_cohort.devtools.tiny_moe import ARCHITECTURES, TinyMoeArgs, make_tiny_moe
 
@@ -35,6 +41,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --trained: cache of trained models (default $COHORT_CACHE_DIR or "
                              "~/.cache/moe-cohort, subfolder trained-tiny-moe)")
     parser.add_argument("--no-cache", action="store_true", help="with --trained: train afresh, cache nothing")
+    parser.add_argument("--expert-width", type=int, default=None, metavar="N",
+                        help="widen every expert to intermediate size N (>= its own: 32 random, 64 trained) with "
+                             "inert neurons (new gate/up rows random, new down columns zero: same logits), so "
+                             "that expert loads cost time; weights keep the model's dtype (bf16 for both tiny "
+                             "models: N=4096 with hidden 128 is 3 MiB per expert)")
+    parser.add_argument("--expert-width-seed", type=int, default=0,
+                        help="with --expert-width: seed of the new rows (default 0)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -46,7 +59,9 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: {exc}")
         return 2
-    out = make_tiny_moe(args.out_dir, tiny)
+    out = _build_maybe_widened(args, lambda d: make_tiny_moe(d, tiny))
+    if out is None:
+        return 2
     summary = json.loads((out / "cohort_tiny_moe.json").read_text())
     print(f"wrote {summary['arch']} to {out}: {summary['num_layers']} MoE layers, {summary['num_experts']} experts, "
           f"top-{summary['top_k']}, {summary['num_parameters']:,} parameters, vocab {summary['vocab_size']}")
@@ -61,7 +76,10 @@ def _run_trained(args: argparse.Namespace) -> int:
     from moe_cohort.devtools.train_moe import RECIPES, train_tiny_moe
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    out = train_tiny_moe(args.out_dir, RECIPES[args.recipe], cache_dir=args.cache_dir, use_cache=not args.no_cache)
+    out = _build_maybe_widened(args, lambda d: train_tiny_moe(d, RECIPES[args.recipe], cache_dir=args.cache_dir,
+                                                               use_cache=not args.no_cache))
+    if out is None:
+        return 2
     s = json.loads((out / "cohort_tiny_moe.json").read_text())
     print(f"wrote trained {s['arch']} ({args.recipe}) to {out}: {s['num_layers']} MoE layers, {s['num_experts']} "
           f"experts, top-{s['top_k']}, {s['num_parameters']:,} parameters, vocab {s['vocab_size']}")
@@ -69,3 +87,26 @@ def _run_trained(args: argparse.Namespace) -> int:
           f"peak RSS {s['peak_rss_mb']:.0f} MB, {s['size_on_disk_bytes'] / 2**20:.1f} MiB on disk, "
           f"final LM loss {s['lm_losses'][-1]:.3f}")
     return 0
+
+
+def _build_maybe_widened(args: argparse.Namespace, build) -> Path | None:
+    """`build(dir)` into DIR; with --expert-width, into a scratch folder beside DIR, then widened into DIR.
+    None (after printing the error) when the width is refused."""
+    if args.expert_width is None:
+        return build(args.out_dir)
+    from moe_cohort.devtools.widen import expert_size_bytes, widen_experts
+
+    out = Path(args.out_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".make-tiny-moe-", dir=out.parent) as tmp:
+        src = build(Path(tmp) / "model")
+        before, width_before, count = expert_size_bytes(src)
+        try:
+            widen_experts(src, out, args.expert_width, seed=args.expert_width_seed)
+        except ValueError as exc:
+            print(f"error: {exc}")
+            return None
+    after, width_after, _ = expert_size_bytes(out)
+    print(f"experts widened from {width_before} to {width_after}: {before / 1e6:.3f} MB -> {after / 1e6:.3f} MB "
+          f"each, {count * before / 1e6:.1f} MB -> {count * after / 1e6:.1f} MB for all {count}")
+    return out

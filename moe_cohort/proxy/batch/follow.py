@@ -6,8 +6,10 @@ first lines sent are drawn from across it) while the engine counts each answer's
 runs beside the sends:
 
 1. it waits for the predictor (`cohort batch run` loads the encoder while the sample goes out) and, when a
-   head is being learned and none is there yet, for `sample` new observations; it then refits the head on all
-   of them on the learning worker and saves it, so a run resumed after a kill orders from its first line;
+   head is being learned and none is there yet, for the first answers' observations (as many as the learner's
+   first head needs: the earlier the hand-over, the more of the file is ordered, and later heads fit better);
+   it then fits the head on them on the learning worker and saves it, so a run resumed after a kill orders
+   from its first line;
 2. it predicts every waiting line and hands the order over (`ExpertOrder.taking_over`): from then on a freed
    slot takes the waiting line that best fits the requests out, the whole remaining file being the pool;
 3. with learning, `follow_heads`: each later head re-predicts the lines next in line.
@@ -37,15 +39,13 @@ log = logging.getLogger(__name__)
 
 FOLLOW_S = 0.5
 SAMPLE_POLL_S = 0.05  # how often the sample's observations are counted (the hand-over should not lag them)
-# observations learned before the rest of a file is ordered: the head then keeps most of what a head learned
-# offline gives (docs/results.md: the learned-first schedule in the replay, swept); a quarter of the file at most
-SAMPLE = 64
 Predict = Callable[[Sequence[str]], list[Prediction | None]]
 
 
-def sample_size(pending: int) -> int:
-    """How many observations a run with no head learns from before it orders the rest of `pending` lines."""
-    return max(1, min(SAMPLE, pending // 4))
+def sample_size(first_fit: int, pending: int) -> int:
+    """How many observations a run with no head learns from before it orders the rest of `pending` lines: the
+    learner's first head's (`first_fit`), a quarter of the file at most."""
+    return max(2, min(first_fit, pending // 4))
 
 
 async def follow_heads(head: Callable[[], object], predict: Predict, order: ExpertOrder,

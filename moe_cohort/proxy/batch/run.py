@@ -105,7 +105,8 @@ async def run_batch(batch: BatchFile, journal: Journal, backend: BackendClient,
     elif predictor is not None:  # no prediction yet (the encoder loading, or no head learned): a sample first
         core.order = SpreadOrder((r.line for r in pending), seed=len(batch.requests))
         ready = predictor if inspect.isawaitable(predictor) else _now(predictor)
-        driver.follow = lambda: order_after(core, ready, learning, sample=sample_size(len(pending)), run=background)
+        sample = sample_size(learning.learner.config.first_fit if learning else 2, len(pending))
+        driver.follow = lambda: order_after(core, ready, learning, sample=sample, run=background)
     log.info("%d requests to send, %d at a time, in %s", len(pending), config.concurrency,
              "file order" if predictor is None else "admission order" if isinstance(core.order, ExpertOrder)
              else "a sample drawn from across the file until there are predictions, then admission order")

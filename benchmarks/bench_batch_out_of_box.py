@@ -1,0 +1,216 @@
+"""End to end through vLLM CPU: what a bare `cohort batch run --backend URL` gives a batch file, against file order.
+
+    python -m benchmarks.bench_batch_out_of_box [--model-dir DIR] [--lines 600] [--rounds 4] [--slots 16]
+        [--max-tokens 64] [--api] [--json FILE]
+
+The served model is the tiny MoE trained on text (`cohort serve`'s embedded default, trained and cached if
+--model-dir has none; give a widened copy, `cohort make-tiny-moe --trained DIR --expert-width N`, for wall time
+on experts of real size), on vLLM CPU with the moe-cohort plugin and its scheduler (`--scheduler-cls
+...ExpertAwareScheduler`, the README's command), eager, max_num_seqs = --slots, pinned to a core of its own; the
+runner and the proxy run on the other core. The batch file: --lines chat and question prompts that no model here
+saw (the held-out sides of $COHORT_DATA/prompts/mixed.jsonl and of the DeepSeek-V2-Lite Puffin chat prompts),
+shuffled, --max-tokens each (`ignore_eos`: every order does the same decode work).
+
+Each round, on the same server, one after the other (the engine drifts over minutes; interleaved rounds do not):
+- file order: `cohort batch run --encoder none` (nothing predicted or learned: the file's order);
+- cold: the bare command with a FRESH --data-dir (no head: a sample first, then the rest ordered);
+- warm: the bare command again on the data dir the cold run left (the head it learned orders from the first line).
+With --api, then the same file through the Batch API of a bare `cohort serve --backend URL` (the official openai
+client: files.create, batches.create, poll, download): file order (`--encoder none`) and cold, per round.
+
+Per run: decode expert loads per GENERATED token and decode tokens per forward (the plugin's counters over the
+run), the wall time with start-up (the command's) and without it (from its first request: the runner's summary),
+and whether every line was answered exactly once. Savings are taken against the same round's file order.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks import bench_proxy
+from benchmarks.bench_out_of_box import SCHEDULER, finish
+from benchmarks.bench_proxy import split_cpus, start_proxy
+from benchmarks.heldout import TRACES, data_path, prompt_texts
+from moe_cohort.proxy.backend_metrics import decode_counters, decode_rates
+from moe_cohort.proxy.embedded import default_model_dir, ensure_trained_model
+from moe_cohort.traces.split import split_requests
+
+MAX_CHARS = 1500  # longer prompts are cut (the tiny model's context is 1024 tokens)
+
+
+def heldout_prompts(n: int, seed: int = 0) -> list[str]:
+    """`n` prompts no model here saw: the held-out sides of mixed.jsonl and of the Puffin chat prompts, shuffled."""
+    lines = (data_path(TRACES) / "prompts.jsonl").read_text(encoding="utf-8").splitlines()
+    puffin = [json.loads(line)["text"] for line in lines if line.strip()]
+    puffin = [puffin[i] for i in split_requests(len(puffin), groups=puffin)[1]]
+    texts = [t[:MAX_CHARS] for t in prompt_texts(heldout=True) + puffin if t.strip()]
+    random.Random(seed).shuffle(texts)
+    if len(texts) < n:
+        raise SystemExit(f"only {len(texts)} held-out prompts; ask for --lines {len(texts)} or fewer")
+    return texts[:n]
+
+
+def batch_file(path: Path, prompts: list[str], max_tokens: int) -> Path:
+    path.write_text("".join(json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions",
+                                        "body": {"model": "tiny", "messages": [{"role": "user", "content": p}],
+                                                 "max_tokens": max_tokens, "ignore_eos": True, "truncate_prompt_tokens": 512}}) + "\n"
+                            for i, p in enumerate(prompts)))
+    return path
+
+
+def answered_once(lines: list[str], total: int) -> bool:
+    ids = [json.loads(line)["custom_id"] for line in lines if line.strip()]
+    return len(ids) == total and len(set(ids)) == total
+
+
+def measured(name: str, backend: str, layers: int, send) -> dict:
+    """`send()` -> (wall without start-up or None, output lines, total lines, its log), with the engine's counters
+    read around it."""
+    before, start = decode_counters(backend), time.perf_counter()
+    after_start, lines, total, log = send()
+    wall = time.perf_counter() - start
+    time.sleep(1.5)  # the worker publishes its counters at most once a second
+    loads, per_forward = decode_rates(before, decode_counters(backend), layers)
+    row = {"run": name, "loads_per_token": loads, "tokens_per_forward": per_forward, "wall_s": wall,
+           "wall_after_start_s": after_start, "once": answered_once(lines, total)}
+    print(f"{name:>18}: {loads:6.3f} decode loads per generated token, {per_forward:5.2f} tokens per forward, wall "
+          f"{wall:6.1f} s ({after_start or float('nan'):6.1f} s from the first request), every line once: "
+          f"{row['once']}", flush=True)
+    row["log"] = log
+    return row
+
+
+def cli_run(src: Path, out: Path, backend: str, flags: list[str]):
+    """One `cohort batch run` subprocess on the runner's core."""
+    def send():
+        cmd = [sys.executable, "-m", "moe_cohort.cli", "batch", "run", "--input", str(src), "--output", str(out),
+               "--backend", backend, "--no-progress", *flags]
+        proc = subprocess.run(cmd, capture_output=True, text=True, preexec_fn=_pin)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr}")
+        found = re.search(r"in ([0-9.]+) s from the first sent", proc.stderr)
+        return (float(found.group(1)) if found else None, out.read_text().splitlines(),
+                sum(1 for _ in src.open()), proc.stderr)
+    return send
+
+
+def api_run(src: Path, backend: str, flags: list[str], logs: Path, name: str):
+    """The file through the Batch API of a fresh `cohort serve --backend URL *flags` (the official client)."""
+    def send():
+        import openai
+
+        proc, url = start_proxy(backend, *flags, log=logs / f"{name}.log")
+        try:
+            client = openai.OpenAI(base_url=url + "/v1", api_key="unused")
+            started = time.perf_counter()
+            upload = client.files.create(file=src.open("rb"), purpose="batch")
+            batch = client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions",
+                                          completion_window="24h")
+            while batch.status not in ("completed", "failed", "expired", "cancelled"):
+                time.sleep(0.5)
+                batch = client.batches.retrieve(batch.id)
+            wall = time.perf_counter() - started
+            if batch.status != "completed":
+                raise RuntimeError(f"batch {batch.id} ended {batch.status}: {batch.errors}")
+            lines = client.files.content(batch.output_file_id).text.splitlines()
+            return wall, lines, sum(1 for _ in src.open()), (logs / f"{name}.log").read_text()
+        finally:
+            proc.terminate(), proc.wait(60)
+    return send
+
+
+def _pin() -> None:
+    if bench_proxy.PROXY_CPUS:
+        os.sched_setaffinity(0, bench_proxy.PROXY_CPUS)
+
+
+def rounds(backend: str, src: Path, work: Path, args, layers: int) -> list[dict]:
+    rows = []
+    for r in range(args.rounds):
+        cold = work / f"data-r{r}"
+        rows.append({**measured(f"file order r{r}", backend, layers,
+                                cli_run(src, work / f"file-r{r}.jsonl", backend, ["--encoder", "none"])),
+                     "kind": "file", "round": r})
+        rows.append({**measured(f"cold r{r}", backend, layers,
+                                cli_run(src, work / f"cold-r{r}.jsonl", backend, ["--data-dir", str(cold)])),
+                     "kind": "cold", "round": r})
+        warm = work / f"data-r{r}-warm"
+        shutil.copytree(cold, warm)
+        rows.append({**measured(f"warm r{r}", backend, layers,
+                                cli_run(src, work / f"warm-r{r}.jsonl", backend, ["--data-dir", str(warm)])),
+                     "kind": "warm", "round": r})
+        if args.api:
+            rows.append({**measured(f"API file order r{r}", backend, layers,
+                                    api_run(src, backend, ["--encoder", "none", "--data-dir", str(work / f"api-f{r}")],
+                                            work, f"api-file-r{r}")), "kind": "api-file", "round": r})
+            rows.append({**measured(f"API cold r{r}", backend, layers,
+                                    api_run(src, backend, ["--data-dir", str(work / f"api-c{r}")], work,
+                                            f"api-cold-r{r}")), "kind": "api-cold", "round": r})
+    return rows
+
+
+def summary(rows: list[dict]) -> list[str]:
+    out = []
+    for kind, base in (("cold", "file"), ("warm", "file"), ("api-cold", "api-file")):
+        ours = [r for r in rows if r["kind"] == kind]
+        if not ours:
+            continue
+        by_round = {r["round"]: r for r in rows if r["kind"] == base}
+        saving = np.array([1 - r["loads_per_token"] / by_round[r["round"]]["loads_per_token"] for r in ours])
+        mean = lambda k, key: float(np.mean([r[key] for r in rows if r["kind"] == k]))  # noqa: E731
+        wall = np.array([r["wall_s"] / by_round[r["round"]]["wall_s"] - 1 for r in ours])
+        out.append(f"{kind} against {base} order over {len(ours)} rounds: {saving.mean():+.1%} +- {saving.std():.1%} "
+                   f"fewer decode loads per generated token (each round: {', '.join(f'{s:+.1%}' for s in saving)}); "
+                   f"tokens per forward {mean(kind, 'tokens_per_forward'):.2f} against "
+                   f"{mean(base, 'tokens_per_forward'):.2f}; wall with start-up {mean(kind, 'wall_s'):.1f} s against "
+                   f"{mean(base, 'wall_s'):.1f} s ({wall.mean():+.1%} +- {wall.std():.1%}); every line once: "
+                   f"{all(r['once'] for r in rows if r['kind'] in (kind, base))}")
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model-dir", default=str(default_model_dir()), help="the trained tiny MoE (trained here if "
+                                                                          "missing), or a widened copy of it")
+    p.add_argument("--lines", type=int, default=600)
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--slots", type=int, default=16, help="vLLM's max_num_seqs")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--api", action="store_true", help="also through the Batch API of a bare cohort serve")
+    p.add_argument("--json", help="also write the rows here")
+    args = p.parse_args()
+    from moe_cohort.proxy.vllm_server import start
+
+    model = ensure_trained_model(Path(args.model_dir))
+    layers = json.loads((model / "config.json").read_text())["num_hidden_layers"]
+    work = Path(tempfile.mkdtemp(prefix="bench-batch-out-of-box-"))
+    src = batch_file(work / "in.jsonl", heldout_prompts(args.lines), args.max_tokens)
+    backend_cpus, bench_proxy.PROXY_CPUS = split_cpus()
+    os.sched_setaffinity(0, backend_cpus)  # vLLM inherits it; the runs go to the other core
+    print(f"{args.lines} held-out lines, {args.max_tokens} tokens each, max_num_seqs {args.slots}; vLLM with "
+          f"moe-cohort's scheduler on CPUs {sorted(backend_cpus)}, runner and proxy on "
+          f"{sorted(bench_proxy.PROXY_CPUS)}; model {model}", flush=True)
+    with start(model, max_num_seqs=args.slots, max_model_len=1024, extra_args=SCHEDULER) as server:
+        rows = rounds(server.url, src, work, args, layers)
+    first = next(r["log"] for r in rows if r["kind"] == "cold")
+    print("the bare command said:\n  " + "\n  ".join(first.strip().splitlines()))
+    for r in rows:
+        r.pop("log")
+    finish(summary(rows), rows, work, args.json)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()
