@@ -4,9 +4,8 @@
 
 The whole file is validated first (nothing is sent if a line is bad, unless --skip-invalid). Then the
 run asks each backend what it is, as `cohort serve` does (proxy/handshake.py, proxy/autoconfig.py), and says
-what it chose: as many requests out as the engine's max_num_seqs (plus a short queue where vLLM runs
-moe-cohort's scheduler, which gets each request's predicted profile), and learning on where the engine serves
-its expert counts. Flags win. With no profile head yet (a fresh --data-dir) it sends a sample drawn from
+what it chose: as many requests out as the engine's max_num_seqs plus a short queue (vLLM refills a freed slot
+at once), and learning on where the engine serves its expert counts. Flags win. With no profile head yet (a fresh --data-dir) it sends a sample drawn from
 across the file first, learns the head from the engine's counts of those answers, then predicts the rest and
 sends it in admission order: each freed slot goes to the waiting request that best fits those out now, the
 whole remaining file being the pool (--encoder none keeps file order). Results and failures are appended as
@@ -68,8 +67,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                  "saves to, --data-dir's learned/ (default: on where the backend serves its expert "
                                  "counts; env COHORT_LEARN)")
     run_parser.add_argument("--forward-profiles", action=argparse.BooleanOptionalAction, default=None,
-                            help="send each request's predicted profile for vLLM's scheduler to admit by (default: "
-                                 "where vLLM runs moe-cohort's scheduler; env COHORT_FORWARD_PROFILES)")
+                            help="send each request's predicted profile, for moe-cohort's scheduler in vLLM to choose "
+                                 "among the few queued lines by (default: off, the runner chooses every line; env "
+                                 "COHORT_FORWARD_PROFILES)")
     run_parser.add_argument("--engine", choices=("local", "ray"), default="local",
                             help="local: this process sends, to one --backend; ray: Ray Data sends, to every "
                                  "--backend (comma-separated replicas)")

@@ -15,11 +15,12 @@ Rules (a setting the user gave wins over each of them):
   Setting: max_passed.
 - Learning. On when a replica serves its expert counts (the endpoint plugin is loaded); off with
   `--encoder none`, or when no replica counts experts. Setting: learn.
-- Batches (`plan_replica(..., batch=True)`: `cohort batch run`, the Batch API). A batch knows every line from
-  the start, so its runner chooses from the whole file, never the engine's queue alone: it keeps max_num_seqs
-  requests at a replica that admits in the proxy, and max_num_seqs plus a short queue (a quarter more, at least
-  2) at one that admits inside vLLM, whose scheduler refills a freed slot at once from that queue, by the
-  forwarded profiles, against the requests it has resident. Setting: batch_concurrency, else max_in_flight.
+- Batches (`plan_batch`: `cohort batch run`, the Batch API). A batch knows every line from the start, so its
+  runner chooses each line from the whole file, in the proxy, whatever the engine's scheduler: it keeps
+  max_num_seqs requests at the replica plus a short queue (a quarter more, at least 2), so that vLLM refills
+  a freed slot at once, first come, first served from that queue. No profile is forwarded unless asked: the
+  engine's choice among a few queued lines saved nothing more and cost engine time per step
+  (docs/results.md). Setting: batch_concurrency, else max_in_flight; forward_profiles.
 
 Pure: no I/O; the proxy asks the replicas and applies the plan (proxy/app.py).
 """
@@ -40,6 +41,7 @@ PASSED_PER_SLOT = 3  # engine.scheduler's: the same fairness in the proxy as in 
 TURN_ON_SCHEDULER = f"start vLLM with --scheduler-cls {SCHEDULER_CLS} to run admission inside it"
 INSTALL_PLUGIN = ("install moe-cohort in vLLM's environment (its plugin tells the proxy max_num_seqs and serves the "
                   "expert counts learning reads), or give --max-in-flight = vLLM's --max-num-seqs")
+UNKNOWN_SEQS = ": its max_num_seqs unknown, so nothing waits in the proxy and requests go first come, first served"
 TURN_ON_COUNTS = "start vLLM with VLLM_PLUGINS=moe_cohort: it then serves the expert counts the proxy learns from"
 
 
@@ -58,42 +60,40 @@ class LearningPlan:
     could: str = ""
 
 
-def plan_replica(settings: Settings, info: EngineInfo, *, batch: bool = False) -> ReplicaPlan:
-    """How to serve one replica that answered the handshake with `info`: online requests, or a batch's lines
-    (`batch`: see the module docstring)."""
+def plan_replica(settings: Settings, info: EngineInfo) -> ReplicaPlan:
+    """How to serve online requests at one replica that answered the handshake with `info`."""
     engine_side = info.expert_aware if settings.forward_profiles is None else settings.forward_profiles
-    given_slots = (settings.batch_concurrency if batch else 0) or settings.max_in_flight
-    slots = given_slots or _slots(info, engine_side, batch)
-    given = " (--max-in-flight)" if given_slots else ""
+    slots = settings.max_in_flight or (max(ENGINE_SIDE_SLOTS, 4 * (info.max_num_seqs or 0)) if engine_side
+                                       else info.max_num_seqs or UNKNOWN_SLOTS)
+    given = " (--max-in-flight)" if settings.max_in_flight else ""
     if engine_side:
         who = "moe-cohort's scheduler" if info.expert_aware else "--forward-profiles"
-        if batch:
-            return ReplicaPlan(slots, True, f"admission inside vLLM ({who}) from the lines the runner chooses out of "
-                                            f"the whole file: {slots} at a time{given}, with predicted profiles")
         return ReplicaPlan(slots, True, f"admission inside vLLM ({who}): forwarded at once with predicted profiles, "
                                         f"up to {slots} at a time{given}")
     if info.source == UNREACHABLE:
         return ReplicaPlan(slots, False, f"not answering yet: admission in the proxy, {slots} slots{given} until it "
                                          f"answers (asked again then)")
     if not info.plugin:
-        lost = "" if given_slots else ": its max_num_seqs unknown, so nothing waits in the proxy and " \
-                                      "requests go first come, first served"
-        return ReplicaPlan(slots, False, f"no moe-cohort plugin: admission in the proxy, {slots} slots{given}{lost}",
-                           INSTALL_PLUGIN)
+        return ReplicaPlan(slots, False, f"no moe-cohort plugin: admission in the proxy, {slots} slots{given}"
+                                         f"{'' if given else UNKNOWN_SEQS}", INSTALL_PLUGIN)
     why = "--no-forward-profiles" if settings.forward_profiles is False else "vLLM runs its own scheduler"
     return ReplicaPlan(slots, False, f"{why}: admission in the proxy, {slots} slots"
                                      f"{given or ' (its max_num_seqs)'}", "" if settings.forward_profiles is False
                        else TURN_ON_SCHEDULER)
 
 
-def _slots(info: EngineInfo, engine_side: bool, batch: bool) -> int:
-    """A replica's slots when no setting gives them (the module docstring's rules)."""
+def plan_batch_replica(settings: Settings, info: EngineInfo) -> ReplicaPlan:
+    """How to send a batch's lines to one replica that answered the handshake with `info` (the module docstring)."""
+    given = settings.batch_concurrency or settings.max_in_flight
     seqs = info.max_num_seqs
-    if not engine_side or not seqs:
-        return seqs or (ENGINE_SIDE_SLOTS if engine_side else UNKNOWN_SLOTS)
-    if batch:
-        return seqs + max(BATCH_QUEUE_MIN, seqs // BATCH_QUEUE_SHARE)
-    return max(ENGINE_SIDE_SLOTS, 4 * seqs)
+    slots = given or (seqs + max(BATCH_QUEUE_MIN, seqs // BATCH_QUEUE_SHARE) if seqs else UNKNOWN_SLOTS)
+    forward = bool(settings.forward_profiles)
+    said = " (--max-in-flight)" if given else f" ({seqs} for its max_num_seqs and a queue of {slots - seqs})" \
+        if seqs else UNKNOWN_SEQS
+    with_profiles = ", with predicted profiles (--forward-profiles)" if forward else ""
+    why = "not answering yet: " if info.source == UNREACHABLE else "no moe-cohort plugin: " if not info.plugin else ""
+    return ReplicaPlan(slots, forward, f"{why}each line chosen from the whole file in the proxy, {slots} at a time"
+                                       f"{said}{with_profiles}", "" if info.plugin else INSTALL_PLUGIN)
 
 
 def passed_bound(plans: Sequence[ReplicaPlan]) -> int:
@@ -124,16 +124,16 @@ class BatchPlan:
     """How a batch's lines go to its replicas (the same for each: the smallest replica's slots)."""
 
     slots: int  # lines out at each replica at once
-    forward_profiles: bool  # each line carries its predicted profile (every replica admits inside vLLM)
+    forward_profiles: bool  # each line carries its predicted profile (asked for: --forward-profiles)
     learn: bool  # the run learns its head from the engine's counts of its answers
     line: str  # what was chosen and why (the run's first line)
     layers: int | None  # the model's MoE layers, when an engine said (decode loads per token in the summary)
 
 
 def plan_batch(settings: Settings, urls: Sequence[str], infos: Sequence[EngineInfo]) -> BatchPlan:
-    """How to run a batch on replicas that answered the handshake with `infos` (`plan_replica(..., batch=True)`
-    and `plan_learning`, as the proxy serves them)."""
-    plans = [plan_replica(settings, info, batch=True) for info in infos]
+    """How to run a batch on replicas that answered the handshake with `infos` (`plan_batch_replica`, and
+    `plan_learning` as the proxy learns)."""
+    plans = [plan_batch_replica(settings, info) for info in infos]
     learning = plan_learning(settings, infos)
     layers = next((info.moe[0] for info in infos if info.moe), None)
     return BatchPlan(min(p.slots for p in plans), all(p.engine_side for p in plans), bool(learning.on),

@@ -71,6 +71,28 @@ class ProxyThread:
         self.thread.join(10)
 
 
+class BackendThread:
+    """`handler` served by aiohttp in a background thread (its own event loop), for code that runs its own loop
+    (a CLI's asyncio.run); `url` once entered."""
+
+    def __init__(self, handler) -> None:
+        self.handler, self.url = handler, ""
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+
+    def __enter__(self):
+        self._thread.start()
+        self._server = RawTestServer(self.handler, host="127.0.0.1")
+        asyncio.run_coroutine_threadsafe(self._server.start_server(), self._loop).result(10)
+        self.url = f"http://127.0.0.1:{self._server.port}"
+        return self
+
+    def __exit__(self, *exc):
+        asyncio.run_coroutine_threadsafe(self._server.close(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+
 def idle_clients(n: int) -> list:
     """`n` backend clients for tests of the slots alone: they are never sent anything (port 9, discard)."""
     from moe_cohort.proxy.backend_client import BackendClient

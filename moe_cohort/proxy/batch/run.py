@@ -3,12 +3,15 @@ Batch API's jobs and benchmarks/bench_batch.py.
 
 1. lines the journal already has are finished: they are neither planned nor sent again;
 2. invalid lines (when skipped) go to the error file first, once;
-3. the remaining requests are sent with at most `concurrency` (the backend's max_num_seqs) at the
-   backend; a slot that frees goes at once to the waiting request that best fits the requests out
-   now (proxy/batch/order.py: admission by the predictor's expert profiles, predicted once for the
-   whole file, or file order without a predictor), so the backend stays full and its resident set
-   stays alike; with `learning` (proxy/learning.py) the answers teach the online learner, and each new
-   head re-predicts the requests next in line (proxy/batch/follow.py). With `gate` (the proxy's online
+3. the remaining requests are sent with at most `concurrency` at the backend (its max_num_seqs, plus a short
+   queue where vLLM admits by itself: proxy/autoconfig.plan_batch); a slot that frees goes at once to the
+   waiting request that best fits the requests out now (proxy/batch/order.py: admission by the predictor's
+   expert profiles, predicted once for the whole file, or file order without a predictor), so the backend stays
+   full and its resident set stays alike. While nothing can be predicted yet (the encoder loading, or no head
+   while one is learned) the run sends a sample drawn from across the file, learns from its answers, then
+   hands over to admission (proxy/batch/follow.py); with `learning` (proxy/learning.py) each later head
+   re-predicts the requests next in line. With `config.forward_profiles` each request carries its predicted
+   profile, for vLLM's scheduler to admit by. With `gate` (the proxy's online
    admission, proxy/gate.py) each request also takes a background slot, so batch work only uses
    backend capacity that interactive requests leave free, on the replica the gate gives the slot on
    (`cohort serve` with several --backend); with `seat` (the Batch API's batches) each also holds one
