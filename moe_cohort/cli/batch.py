@@ -180,7 +180,7 @@ async def _run(settings: Settings, batch, journal, *, progress: bool, skip_inval
     loading = _load_predictor(settings)  # the encoder loads while the first requests go (a sample, in any case)
     learning = None
     if settings.learn:
-        learning = Learning(load_learner(settings), lambda texts: loading.result().features(texts),
+        learning = Learning(load_learner(settings, _refit_every(settings)), lambda texts: loading.result().features(texts),
                             learned_folder(settings), ProxyMetrics(), settings.learn_sample_rate, backend)
     predictor = None if loading is None else asyncio.wrap_future(_following(loading, learning))
     finished = sum(1 for r in batch.requests if r.line in journal.done)
@@ -199,6 +199,14 @@ async def _run(settings: Settings, batch, journal, *, progress: bool, skip_inval
     if before is not None and after is not None:
         stats.decode = {key: after[key] - before[key] for key in before}
     return stats
+
+
+def _refit_every(settings: Settings) -> int | None:
+    """A batch refits its head more often than a server, unless the settings say how often: its early heads order
+    most of the file (docs/results.md: the learned-first schedule in the replay)."""
+    from moe_cohort.proxy.batch.follow import BATCH_REFIT_EVERY
+
+    return BATCH_REFIT_EVERY if settings.learn_refit_every == Settings.learn_refit_every else None
 
 
 def _load_predictor(settings: Settings):

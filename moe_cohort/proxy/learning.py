@@ -206,9 +206,10 @@ def _fit(learner: OnlineLearner, i: int) -> float:
     return float("nan") if fit is None else fit[i]
 
 
-def load_learner(settings) -> OnlineLearner:
-    """The learner of the proxy's settings (`learn_*`), with what an earlier run saved in its data folder."""
-    config = LearnConfig(capacity=settings.learn_capacity, refit_every=settings.learn_refit_every)
+def load_learner(settings, refit_every: int | None = None) -> OnlineLearner:
+    """The learner of the proxy's settings (`learn_*`; `refit_every` instead of theirs when given), with what an
+    earlier run saved in its data folder."""
+    config = LearnConfig(capacity=settings.learn_capacity, refit_every=refit_every or settings.learn_refit_every)
     return OnlineLearner.load(learned_folder(settings), config, key=settings.encoder)
 
 

@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 
 FOLLOW_S = 0.5
 SAMPLE_POLL_S = 0.05  # how often the sample's observations are counted (the hand-over should not lag them)
+BATCH_REFIT_EVERY = 16  # `cohort batch run` refits after this many new observations (the online proxy: 50)
 Predict = Callable[[Sequence[str]], list[Prediction | None]]
 
 
