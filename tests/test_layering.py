@@ -1,4 +1,4 @@
-"""Layering: the floors of DESIGN.md and the purity of the algorithm modules, from the code's imports.
+"""Layering: the floors of docs/design.md and the purity of the algorithm modules, from the code's imports.
 
 Every `import` statement of our packages is read from the source (module level or inside a
 function, so lazy imports count too). Our packages live in one namespace, `moe_cohort/`: floors:

@@ -1,6 +1,6 @@
 """Modelled decode-step time: t = a(T) + b * u per MoE layer, plus the rest of the step.
 
-The model (its coefficients per served model are measurements: docs/results.md and DESIGN.md): one
+The model (its coefficients per served model are measurements: docs/results.md and docs/design.md): one
 MoE layer with u distinct experts takes a + b*u microseconds (bf16 grouped GEMM over the touched
 experts only, CUDA graph, weights read from HBM); a grows with the step's tokens T (from a(8) to
 a(128), interpolated linearly in T and held flat outside), b is the per-expert weight read. The

@@ -1,9 +1,13 @@
-"""Render evaluation results: a text table, and a report folder (JSON, Markdown, PNG plot)."""
+"""Render evaluation results: a text table, and a report folder (JSON, Markdown, and PNG plots where matplotlib
+is installed: the `plots` extra)."""
 
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 HEADER = f"{'plan':<10} {'decode loads':>14} {'prefill loads':>14} {'saving':>8} {'capture':>8}"
 
@@ -29,16 +33,27 @@ def write_report(results: list[dict], out_dir: str | Path) -> list[Path]:
     paths[0].write_text(json.dumps(results, indent=2) + "\n")
     paths[1].write_text("# Expert-load evaluation\n\n" + "\n\n".join(
         "```\n" + format_table(r) + "\n```" for r in results) + "\n")
-    _plot(results, paths[2])
+    plt = _pyplot()
+    if plt is None:
+        return paths[:2]
+    _plot(plt, results, paths[2])
     return paths
 
 
-def _plot(results: list[dict], path: Path) -> None:
-    import matplotlib
-
+def _pyplot():
+    """matplotlib.pyplot on a non-interactive backend, or None (a warning says how to get the plots)."""
+    try:
+        import matplotlib
+    except ImportError:
+        log.warning("no plots: matplotlib is not installed (pip install 'moe-cohort[plots]')")
+        return None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def _plot(plt, results: list[dict], path: Path) -> None:
     sizes = [r["batch_size"] for r in results]
     fig, ax = plt.subplots(figsize=(6, 4))
     for name in results[0]["plans"]:
@@ -83,18 +98,17 @@ def write_engine_report(static: list[dict], continuous: list[dict], out_dir: str
     tables = [format_table(r) for r in static] + [format_engine_table(r) for r in continuous]
     paths[1].write_text("# Expert loads: static batches and the continuous engine\n\n" +
                         "\n\n".join("```\n" + t + "\n```" for t in tables) + "\n")
-    _plot_engine(static, continuous, "saving", "saving vs random order (%)", paths[2], scale=100)
-    _plot_engine(static, continuous, "moe_us_per_token", "modelled MoE time per token (us)", paths[3])
+    plt = _pyplot()
+    if plt is None:
+        return paths[:2]
+    _plot_engine(plt, static, continuous, "saving", "saving vs random order (%)", paths[2], scale=100)
+    _plot_engine(plt, static, continuous, "moe_us_per_token", "modelled MoE time per token (us)", paths[3])
     return paths
 
 
-def _plot_engine(static: list[dict], continuous: list[dict], key: str, label: str, path: Path, scale: float = 1) -> None:
+def _plot_engine(plt, static: list[dict], continuous: list[dict], key: str, label: str, path: Path,
+                 scale: float = 1) -> None:
     """Continuous policies solid, static plans dashed, against S (= B for static batches)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     fig, ax = plt.subplots(figsize=(7, 4.5))
     names = list(dict.fromkeys(n for rs in (continuous, static) for r in rs for n in r["plans"]))
     colour = {n: f"C{i % 10}" for i, n in enumerate(names)}  # one colour per policy in both engines

@@ -1,7 +1,8 @@
 """The OpenAI-compatible proxy: FastAPI routes in front of a vLLM backend.
 
-    POST /v1/chat/completions, POST /v1/completions   admitted by predicted experts, sent with a policy
-    GET  /v1/models, /v1/embeddings, /v1/responses...  relayed from the backend (proxy/relay.py)
+    POST /v1/chat/completions, /v1/completions,        admitted by predicted experts, sent with a policy
+         /v1/responses
+    GET  /v1/models, /v1/embeddings, ...               relayed from the backend (proxy/relay.py)
     GET  /health, GET /metrics                         proxy + backend health, Prometheus text
     /v1/files, /v1/batches                             the OpenAI Batch API (proxy/batch/api.py)
 

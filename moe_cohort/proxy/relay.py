@@ -6,7 +6,7 @@
     POST /tokenize, /detokenize   relayed, unplanned (several replicas: to a healthy one, in turn)
     GET  /version                 relayed
     POST /v1/responses            generates tokens: admitted like a completion (holds a slot, text from
-                                  `input`), streamed or whole; its body goes unchanged (no routing policy)
+                                  `input`), streamed or whole, with its routing policy as a chat's
 
 What the backend does not offer answers with the backend's own status in the OpenAI error shape (vLLM
 answers {"detail": "Not Found"} for /v1/embeddings on a generative model: a 404 naming the route).

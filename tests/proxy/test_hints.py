@@ -35,8 +35,8 @@ def _send_forged(proxy) -> list:
 
 
 def test_the_proxy_drops_the_engine_hints_it_owns_from_clients(tmp_path):
-    """The issue's probe: vllm_xargs {"moe_profile": [...], "moe_record": true} reached vLLM as sent. Now the
-    backend sees neither, on every route that generates; the routing policy and other keys stay."""
+    """A client's vllm_xargs {"moe_profile": [...], "moe_record": true} never reaches the backend, on any route
+    that generates; the routing policy and other keys stay."""
     with EchoBackend() as backend, _hints_proxy(backend, tmp_path) as proxy:
         assert [a.status_code for a in _send_forged(proxy)] == [200, 200]
     assert [path for path, _ in backend.bodies] == ["/v1/chat/completions", "/v1/completions", "/v1/responses"]

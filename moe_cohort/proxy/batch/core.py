@@ -45,7 +45,7 @@ class RunConfig:
     backoff_s: float = 0.5  # first retry delay; doubles per attempt, up to max_backoff_s
     max_backoff_s: float = 30.0
     metrics_interval_s: float = 2.0  # how often the backend's expert-load counters are read (0: never)
-    forward_profiles: bool = False  # each request carries its predicted profile (an engine that admits by itself)
+    forward_profiles: bool = False  # each request carries its predicted profile (for moe-cohort's scheduler in vLLM)
     api_key: str = ""  # sent to the backend as `Authorization: Bearer` (proxy/auth.py builds the header)
 
     @classmethod

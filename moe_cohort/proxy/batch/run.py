@@ -4,14 +4,14 @@ Batch API's jobs and benchmarks/bench_batch.py.
 1. lines the journal already has are finished: they are neither planned nor sent again;
 2. invalid lines (when skipped) go to the error file first, once;
 3. the remaining requests are sent with at most `concurrency` at the backend (its max_num_seqs, plus a short
-   queue where vLLM admits by itself: proxy/autoconfig.plan_batch); a slot that frees goes at once to the
+   queue vLLM refills a freed slot from: proxy/autoconfig.plan_batch); a slot that frees goes at once to the
    waiting request that best fits the requests out now (proxy/batch/order.py: admission by the predictor's
    expert profiles, predicted once for the whole file, or file order without a predictor), so the backend stays
    full and its resident set stays alike. While nothing can be predicted yet (the encoder loading, or no head
    while one is learned) the run sends a sample drawn from across the file, learns from its answers, then
    hands over to admission (proxy/batch/follow.py); with `learning` (proxy/learning.py) each later head
    re-predicts the requests next in line. With `config.forward_profiles` each request carries its predicted
-   profile, for vLLM's scheduler to admit by. With `gate` (the proxy's online
+   profile, for moe-cohort's scheduler in vLLM to choose among the queued ones by. With `gate` (the proxy's online
    admission, proxy/gate.py) each request also takes a background slot, so batch work only uses
    backend capacity that interactive requests leave free, on the replica the gate gives the slot on
    (`cohort serve` with several --backend); with `seat` (the Batch API's batches) each also holds one
@@ -107,9 +107,9 @@ async def run_batch(batch: BatchFile, journal: Journal, backend: BackendClient,
                                                  lambda: core.waiting, background)
     elif predictor is not None:  # no prediction yet (the encoder loading, or no head learned): a sample first
         core.order = SpreadOrder((r.line for r in pending), seed=len(batch.requests))
-        ready = predictor if inspect.isawaitable(predictor) else _now(predictor)
         sample = sample_size(learning.learner.config.first_fit if learning else 2, len(pending))
-        driver.follow = lambda: order_after(core, ready, learning, sample=sample, run=background)
+        driver.follow = lambda: order_after(core, predictor if inspect.isawaitable(predictor) else _now(predictor),
+                                            learning, sample=sample, run=background)
     log.info("%d requests to send, %d at a time, in %s", len(pending), config.concurrency,
              "file order" if predictor is None else "admission order" if isinstance(core.order, ExpertOrder)
              else "a sample drawn from across the file until there are predictions, then admission order")
