@@ -82,6 +82,10 @@ class RecordingBook:
         self.events.append(("completed", rid, key))
         return self.book.completed(rid, key)
 
+    def leave(self, key):
+        self.events.append(("leave", key))
+        return self.book.leave(key)
+
 
 @serve.deployment(num_replicas=2, max_ongoing_requests=32, ray_actor_options={"num_cpus": 0},
                   request_router_config=RequestRouterConfig(request_router_class=RecordingRouter,
@@ -186,7 +190,7 @@ def test_the_routers_choices_are_the_drivers_on_the_same_events(app):
     responses = [engine.remote(b) for b in bodies]
     ran_on = {b["user"]: r.result()["replica"] for b, r in zip(bodies, responses)}
     router = next(r for r in ROUTERS if "h0" in r.users.values())
-    replay = ServeAdmission(SLOTS, max_wait=30.0, resident_factory=router._predictor.resident_factory)
+    replay = ServeAdmission(SLOTS, **router._book.book._options)  # the router's own bounds and resident sets
     placed_on, reordered = {}, 0
     for event in router.events:
         kind, *args = event
