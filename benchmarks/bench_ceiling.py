@@ -11,13 +11,13 @@ lengths can move loads into the drain, which the first count does not see; the s
 the share of tokens generated in full steps says how much of the replay the first count covers.
 
 - reference: the greedy rule with the traces' own profiles (eval.policies.by_profile);
-- lookahead-KxH: the lookahead admission that knows the traces (eval.lookahead.Lookahead): the first
+- lookahead-KxH: the lookahead admission that knows the traces (benchmarks.lookahead.Lookahead): the first
   K greedy candidates, each scored by a rollout of H further admissions with true lengths and tokens,
   over the rollout's full steps (KxH) or over all its steps (KxHa);
 - text-profile-static: the trained text policy of bench_continuous (the static encoder's embeddings,
   a profile head fitted on the training side);
 - with --text-lookahead KxH, the same search on predictions: the text policy's predicted profiles,
-  rollouts counting expected loads (eval.lookahead's `expected`), planned on the true output lengths
+  rollouts counting expected loads (benchmarks.lookahead's `expected`), planned on the true output lengths
   ("text-lookahead-KxH-len", an upper bound for length prediction) and on one constant length, the
   training side's mean ("text-lookahead-KxH-mean": a rule that sees no trace of the held-out side).
 - with --profile-lookahead KxH, the same search on the requests' TRUE profiles and true lengths
@@ -44,9 +44,9 @@ from threadpoolctl import threadpool_limits
 
 from benchmarks.bench_continuous import MODELS, held_lengths
 from benchmarks.heldout import HeldOut, data_path, embeddings
+from benchmarks.lookahead import Lookahead
 from moe_cohort.cli.replay import text_policies
 from moe_cohort.eval.engine import DEFAULT_MEAN_LENGTH, REFERENCE
-from moe_cohort.eval.lookahead import Lookahead
 from moe_cohort.eval.policies import Policy, by_profile, random_order
 from moe_cohort.eval.replay import decode_tokens
 from moe_cohort.traces.importers import load_traces

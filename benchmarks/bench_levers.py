@@ -7,7 +7,7 @@ project's split run through one engine of S slots (eval.replay, every request at
 admissions: random, FCFS (trace order), trained (bench_ceiling's text-profile-static: a profile head
 fitted on the training side) and the greedy reference (the traces' own profiles). On every step with
 all S slots busy, per MoE layer, each selector cuts the residents' expert choices as the traces hold
-them (eval.selection_cut: XShare with warm-up k0 = 1, OEA, MoE-Spec truncation, Lynx-Lat); the shared
+them (benchmarks.selection_cut: XShare with warm-up k0 = 1, OEA, MoE-Spec truncation, Lynx-Lat); the shared
 traces hold no router weights, so summed weight is a vote count. Per admission, selector and
 parameter (budget m, k0 for OEA, experts dropped for Lynx):
 
@@ -34,9 +34,9 @@ from threadpoolctl import threadpool_limits
 from benchmarks.bench_ceiling import trained_policy
 from benchmarks.bench_continuous import MODELS, held_lengths
 from benchmarks.heldout import HeldOut, data_path
+from benchmarks.selection_cut import step_choices, sweep, union
 from moe_cohort.eval.policies import by_profile, fixed_order, random_order
 from moe_cohort.eval.replay import decode_tokens
-from moe_cohort.eval.selection_cut import step_choices, sweep, union
 from moe_cohort.traces.importers import load_traces
 
 ADMISSIONS = ("random", "fcfs", "trained", "reference")

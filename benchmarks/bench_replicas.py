@@ -9,7 +9,7 @@ tokens and gpt-oss-20b's generated tokens), the held-out side of the project's o
 arriving at step 0 (saturation). Decode traces run their own generated tokens for as long as they
 ran; prompt-only traces the decode proxy with lognormal output lengths (mean 64, sigma 1); --lengths
 lognormal gives every model those lengths (decode traces then cycle through their own tokens). The
-routings (admission.router):
+routings (admission.router; Ray Serve's and "+inside": benchmarks.ray_routers):
 
     random              least-loaded in a random arrival order (the yardstick of every saving)
     round-robin         trace order, request i to replica i mod R, FCFS per replica
@@ -53,11 +53,11 @@ import numpy as np
 
 from benchmarks.bench_continuous import MODELS, held_lengths
 from benchmarks.heldout import HeldOut, data_path, embeddings
+from benchmarks.ray_policies import routings_for
 from moe_cohort.eval.cost import parse_cost_model
 from moe_cohort.eval.engine import lengths_from_spec
 from moe_cohort.eval.replay import decode_tokens
-from moe_cohort.eval.replicas import (evaluate_replicas, evaluate_with_single, format_replica_table, poisson_arrivals,
-                                      routings_for)
+from moe_cohort.eval.replicas import evaluate_replicas, evaluate_with_single, format_replica_table
 from moe_cohort.traces.importers import load_traces
 
 # affinity brings affinity-reference; "+inside": each replica admits from its own queue by fit (our scheduler)
@@ -65,6 +65,12 @@ ROUTINGS = ("round-robin,power-of-two,prefix,least-loaded,affinity,"
             "round-robin+inside,power-of-two+inside,prefix+inside")
 AGAINST = ("power-of-two", "prefix", "least-loaded", "round-robin", "power-of-two+inside")  # the paired columns
 PAIRED = ("affinity", "affinity-reference", "power-of-two+inside", "prefix+inside", "round-robin+inside")  # rows
+
+
+def poisson_arrivals(n: int, rate: float, seed: int) -> np.ndarray:  # [N] sorted int64 steps, the first at 0
+    """Arrival steps of a Poisson process of `rate` requests per step (e.g. load * R * S / mean length)."""
+    gaps = np.random.default_rng([seed, 104729]).exponential(1.0 / rate, n)  # [N]
+    return np.floor(np.cumsum(gaps) - gaps[0]).astype(np.int64)
 
 
 def main() -> None:

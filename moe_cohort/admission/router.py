@@ -8,7 +8,8 @@ releases a request when it finishes. It is the one admission driver: the proxy's
 (proxy.replicas, one backend or several), the Ray Serve request router (proxy.ray_router, told of
 one free replica at a time: `admit_to`), the batch order (proxy.batch.order, one replica of
 `--max-in-flight` slots) and the engine replay (eval.replay) all admit through it; only vLLM's own
-queue (engine.expert_queue) keeps the pool and a resident set without it. Routings:
+queue (engine.expert_queue) keeps the pool and a resident set without it. Routings (`ROUTINGS`, what
+the proxy serves):
 
 - "affinity": one shared waiting pool (admission.waiting.WaitingPool). When replica r has a free
   slot it admits, by the pool's one rule, the waiting request that best fits r's own resident set
@@ -18,22 +19,14 @@ queue (engine.expert_queue) keeps the pool and a resident set without it. Routin
 - "round-robin": bound on arrival: the i-th request goes to the queue of replica i mod R (the
   healthy ones); each replica serves its own queue first come first served.
 
-Two more routings bind on arrival the same way, as Ray Serve's request routers do when they dispatch
-to replicas that take many requests each (a large max_ongoing_requests) and vLLM serves its own
-queue first come first served; the replay measures ours against them (`RAY_ROUTINGS`; the proxy
-serves `ROUTINGS`): "power-of-two" (Ray Serve's default router) and "prefix" (Ray Serve LLM's
-PrefixCacheAffinityRouter). Where a request that binds on arrival goes is admission.binding's; "prefix" falls
-back to power-of-two past a load spread of `imbalance` (default: the most slots of a replica).
-
-`inside` (routings that bind on arrival only): each replica admits from its own queue by the pool's rule
-against its own residents (fairness bound first, then the lowest cost), as vLLM with our scheduler does
-behind such a router; without it, each queue is first come, first served.
-
 When several replicas have free slots, the one with the most free slots admits first (ties: the
 lowest index), one request at a time, so R empty replicas take R different seeds before any of
 them fills up. Load bound: with a shared pool a free slot takes a waiting request at once, so no
 replica idles while another has a queue (`idle_while_queued` says whether that holds now);
 a routing that binds on arrival can break it, when one replica's queue runs dry before another's.
+
+A subclass adds routings that bind on arrival (`routings`, `on_arrival`): `_bind` picks the queue,
+`_join` and `_leave` keep what a queued request carries (benchmarks/ray_routers.py replays Ray Serve's).
 """
 
 from __future__ import annotations
@@ -43,27 +36,23 @@ from collections.abc import Callable, Hashable, Sequence
 
 import numpy as np
 
-from moe_cohort.admission.binding import Binding, Prefix
 from moe_cohort.admission.resident import Resident, ResidentExperts
 from moe_cohort.admission.waiting import WaitingPool
 
 ROUTINGS = ("round-robin", "least-loaded", "affinity")  # what the proxy serves
-RAY_ROUTINGS = ("power-of-two", "prefix")  # Ray Serve's request routers, replayed against ours
-ON_ARRIVAL = ("round-robin", "power-of-two", "prefix")  # bound to a replica's own queue on arrival
 ResidentFactory = Callable[[int], Resident]  # vector size -> an empty resident set
 
 
 class ReplicaRouter:
     """R replicas' free slots, resident sets and health, and the waiting requests; see the module docstring."""
 
+    routings: tuple[str, ...] = ROUTINGS  # the routings this class admits by
+    on_arrival: tuple[str, ...] = ("round-robin",)  # those bound to a replica's own queue on arrival
+
     def __init__(self, slots: Sequence[int], routing: str = "affinity", *, max_wait: float | None = None,
-                 max_passed: int | None = None, resident_factory: ResidentFactory = lambda size: ResidentExperts(1, size),
-                 rng: np.random.Generator | None = None, imbalance: int | None = None, prefix_entries: int = 1 << 16,
-                 inside: bool = False):
-        if routing not in ROUTINGS + RAY_ROUTINGS:
-            raise ValueError(f"routing must be one of {', '.join(ROUTINGS + RAY_ROUTINGS)}, got {routing!r}")
-        if inside and routing not in ON_ARRIVAL:
-            raise ValueError(f"inside: only a routing that binds on arrival has queues per replica, not {routing!r}")
+                 max_passed: int | None = None, resident_factory: ResidentFactory = lambda size: ResidentExperts(1, size)):
+        if routing not in self.routings:
+            raise ValueError(f"routing must be one of {', '.join(self.routings)}, got {routing!r}")
         if len(slots) < 1 or min(slots) < 1:
             raise ValueError(f"every replica needs >= 1 slot, got {list(slots)}")
         self.routing, self.max_wait, self.max_passed = routing, max_wait, max_passed  # admission.waiting's bounds
@@ -71,16 +60,12 @@ class ReplicaRouter:
         self.busy = np.zeros(len(slots), np.int64)  # [R] admitted, not yet released
         self.healthy = np.ones(len(slots), bool)  # [R] a replica that is down admits nothing
         self.pool = WaitingPool()  # shared: least-loaded and affinity
-        self.queues: list[deque] = [deque() for _ in slots]  # per replica: the routings of ON_ARRIVAL
+        self.queues: list[deque] = [deque() for _ in slots]  # per replica: the routings of on_arrival
         self.placed: dict[Hashable, tuple[int, np.ndarray | None]] = {}  # admitted key -> (replica, vector held)
         self._factory = resident_factory
         self._residents: list[Resident | None] = [None] * len(slots)
-        self._vectors: dict[Hashable, np.ndarray | None] = {}  # waiting key -> vector (queues of ON_ARRIVAL)
-        self._binding = Binding(routing, np.random.default_rng(0) if rng is None else rng,
-                                int(self.capacity.max()) if imbalance is None else imbalance, prefix_entries)
-        self._prefixes: dict[Hashable, Prefix | None] = {}  # waiting key -> its prefix (prefix)
-        # inside: each replica's queue also as a waiting pool of its own, admitted by the pool's rule
-        self._own: list[WaitingPool] | None = [WaitingPool() for _ in slots] if inside else None
+        self._vectors: dict[Hashable, np.ndarray | None] = {}  # waiting key -> vector (queues of on_arrival)
+        self._turn = 0  # round-robin: requests bound so far
 
     @property
     def replicas(self) -> int:
@@ -96,8 +81,6 @@ class ReplicaRouter:
         self.healthy = np.append(self.healthy, True)
         self.queues.append(deque())
         self._residents.append(None)
-        if self._own is not None:
-            self._own.append(WaitingPool())
         return self.replicas - 1
 
     def free(self) -> np.ndarray:  # [R] free slots of the healthy replicas (0 for those down)
@@ -106,36 +89,28 @@ class ReplicaRouter:
     def waiting(self) -> int:
         return len(self.pool) + sum(len(q) for q in self.queues)
 
-    def add(self, key: Hashable, vector: np.ndarray | None, now: float, prefix: Prefix | None = None) -> None:
-        """A request arrives: `vector` is its flat predicted profile [L*E] (or embedding), None for FCFS;
-        `prefix` its prompt text (or chunks), read by the "prefix" routing only."""
+    def add(self, key: Hashable, vector: np.ndarray | None, now: float) -> None:
+        """A request arrives: `vector` is its flat predicted profile [L*E] (or embedding), None for FCFS."""
         if key in self.placed or key in self._vectors or key in self.pool:
             raise ValueError(f"{key!r} is routed already")
-        if self.routing not in ON_ARRIVAL:
+        if self.routing not in self.on_arrival:
             self.pool.add(key, vector, now)
             return
         up = np.flatnonzero(self.healthy)  # [H]
         if len(up) == 0:
             raise ValueError("no healthy replica to queue the request on")
-        r = self._bind(up, prefix)
-        self.queues[r].append(key)
-        self._vectors[key] = vector
-        if self._own is not None:
-            self._own[r].add(key, vector, now)
-        if self.routing == "prefix":
-            self._prefixes[key] = prefix
+        self._join(self._bind(up), key, vector, now)
 
     def remove(self, key: Hashable) -> None:
         """A waiting request leaves before admission (its client went away)."""
         if key in self.pool:
             self.pool.remove(key)
             return
-        self._vectors.pop(key)  # KeyError for a key that is not waiting
-        self._prefixes.pop(key, None)
+        if key not in self._vectors:
+            raise KeyError(key)
         r = next(r for r, q in enumerate(self.queues) if key in q)
         self.queues[r].remove(key)
-        if self._own is not None:
-            self._own[r].remove(key)
+        self._leave(r, key)
 
     def update(self, key: Hashable, vector: np.ndarray | None) -> None:
         """A new prediction for a waiting request (a newer profile head's); it keeps its place in the queue."""
@@ -143,8 +118,6 @@ class ReplicaRouter:
             self.pool.update(key, vector)
         elif key in self._vectors:
             self._vectors[key] = vector
-            if self._own is not None:
-                next(own for own in self._own if key in own).update(key, vector)
         else:
             raise KeyError(f"{key!r} is not waiting")
 
@@ -186,7 +159,7 @@ class ReplicaRouter:
     def places_at_once(self) -> bool:
         """Whether a request arriving now is placed at once (`place_at_once`): a shared pool, nobody
         waiting, a free slot on a healthy replica."""
-        return (self.routing not in ON_ARRIVAL and not self.waiting()
+        return (self.routing not in self.on_arrival and not self.waiting()
                 and self.free().max(initial=0) > 0)
 
     def assign(self, key: Hashable, vector: np.ndarray) -> bool:
@@ -229,11 +202,8 @@ class ReplicaRouter:
             return []  # with no healthy replica left the queue stays where it is
         moved = list(self.queues[replica])
         self.queues[replica].clear()
-        if self._own is not None:
-            self._own[replica] = WaitingPool()
         for key in moved:
-            vector = self._vectors.pop(key)
-            self.add(key, vector, now=0.0, prefix=self._prefixes.pop(key, None))
+            self.add(key, self._vectors.pop(key), now=0.0)
         return moved
 
     def idle_while_queued(self) -> bool:
@@ -247,35 +217,38 @@ class ReplicaRouter:
     def load(self) -> np.ndarray:  # [R] requests per replica: admitted + queued on it
         return self.busy + np.array([len(q) for q in self.queues], np.int64)
 
-    def _bind(self, up: np.ndarray, prefix: Prefix | None) -> int:
-        """The replica whose queue an arriving request joins (routings that bind on arrival), among `up` [H]."""
-        return self._binding.bind(up, self.load(), self.healthy, prefix)
+    def _bind(self, up: np.ndarray) -> int:
+        """The replica among the healthy `up` [H] whose queue an arriving request joins: round-robin's turn."""
+        self._turn += 1
+        return int(up[(self._turn - 1) % len(up)])
+
+    def _join(self, r: int, key: Hashable, vector: np.ndarray | None, now: float) -> None:
+        """`key` joins replica r's queue, keeping its vector."""
+        self.queues[r].append(key)
+        self._vectors[key] = vector
+
+    def _leave(self, r: int, key: Hashable, admitted: bool = False) -> np.ndarray | None:
+        """`key`, already out of replica r's queue, is removed (or `admitted`); returns the vector it kept."""
+        return self._vectors.pop(key)
 
     def _has_candidate(self, r: int) -> bool:
-        return bool(self.queues[r]) if self.routing in ON_ARRIVAL else len(self.pool) > 0
+        return bool(self.queues[r]) if self.routing in self.on_arrival else len(self.pool) > 0
 
     def _choose(self, r: int, now: float) -> Hashable:
-        if self._own is not None:  # the replica's own queue, by the pool's rule against its own residents
-            key = self._own[r].pick(self._resident_for(r, self._own[r].size), now, self.max_wait, self.max_passed)
-            self.queues[r].remove(key)
-            return key
-        if self.routing in ON_ARRIVAL:
+        if self.routing in self.on_arrival:
             return self.queues[r].popleft()
         resident = self._resident_for(r) if self.routing == "affinity" else None
         return self.pool.pick(resident, now, self.max_wait, self.max_passed)
 
     def _place(self, key: Hashable, r: int) -> None:
-        if self.routing in ON_ARRIVAL:
-            vector = self._vectors.pop(key)
-            self._prefixes.pop(key, None)
-            if self._own is not None:
-                self._own[r].remove(key, admitted=True)
+        if self.routing in self.on_arrival:
+            vector = self._leave(r, key, admitted=True)
         else:
             row = self.pool.rows[key]
             vector = self.pool.matrix[row].copy() if self.pool.profiled[row] else None
             self.pool.remove(key, admitted=True)
         held = None
-        if (self.routing == "affinity" or self._own is not None) and vector is not None:
+        if self.routing == "affinity" and vector is not None:
             held = vector
             self._resident_for(r, len(vector)).add(held)
         self.placed[key] = (r, held)

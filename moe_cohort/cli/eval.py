@@ -41,15 +41,6 @@ def add_input_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar while embedding the traces' texts")
 
 
-class _ReplayMoved(argparse.Action):
-    """`--engine continuous` of earlier versions: one line pointing to `cohort replay`, exit 2."""
-
-    def __call__(self, parser, namespace, values, option_string=None) -> None:
-        if values == "continuous":
-            parser.exit(2, f"{parser.prog}: error: the continuous replay is its own command: "
-                           f"cohort replay --traces PATH --slots S (see `cohort replay --help`)\n")
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_input_arguments(parser)
     parser.add_argument("--batch-size", type=positive_int, required=True, help="requests per batch (B)")
@@ -60,7 +51,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--report", metavar="DIR", help="also write report.json, report.md and saving.png to DIR")
     parser.add_argument("--sweep", type=int_list, default="8,16,32,64",
                         help="batch sizes of the report's plot, comma-separated (default %(default)s)")
-    parser.add_argument("--engine", choices=("static", "continuous"), action=_ReplayMoved, help=argparse.SUPPRESS)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -11,9 +11,7 @@ as the proxy serves (proxy/replicas.py drives the same router) and as a batch fi
   (admission.resident.ResidentExperts). With the traces' own profiles it is the reference (what
   `capture` divides by); with profiles predicted from text (encoder.profile.ProfileHead) it is a text policy;
 - `by_embedding`: nearest embedding to the resident set (text only; ResidentEmbedding);
-- Ray Serve's routers, which bind a request to a replica's own FCFS queue on arrival as round-robin
-  does: `Policy("power-of-two")` (two replicas drawn with the run's seed, the less loaded) and
-  `by_prefix(texts)` (the replica last given the request's longest prompt-text prefix).
+- `Policy("round-robin")`: bound to a replica's own FCFS queue on arrival.
 
 Every rule of the router holds in the replay as served: the fairness bound first, FCFS for a request
 without a vector, the oldest when nobody is resident (an empty set ranks nobody), ties to the earliest
@@ -36,22 +34,20 @@ from moe_cohort.eval.replay import DecodeTokens, Replay, replay
 class Policy:
     """A routing of admission.router and what it fits requests by, as one replay runs it."""
 
-    routing: str  # "round-robin", "least-loaded" (first come, first served), "affinity", "power-of-two" or "prefix"
+    routing: str  # "round-robin", "least-loaded" (first come, first served) or "affinity"
     vectors: np.ndarray | None = field(default=None, repr=False)  # [N, F] flat profiles [L*E] or embeddings [D]
     embedding: bool = False  # vectors are embeddings (nearest-embedding fit), not expert profiles
     shuffle: bool = False  # requests that arrive together join in a random order of the run's seed
     order: np.ndarray | None = field(default=None, repr=False)  # [N] else in this order (None: trace order)
-    texts: Sequence[str] | None = field(default=None, repr=False)  # [N] prompt texts, the "prefix" routing's prefixes
-    inside: bool = False  # a routing that binds on arrival, each replica admitting from its queue by fit (vectors)
 
     def router(self, slots: Sequence[int], max_wait: float | None = None, seed: int = 0) -> ReplicaRouter:
-        """A fresh router of replicas with `slots` slots each, with this policy's resident sets; `seed` seeds
-        power-of-two's draws. With texts, request i arrives with texts[i] as its prefix."""
-        factory: ResidentFactory = ResidentEmbedding if self.embedding else (lambda size: ResidentExperts(1, size))
-        options = dict(max_wait=max_wait, resident_factory=factory, rng=np.random.default_rng(seed), inside=self.inside)
-        if self.texts is None:
-            return ReplicaRouter(slots, self.routing, **options)
-        return _TextRouter(self.texts, slots, self.routing, **options)
+        """A fresh router of replicas with `slots` slots each, with this policy's resident sets; `seed` is the
+        run's (none of ROUTINGS draws; a subclass's router may)."""
+        return ReplicaRouter(slots, self.routing, max_wait=max_wait, resident_factory=self.resident_factory())
+
+    def resident_factory(self) -> ResidentFactory:
+        """Empty resident sets of this policy's kind: embeddings or expert profiles."""
+        return ResidentEmbedding if self.embedding else (lambda size: ResidentExperts(1, size))
 
     def run(self, tokens: DecodeTokens, lengths: np.ndarray, slots: int | Sequence[int], seed: int = 0,
             max_wait: float | None = None, times: np.ndarray | None = None, clients: int | None = None) -> Replay:
@@ -89,19 +85,3 @@ def by_embedding(x: np.ndarray) -> Policy:
     """Nearest embedding [N, D] to the resident set (rows made unit, as ResidentEmbedding scores them)."""
     norms = np.linalg.norm(x, axis=1, keepdims=True)
     return Policy("affinity", (x / np.where(norms > 0, norms, 1.0)).astype(np.float32), embedding=True)
-
-
-def by_prefix(texts: Sequence[str]) -> Policy:
-    """Ray Serve LLM's prefix-cache affinity by the requests' prompt texts [N] (admission.router's "prefix")."""
-    return Policy("prefix", texts=tuple(str(t) for t in texts))
-
-
-class _TextRouter(ReplicaRouter):
-    """A router whose requests (keys 0..N-1, as the replay adds them) arrive with their prompt texts as prefixes."""
-
-    def __init__(self, texts: Sequence[str], *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._texts = texts
-
-    def add(self, key, vector, now, prefix=None) -> None:
-        super().add(key, vector, now, self._texts[key] if prefix is None else prefix)

@@ -2,11 +2,11 @@
 
 The execution model and decode tokens of eval.replay: replica r keeps up to S requests resident, and
 a freed slot is filled at once by the router (`admission.router.ReplicaRouter`: round-robin,
-least-loaded, affinity, or Ray Serve's power-of-two and prefix; eval.policies.Policy says which).
+least-loaded or affinity; eval.policies.Policy says which).
 Loads per generated token are summed over every replica's steps, and so is the modelled MoE time
 (eval.cost, per replica step at that replica's tokens): the GPU time of all replicas together. The
 replay refuses a run of a shared-pool routing in which a replica idled while a request waited (the
-load bound); the routings that bind on arrival may break it, and `violations` counts those steps.
+load bound); a routing that binds on arrival may break it, and `violations` counts those steps.
 With `kept_full`, loads and time per token count only the spans in which a replica had every slot
 busy (eval.engine.summary_row), and each row keeps the all-steps figures beside them.
 
@@ -15,17 +15,15 @@ busy (eval.engine.summary_row), and each row keeps the all-steps figures beside 
 
 from __future__ import annotations
 
-import dataclasses
-
 import logging
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Mapping
 
 import numpy as np
 from threadpoolctl import threadpool_limits
 
 from moe_cohort.eval.cost import CostModel
 from moe_cohort.eval.engine import Lengths, non_moe_us_per_step, summary_row
-from moe_cohort.eval.policies import Policy, by_embedding, by_prefix, by_profile, random_order
+from moe_cohort.eval.policies import Policy, by_embedding, by_profile, random_order
 from moe_cohort.eval.replay import DecodeTokens, Replay
 
 log = logging.getLogger(__name__)
@@ -83,25 +81,13 @@ def _full_tokens(r: Replay) -> int:
     return int((r.steps[r.full] * r.resident[r.full]).sum())
 
 
-def poisson_arrivals(n: int, rate: float, seed: int) -> np.ndarray:  # [N] sorted int64 steps, the first at 0
-    """Arrival steps of a Poisson process of `rate` requests per step (e.g. load * R * S / mean length)."""
-    gaps = np.random.default_rng([seed, 104729]).exponential(1.0 / rate, n)  # [N]
-    return np.floor(np.cumsum(gaps) - gaps[0]).astype(np.int64)
-
-
 def routings_for(names: str, *, predicted: np.ndarray | None = None, embeddings: np.ndarray | None = None,
-                 reference: np.ndarray | None = None, texts: Sequence[str] | None = None) -> dict[str, Policy]:
-    """The rows of `names` (comma-separated: "round-robin", "least-loaded", "affinity", "power-of-two",
-    "prefix", or "all" for the first three; a routing that binds on arrival with "+inside": each replica
-    admitting from its own queue by the predicted profiles, as our scheduler in vLLM): affinity by the
-    predicted profiles [N, L*E] (else nearest embedding [N, D]), affinity-reference by the traces' own
-    [N, L*E], prefix by the prompt `texts` [N]."""
+                 reference: np.ndarray | None = None) -> dict[str, Policy]:
+    """The rows of `names` (comma-separated: "round-robin", "least-loaded", "affinity", or "all" for the
+    three): affinity by the predicted profiles [N, L*E] (else nearest embedding [N, D]), affinity-reference
+    by the traces' own [N, L*E]."""
     wanted = ("round-robin", "least-loaded", "affinity") if names == "all" else tuple(names.split(","))
-    if any(name.startswith("prefix") for name in wanted) and texts is None:
-        raise ValueError("the prefix routing needs the requests' texts")
-    if any(name.endswith("+inside") for name in wanted) and predicted is None:
-        raise ValueError("admission inside each replica needs predicted profiles")
-    out = {name: _bound_on_arrival(name, predicted, texts) for name in wanted if name != "affinity"}
+    out = {name: Policy(name) for name in wanted if name != "affinity"}
     if "affinity" in wanted:
         if predicted is not None:
             out["affinity"] = by_profile(predicted)
@@ -110,16 +96,6 @@ def routings_for(names: str, *, predicted: np.ndarray | None = None, embeddings:
         if reference is not None:
             out["affinity-reference"] = by_profile(reference)
     return out
-
-
-def _bound_on_arrival(name: str, predicted: np.ndarray | None, texts: Sequence[str] | None) -> Policy:
-    """The Policy of a row name other than affinity: "ROUTING" or "ROUTING+inside"."""
-    routing, inside = name.removesuffix("+inside"), name.endswith("+inside")
-    base = by_prefix(texts) if routing == "prefix" else Policy(routing)
-    if not inside:
-        return base
-    flat = np.ascontiguousarray(np.asarray(predicted).reshape(len(predicted), -1), dtype=np.float32)  # [N, L*E]
-    return dataclasses.replace(base, vectors=flat, inside=True)
 
 
 def evaluate_with_single(tokens: DecodeTokens, replicas: int, slots: int, routings: Mapping[str, Policy],

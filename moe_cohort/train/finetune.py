@@ -13,18 +13,13 @@ weights: the config, the split (request ids), the pair (or request) counts and t
 correlation between embedding cosine and the target, before and after.
 
 CoSENT only uses the order of the labels within a batch, so the target's scale does not matter,
-only its ranking: exactly what a planner that clusters by cosine consumes. Doubleword ("MoE
-expert co-activations") fine-tuned bge-small on a Jaccard target of expert sets; ours is the
-weighted Jaccard of expert-frequency profiles (train.targets says why).
+only its ranking: exactly what a planner that clusters by cosine consumes. The pair target is one of
+train.targets (default: weighted Jaccard of expert-frequency profiles).
 
 The `profile` loss (train.profile_loss) needs no pairs: the training requests themselves, each with
 its expert profile, as many examples as the pair objectives' budget (epochs x max_pairs), so the run
-costs about the same number of steps and no pair mining. It is the default because its encoders
-admit better than CoSENT's on both models, the engine kept full at S = 16 and 32: on DeepSeek-V2-Lite's
-held-out requests, and on gpt-oss-20b, whose held-out side is too small to tell encoders apart, out of
-fold on the training side with the encoder fine-tuned per fold (benchmarks/bench_predictor_cv.py);
-figures in docs/results.md ("How close do text predictors get to the reference?"). The profile loss
-keeps the default truncation (`TrainConfig.max_seq_length`): longer texts admit no better on gpt-oss-20b.
+costs about the same number of steps and no pair mining. It is the default: its encoders admit best
+(docs/results.md, "How close do text predictors get to the reference?").
 
 Checkpoints go to OUTPUT/checkpoints every `save_steps` steps; `resume=True` reloads the saved
 pairs (OUTPUT/pairs.npz) and continues from the newest checkpoint. The Trainer shows a progress
@@ -64,12 +59,8 @@ class TrainDataError(ValueError):
 class TrainConfig:
     """Everything that decides a training run; stored in training.json and checked on resume.
 
-    Defaults: the loss, by held-out admission on both models (module docstring). The pair settings were
-    chosen with benchmarks/bench_train.py on the DeepSeek traces (the project's split): one epoch of
-    CoSENT steps of 32 pairs lifts the held-out capture well above the base encoder's, and the learning
-    rate 5e-5 beat 2e-5 (figures in docs/results.md); the target is chosen in train.targets. Texts are
-    truncated to 64 word pieces because a CPU step costs about linearly in the padded length, and most
-    Puffin prompts fit in 64.
+    Defaults: the best measured on held-out admission (benchmarks/bench_train.py, bench_predictor_cv.py;
+    docs/results.md); texts truncated to 64 word pieces, as a CPU step costs about linearly in the padded length.
     """
 
     epochs: float = 1.0

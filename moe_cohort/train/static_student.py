@@ -1,10 +1,7 @@
 """A static student of a fine-tuned encoder: most of the teacher's planning quality at a static model's cost.
 
 `--encoder static` (encoder.static) distils all-MiniLM-L6-v2 token by token (Model2Vec): every
-vocabulary token is embedded alone, so what the fine-tuning taught about expert overlap, which
-lives in how tokens combine in context, is lost: it keeps clearly less of the fine-tuned MiniLM's
-continuous saving (bench_encoder; docs/results.md), and fine-tuning the static model with CoSENT pairs
-does not recover it.
+vocabulary token is embedded alone, which loses what fine-tuning taught about how tokens combine in context.
 
 The student here learns from sentences instead (the idea of Tokenlearn, Minish Lab 2025): one
 vector per vocabulary token, mean-pooled over a text's tokens (sentence-transformers'
@@ -18,16 +15,8 @@ quarter of a text), which multiply the examples of each token in new company. A 
 texts (with their windows) is set aside to pick the step; the held-out requests are never seen.
 The student keeps the teacher's tokenizer and its truncation, so it reads the same tokens.
 
-What it buys (bench_encoder on held-out requests, the fine-tuned MiniLM of `cohort train` as teacher):
-many times plain MiniLM `encode`'s prompts per CPU-second, at most of the teacher's continuous saving
-(the figures, with their spread over seeds: docs/results.md, "The static student"). The defaults
-below are not tuned on held-out requests.
-
-What limits it is generalisation, not capacity: the student follows the teacher much more closely on
-the texts it fits than on the texts set aside, and neither more steps, another learning rate or pull,
-more or fewer windows, nor hashed token bigrams in the bag close that gap (varied on the training side
-alone), so the defaults keep the simple bag. What would help is more in-domain text to distil on;
-text of another domain (the training side of prompts/mixed.jsonl) makes the held-out saving worse.
+The bag is plain unigrams over in-domain text only: what limits the student is generalisation, not
+capacity. Its speed, saving and limits: docs/results.md ("Speed and quality", "The static student").
 
 Output: an ordinary sentence-transformers folder; `cohort train --student static` fits the
 expert-profile head on the student's own embeddings beside it, and `--encoder FOLDER` loads both.

@@ -17,20 +17,10 @@ Targets for a pair (a, b), all in [0, 1]:
 - ``jaccard``: Jaccard of the sets of (layer, expert) a request touches at all (Doubleword's
   target); it saturates on real traces, where even a short prompt touches most experts.
 
-Why weighted Jaccard is the default (on the DeepSeek-V2-Lite Puffin traces; benchmarks/target_study.py
-and benchmarks/bench_train.py; figures in the appendix of docs/results.md):
-
-- As a predictor of *pair* savings, overlap is far better: it ranks pairs and small random groups
-  by their measured saving, where weighted Jaccard and plain Jaccard do not.
-- But the planner partitions *all* requests into batches of B >= 8, and that is what counts.
-  End to end, with the same training settings and held-out split, the encoder fine-tuned on
-  weighted Jaccard captures more of the oracle than the one fine-tuned on overlap at B = 8, 16
-  and 32, with aligned or random proxy phase, and both more than the base encoder. The reason: in
-  a batch of that size the experts of a layer saturate, so requests with diffuse profiles (long
-  prompts) cost little once batched with each other, and concentrated ones (short prompts) save
-  most beside similar ones. Weighted Jaccard puts like with like at both ends and is a proper similarity (1 with
-  itself, and 1 - it is a metric) that cosine clustering can follow; overlap, a first-order
-  pair quantity, rates a diffuse request about equal with everyone and ignores saturation.
+Weighted Jaccard is the default because batches of B >= 8 saturate a layer's experts: it puts like with
+like at both ends (diffuse with diffuse, concentrated with concentrated) and is a proper similarity (1
+with itself, 1 - it a metric) for cosine clustering, where overlap, a pair quantity, ignores saturation
+(benchmarks/target_study.py, bench_train.py; figures: docs/results.md, "fine-tuning with CoSENT pairs").
 
 Pure numpy; every function is vectorised over pairs and works in bounded-memory chunks.
 """

@@ -7,9 +7,9 @@ import pytest
 
 from benchmarks.bench_ceiling import _config
 from benchmarks.bench_levers import at_fidelity, curves, params
+from benchmarks.selection_cut import lynx_cut, step_choices, xshare_cut
 from moe_cohort.eval.policies import random_order
 from moe_cohort.eval.replay import decode_tokens
-from moe_cohort.eval.selection_cut import lynx_cut, step_choices, xshare_cut
 from tests.conftest import random_traces
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from benchmarks.bench_replicas import AGAINST, PAIRED, measure_model, paired
+from benchmarks.bench_replicas import AGAINST, PAIRED, measure_model, paired, poisson_arrivals
 from benchmarks.heldout import HeldOut
 from moe_cohort.traces.importers import load_traces
 from tests.conftest import random_traces, write_trace_dir
@@ -63,3 +63,7 @@ def test_more_slots_than_requests_leaves_nothing_kept_full_and_says_so(tmp_path)
     text = "\n".join(lines)
     assert "n/a" in text and "nan" not in text
 
+
+def test_poisson_arrivals_are_sorted_steps_from_zero_at_the_mean_gap():
+    times = poisson_arrivals(400, 0.5, seed=3)
+    assert times[0] == 0 and (np.diff(times) >= 0).all() and abs(times[-1] / 399 - 2.0) < 0.3  # mean gap 1 / rate

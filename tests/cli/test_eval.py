@@ -140,13 +140,6 @@ def test_replay_rejects_a_bad_cost_model_and_eval_needs_a_batch_size(trace_file,
         "cohort eval: error: the following arguments are required: --batch-size (see `cohort eval --help`)\n"))
 
 
-@pytest.mark.parametrize("extra", [[], ["--slots", "16", "--lengths", "fixed"]])
-def test_eval_engine_continuous_points_to_replay_in_one_line(trace_file, capsys, extra):
-    code, out, err = _run(["eval", "--traces", str(trace_file), "--engine", "continuous", *extra], capsys)
-    assert (code, out) == (2, "")
-    assert len(err.strip().splitlines()) == 1 and "cohort replay --traces PATH --slots S" in err, err
-
-
 def test_both_commands_read_decode_traces_with_their_own_lengths(tmp_path, capsys):
     ts = random_traces(30, num_experts=12, top_k=2, max_prompt=4, max_decode=6, seed=4)
     path = save_traces(tmp_path / "decode.npz", ts)
@@ -208,7 +201,7 @@ def _run(args, capsys) -> tuple[int, str, str]:
     ("replay", ["--cost-model", "warp-drive"], "--cost-model"),
     ("replay", ["--moe-share", "2"], "--moe-share"),
     ("replay", ["--non-moe-us", "-1"], "--non-moe-us"),
-    ("replay", ["--max-wait", "-3"], "--max-wait"),
+    ("replay", ["--max-queue-steps", "-3"], "--max-queue-steps"),
     ("replay", ["--clients", "0"], "--clients"),
     ("replay", ["--clients", "8", "--replicas", "2"], "--clients"),
     ("replay", ["--kept-full", "--replicas", "2"], "--kept-full"),

@@ -1,5 +1,6 @@
-"""moe_cohort.eval.replicas: R replicas behind a router (Ray Serve's routings too), against a hand computation; the summary rows and the CLI.
-(The replay itself against a step-by-step one: tests/eval/test_replay.py.)"""
+"""moe_cohort.eval.replicas: R replicas behind a router, against a hand computation; the summary rows and the CLI.
+(The replay itself against a step-by-step one: tests/eval/test_replay.py; Ray Serve's routings:
+tests/benchmarks/test_ray_policies.py.)"""
 
 import json
 
@@ -9,7 +10,7 @@ import pytest
 from moe_cohort.admission.router import ReplicaRouter
 from moe_cohort.eval.cost import PRESETS
 from moe_cohort.eval.engine import lengths_from_spec
-from moe_cohort.eval.policies import Policy, by_prefix, by_profile
+from moe_cohort.eval.policies import Policy, by_profile
 from moe_cohort.eval.replay import decode_profiles, decode_tokens, replay
 from moe_cohort.eval.replicas import evaluate_replicas, format_replica_table, routings_for
 from tests.conftest import random_traces
@@ -36,8 +37,6 @@ HAND = [{0, 1}, {0, 1}, {4, 5}, {4, 5}, {0, 2}, {4, 6}]
     ("least-loaded", 24),
     # seeds a0 and a1 (the oldest), then a2 joins a0 ({0,1,2}: 3) and b0 joins a1 (4): 7 x 2 + (2 + 2) x 2 = 22
     ("affinity", 22),
-    # two replicas: the two drawn are both, so the emptier (resident + queued) on arrival: round-robin's pairs
-    ("power-of-two", 24),
 ])
 def test_two_replicas_of_two_slots_by_hand(routing, loads):
     ts = _traces(HAND)
@@ -45,32 +44,6 @@ def test_two_replicas_of_two_slots_by_hand(routing, loads):
     prof = decode_profiles(tok, ts).reshape(len(ts), -1)
     got = Policy(routing, prof).run(tok, np.full(6, 2), [2, 2])
     assert (int(got.loads.sum()), got.tokens, got.makespan, got.violations) == (loads, 12, 4, 0)
-
-
-# the a requests share a 64-character opening, the b requests another; only the tail differs
-HAND_TEXTS = [("Solve step by step and show the work for this algebra exercise: " if i in (0, 1, 4) else
-               "Write a short poem about the sea, the wind and the old lighthouse ") + f"case {i}" for i in range(6)]
-
-
-def test_prefix_routing_by_hand_keeps_each_opening_on_one_replica():
-    # a0 opens replica 0 (power-of-two on empty replicas: the lower), a1 matches it; b0 matches nothing and
-    # goes to the emptier replica 1, b1 and b2 follow it, a2 follows a0: replica 0 runs {0,1} then {0,2},
-    # replica 1 {4,5} then {4,6}: (2 + 2) x 2 steps + (2 + 2) x 2 = 16
-    ts = _traces(HAND)
-    tok = decode_tokens(ts, "proxy")
-    got = by_prefix(HAND_TEXTS).run(tok, np.full(6, 2), [2, 2])
-    assert got.replica.tolist() == [0, 0, 1, 1, 0, 1]
-    assert (int(got.loads.sum()), got.tokens, got.makespan, got.violations) == (16, 12, 4, 0)
-
-
-def test_power_of_two_replays_with_the_runs_seed():
-    ts = random_traces(30, max_prompt=6, seed=4)
-    tok, lengths = decode_tokens(ts), lengths_from_spec("lognormal", ts.request_ids, mean=6)(0)
-    runs = {seed: Policy("power-of-two").run(tok, lengths, [2, 2, 2, 2], seed=seed) for seed in (3, 7)}
-    for seed, got in runs.items():
-        by_hand = replay(tok, lengths, ReplicaRouter([2] * 4, "power-of-two", rng=np.random.default_rng(seed)))
-        assert got.replica.tolist() == by_hand.replica.tolist() and int(got.loads.sum()) == int(by_hand.loads.sum())
-    assert runs[3].replica.tolist() != runs[7].replica.tolist()
 
 
 def test_round_robin_on_identical_requests_is_least_loaded():
@@ -87,10 +60,6 @@ def test_round_robin_can_idle_a_replica_and_a_shared_pool_may_not():
     lengths = np.array([1, 9, 1, 9, 1, 9])  # replica 0 gets the short ones and runs dry while replica 1 queues
     assert Policy("round-robin").run(tok, lengths, [1, 1]).violations > 0
     assert Policy("least-loaded").run(tok, lengths, [1, 1]).violations == 0
-    # bound on arrival, reported and not refused: power-of-two pairs as round-robin does on two replicas;
-    # prefix keeps the a requests (short here) on replica 0, which runs dry while replica 1 queues
-    assert Policy("power-of-two").run(tok, lengths, [1, 1]).violations > 0
-    assert by_prefix(HAND_TEXTS).run(tok, np.array([1, 1, 9, 9, 1, 9]), [1, 1]).violations > 0
 
     class Stuck(ReplicaRouter):  # replica 1 never admits: the replay must refuse the run
         def _has_candidate(self, r):
@@ -116,12 +85,11 @@ def test_evaluate_replicas_rows():
     assert "idle-while-queued" in format_replica_table(out)
 
 
-def test_evaluate_replicas_kept_full_and_ray_serve_routings():
+def test_evaluate_replicas_kept_full():
     ts = random_traces(24, max_prompt=6, seed=2)
     tok = decode_tokens(ts)
-    texts = [f"prompt of kind {i % 3} " * 5 + str(i) for i in range(len(ts))]
-    routings = routings_for("power-of-two,prefix,least-loaded", texts=texts)
-    assert list(routings) == ["power-of-two", "prefix", "least-loaded"] and routings["prefix"].texts == tuple(texts)
+    routings = routings_for("round-robin,least-loaded")
+    assert list(routings) == ["round-robin", "least-loaded"]
     lengths = lengths_from_spec("lognormal", ts.request_ids, mean=6)
     args = (tok, 2, 3, routings, lengths, PRESETS["deepseek-v2-lite"], ts.num_layers)
     full, every = evaluate_replicas(*args, seeds=2, kept_full=True), evaluate_replicas(*args, seeds=2)
@@ -135,22 +103,6 @@ def test_evaluate_replicas_kept_full_and_ray_serve_routings():
     by_hand = np.mean([sum(int(s * k) for s, k, f in zip(r.steps, r.resident, r.full) if f) / r.tokens for r in runs])
     assert full["plans"]["least-loaded"]["full_share"] == pytest.approx(by_hand)
     assert "all-steps" in format_replica_table(full) and "all-steps" not in format_replica_table(every)
-    with pytest.raises(ValueError, match="texts"):
-        routings_for("prefix")
-
-
-def test_inside_rows_bind_as_their_routing_and_admit_by_the_predicted_profiles():
-    ts = random_traces(24, max_prompt=6, seed=2)
-    predicted = np.random.default_rng(0).random((len(ts), ts.num_layers * ts.num_experts)).astype(np.float32)
-    routings = routings_for("power-of-two,power-of-two+inside", predicted=predicted)
-    plain, inside = routings["power-of-two"], routings["power-of-two+inside"]
-    assert inside.inside and not plain.inside and inside.routing == "power-of-two"
-    assert inside.vectors.shape == predicted.shape and plain.vectors is None
-    tok, lengths = decode_tokens(ts), lengths_from_spec("lognormal", ts.request_ids, mean=6)
-    first, second = (p.run(tok, lengths(0), [3, 3], 0) for p in (plain, inside))
-    assert first.tokens == second.tokens and not np.array_equal(first.order, second.order)  # other batch mates
-    with pytest.raises(ValueError, match="predicted profiles"):
-        routings_for("prefix+inside", texts=["a"] * len(ts))
 
 
 def test_cohort_replay_replicas_json_and_table(tmp_path, capsys):
@@ -189,10 +141,6 @@ def test_cohort_replay_replicas_rejects_bad_arguments_in_one_line(tmp_path, caps
 
 
 def test_arrival_times_go_to_the_requests_in_arrival_order():
-    from moe_cohort.eval.replicas import poisson_arrivals
-
-    times = poisson_arrivals(400, 0.5, seed=3)
-    assert times[0] == 0 and (np.diff(times) >= 0).all() and abs(times[-1] / 399 - 2.0) < 0.3  # mean gap 1 / rate
     ts = random_traces(12, max_prompt=6, seed=5)
     tok, times = decode_tokens(ts), np.arange(0, 24, 2)
     for routing in (Policy("least-loaded", shuffle=True), Policy("least-loaded")):

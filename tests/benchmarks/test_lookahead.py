@@ -6,7 +6,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from moe_cohort.eval.lookahead import Lookahead
+from benchmarks.lookahead import Lookahead
 from moe_cohort.eval.policies import by_profile, fixed_order
 from moe_cohort.eval.replay import decode_profiles, decode_tokens
 from tests.conftest import random_traces

@@ -5,9 +5,9 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from benchmarks.selection_cut import lynx_cut, moe_spec_cut, oea_cut, step_choices, xshare_cut
 from moe_cohort.eval.policies import by_profile, random_order
 from moe_cohort.eval.replay import decode_profiles, decode_tokens
-from moe_cohort.eval.selection_cut import lynx_cut, moe_spec_cut, oea_cut, step_choices, xshare_cut
 from tests.conftest import random_traces
 
 E = 7
@@ -127,7 +127,7 @@ def test_step_choices_are_the_replays_full_steps(policy):
 @pytest.mark.parametrize("selector,params", [("xshare", [0, 1, 2, 3, 5, 7]), ("moe-spec", [1, 2, 4, 7]),
                                              ("lynx", [0, 1, 2, 5, 9]), ("oea", [1, 2, 3])])
 def test_sweep_equals_each_cut(weights, selector, params):
-    from moe_cohort.eval.selection_cut import sweep
+    from benchmarks.selection_cut import sweep
 
     ids, w = _groups(5, weights=weights)
     loads, kept = sweep(ids, E, selector, params, k0=1, weights=w)
