@@ -179,22 +179,22 @@ def runs(backend: str, flags: list[str], train: list[str], held: list[str], args
         proc.terminate(), proc.wait(60)
     encoder = offline_encoder(collect_all(backend, flags, train, args, work),
                               Path(tempfile.mkdtemp(dir=work)) / "offline")
-    learning = ["--learn", *(["--learn-refit-every", "1000000"] if args.no_refit_held_out else [])]
+    no_refit = {"COHORT_LEARN_REFIT_EVERY": "1000000"} if args.no_refit_held_out else {}
     for r in range(args.rounds):  # interleaved: the engine's drift over minutes hits all three alike
         resumed = Path(tempfile.mkdtemp(dir=work))  # a copy: every round resumes from the state after --warm
         shutil.copytree(learned, resumed, dirs_exist_ok=True)
         out += [measure_with(backend, ["--encoder", "none", *flags], FCFS_HELD, held, args, layers, r),
-                measure_with(backend, [*learning, "--data-dir", str(resumed), *flags],
-                             f"learning, held-out after {args.warm}", held, args, layers, r),
+                measure_with(backend, ["--learn", "--data-dir", str(resumed), *flags],
+                             f"learning, held-out after {args.warm}", held, args, layers, r, env=no_refit),
                 measure_with(backend, ["--encoder", str(encoder), "--no-learn", *flags], OFFLINE_HELD, held, args,
                              layers, r)]
     return out
 
 
 def measure_with(backend: str, proxy_flags: list[str], name: str, prompts: list[str], args, layers: int,
-                 round_: int | None = None) -> dict:
-    """`measure` through a fresh proxy started with `proxy_flags` (stopped after)."""
-    proc, proxy = start_proxy(backend, *proxy_flags, log=_log(args, name, round_))
+                 round_: int | None = None, env: dict[str, str] | None = None) -> dict:
+    """`measure` through a fresh proxy started with `proxy_flags` and `env` (stopped after)."""
+    proc, proxy = start_proxy(backend, *proxy_flags, env=env, log=_log(args, name, round_))
     try:
         row = measure(name, backend, proxy, prompts, args, layers)
     finally:
@@ -213,7 +213,8 @@ def _log(args, name: str, round_: int | None = None) -> Path | None:
 def collect_all(backend: str, flags: list[str], train: list[str], args, work: Path) -> Path:
     """Every training prompt observed once by a learning proxy (what the offline head fits on): its learned folder."""
     data = Path(tempfile.mkdtemp(dir=work))
-    proc, proxy = start_proxy(backend, "--learn", "--learn-capacity", "100000", "--data-dir", str(data), *flags)
+    proc, proxy = start_proxy(backend, "--learn", "--data-dir", str(data), *flags,
+                              env={"COHORT_LEARN_CAPACITY": "100000"})
     try:
         asyncio.run(send(proxy, train, args.clients, args.max_tokens))
         wait_learned(proxy, len(train))

@@ -96,7 +96,7 @@ def child(args) -> None:
 
 def run_session(args, model: Path, plugin: bool) -> list[dict]:
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING",
-           "COHORT_MOE_ROUTING": "topk"}
+           "COHORT_DEFAULT_POLICY": "topk"}
     if not plugin:
         env["VLLM_PLUGINS"] = "none"
     cmd = [sys.executable, __file__, "--child", "--model", str(model), "--requests", str(args.requests),

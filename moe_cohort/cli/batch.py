@@ -23,28 +23,29 @@ from dataclasses import replace
 from pathlib import Path
 
 from moe_cohort.cli.checks import ENCODER_CHOICES
-from moe_cohort.cli.setting_flags import add_setting_flags, flag_overrides
+from moe_cohort.cli.setting_flags import add_setting_flags, flag_overrides, flag_table
 from moe_cohort.proxy.setting_sources import load_settings
 from moe_cohort.proxy.settings import Settings, SettingsError
 
-# flag -> Settings field (defaults live in Settings and COHORT_* variables)
-_FLAGS = {
-    "--backend": ("backend_url", str, "vLLM server, e.g. http://127.0.0.1:8000"),
-    "--default-policy": ("default_policy", str, "routing policy for lines without vllm_xargs.moe_routing, e.g. "
-                                                 "xshare;m=32"),
-    "--encoder": ("encoder", str, f"orders the requests by their predicted experts: {ENCODER_CHOICES}; 'none' "
-                                  f"keeps the file order"),
-    "--max-in-flight": ("batch_concurrency", int, "requests at each backend at once (default: from its vLLM: "
-                                                  "max_num_seqs, plus a short queue where our scheduler runs)"),
-    "--max-retries": ("batch_max_retries", int, "retries per request for 429, 5xx and timeouts"),
-    "--request-timeout-s": ("request_timeout_s", float, "backend timeout per request"),
-    "--backend-api-key": ("backend_api_key", str, "API key to send to the backend"),
-    "--max-body-bytes": ("max_body_bytes", int, "longest input line (one request) accepted"),
-    "--data-dir": ("data_dir", str, "with --learn: where the learned head is kept (its learned/ folder; the same as "
-                                    "cohort serve's)"),
-    "--learn-sample-rate": ("learn_sample_rate", float, "with --learn: share of the requests the reservoir does not "
-                                                         "keep that are observed anyway, for the live fit"),
-}
+# the settings `cohort batch run` takes as flags, in its own words where a batch gives them another sense
+# (defaults live in Settings and COHORT_* variables)
+_FLAGS = flag_table(
+    ("backend_url", "default_policy", "encoder", "max_in_flight", "batch_max_retries", "request_timeout_s",
+     "backend_api_key", "max_body_bytes", "data_dir", "learn", "forward_profiles"),
+    {"backend_url": "vLLM server, e.g. http://127.0.0.1:8000 (--engine ray: every replica, the flag repeated or a "
+                    "comma list)",
+     "default_policy": "routing policy for lines without vllm_xargs.moe_routing, e.g. xshare;m=32",
+     "encoder": f"orders the requests by their predicted experts: {ENCODER_CHOICES}; 'none' keeps the file order",
+     "max_in_flight": "lines at each backend at once (default: from its vLLM: its max_num_seqs plus a short queue, "
+                      "that vLLM refills a freed slot from)",
+     "max_body_bytes": "longest input line (one request) accepted",
+     "data_dir": "with --learn: where the learned head is kept (its learned/ folder; the same as cohort serve's)",
+     "learn": "learn the profile head from the engine's routing of this batch's answers as it runs (the expert "
+              "counts of moe-cohort's vLLM plugin, or vLLM's routed_experts), re-predicting the requests next in "
+              "line with each new head; starts from, and saves to, --data-dir's learned/ (default: on where the "
+              "backend serves its expert counts)",
+     "forward_profiles": "send each request's predicted profile, for moe-cohort's scheduler in vLLM to choose among "
+                         "the few queued lines by (default: off, the runner chooses every line)"})
 MAX_LISTED_ERRORS = 20
 
 
@@ -60,19 +61,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run_parser.add_argument("--dry-run", action="store_true", help="validate and predict only; write the sending order, send nothing")
     run_parser.add_argument("--plan", type=Path, help="where --dry-run writes the plan (default: OUTPUT + .plan.jsonl)")
     run_parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    run_parser.add_argument("--learn", action=argparse.BooleanOptionalAction, default=None,
-                            help="learn the profile head from the engine's routing of this batch's answers as it "
-                                 "runs (the expert counts of moe-cohort's vLLM plugin, or vLLM's routed_experts), "
-                                 "re-predicting the requests next in line with each new head; starts from, and "
-                                 "saves to, --data-dir's learned/ (default: on where the backend serves its expert "
-                                 "counts; env COHORT_LEARN)")
-    run_parser.add_argument("--forward-profiles", action=argparse.BooleanOptionalAction, default=None,
-                            help="send each request's predicted profile, for moe-cohort's scheduler in vLLM to choose "
-                                 "among the few queued lines by (default: off, the runner chooses every line; env "
-                                 "COHORT_FORWARD_PROFILES)")
     run_parser.add_argument("--engine", choices=("local", "ray"), default="local",
                             help="local: this process sends, to one --backend; ray: Ray Data sends, to every "
-                                 "--backend (comma-separated replicas)")
+                                 "--backend (the flag repeated, or a comma list)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -81,10 +72,10 @@ def run(args: argparse.Namespace) -> int:
         return _fail(f"--output {args.output} is a folder; give a file path for the results, "
                      f"e.g. {args.output / 'results.jsonl'}")
     try:
-        settings = load_settings({**flag_overrides(args, _FLAGS), "learn": args.learn,
-                                  "forward_profiles": args.forward_profiles}, flags=_FLAGS)
+        settings = load_settings(flag_overrides(args, _FLAGS), flags=_FLAGS)
     except SettingsError as exc:
         return _fail(str(exc))
+    settings = settings.replace(batch_concurrency=0)  # the Batch API's share of a proxy's slots; a run's: max_in_flight
     if not settings.backend_url and not args.dry_run:
         return _fail("no backend: pass --backend URL (a vLLM server) or set COHORT_BACKEND_URL")
     from moe_cohort.proxy.profiles import encoder_problem
@@ -126,7 +117,7 @@ def _configured(settings: Settings, engine: str) -> tuple[Settings, int | None]:
     plan = plan_batch(settings, settings.backend_urls, infos)
     learn = plan.learn and engine == "local" and settings.encoder.lower() != "none"
     print(f"cohort batch: {plan.line}" + ("" if learn == plan.learn else " (not with --engine ray)"), file=sys.stderr)
-    return replace(settings, batch_concurrency=plan.slots, forward_profiles=plan.forward_profiles, learn=learn), \
+    return replace(settings, max_in_flight=plan.slots, forward_profiles=plan.forward_profiles, learn=learn), \
         plan.layers
 
 
@@ -181,13 +172,13 @@ async def _run(settings: Settings, batch, journal, *, progress: bool, skip_inval
     learning = None
     if settings.learn:
         learning = Learning(load_learner(settings, _refit_every(settings)), lambda texts: loading.result().features(texts),
-                            learned_folder(settings), ProxyMetrics(), settings.learn_sample_rate, backend)
+                            learned_folder(settings), ProxyMetrics(), settings.learn_sample_rate, [backend])
     predictor = None if loading is None else asyncio.wrap_future(_following(loading, learning))
     finished = sum(1 for r in batch.requests if r.line in journal.done)
     before = await _metrics(backend)
     with _ProgressBar(len(batch.requests), finished, enabled=progress) as bar:
         try:
-            stats = await run_batch(batch, journal, backend, predictor, RunConfig.from_settings(settings),
+            stats = await run_batch(batch, journal, [backend], predictor, RunConfig.from_settings(settings),
                                     skip_invalid=skip_invalid, on_progress=bar.update, learning=learning)
         finally:
             if learning is not None:

@@ -54,8 +54,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--non-moe-us", type=nonnegative_float, default=None,
                         help="us per step outside the MoE blocks (default: from --moe-share)")
     parser.add_argument("--moe-share", type=share, default=None, help="MoE share of a random-order step (default 0.73)")
-    parser.add_argument("--max-wait", type=nonnegative_float, default=None,
-                        help="fairness bound in steps; an overdue request goes first (default: none)")
+    parser.add_argument("--max-queue-steps", type=nonnegative_float, default=None,
+                        help="fairness bound, the setting max_queue_ms counted in engine steps: a request that has "
+                             "waited this many steps goes first (default: none)")
     parser.add_argument("--clients", type=positive_int, default=None,
                         help="closed-loop clients sending the requests (at most clients - S wait; default: every "
                              "request waits from the start)")
@@ -131,7 +132,7 @@ def run_continuous(args: argparse.Namespace, ts: TraceSet, plan: Plan | None, te
     x, head = text
     policies = continuous_policies(ts, tokens, args.slots, x=x, head=head, plan=plan, batch_size=args.batch_size)
     return evaluate_continuous(tokens, args.slots, policies, lengths, cost, ts.num_layers, seeds=args.seeds,
-                               max_wait=args.max_wait, clients=args.clients, kept_full=args.kept_full)
+                               max_wait=args.max_queue_steps, clients=args.clients, kept_full=args.kept_full)
 
 
 def run_replicas(args: argparse.Namespace, ts: TraceSet, text: tuple) -> dict:
@@ -146,7 +147,7 @@ def run_replicas(args: argparse.Namespace, ts: TraceSet, text: tuple) -> dict:
                             reference=flat(decode_profiles(tokens, ts)))
     cost = parse_cost_model(args.cost_model, args.non_moe_us, args.moe_share)
     return evaluate_with_single(tokens, args.replicas, args.slots, routings, _lengths(args, ts, tokens), cost,
-                                ts.num_layers, seeds=args.seeds, max_wait=args.max_wait)
+                                ts.num_layers, seeds=args.seeds, max_wait=args.max_queue_steps)
 
 
 def continuous_policies(ts: TraceSet, tokens: DecodeTokens, slots: int, *, x: np.ndarray | None = None, head=None,

@@ -8,7 +8,7 @@ Per-request options travel in the OpenAI request body as `"vllm_xargs": {...}`, 
 into `SamplingParams.extra_args`:
 
     moe_routing   a policy string (engine.policy grammar), e.g. "xshare;m=4;k0=1"; default: the
-                  server-wide policy (env COHORT_MOE_ROUTING, else "topk")
+                  server-wide policy (env COHORT_DEFAULT_POLICY, else "topk")
     moe_record    true/false: record this request's expert trace, honoured only where the operator lets
                   requests ask (env COHORT_RECORD_TRACES=request: those that ask; =1: all, a request
                   may opt out with false; =0, the default: none, and the API server refuses true)

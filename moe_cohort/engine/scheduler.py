@@ -13,11 +13,12 @@ the fewest experts per step to the running set, read from the `moe_profile` the 
 public: these classes are written for, and tested on, the versions of
 `engine.vllm_plugin.TESTED_VERSIONS` (vLLM 0.32); `check_vllm_version` refuses others.
 
-Environment (read when the engine builds the scheduler):
+Environment (read when the engine builds the scheduler), the fairness bounds under the proxy's names for
+them (its settings max_queue_ms and max_passed: one environment sets both alike):
 
-    COHORT_SCHEDULER_MAX_WAIT_MS   fairness bound: a request waiting this long goes first (default 30000)
-    COHORT_SCHEDULER_MAX_PASSED    fairness bound: a request that this many later arrivals were admitted
-                                   before goes first (default: 3 x max_num_seqs; 0: no such bound)
+    COHORT_MAX_QUEUE_MS   a request waiting this many milliseconds goes first (default 30000)
+    COHORT_MAX_PASSED     a request that this many later arrivals were admitted before goes first
+                          (default, and 0: 3 x max_num_seqs)
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from moe_cohort.engine.vllm_plugin import ENV_ALLOW, check_vllm_version
 
 log = logging.getLogger(__name__)
 
-ENV_MAX_WAIT, ENV_MAX_PASSED = "COHORT_SCHEDULER_MAX_WAIT_MS", "COHORT_SCHEDULER_MAX_PASSED"
+ENV_MAX_WAIT, ENV_MAX_PASSED = "COHORT_MAX_QUEUE_MS", "COHORT_MAX_PASSED"
 # later arrivals admitted before a waiting request, per engine slot, before it goes first: the bound trades the
 # saving against the latency tail (docs/results.md, "Fairness against the saving")
 PASSED_PER_SLOT = 3
@@ -43,7 +44,7 @@ RequestQueue.register(ExpertAwareQueue)  # it implements the whole contract, wit
 
 
 def max_wait_s(environ=None) -> float:
-    """The fairness bound in seconds, from COHORT_SCHEDULER_MAX_WAIT_MS; ValueError names the variable."""
+    """The fairness bound in seconds, from COHORT_MAX_QUEUE_MS; ValueError names the variable."""
     env = os.environ if environ is None else environ
     text = env.get(ENV_MAX_WAIT, "30000")
     try:
@@ -55,17 +56,15 @@ def max_wait_s(environ=None) -> float:
     return value / 1000.0
 
 
-def max_passed(max_num_seqs: int, environ=None) -> int | None:
-    """How many later arrivals may be admitted before a waiting request (COHORT_SCHEDULER_MAX_PASSED, default three
-    times the engine's slots: its wait stays within that many admissions of first come, first served's); None: no
-    bound."""
+def max_passed(max_num_seqs: int, environ=None) -> int:
+    """How many later arrivals may be admitted before a waiting request (COHORT_MAX_PASSED; unset or 0: three
+    times the engine's slots, so that its wait stays within that many admissions of first come, first served's)."""
     env = os.environ if environ is None else environ
-    text = env.get(ENV_MAX_PASSED)
-    if text is None:
-        return PASSED_PER_SLOT * max_num_seqs
+    text = env.get(ENV_MAX_PASSED, "0")
     if not text.isdigit():
-        raise ValueError(f"{ENV_MAX_PASSED} must be a whole number of admissions >= 0 (0: no bound), got {text!r}")
-    return int(text) or None
+        raise ValueError(f"{ENV_MAX_PASSED} must be a whole number of admissions >= 0 (0: 3 x max_num_seqs), "
+                         f"got {text!r}")
+    return int(text) or PASSED_PER_SLOT * max_num_seqs
 
 
 def routed_experts(hf_config) -> int:

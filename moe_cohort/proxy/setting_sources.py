@@ -4,7 +4,8 @@
     load_settings(overrides, flags=...)   # the one Settings object of a process
 
 Variables are `COHORT_<FIELD>` upper-cased (`COHORT_MAX_QUEUE_MS=5000`, `COHORT_API_KEYS=k1,k2`). A config file
-(`--config FILE` or `COHORT_CONFIG`) is YAML (.yaml, .yml) or TOML (.toml), keys = Settings field names:
+(`--config FILE` or `COHORT_CONFIG`) is YAML (.yaml, .yml) or TOML (.toml), keys = Settings field names
+(docs/configuration.md lists them all):
 
     # cohort.yaml (or the same keys in cohort.toml)
     backend_url: http://127.0.0.1:8000
@@ -29,13 +30,14 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Mapping
 
-from moe_cohort.proxy.settings import ENV_PREFIX, FlagTable, Settings, SettingsError
+from moe_cohort.proxy.settings import ENV_PREFIX, FlagTable, Settings, SettingsError, variable_of
 
 log = logging.getLogger(__name__)
 
 # how close (difflib's ratio) a COHORT_* variable must be to a setting's variable to be taken for a misspelling
 MISSPELT_CUTOFF = 0.8
 KEY_SETTINGS = ("api_keys", "backend_api_key")  # given but empty: refused
+CONFIG_VARIABLE = ENV_PREFIX + "CONFIG"  # the config file's path, where no --config gives one
 
 
 def load_settings(overrides: Mapping[str, object] | None = None, environ: Mapping[str, str] | None = None, *,
@@ -44,7 +46,7 @@ def load_settings(overrides: Mapping[str, object] | None = None, environ: Mappin
     `environ` (os.environ), then non-None `overrides`. A SettingsError names the field's flag (from
     `flags`), its variable, and its key in the config file."""
     environ = os.environ if environ is None else environ
-    config = config or environ.get(ENV_PREFIX + "CONFIG") or None
+    config = config or environ.get(CONFIG_VARIABLE) or None
     types = {f.name: f.type for f in fields(Settings)}
     values: dict[str, object] = {}
     if config:
@@ -53,9 +55,9 @@ def load_settings(overrides: Mapping[str, object] | None = None, environ: Mappin
         except ConfigFileError as exc:
             raise SettingsError(str(exc)) from None
     for name, type_name in types.items():
-        raw = environ.get(ENV_PREFIX + name.upper())
+        raw = environ.get(variable_of(name))
         if raw is not None:
-            values.update(_no_empty_keys({name: _convert(name, type_name, raw)}, lambda name: ENV_PREFIX + name.upper()))
+            values.update(_no_empty_keys({name: _convert(name, type_name, raw)}, variable_of))
     _warn_misspelt_variables(environ, types)
     flag_of = {dest: flag for flag, (dest, _, _) in (flags or {}).items()}
     values.update(_no_empty_keys({k: v for k, v in (overrides or {}).items() if v is not None},
@@ -76,7 +78,7 @@ def unknown_setting(what: str, name: str, names, *, more: int = 0, spell=lambda 
     """One short line for `what`, a setting `name` that is none of `names`: the nearest valid name (as
     `spell(name)` writes it), never the whole list."""
     close = difflib.get_close_matches(name.lower(), list(names), 1)
-    hint = f"did you mean {spell(close[0])!r}?" if close else "see the settings (env COHORT_<NAME>) in `cohort serve --help`"
+    hint = f"did you mean {spell(close[0])!r}?" if close else "every setting is in docs/configuration.md"
     others = f" (and {more} more unknown)" if more else ""
     return f"{what} is no setting{others}; {hint}"
 
@@ -86,9 +88,9 @@ def _warn_misspelt_variables(environ: Mapping[str, str], names) -> None:
     Other COHORT_* variables (the engine's, the tools') are far from every setting and left alone."""
     for var in environ:
         name = var[len(ENV_PREFIX):].lower()
-        if var.startswith(ENV_PREFIX) and name not in names and name != "config" and \
+        if var.startswith(ENV_PREFIX) and name not in names and var != CONFIG_VARIABLE and \
                 difflib.get_close_matches(name, list(names), 1, cutoff=MISSPELT_CUTOFF):
-            log.warning("%s (ignored)", unknown_setting(var, name, names, spell=lambda n: ENV_PREFIX + n.upper()))
+            log.warning("%s (ignored)", unknown_setting(var, name, names, spell=variable_of))
 
 
 def _no_empty_keys(values: dict[str, object], where) -> dict[str, object]:
@@ -105,7 +107,7 @@ def _no_empty_keys(values: dict[str, object], where) -> dict[str, object]:
 def setting_names(field: str, flags: FlagTable | None = None, config: str | Path | None = None) -> str:
     """How a user sets `field`: "--port (env COHORT_PORT, 'port' in cohort.yaml)"."""
     flag = next((f for f, (dest, _, _) in (flags or {}).items() if dest == field), field)
-    where = [f"env {ENV_PREFIX}{field.upper()}"] + ([f"{field!r} in {config}"] if config else [])
+    where = [f"env {variable_of(field)}"] + ([f"{field!r} in {config}"] if config else [])
     return f"{flag} ({', '.join(where)})"
 
 
@@ -124,7 +126,7 @@ def _convert(name: str, type_name: str, raw: str) -> object:
             return tuple(s.strip() for s in raw.split(",") if s.strip())
         return raw
     except ValueError:
-        raise SettingsError(f"{ENV_PREFIX}{name.upper()}={raw!r}: expected {type_name}") from None
+        raise SettingsError(f"{variable_of(name)}={raw!r}: expected {type_name}") from None
 
 
 class ConfigFileError(ValueError):

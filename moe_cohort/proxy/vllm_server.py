@@ -1,6 +1,6 @@
 """Start and stop a local vLLM OpenAI-compatible server (CPU or GPU) as a subprocess.
 
-    with start("/models/tiny", extra_env={"COHORT_MOE_ROUTING": "topk"}) as server:
+    with start("/models/tiny", extra_env={"COHORT_DEFAULT_POLICY": "topk"}) as server:
         openai.OpenAI(base_url=server.url + "/v1", api_key="none")...
 
 The server runs `python -m vllm.entrypoints.openai.api_server` (the `vllm serve` entry point of

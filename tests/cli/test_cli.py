@@ -56,7 +56,7 @@ def test_one_flag_name_per_setting_across_commands():
                 flag = action.option_strings[-1].replace("--no-", "--")
                 first = seen.setdefault(action.dest, (flag, parser.prog))
                 assert first[0] == flag, f"{action.dest}: {first[0]} in {first[1]}, {flag} in {parser.prog}"
-    assert seen["default_policy"][0] == "--default-policy" and seen["batch_concurrency"][0] == "--max-in-flight"
+    assert seen["default_policy"][0] == "--default-policy" and seen["max_in_flight"][0] == "--max-in-flight"
 
 
 def test_renamed_flags_are_gone_without_aliases(capsys):
@@ -66,7 +66,10 @@ def test_renamed_flags_are_gone_without_aliases(capsys):
                       (["eval", "--traces", "t", "--batch-size", "2", "--heldout"], "--heldout"),
                       (["batch", "run", "--input", "x", "--output", "y", "--concurrency", "2"], "--concurrency"),
                       (["batch", "run", "--input", "x", "--output", "y", "--policy", "topk"], "--policy"),
-                      (["batch", "run", "--input", "x", "--output", "y", "--max-line-bytes", "9"], "--max-line-bytes")):
+                      (["batch", "run", "--input", "x", "--output", "y", "--max-line-bytes", "9"], "--max-line-bytes"),
+                      (["replay", "--traces", "t", "--max-wait", "3"], "--max-wait"),
+                      (["serve", "--max-queue-ms", "5"], "--max-queue-ms"),  # settings off the command line
+                      (["serve", "--backend-wait-s", "0"], "--backend-wait-s")):
         with pytest.raises(SystemExit) as exited:
             main(argv)
         assert exited.value.code == 2 and f"unrecognized arguments: {old}" in capsys.readouterr().err
@@ -121,4 +124,5 @@ def test_serve_help_groups_its_flags_by_the_settings_sections(capsys):
     out = capsys.readouterr().out
     assert all(f"\n{name}:\n" in out for name in SECTIONS)
     learning = out.index("\nlearning:\n")
-    assert learning < out.index("--learn-capacity", learning) < out.index("\nbatches:\n")
+    assert learning < out.index("--learn, --no-learn", learning) < out.index("\nbatches:\n")
+    assert "--learn-capacity" not in out and "docs/configuration.md" in out  # the rest: variables and the file

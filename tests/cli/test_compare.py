@@ -31,11 +31,11 @@ def _compare(argv: list[str], capsys) -> tuple[int, str, str]:
 
 
 def _not_vllm(health: dict):
-    """A server that answers like a proxy (its /health says `health`, the server's own address as the backend
+    """A server that answers like a proxy (its /health says `health`, the server's own address as its one replica
     when it says "self") and like a vLLM without the plugin: an empty /metrics, no /v1/cohort/info."""
     async def handler(request: web.BaseRequest) -> web.StreamResponse:
         if request.path == "/health":
-            return answer({k: f"http://{request.host}" if v == "self" else v for k, v in health.items()})
+            return answer({k: [{"backend": f"http://{request.host}"}] if v == "self" else v for k, v in health.items()})
         if request.path == "/v1/models":
             return answer({"object": "list", "data": [{"id": "tiny", "object": "model"}]})
         if request.path == "/metrics":
@@ -47,7 +47,7 @@ def _not_vllm(health: dict):
 
 
 @pytest.mark.parametrize("health, said", [
-    ({"status": "ok", "backend": "self"}, "shows no moe-cohort plugin counters on /metrics: install moe-cohort in "
+    ({"status": "ok", "replicas": "self"}, "shows no moe-cohort plugin counters on /metrics: install moe-cohort in "
                                           "vLLM's environment"),
     ({"status": "ok"}, "pass --backend URL, the vLLM server to measure"),
 ])

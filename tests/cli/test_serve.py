@@ -22,9 +22,8 @@ def test_embedded_default_serves_and_shuts_down_cleanly(tiny_moe_dir, tmp_path):
     log = tmp_path / "serve.log"
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "moe_cohort.cli", "serve", "--port", str(port), "--model-dir",
-                                 str(tiny_moe_dir), "--encoder", "none", "--backend-port", str(backend_port)],
-                                stdout=out, stderr=subprocess.STDOUT,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                 str(tiny_moe_dir), "--encoder", "none"], stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1", "COHORT_BACKEND_PORT": str(backend_port)})
     try:
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 240
@@ -70,15 +69,21 @@ def test_an_unknown_encoder_is_one_line_before_any_work(tmp_path, command):
     assert "starting a local vLLM" not in said  # refused before the embedded backend starts
 
 
-@pytest.mark.parametrize("args, said", [
-    (["--max-file-bytes", "0"], "--max-file-bytes (env COHORT_MAX_FILE_BYTES) must be >= 1, got 0"),
-    (["--port", "70000"], "--port (env COHORT_PORT) must be a TCP port in 1..65535, got 70000"),
-    (["--default-policy", "xshare;tau=inf"], "--default-policy (env COHORT_DEFAULT_POLICY) 'xshare;tau=inf': "),
-    (["--max-in-flight", "many"], "argument --max-in-flight: invalid int value: 'many'"),
+@pytest.mark.parametrize("args, env, said", [
+    ([], {"COHORT_MAX_FILE_BYTES": "0"}, "max_file_bytes (env COHORT_MAX_FILE_BYTES) must be >= 1, got 0"),
+    ([], {"COHORT_BACKEND_PORT": "70000"}, "backend_port (env COHORT_BACKEND_PORT) must be a TCP port in 1..65535, "
+                                           "or 0 for a free one, got 70000"),
+    (["--max-in-flight", "-1"], {}, "--max-in-flight (env COHORT_MAX_IN_FLIGHT) must be >= 1, or 0 for each "
+                                    "replica's max_num_seqs, got -1"),
+    (["--port", "70000"], {}, "--port (env COHORT_PORT) must be a TCP port in 1..65535, got 70000"),
+    (["--default-policy", "xshare;tau=inf"], {}, "--default-policy (env COHORT_DEFAULT_POLICY) 'xshare;tau=inf': "),
+    (["--max-in-flight", "many"], {}, "argument --max-in-flight: invalid int value: 'many'"),
 ])
-def test_a_bad_serve_flag_is_one_line_naming_the_flag_and_its_variable(args, said, capsys):
+def test_a_bad_serve_setting_is_one_line_naming_its_flag_and_its_variable(args, env, said, capsys, monkeypatch):
     from moe_cohort.cli import main
 
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
     try:
         code = main(["serve", "--backend", "http://127.0.0.1:9", *args])
     except SystemExit as exc:
@@ -136,17 +141,19 @@ def test_a_port_in_use_and_a_bad_config_file_are_one_line_before_anything_starts
         port = held.getsockname()[1]
         code, out, err = _run(["serve", "--backend", "http://127.0.0.1:9", "--port", str(port)], capsys)
         assert code == 2 and f"--port (env COHORT_PORT): cannot listen on 127.0.0.1:{port}" in err, err
-        code, out, err = _run(["serve", "--encoder", "none", "--backend-port", str(port)], capsys)
-        assert code == 2 and f"--backend-port: cannot listen on 127.0.0.1:{port}" in err, err
+        with pytest.MonkeyPatch.context() as env:
+            env.setenv("COHORT_BACKEND_PORT", str(port))
+            code, out, err = _run(["serve", "--encoder", "none"], capsys)
+        assert code == 2 and f"backend_port (env COHORT_BACKEND_PORT): cannot listen on 127.0.0.1:{port}" in err, err
         assert "starting a local vLLM" not in out
     (tmp_path / "c.yaml").write_text("prot: 1\n")
     code, out, err = _run(["serve", "--config", str(tmp_path / "c.yaml")], capsys)
     assert code == 2 and err.strip() == f"cohort serve: error: {tmp_path / 'c.yaml'}: key 'prot' is no setting; did you mean 'port'?"
 
 
-def _serve(args, log):
+def _serve(args, log, env=None):
     return subprocess.Popen([sys.executable, "-m", "moe_cohort.cli", "serve", "--encoder", "none", *args], stdout=log,
-                            stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                            stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
 
 
 def _wait_for(log, text, proc, timeout=120):
@@ -161,11 +168,11 @@ def test_a_backend_that_never_answers_is_retried_then_the_proxy_starts_anyway(tm
     port, backend = free_port(), f"http://127.0.0.1:{free_port()}"
     log = tmp_path / "serve.log"
     with open(log, "w") as out:
-        proc = _serve(["--backend", backend, "--port", str(port), "--backend-wait-s", "1"], out)
+        proc = _serve(["--backend", backend, "--port", str(port)], out, {"COHORT_BACKEND_WAIT_S": "1"})
     try:
         _wait_for(log, "Ctrl-C stops", proc)
         text = log.read_text()
-        assert f"backend {backend} not answering (ConnectError" in text and "retrying in 0.5 s" in text
+        assert f"backend {backend} not answering (ClientConnectorError" in text and "retrying in 0.5 s" in text
         assert f"warning: backend {backend} still not answering after 1 s" in text and "starting anyway" in text
         deadline = time.monotonic() + 60
         while True:  # the proxy listens, and says why it cannot answer
@@ -197,8 +204,8 @@ def test_a_backend_that_comes_up_during_the_wait_is_used(tmp_path):
     port, backend_port = free_port(), free_port()
     log = tmp_path / "serve.log"
     with open(log, "w") as out:
-        proc = _serve(["--backend", f"http://127.0.0.1:{backend_port}", "--port", str(port), "--backend-wait-s", "120"],
-                      out)
+        proc = _serve(["--backend", f"http://127.0.0.1:{backend_port}", "--port", str(port)], out,
+                      {"COHORT_BACKEND_WAIT_S": "120"})
     server = None
     try:
         _wait_for(log, "retrying in", proc)  # it is waiting: now the backend comes up
@@ -236,8 +243,8 @@ def test_kill_9_of_serve_takes_its_embedded_vllm_with_it(tiny_moe_dir, tmp_path)
     log = tmp_path / "serve.log"
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "moe_cohort.cli", "serve", "--port", str(port), "--model-dir",
-                                 str(tiny_moe_dir), "--encoder", "none", "--backend-port", str(backend_port)],
-                                stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                 str(tiny_moe_dir), "--encoder", "none"], stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1", "COHORT_BACKEND_PORT": str(backend_port)})
     family = []
     try:
         deadline = time.monotonic() + 240

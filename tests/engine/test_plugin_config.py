@@ -17,7 +17,7 @@ def test_config_defaults():
 
 
 def test_config_from_environment(tmp_path):
-    config = PluginConfig.from_env({"COHORT_MOE_ROUTING": "oea;k0=2", "COHORT_RECORD_TRACES": "1",
+    config = PluginConfig.from_env({"COHORT_DEFAULT_POLICY": "oea;k0=2", "COHORT_RECORD_TRACES": "1",
                                     "COHORT_TRACE_DIR": str(tmp_path), "COHORT_MOE_METRICS": "0"})
     assert config == PluginConfig(parse_policy("oea;k0=2"), True, tmp_path, False)
 
@@ -30,8 +30,8 @@ def test_recording_on_request_is_the_operators_choice():
 
 
 def test_bad_default_policy_names_the_variable():
-    with pytest.raises(PolicyError, match="COHORT_MOE_ROUTING='xshare': xshare: needs key 'm'"):
-        PluginConfig.from_env({"COHORT_MOE_ROUTING": "xshare"})
+    with pytest.raises(PolicyError, match="COHORT_DEFAULT_POLICY='xshare': xshare: needs key 'm'"):
+        PluginConfig.from_env({"COHORT_DEFAULT_POLICY": "xshare"})
 
 
 def test_bad_flag_names_the_variable():
@@ -68,7 +68,7 @@ def test_the_schedulers_bound_in_admissions_is_three_rounds_of_its_slots_unless_
     pytest.importorskip("vllm")
     from moe_cohort.engine.scheduler import max_passed
 
-    assert max_passed(16, {}) == 48 and max_passed(16, {"COHORT_SCHEDULER_MAX_PASSED": "5"}) == 5
-    assert max_passed(16, {"COHORT_SCHEDULER_MAX_PASSED": "0"}) is None
-    with pytest.raises(ValueError, match="COHORT_SCHEDULER_MAX_PASSED must be a whole number"):
-        max_passed(16, {"COHORT_SCHEDULER_MAX_PASSED": "-2"})
+    assert max_passed(16, {}) == 48 and max_passed(16, {"COHORT_MAX_PASSED": "5"}) == 5
+    assert max_passed(16, {"COHORT_MAX_PASSED": "0"}) == 48  # as the proxy's max_passed: 0 is the default
+    with pytest.raises(ValueError, match="COHORT_MAX_PASSED must be a whole number"):
+        max_passed(16, {"COHORT_MAX_PASSED": "-2"})

@@ -54,7 +54,7 @@ def server(model_dir, trace_dir, tmp_path_factory):
 
     if not any(ep.name == "moe_cohort" for ep in entry_points(group="vllm.general_plugins")):
         pytest.fail("the moe_cohort vLLM plugin entry point is not installed; run `pip install -e .`")
-    env = {"COHORT_TRACE_DIR": str(trace_dir), "COHORT_MOE_ROUTING": "topk", "COHORT_RECORD_TRACES": "request",
+    env = {"COHORT_TRACE_DIR": str(trace_dir), "COHORT_DEFAULT_POLICY": "topk", "COHORT_RECORD_TRACES": "request",
            "COHORT_MOE_METRICS": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
     # float32: recorded routing is compared with a float32 transformers forward pass;
     # block size 32: short prompts fill whole KV blocks, so the prefix-cache test can hit the cache.

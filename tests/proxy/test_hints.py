@@ -119,19 +119,20 @@ def test_allowed_policies_setting(env, expected):
     assert load_settings(environ={"COHORT_TRUST_CLIENT_HINTS": "1"}).trust_client_hints is True
 
 
-def test_allowed_policies_from_the_command_line():
-    """`cohort serve --allowed-policy oea --allowed-policy 'xshare;m=8'`, parsed as cohort serve parses it."""
+def test_allowed_policies_from_the_config_file(tmp_path):
+    """`cohort serve --config c.yaml --backend http://a --backend http://b`, the file listing the policies, parsed
+    as cohort serve parses it."""
     import argparse
 
     from moe_cohort.cli import serve as cli
     from moe_cohort.cli.setting_flags import flag_overrides
     from moe_cohort.proxy.setting_sources import load_settings
 
+    (tmp_path / "c.yaml").write_text("allowed_policies: [oea, 'xshare;m=8']\n")
     parser = argparse.ArgumentParser()
     cli.add_arguments(parser)
-    args = parser.parse_args(["--allowed-policy", "oea", "--allowed-policy", "xshare;m=8", "--backend", "http://a",
-                              "--backend", "http://b"])
-    settings = load_settings(flag_overrides(args, cli._FLAGS), environ={})
+    args = parser.parse_args(["--config", str(tmp_path / "c.yaml"), "--backend", "http://a", "--backend", "http://b"])
+    settings = load_settings(flag_overrides(args, cli._FLAGS), environ={}, config=args.config)
     assert settings.allowed_policies == ("oea", "xshare;m=8;k0=1")
     assert settings.backend_urls == ("http://a", "http://b")
 

@@ -41,15 +41,8 @@ def test_api_docs_turned_on_are_behind_the_key(tmp_path):
         assert httpx.get(p.url + "/docs").status_code == 200
 
 
-def test_api_docs_setting_and_flag():
+def test_api_docs_setting():
     from moe_cohort.proxy.setting_sources import load_settings
 
     assert load_settings(environ={"COHORT_API_DOCS": "true"}).api_docs is True
     assert load_settings(environ={}).api_docs is False
-    import argparse
-
-    from moe_cohort.cli import serve as cli
-
-    parser = argparse.ArgumentParser()
-    cli.add_arguments(parser)
-    assert parser.parse_args(["--api-docs"]).api_docs is True and parser.parse_args([]).api_docs is None
