@@ -115,7 +115,7 @@ async def run_runner(name: str, batch_file: Path, predictor, backend: BackendCli
     before = await counters(backend)
     start = time.perf_counter()
     try:
-        stats = await run_batch(parsed, journal, backend, predictor, config)
+        stats = await run_batch(parsed, journal, [backend], predictor, config)
     finally:
         journal.close()
     wall = time.perf_counter() - start

@@ -144,12 +144,12 @@ def rounds(backend: str, src: Path, work: Path, args, layers: int) -> list[dict]
                                 cli_run(src, work / f"file-r{r}.jsonl", backend, ["--encoder", "none"])),
                      "kind": "file", "round": r})
         rows.append({**measured(f"cold r{r}", backend, layers,
-                                cli_run(src, work / f"cold-r{r}.jsonl", backend, ["--data-dir", str(cold)])),
+                                cli_run(src, work / f"cold-r{r}.jsonl", backend, ["--data-dir", str(cold), *args.flags])),
                      "kind": "cold", "round": r})
         warm = work / f"data-r{r}-warm"
         shutil.copytree(cold, warm)
         rows.append({**measured(f"warm r{r}", backend, layers,
-                                cli_run(src, work / f"warm-r{r}.jsonl", backend, ["--data-dir", str(warm)])),
+                                cli_run(src, work / f"warm-r{r}.jsonl", backend, ["--data-dir", str(warm), *args.flags])),
                      "kind": "warm", "round": r})
         if args.api:
             rows.append({**measured(f"API file order r{r}", backend, layers,
@@ -190,6 +190,8 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--api", action="store_true", help="also through the Batch API of a bare cohort serve")
     p.add_argument("--json", help="also write the rows here")
+    p.add_argument("--flags", type=str.split, default=[], help="flags for the cold and warm runs, in one string "
+                   "(e.g. '--max-in-flight 16'); none: the bare command")
     args = p.parse_args()
     from moe_cohort.proxy.vllm_server import start
 

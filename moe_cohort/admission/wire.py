@@ -17,7 +17,8 @@ layer (L * top ints; 26 * 8 = 208 for DeepSeek-V2-Lite). `expand` restores an [L
 rest of each layer at 0; `decode_profile` checks and expands a value as it arrives from a client.
 
 `Prediction` is what the proxy knows of a request before admitting it: its vector (what the resident
-set scores it by) and, with a profile head, the compact form it forwards.
+set scores it by) and, with a profile head, the compact form it forwards. `with_xargs` is the one way the
+proxy writes these keys into a body.
 """
 
 from __future__ import annotations
@@ -34,6 +35,11 @@ OBSERVE_KEY = "moe_observe"
 
 COMPACT_TOP = 8
 _LEVELS = 255
+
+
+def with_xargs(xargs: dict | None, **keys: Any) -> dict:
+    """A body's `vllm_xargs` (None: none yet) with `keys` set over what it had; the given dict is not changed."""
+    return {**(xargs or {}), **keys}
 
 
 @dataclass(frozen=True, eq=False)

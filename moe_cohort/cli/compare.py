@@ -144,10 +144,11 @@ def find_target(proxy: str, backend: str | None, api_key: str | None) -> Target:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     health = proxy_health(proxy, api_key)
     if not backend:
-        backend = health.get("backend")
+        shown = [r.get("backend") for r in health.get("replicas", []) if isinstance(r, dict)]
+        backend = shown[0] if len(shown) == 1 else None
         if not isinstance(backend, str) or not backend:
-            shown = "several replicas" if "replicas" in health else "no backend"
-            raise CompareError(f"the proxy's /health shows {shown} (with --protect-metrics, only to an --api-key): "
+            shown = "several replicas" if len(shown) > 1 else "no backend"
+            raise CompareError(f"the proxy's /health shows {shown} (with protect_metrics on, only to an --api-key): "
                                f"pass --backend URL, the vLLM server to measure")
     try:
         models = httpx.get(proxy + "/v1/models", headers=headers, timeout=30).json()["data"]

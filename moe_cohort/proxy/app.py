@@ -40,7 +40,7 @@ from moe_cohort.proxy.hints import HintRules
 from moe_cohort.proxy.learning import Learning, learned_folder, load_learner
 from moe_cohort.proxy.http.limits import HeadLimits
 from moe_cohort.proxy.metrics import ProxyMetrics
-from moe_cohort.proxy.http.middleware import RequestContext, access_log
+from moe_cohort.proxy.http.middleware import RequestContext, access_log, route_label
 from moe_cohort.proxy.profiles import Predictor, make_predictor
 from moe_cohort.proxy.lifecycle import Lifecycle
 from moe_cohort.proxy.protocol import Route, check_size, read_body, read_request
@@ -55,8 +55,7 @@ log = logging.getLogger(__name__)
 
 PATHS: dict[Route, str] = {"chat": "/v1/chat/completions", "completion": "/v1/completions",
                            "responses": "/v1/responses"}
-HEALTH_EVERY_S = 2.0  # how often several replicas are probed (GET /health each)
-HEALTH_TIMEOUT_S = 1.0  # a replica that never answered the handshake is asked again once its /health answers
+HEALTH_EVERY_S = 2.0  # how often the replicas are probed (GET /health each)
 
 
 class Proxy:
@@ -68,9 +67,8 @@ class Proxy:
         clients = [BackendClient(url, timeout_s=settings.request_timeout_s, connect_timeout_s=settings.connect_timeout_s,
                                  api_key=settings.backend_api_key) for url in settings.backend_urls]
         self.learning = None if learner is None or predictor is None else Learning(
-            learner, predictor.features, learned_folder(settings), self.metrics, settings.learn_sample_rate, clients[0],
+            learner, predictor.features, learned_folder(settings), self.metrics, settings.learn_sample_rate, clients,
             on=None)
-        self.backend = clients[0]  # the one backend, or the first replica (Batch API code without a gate)
         # one backend is a set of one replica; several (--backend repeated) are routed by --routing. Until the
         # replicas have answered the handshake (`configure`), each is served as one that said nothing.
         self.engines = [EngineInfo(UNREACHABLE)] * len(clients)
@@ -101,7 +99,7 @@ class Proxy:
         """Ask `replicas` (default: all) what they are and serve each accordingly (proxy/autoconfig.py): slots,
         where admission runs, whether to learn (decided once, when the first replica answers). The line saying
         what was chosen and why."""
-        replicas = range(self.replicas.size) if replicas is None else replicas
+        replicas = range(len(self.replicas.clients)) if replicas is None else replicas
         infos = await asyncio.gather(*(ask(self.replicas.clients[r]) for r in replicas))
         for r, info in zip(replicas, infos):
             self.engines[r], self.plans[r] = info, plan_replica(self.settings, info)
@@ -120,14 +118,10 @@ class Proxy:
             if self.learning is not None and self.learning_plan.on is not None:
                 self.learning.decide(self.learning_plan.on)
 
-    def relay_client(self) -> BackendClient:
-        """Where a request that takes no slot goes (/v1/embeddings, /tokenize, ...): a healthy replica."""
-        return self.backend if self.replicas.size == 1 else self.replicas.any_client()
-
     async def watch_replicas(self, every_s: float | None = None) -> None:
-        """Every `every_s`: with several replicas, probe them (a replica that stops answering goes out, one that
-        answers again comes back; a single backend is never taken out); a replica that came back, or never
-        answered the handshake, is asked it again and served by its answer."""
+        """Every `every_s`: probe the replicas (proxy/replicas.py: one that stops answering goes out, never the
+        last; one that answers again comes back); a replica that came back, or never answered the handshake, is
+        asked it again and served by its answer."""
         while True:
             await asyncio.sleep(every_s or HEALTH_EVERY_S)
             try:
@@ -136,14 +130,9 @@ class Proxy:
                 log.exception("checking the backend replicas failed")
 
     async def _recheck(self) -> None:
-        unknown = [r for r, info in enumerate(self.engines) if info.source == UNREACHABLE
-                   and await self.replicas.clients[r].alive(HEALTH_TIMEOUT_S)]
-        back = []
-        if self.replicas.size > 1:
-            was = self.replicas.router.healthy.copy()
-            up = await self.replicas.check()
-            back = [r for r in range(self.replicas.size) if up[r] and not was[r]]
-        again = sorted(set(back) | set(unknown))
+        was = self.replicas.router.healthy.copy()  # [R]
+        up = await self.replicas.check()
+        again = [r for r, info in enumerate(self.engines) if up[r] and (info.source == UNREACHABLE or not was[r])]
         if again:
             before = list(self.plans), self.learning_plan
             line = await self.configure(again)
@@ -169,7 +158,7 @@ class Proxy:
                          metrics=self.metrics,
                          started=request.scope.get("state", {}).get("started"))  # proxy.http.middleware
         if preq.stream:
-            return await StreamRelay(life, self.settings.keepalive_s).start()
+            return await StreamRelay(life, self.settings.keepalive_s, request.scope.setdefault("state", {})).start()
         return await life.reply(request.receive)
 
 
@@ -209,8 +198,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         add_api_docs(app, proxy.authorize)
     app.state.proxy = proxy
     access_log.setLevel(logging.INFO if settings.access_log else logging.WARNING)
-    add_error_handlers(app, proxy.metrics, PATHS)
-    batch_jobs = proxy.batch_jobs = BatchJobs(settings, proxy.backend, proxy.predictor, gate=proxy.gate,
+    add_error_handlers(app)
+    batch_jobs = proxy.batch_jobs = BatchJobs(settings, proxy.replicas.clients, proxy.predictor, gate=proxy.gate,
                                               learning=proxy.learning)
     add_batch_api(app, batch_jobs, proxy.authorize, settings.max_file_bytes)
 
@@ -225,7 +214,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.post(PATHS["completion"])(completions)
     app.add_middleware(FastPath, routes={PATHS["chat"]: (chat_completions, "chat"),
                                          PATHS["completion"]: (completions, "completion")},
-                       on_error=lambda request, exc, label: error_answer(proxy.metrics, request, exc, label))
+                       on_error=error_answer)
 
     add_relay_routes(app, proxy)
 
@@ -239,6 +228,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             proxy.authorize(request.headers)
         return Response(proxy.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    names = {path: route for route, path in PATHS.items()}
+
+    def ended(scope, status: int) -> None:  # every request, once, where it ends
+        proxy.metrics.requests.labels(route_label(scope, names), str(status)).inc()
+
     # added last, so outermost: around the fast path too
-    app.add_middleware(RequestContext, limits=HeadLimits(settings.max_header_bytes, settings.max_headers))
+    app.add_middleware(RequestContext, limits=HeadLimits(settings.max_header_bytes, settings.max_headers), on_end=ended)
     return app

@@ -13,7 +13,7 @@ import contextlib
 import json as jsonlib
 import logging
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import AsyncIterator, Sequence
 
 import aiohttp
 
@@ -108,14 +108,24 @@ class BackendClient:
         return await self._send(method, path, body, headers)
 
     async def alive(self, timeout_s: float) -> bool:
-        """Whether the backend answers GET /health within `timeout_s` on a fresh connection (a pooled one
-        may be a stale connection to a server that died; a dead server's port refuses a new one at once)."""
-        try:
-            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
-                async with session.get(self.base_url + "/health", headers=self.auth) as response:
-                    return response.status < 400
-        except (aiohttp.ClientError, OSError, TimeoutError):
-            return False
+        """Whether the backend answers GET /health within `timeout_s` (the one liveness probe: `problem`)."""
+        return await self.problem(timeout_s) is None
+
+    async def problem(self, timeout_s: float, paths: Sequence[str] = ("/health",)) -> str | None:
+        """Why the backend is not answering (None: it is): each of `paths` asked in turn on a fresh connection
+        (a pooled one may be a stale connection to a server that died; a dead server's port refuses a new one at
+        once), within `timeout_s` each, until one answers below 400."""
+        said = "no path asked"
+        for path in paths:
+            try:
+                async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
+                    async with session.get(self.base_url + path, headers=self.auth) as response:
+                        if response.status < 400:
+                            return None
+                        said = f"GET {path} answered {response.status}"
+            except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+                return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        return said
 
     async def iter_raw(self, response: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
         """The bytes of an open stream as they arrive; a broken connection becomes a BackendError."""
@@ -164,7 +174,7 @@ def _translated(base_url: str, *, answer_started: bool = True):
         yield
     except TimeoutError as exc:  # aiohttp's connect and read timeouts are TimeoutErrors
         raise BackendTimeout(f"the backend at {base_url} did not answer in time ({type(exc).__name__}); "
-                             f"raise --request-timeout-s or check the backend's load") from exc
+                             f"raise request_timeout_s (COHORT_REQUEST_TIMEOUT_S) or check the backend's load") from exc
     except (aiohttp.ClientError, OSError) as exc:
         raise BackendUnreachable(f"cannot reach the backend at {base_url} ({type(exc).__name__}: {exc}); "
                                  f"is vLLM running there?", answer_started=answer_started) from exc

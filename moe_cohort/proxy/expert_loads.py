@@ -13,8 +13,10 @@ policy removed on top. The counters are server-wide: other traffic on the same s
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass
+from typing import Sequence
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -32,6 +34,9 @@ class ExpertLoads:
 
     def __sub__(self, other: "ExpertLoads") -> "ExpertLoads":
         return ExpertLoads(self.before - other.before, self.after - other.after, self.forwards - other.forwards)
+
+    def __add__(self, other: "ExpertLoads") -> "ExpertLoads":
+        return ExpertLoads(self.before + other.before, self.after + other.after, self.forwards + other.forwards)
 
     @property
     def per_forward(self) -> float | None:
@@ -54,13 +59,17 @@ def parse_expert_loads(text: str, phase: str = "decode") -> ExpertLoads:
     return ExpertLoads(**totals)
 
 
-async def fetch_expert_loads(backend) -> ExpertLoads | None:
-    """GET /metrics from `backend` (a proxy.backend_client.BackendClient); None when it cannot be read."""
+async def fetch_expert_loads(replicas: Sequence) -> ExpertLoads | None:
+    """The counters summed over `replicas` (proxy.backend_client.BackendClient each: GET /metrics, all at once);
+    None when one cannot be read."""
     from moe_cohort.proxy.http.errors import ProxyError
 
-    try:
-        answer = await backend.request("GET", "/metrics")
-        return parse_expert_loads(answer.text)
-    except (ProxyError, ValueError) as exc:
-        log.debug("no expert-load metrics from the backend: %s", exc)
-        return None
+    async def one(client) -> ExpertLoads | None:
+        try:
+            return parse_expert_loads((await client.request("GET", "/metrics")).text)
+        except (ProxyError, ValueError) as exc:
+            log.debug("no expert-load metrics from %s: %s", client.base_url, exc)
+            return None
+
+    loads = await asyncio.gather(*(one(c) for c in replicas))
+    return None if not loads or None in loads else sum(loads, ExpertLoads())

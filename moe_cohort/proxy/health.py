@@ -1,11 +1,12 @@
 """`GET /health` of the proxy: its status, and for callers allowed to see the backends what it serves and how.
 
-    200 {"status": "ok", "backend": URL, "admission": {...}, "configuration": {...}}
-    503 {"status": "backend unavailable", "backend": URL, "detail": "..."}
-    several replicas: {"status": "ok" | "degraded" | "backend unavailable", "routing", "replicas": [...], ...}
+    200 {"status": "ok" | "degraded", "routing": ..., "replicas": [{"backend": URL, "healthy": ...}, ...],
+         "admission": {...}, "configuration": {...}}
+    503 {"status": "backend unavailable", ...}: no replica answers
 
-With --protect-metrics a caller without a key gets the status alone: load balancers may probe, but the
-backends' addresses, errors and the admission's state are for key holders.
+Every replica (one backend: a set of one) is probed now. With protect_metrics on (COHORT_PROTECT_METRICS) a
+caller without a key gets the status alone: load balancers may probe, but the backends' addresses and the
+admission's state are for key holders.
 """
 
 from __future__ import annotations
@@ -14,22 +15,20 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from moe_cohort.proxy.autoconfig import health
-from moe_cohort.proxy.http.errors import ProxyError
 
 
 async def health_answer(proxy, request: Request) -> Response:
-    """The answer of `proxy` (proxy.app.Proxy) to `request`; one backend is asked its own /health now."""
-    settings = proxy.settings
-    shown = not settings.protect_metrics or proxy.authorize.allows(request.headers)
-    if proxy.replicas.size > 1:
-        return await _replicas_health(proxy, shown)
-    try:
-        await proxy.backend.request("GET", "/health")
-    except ProxyError as exc:
-        return JSONResponse({"status": "backend unavailable", **({"backend": settings.backend_url,
-                             "detail": exc.message} if shown else {})}, status_code=503)
-    return JSONResponse({"status": "ok", **({"backend": settings.backend_url, **admission_health(proxy)}
-                                            if shown else {})})
+    """The answer of `proxy` (proxy.app.Proxy) to `request`: each replica probed now (taken out or back in by the
+    answer, proxy/replicas.py); 200 while one is up."""
+    shown = not proxy.settings.protect_metrics or proxy.authorize.allows(request.headers)
+    up = await proxy.replicas.check()
+    router = proxy.replicas.router
+    replicas = [{"backend": c.base_url, "healthy": ok, "in_flight": int(busy), "max_in_flight": int(cap)}
+                for c, ok, busy, cap in zip(proxy.replicas.clients, up, router.busy, router.capacity)]
+    status = "ok" if all(up) else "degraded" if any(up) else "backend unavailable"
+    return JSONResponse({"status": status, **({"routing": router.routing, "replicas": replicas,
+                                               **admission_health(proxy)} if shown else {})},
+                        status_code=200 if any(up) else 503)
 
 
 def admission_health(proxy) -> dict:
@@ -43,15 +42,3 @@ def admission_health(proxy) -> dict:
         admission["learning"] = proxy.learning.describe()
     return {"admission": admission,
             "configuration": health(proxy.settings.backend_urls, proxy.plans, proxy.learning_plan)}
-
-
-async def _replicas_health(proxy, shown: bool) -> Response:
-    """Several replicas: each probed now (and taken out or back in by the answer); 200 while one is up."""
-    up = await proxy.replicas.check()
-    router = proxy.replicas.router
-    replicas = [{"backend": c.base_url, "healthy": ok, "in_flight": int(busy), "max_in_flight": int(cap)}
-                for c, ok, busy, cap in zip(proxy.replicas.clients, up, router.busy, router.capacity)]
-    status = "ok" if all(up) else "degraded" if any(up) else "backend unavailable"
-    return JSONResponse({"status": status, **({"routing": router.routing, "replicas": replicas,
-                                               **admission_health(proxy)} if shown else {})},
-                        status_code=200 if any(up) else 503)

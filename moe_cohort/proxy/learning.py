@@ -8,7 +8,7 @@ ones arrived, swaps it in (admission reads `Learning.head` per prediction) and s
 `--data-dir`/learned after a refit at most once a minute and when it stops, so a restart keeps what was learned.
 
 Which requests are observed: those the reservoir will keep (every one until it is full, then capacity / seen
-of them: train.online.Reservoir), plus `--learn-sample-rate` of the others, which feed the live fit only. So
+of them: train.online.Reservoir), plus `learn_sample_rate` of the others, which feed the live fit only. So
 the engine counts, and the proxy learns from, a share of the traffic that falls as it goes on.
 """
 
@@ -29,8 +29,9 @@ from moe_cohort.encoder.profile import ProfileHead
 from moe_cohort.proxy.backend_client import BackendClient
 from moe_cohort.proxy.behind_serving import lowest_priority, one_blas_thread
 from moe_cohort.proxy.metrics import ProxyMetrics
-from moe_cohort.proxy.observed_counts import ObservedCounts
-from moe_cohort.traces.observed import Observed
+from moe_cohort.proxy.observed_counts import (ROUTED_EXPERTS, ObservedCounts, marked, one_routed_choice,
+                                              routed_counts)
+from moe_cohort.traces.observed import BadObservation, Observed
 from moe_cohort.train.online import LearnConfig, OnlineLearner
 
 log = logging.getLogger(__name__)
@@ -47,11 +48,11 @@ class Learning:
     """The proxy's learner: observations come in on the event loop; the worker thread learns from them."""
 
     def __init__(self, learner: OnlineLearner, featurize: Featurize, folder: Path, metrics: ProxyMetrics,
-                 sample_rate: float = 0.05, backend: BackendClient | None = None, on: bool | None = True) -> None:
+                 sample_rate: float = 0.05, replicas: Sequence[BackendClient] = (), on: bool | None = True) -> None:
         self.learner, self.featurize, self.folder, self.metrics = learner, featurize, folder, metrics
         self.sample_rate = sample_rate
         self.on = on  # None: not decided (the engines' handshake: `decide`); learns nothing until on
-        self.counts = ObservedCounts(backend, lambda text, observed, kept: self.add(text, observed, PLUGIN, kept),
+        self.counts = ObservedCounts(replicas, lambda text, observed, kept: self.add(text, observed, PLUGIN, kept),
                                      lambda why, n: metrics.learned_dropped.labels(why).inc(n),
                                      metrics.learning_cpu.labels("event_loop").inc)
         self._pending: list[Pending] = []
@@ -119,6 +120,19 @@ class Learning:
     def num_experts(self) -> int | None:
         """Experts per layer of what was learned so far (None before the first observation)."""
         return self.learner.shape[1] if self.learner.shape else None
+
+    def answered(self, answer: dict, body: dict, text: str) -> None:
+        """Learn from the routed experts in a whole answer of vLLM (`answer`, to the request `body` sent for
+        `text`) when this request is sampled and the plugin's counts do not come for it (not `marked`)."""
+        if marked(body) or not one_routed_choice(answer) or (kept := self.sample()) is None:
+            return
+        try:
+            observed = routed_counts(answer, body, self.num_experts)
+        except BadObservation as exc:
+            log.warning("cannot learn from an answer's routed experts: %s", exc)
+            self.dropped("invalid")
+            return
+        self.add(text, observed, ROUTED_EXPERTS, kept)
 
     def add(self, text: str, observed: Observed, source: str, kept: bool) -> None:
         """Queue one observation of a request whose prompt is `text` (the worker learns from it)."""

@@ -25,18 +25,18 @@ from typing import Any, Awaitable, Callable, TypeVar
 
 from starlette.responses import Response
 
-from moe_cohort.admission.wire import PROFILE_KEY
+from moe_cohort.admission.wire import PROFILE_KEY, with_xargs
 from moe_cohort.proxy.backend_client import BackendAnswer, BackendClient
 from moe_cohort.proxy.cohort_key import cohort_key_header
 from moe_cohort.proxy.gate import AdmissionGate
 from moe_cohort.proxy.http.errors import BackendUnreachable
+from moe_cohort.proxy.http.middleware import CLIENT_CLOSED
 from moe_cohort.proxy.learning import Learning
 from moe_cohort.proxy.metrics import ProxyMetrics
-from moe_cohort.proxy.observed_counts import relay_answer
+from moe_cohort.proxy.observed_counts import client_answer
 from moe_cohort.proxy.replicas import Slot
 
 T = TypeVar("T")
-CLIENT_CLOSED = 499  # the client left before its answer (nginx's code); in the metrics and the access log
 
 
 class Lifecycle:
@@ -79,12 +79,10 @@ class Lifecycle:
 
     async def reply(self, receive) -> Response:
         """The client's answer to a whole (not streamed) request: admitted, sent, answered; while the client
-        (ASGI `receive`) stays: when it leaves, the request is cancelled (vLLM aborts it) and 499 recorded."""
+        (ASGI `receive`) stays: when it leaves, the request is cancelled (vLLM aborts it) and answered 499."""
         answer = await unless_client_leaves(self._whole(), receive)
         if answer is None:
-            self.metrics.requests.labels(self.route, str(CLIENT_CLOSED)).inc()
             return Response(status_code=CLIENT_CLOSED)
-        self.metrics.requests.labels(self.route, str(answer.status_code)).inc()
         headers = self.response_headers()
         return Response(self.observed(answer.content), status_code=answer.status_code, headers=headers,
                         media_type=answer.content_type)
@@ -115,7 +113,10 @@ class Lifecycle:
     def observed(self, content: bytes) -> bytes:
         """A 200 answer's content as the client gets it: its routed experts learned from, when sampled, and
         stripped unless the client asked for them."""
-        return relay_answer(content, self.text, self.body, self.learning)
+        relayed, routed = client_answer(content, self.body)
+        if routed is not None and self.learning is not None:
+            self.learning.answered(routed, self.body, self.text)
+        return relayed
 
     async def open_stream(self):
         """Open the streamed answer on the held slot's replica (raises on a backend error status); the
@@ -165,7 +166,7 @@ class Lifecycle:
         compact = self.profile if slot.prediction is None else slot.prediction.compact
         if compact is None:
             return self.body
-        return {**self.body, "vllm_xargs": {**(self.body.get("vllm_xargs") or {}), PROFILE_KEY: compact}}
+        return {**self.body, "vllm_xargs": with_xargs(self.body.get("vllm_xargs"), **{PROFILE_KEY: compact})}
 
     def _headers(self, slot: Slot) -> dict[str, str]:
         return {**self.headers, **cohort_key_header(slot.prediction)}

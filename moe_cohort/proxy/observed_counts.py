@@ -3,8 +3,9 @@
 - Our plugin (`ObservedCounts`): a body `mark`ed with `vllm_xargs.moe_observe` = a token has its request's
   experts counted in the engine; once the request left its replica (`finished`), that replica hands the counts
   over at `POST /v1/cohort/observed` (engine.observed_endpoint), asked every POLL_S while tokens wait, a token
-  given up after GIVE_UP_S. Streamed or not, embedded or across containers. Bodies are marked only once the
-  backend said it serves that route (`probe`); one that answers 404/405 does not, and a warning says so.
+  given up after GIVE_UP_S. Streamed or not, embedded or across containers. Bodies are marked only once a
+  replica said it serves that route (`probe` asks them all); one that answers 404/405 does not, and a warning
+  says so; when none does, nothing is marked.
 - vLLM's `routed_experts` field (`routed_answer`, `routed_counts`): a non-streamed answer of a server started
   with `--enable-return-routed-experts` carries, per choice, base64 `.npy` [tokens - 1, L, k], read with the
   answer's `usage.prompt_tokens`; `without_routed` strips it from what a client that did not ask receives.
@@ -21,9 +22,9 @@ import json
 import logging
 import secrets
 import time
-from typing import Callable, Protocol
+from typing import Callable, Sequence
 
-from moe_cohort.admission.wire import OBSERVE_KEY
+from moe_cohort.admission.wire import OBSERVE_KEY, with_xargs
 from moe_cohort.proxy.backend_client import BackendClient
 from moe_cohort.proxy.http.errors import BackendStatusError, ProxyError
 from moe_cohort.traces.observed import BadObservation, Observed, decode_npy, from_routed_experts
@@ -48,10 +49,10 @@ def _nothing(*_) -> None:
 class ObservedCounts:
     """Our plugin's counts: marks request bodies, then takes the counts of finished ones from their replicas."""
 
-    def __init__(self, backend: BackendClient | None, deliver: Deliver, lost: Lost = _nothing,
+    def __init__(self, replicas: Sequence[BackendClient], deliver: Deliver, lost: Lost = _nothing,
                  cpu: Callable[[float], None] = _nothing) -> None:
-        self.backend = backend  # asked whether it serves OBSERVED_PATH
-        self.serves: bool | None = None  # whether it does (None: not known yet)
+        self.replicas = list(replicas)  # each asked whether it serves OBSERVED_PATH
+        self.serves: bool | None = None  # whether one does (None: not known yet)
         self._deliver, self._lost, self._cpu = deliver, lost, cpu  # cpu(s): event-loop CPU seconds taking counts
         self._probe_after, self._probes = 0.0, set()
         prefix = secrets.token_hex(4)  # this proxy's: several proxies may share a backend
@@ -63,37 +64,44 @@ class ObservedCounts:
         """Have the engine count the experts of the request `body` is about to send; the token carries `kept`
         (a request may never finish, so nothing else remembers it)."""
         token = next(self._tokens) + ("" if kept else LIVE_ONLY)
-        body["vllm_xargs"] = {**(body.get("vllm_xargs") or {}), OBSERVE_KEY: token}
+        body["vllm_xargs"] = with_xargs(body.get("vllm_xargs"), **{OBSERVE_KEY: token})
 
     async def probe(self) -> None:
-        """Ask the backend now whether it serves the counts (at start-up, so the first requests get marked)."""
-        if self.backend is not None and self.serves is None:
+        """Ask the replicas now whether they serve the counts (at start-up, so the first requests get marked)."""
+        if self.replicas and self.serves is None:
             self._probe_after = time.monotonic() + PROBE_EVERY_S
-            await self._ask(self.backend)
+            await self._ask_all()
 
     def probe_soon(self) -> None:
-        """Ask the backend in the background whether it serves the counts, at most every PROBE_EVERY_S."""
-        if self.backend is None or time.monotonic() < self._probe_after:
+        """Ask the replicas in the background whether they serve the counts, at most every PROBE_EVERY_S."""
+        if not self.replicas or time.monotonic() < self._probe_after:
             return
         self._probe_after = time.monotonic() + PROBE_EVERY_S
-        task = asyncio.get_running_loop().create_task(self._ask(self.backend))
+        task = asyncio.get_running_loop().create_task(self._ask_all())
         self._probes.add(task)
         task.add_done_callback(self._probes.discard)
 
-    async def _ask(self, client: BackendClient) -> None:
+    async def _ask_all(self) -> None:
+        """Served when one replica serves them, not served when every one said it does not, else not known yet."""
+        said = await asyncio.gather(*(self._ask(client) for client in self.replicas))
+        self.serves = True if True in said else False if all(s is False for s in said) else None
+
+    async def _ask(self, client: BackendClient) -> bool | None:
         """200 with the route's shape: it serves them; 404/405: it does not; anything else: not known yet."""
         try:
             answer = await client.request("POST", OBSERVED_PATH, json={"tokens": []})
-            self.serves = isinstance(json.loads(answer.content).get("observed"), dict)
+            serves = isinstance(json.loads(answer.content).get("observed"), dict)
         except BackendStatusError as exc:
-            if exc.status_code in (404, 405):
-                self.serves = False
+            if exc.status_code not in (404, 405):
+                return None
+            serves = False
         except (ProxyError, ValueError, AttributeError):
-            return
-        if self.serves is False:
+            return None
+        if not serves:
             log.warning("learning: %s has no %s, so the proxy learns from vLLM's routed_experts answers only; for our "
                         "plugin's counts run vLLM with it and VLLM_PLUGINS=moe_cohort (cohort serve's embedded vLLM "
                         "does)", client.base_url, OBSERVED_PATH)
+        return serves
 
     def finished(self, client: BackendClient, body: dict, text: str) -> None:
         """The request `body` left `client` (answered, failed or abandoned): when marked, take its counts soon."""
@@ -208,33 +216,10 @@ def without_routed(answer: dict) -> bytes:
     return json.dumps({**answer, "choices": choices}, separators=(",", ":")).encode()
 
 
-class Learns(Protocol):
-    """What `relay_answer` hands vLLM's routed experts to (proxy.learning.Learning)."""
-
-    num_experts: int | None
-
-    def sample(self) -> bool | None: ...
-
-    def add(self, text: str, observed: Observed, source: str, kept: bool) -> None: ...
-
-    def dropped(self, reason: str) -> None: ...
-
-
-def relay_answer(content: bytes, text: str, body: dict, learning: Learns | None) -> bytes:
-    """A non-streamed answer's content as the client gets it: vLLM's routed experts stripped unless the client
-    asked for them (`body`: the request sent), and learned from by `learning` when it samples this request and
-    the plugin's counts do not come for it (`marked`)."""
+def client_answer(content: bytes, body: dict) -> tuple[bytes, dict | None]:
+    """A non-streamed answer's content as the client gets it (vLLM's routed experts stripped unless the client
+    asked for them; `body`: the request sent), and the parsed answer when it carries routed experts (else None)."""
     answer = routed_answer(content)
     if answer is None:
-        return content
-    relayed = content if body.get(PROMPT_START) is not None else without_routed(answer)
-    if learning is None or marked(body) or not one_routed_choice(answer) or (kept := learning.sample()) is None:
-        return relayed
-    try:
-        observed = routed_counts(answer, body, learning.num_experts)
-    except BadObservation as exc:
-        log.warning("cannot learn from an answer's routed experts: %s", exc)
-        learning.dropped("invalid")
-        return relayed
-    learning.add(text, observed, ROUTED_EXPERTS, kept)
-    return relayed
+        return content, None
+    return (content if body.get(PROMPT_START) is not None else without_routed(answer)), answer

@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass
 from typing import AsyncIterator, Literal, Mapping
 
-from moe_cohort.admission.wire import ROUTING_KEY
+from moe_cohort.admission.wire import ROUTING_KEY, with_xargs
 from moe_cohort.engine.policy import PolicyError, parse_policy
 from moe_cohort.encoder.text import RequestTextError, request_text
 from moe_cohort.proxy.http.errors import InvalidRequest, PayloadTooLarge
@@ -47,7 +47,7 @@ def check_size(content_length: str | None, max_bytes: int) -> None:
 
 
 async def limited(chunks: AsyncIterator[bytes], max_bytes: int, what: str = "request body",
-                  fix: str = "shorten the request or raise --max-body-bytes") -> AsyncIterator[bytes]:
+                  fix: str = "shorten the request or raise the setting max_body_bytes (COHORT_MAX_BODY_BYTES)") -> AsyncIterator[bytes]:
     """`chunks` as they come, refused (413) as soon as their total passes `max_bytes`: a chunked body
     announces no size, so the limit applies while reading, not after."""
     size = 0
@@ -96,7 +96,7 @@ def engine_hints(body: dict, headers: Mapping[str, str], *, default_policy: str,
     if body.get("vllm_xargs") is not None and not isinstance(body["vllm_xargs"], dict):
         raise InvalidRequest("'vllm_xargs' must be an object", param="vllm_xargs")
     policy = _policy(body, headers, default_policy, rules)
-    body["vllm_xargs"] = {**rules.client_xargs(body.get("vllm_xargs") or {}), ROUTING_KEY: policy}
+    body["vllm_xargs"] = with_xargs(rules.client_xargs(body.get("vllm_xargs") or {}), **{ROUTING_KEY: policy})
     return policy
 
 
@@ -166,4 +166,4 @@ def _policy(body: dict, headers: Mapping[str, str], default_policy: str, rules: 
 
 def _too_large(size: int, max_bytes: int) -> str:
     return (f"request body is {size} bytes, over the proxy's limit of {max_bytes} bytes; "
-            f"shorten the request or raise --max-body-bytes")
+            f"shorten the request or raise the setting max_body_bytes (COHORT_MAX_BODY_BYTES)")

@@ -1,9 +1,9 @@
 """Routes the proxy relays to the backend as they are, for clients that expect a vLLM/OpenAI server.
 
-    GET  /v1/models               the backend's model list (several replicas: their lists merged by id)
+    GET  /v1/models               the healthy replicas' model lists, merged by id
     GET  /v1/models/{model}       one model of that list (client.models.retrieve); 404 when not there
     POST /v1/embeddings           relayed, unplanned (no generation to plan)
-    POST /tokenize, /detokenize   relayed, unplanned (several replicas: to a healthy one, in turn)
+    POST /tokenize, /detokenize   relayed, unplanned, to a healthy replica (in turn)
     GET  /version                 relayed
     POST /v1/responses            generates tokens: admitted like a completion (holds a slot, text from
                                   `input`), streamed or whole, with its routing policy as a chat's
@@ -14,7 +14,6 @@ answers {"detail": "Not Found"} for /v1/embeddings on a generative model: a 404 
 
 from __future__ import annotations
 
-import json
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -30,23 +29,18 @@ def add_relay_routes(app: FastAPI, proxy) -> None:
     """Add the relayed routes to `app`; `proxy` is the app's proxy.app.Proxy."""
 
     async def relay(request: Request, method: str, path: str, body: bytes | None = None) -> Response:
-        answer = await proxy.relay_client().request(method, path, json=None if body is None else json_object(body),
+        answer = await proxy.replicas.any_client().request(method, path, json=None if body is None else json_object(body),
                                                     headers=backend_headers(proxy.settings, request.headers))
         return Response(answer.content, status_code=answer.status_code, media_type=answer.content_type)
 
     async def listed(request: Request) -> dict:
-        """The model list: the backend's, or the healthy replicas' merged by model id."""
-        headers = backend_headers(proxy.settings, request.headers)
-        if proxy.replicas.size > 1:
-            return await proxy.replicas.models(headers)
-        return json.loads((await proxy.backend.request("GET", "/v1/models", headers=headers)).content)
+        """The healthy replicas' model lists merged by model id (one backend: its list)."""
+        return await proxy.replicas.models(backend_headers(proxy.settings, request.headers))
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         proxy.authorize(request.headers)
-        if proxy.replicas.size > 1:
-            return JSONResponse(await listed(request))
-        return await relay(request, "GET", "/v1/models")
+        return JSONResponse(await listed(request))
 
     @app.get("/v1/models/{model:path}")
     async def model(model: str, request: Request) -> Response:

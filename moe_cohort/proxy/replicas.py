@@ -9,11 +9,12 @@ this one code path.
   residents best. Nobody waits while a healthy replica has a free slot; the fairness bounds go first.
 - A `Slot` is one request's place: created on arrival, granted a replica by `acquire`, freed by `release`
   exactly once. It is the router's key for the request.
-- Health: `check()` probes every replica's GET /health. A replica that fails the probe, or is found down
-  during a request (`failover`), is taken out at once: it is offered nothing new. `check()` takes it back
-  once it answers. When the last replica goes out, every waiting request fails with BackendUnreachable
-  (a 502), none hangs.
-- Failover, never twice (`failover`): a request goes to another replica only if its own is down and
+- Health: `check()` probes every replica's GET /health (`BackendClient.alive`, the one liveness probe). A
+  replica that fails the probe, or is found down during a request (`failover`), is taken out at once: it is
+  offered nothing new. `check()` takes it back once it answers. The last healthy replica is never taken out
+  by either (a set of one is never emptied): requests to it fail on their own, each with its own error. When
+  `set_healthy` takes the last one out, every waiting request fails with BackendUnreachable (a 502), none hangs.
+- Failover, never twice (`failover`): a request goes to another healthy replica only if its own is down and
   generating nothing: its connect failed (it never got the request), or its connection broke before any
   byte of the answer came back and the replica is out already or fails a probe on a fresh connection at
   once (a killed vLLM's port refuses it). A replica that still answers may be generating the request: the
@@ -81,10 +82,6 @@ class ReplicaSet:
     async def close(self) -> None:
         await asyncio.gather(*(c.close() for c in self.clients))
 
-    @property
-    def size(self) -> int:
-        return len(self.clients)
-
     def set_capacity(self, replica: int, slots: int) -> None:
         """Let `slots` requests be at `replica` at once from now on (a request there beyond them stays until it
         finishes); waiting requests take the new room at once."""
@@ -134,7 +131,8 @@ class ReplicaSet:
         """Whether a request that failed with `exc` on `slot` may go to another replica (see the module
         docstring: its replica is down, no byte of the answer came back, another replica exists); then
         `slot`'s replica is taken out at once. The caller releases `slot` and acquires it again."""
-        if self.size < 2 or not isinstance(exc, BackendUnreachable) or exc.answer_started:
+        others = np.delete(self.router.healthy, slot.replica)  # [R-1]
+        if not others.any() or not isinstance(exc, BackendUnreachable) or exc.answer_started:
             return False
         if (not _never_sent(exc) and self.router.healthy[slot.replica]
                 and await slot.client.alive(self.failover_probe_s)):
@@ -170,11 +168,13 @@ class ReplicaSet:
         self._pump()
 
     async def check(self) -> list[bool]:
-        """Probe every replica's GET /health (at most `health_timeout_s` each, all at once); update health."""
-        results = await asyncio.gather(*(c.alive(self.health_timeout_s) for c in self.clients))
+        """Probe every replica's GET /health (at most `health_timeout_s` each, all at once) and update health by
+        the answers, except that a probe no replica answers takes none out; returns the answers."""
+        results = list(await asyncio.gather(*(c.alive(self.health_timeout_s) for c in self.clients)))
         for r, ok in enumerate(results):
-            self.set_healthy(r, ok)
-        return list(results)
+            if ok or any(results):
+                self.set_healthy(r, ok)
+        return results
 
     async def models(self, headers: dict[str, str] | None = None) -> dict:
         """The healthy replicas' /v1/models, merged by model id: {"object": "list", "data": [...]}."""

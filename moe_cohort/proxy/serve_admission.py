@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from moe_cohort.admission.router import ReplicaRouter, ResidentFactory
-from moe_cohort.admission.wire import PROFILE_KEY, Prediction
+from moe_cohort.admission.wire import PROFILE_KEY, Prediction, with_xargs
 from moe_cohort.encoder.text import RequestTextError, request_text
 
 
@@ -129,6 +129,6 @@ def with_profile(request: Any, prediction: Prediction) -> None:
     if prediction.compact is None:
         return
     if isinstance(request, dict):
-        request["vllm_xargs"] = {**(request.get("vllm_xargs") or {}), PROFILE_KEY: prediction.compact}
+        request["vllm_xargs"] = with_xargs(request.get("vllm_xargs"), **{PROFILE_KEY: prediction.compact})
     elif hasattr(request, "vllm_xargs"):
-        request.vllm_xargs = {**(request.vllm_xargs or {}), PROFILE_KEY: prediction.compact}
+        request.vllm_xargs = with_xargs(request.vllm_xargs, **{PROFILE_KEY: prediction.compact})

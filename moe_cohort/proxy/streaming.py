@@ -8,7 +8,9 @@ Whatever happens (finish, error, client disconnect) `close()` runs once: it clos
 connection, which makes vLLM abort the request, and frees its slot (proxy/lifecycle.py). With several
 replicas the stream opens on its slot's replica; one that is down before any byte of the answer
 came back passes the request to another (proxy.replicas: it generated nothing of it); one that dies
-mid-stream ends it with an SSE error event.
+mid-stream ends it with an SSE error event. A stream that ends otherwise than its 200 said (an error event,
+or its client left before the end) writes how it ended to the request's `state["outcome"]` (the status the
+access log and the requests metric count, proxy/http/middleware.py).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import AsyncIterator
 from starlette.responses import StreamingResponse
 
 from moe_cohort.proxy.http.errors import ProxyError
+from moe_cohort.proxy.http.middleware import CLIENT_CLOSED
 from moe_cohort.proxy.lifecycle import Lifecycle
 
 log = logging.getLogger(__name__)
@@ -42,12 +45,14 @@ class _ClosingStreamingResponse(StreamingResponse):
 
 
 class StreamRelay:
-    """A streamed answer of one request (`life`, not yet admitted)."""
+    """A streamed answer of one request (`life`, not yet admitted); `state`: the request's ASGI state."""
 
-    def __init__(self, life: Lifecycle, keepalive_s: float) -> None:
+    def __init__(self, life: Lifecycle, keepalive_s: float, state: dict | None = None) -> None:
         self.life, self.keepalive_s = life, keepalive_s
+        self.state = {} if state is None else state
         self._admit = asyncio.ensure_future(life.admit())
         self._response = None
+        self._streaming = self._ended = False  # the body began / came to its end
 
     async def start(self):
         """Return the response: relayed at once when admitted within keepalive_s, else keep-alives first."""
@@ -64,30 +69,39 @@ class StreamRelay:
     async def _open(self) -> None:
         self._admit.result()  # raises what the admission raised
         self._response = await self.life.open_stream()
-        self.life.metrics.requests.labels(self.life.route, str(self._response.status)).inc()
 
     async def _relay(self) -> AsyncIterator[bytes]:
+        self._streaming = True
         try:  # a replica that dies mid-stream: the client gets an SSE error event, the request is not resent
             async for chunk in self.life.slot.client.iter_raw(self._response):
                 yield chunk
         except ProxyError as exc:
             log.warning("backend stream broke: %s", exc.message)
-            yield _sse_error(exc)
+            yield self._failed(exc)
+        self._ended = True
 
     async def _queued_then_relay(self) -> AsyncIterator[bytes]:
+        self._streaming = True
         while not self._admit.done():
             yield b": queued\n\n"
             await asyncio.wait({self._admit}, timeout=self.keepalive_s)
         try:
             await self._open()
         except ProxyError as exc:
-            yield _sse_error(exc)
+            yield self._failed(exc)
+            self._ended = True
             return
         async for chunk in self._relay():
             yield chunk
 
+    def _failed(self, exc: ProxyError) -> bytes:
+        self.state["outcome"] = exc.status_code
+        return _sse_error(exc)
+
     async def close(self) -> None:
         """Once, whatever happened: a queued request leaves the queue; an admitted one ends (proxy.lifecycle)."""
+        if self._streaming and not self._ended:
+            self.state.setdefault("outcome", CLIENT_CLOSED)  # the client left before the end
         if not self._admit.done():
             self._admit.cancel()  # the gate forgets the queued request
             with contextlib.suppress(BaseException):

@@ -44,3 +44,13 @@ def test_a_prediction_of_a_profile_carries_the_flat_vector_and_its_wire_form():
     np.testing.assert_allclose(got.vector, u.ravel(), rtol=1e-6)
     assert got.compact == compact(u)
     np.testing.assert_allclose(decode_profile(got.compact, E), expand(compact(u), 2, E).ravel())
+
+
+def test_with_xargs_sets_keys_over_a_copy_of_what_the_body_had():
+    from moe_cohort.admission.wire import PROFILE_KEY, ROUTING_KEY, with_xargs
+
+    theirs = {"theirs": 1, ROUTING_KEY: "topk"}
+    merged = with_xargs(theirs, **{ROUTING_KEY: "oea", PROFILE_KEY: [3]})
+    assert merged == {"theirs": 1, ROUTING_KEY: "oea", PROFILE_KEY: [3]}
+    assert theirs == {"theirs": 1, ROUTING_KEY: "topk"}  # unchanged
+    assert with_xargs(None, **{ROUTING_KEY: "topk"}) == {ROUTING_KEY: "topk"}

@@ -187,3 +187,27 @@ def test_a_refused_connect_succeeds_when_the_backend_comes_up_before_the_retry()
     finally:
         logging.getLogger("moe_cohort.proxy.backend_client").removeHandler(handler)
         listening.close()
+
+
+def test_the_liveness_probe_says_why_asks_its_paths_in_turn_and_sends_the_key():
+    """`problem` (and `alive`, the same probe on /health): a server whose /health fails but whose /v1/models answers
+    is up for a caller that asks both, down for one that asks /health only; a closed port says how it failed."""
+    keys = []
+
+    async def server(request):
+        keys.append(request.headers.get("authorization"))
+        return answer({"data": []}) if request.path == "/v1/models" else answer({"detail": "engine dead"}, 500)
+
+    async def main():
+        async with local_backend(server) as url:
+            client = BackendClient(url, api_key="k")
+            said = (await client.problem(2.0), await client.problem(2.0, ("/health", "/v1/models")),
+                    await client.alive(2.0))
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            closed = BackendClient(f"http://127.0.0.1:{s.getsockname()[1]}")
+            return said, await closed.problem(2.0)
+
+    (health_only, both, alive), refused = asyncio.run(main())
+    assert health_only == "GET /health answered 500" and both is None and alive is False
+    assert refused.startswith("ClientConnectorError") and set(keys) == {"Bearer k"}

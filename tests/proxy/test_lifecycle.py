@@ -36,7 +36,7 @@ def gate_of(*urls: str, health_timeout_s: float = 5.0) -> AdmissionGate:
 
 
 def freed(gate: AdmissionGate) -> bool:
-    return gate.replicas.router.busy.tolist() == [0] * gate.replicas.size
+    return not gate.replicas.router.busy.any()
 
 
 async def whole(gate: AdmissionGate) -> tuple[int, bytes]:
@@ -62,7 +62,7 @@ async def batch_line(gate: AdmissionGate, tmp_path) -> dict:
     paths = JournalPaths.for_output(tmp_path / "out.jsonl")
     journal = Journal.open(paths, parsed.journal_meta)
     try:
-        stats = await run_batch(parsed, journal, gate.replicas.clients[0], None,
+        stats = await run_batch(parsed, journal, gate.replicas.clients, None,
                                 RunConfig(concurrency=1, max_retries=0, metrics_interval_s=0), gate=gate)
     finally:
         journal.close()

@@ -36,7 +36,7 @@ def _counts():
 
 
 def test_a_marked_body_keeps_the_clients_own_xargs_and_its_token_says_whether_it_is_kept():
-    counts = ObservedCounts(None, lambda *a: None)
+    counts = ObservedCounts([], lambda *a: None)
     kept, live = {"vllm_xargs": {"theirs": 1}}, {}
     counts.mark(kept, True)
     counts.mark(live, False)
@@ -52,7 +52,7 @@ def test_the_counts_of_a_finished_request_reach_deliver_from_the_replica_that_se
     async def main():
         async with local_backend(_engine(counted, asked)) as url:
             client = BackendClient(url, timeout_s=5)
-            counts = ObservedCounts(client, lambda text, obs, kept: delivered.append((text, obs, kept)))
+            counts = ObservedCounts([client], lambda text, obs, kept: delivered.append((text, obs, kept)))
             await counts.probe()
             kept, live = {}, {}
             counts.mark(kept, True)
@@ -84,7 +84,7 @@ def test_a_backend_without_the_route_is_told_apart_and_nothing_waits_on_it(caplo
     async def main():
         async with local_backend(_engine({}, asked, serves=False)) as url:
             client = BackendClient(url, timeout_s=5)
-            counts = ObservedCounts(client, lambda *a: None)
+            counts = ObservedCounts([client], lambda *a: None)
             await counts.probe()
             counts.finished(client, {"vllm_xargs": {"moe_observe": "t"}}, "text")
             await client.close()
@@ -94,6 +94,20 @@ def test_a_backend_without_the_route_is_told_apart_and_nothing_waits_on_it(caplo
     assert "VLLM_PLUGINS=moe_cohort" in caplog.text
 
 
+@pytest.mark.parametrize("plugin, serves", [((False, True), True), ((False, False), False)])
+def test_every_replica_is_asked_and_the_counts_are_served_where_one_serves_them(plugin, serves):
+    async def main():
+        async with local_backend(_engine({}, [], serves=plugin[0])) as a, \
+                local_backend(_engine({}, [], serves=plugin[1])) as b:
+            clients = [BackendClient(a, timeout_s=5), BackendClient(b, timeout_s=5)]
+            counts = ObservedCounts(clients, lambda *a: None)
+            await counts.probe()
+            await asyncio.gather(*(c.close() for c in clients))
+            return counts.serves
+
+    assert asyncio.run(main()) is serves
+
+
 def test_bad_counts_are_lost_as_invalid_and_unclaimed_ones_expire(monkeypatch):
     monkeypatch.setattr(observed_counts, "GIVE_UP_S", 0.0)
     delivered, lost, counted = [], [], {"bad": {"prompt_tokens": "no"}}
@@ -101,7 +115,7 @@ def test_bad_counts_are_lost_as_invalid_and_unclaimed_ones_expire(monkeypatch):
     async def main():
         async with local_backend(_engine(counted, [])) as url:
             client = BackendClient(url, timeout_s=5)
-            counts = ObservedCounts(client, lambda *a: delivered.append(a), lambda why, n: lost.append((why, n)))
+            counts = ObservedCounts([client], lambda *a: delivered.append(a), lambda why, n: lost.append((why, n)))
             counts.serves = True
             counts.finished(client, {"vllm_xargs": {"moe_observe": "bad"}}, "text")
             counts.finished(client, {"vllm_xargs": {"moe_observe": "never-counted"}}, "text")

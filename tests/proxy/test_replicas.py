@@ -75,6 +75,23 @@ def test_health_checks_take_a_replica_out_and_back():
     asyncio.run(main())
 
 
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_a_probe_no_replica_answers_takes_none_out_and_the_last_one_is_never_failed_over_from(replicas):
+    """A set of one and a set of two are served by the same rule: the probe never empties the set, and a request
+    that failed on the last healthy replica has nowhere else to go (its own error, not a resend)."""
+    async def main():
+        unanswered = ReplicaSet(unused(replicas), [1] * replicas, "least-loaded", health_timeout_s=1.0)
+        assert await unanswered.check() == [False] * replicas
+        assert unanswered.router.healthy.all()
+        if replicas == 2:
+            unanswered.set_healthy(1, False)
+        slot = await unanswered.acquire(Slot())
+        never_sent = BackendUnreachable("refused")
+        assert not await unanswered.failover(slot, never_sent) and unanswered.router.healthy[slot.replica]
+
+    asyncio.run(main())
+
+
 def test_with_no_replica_left_waiting_and_new_requests_fail_at_once():
     async def main():
         replicas = ReplicaSet(unused(1), [1], "affinity")

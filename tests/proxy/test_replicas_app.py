@@ -170,7 +170,7 @@ def test_batch_work_takes_background_slots_on_both_replicas(tmp_path):
             gate = AdmissionGate(None, ProxyMetrics(), replicas=replicas)
             journal = Journal.open(paths, parsed.journal_meta)
             try:
-                return await run_batch(parsed, journal, replicas.clients[0], None, CONFIG, gate=gate)
+                return await run_batch(parsed, journal, replicas.clients, None, CONFIG, gate=gate)
             finally:
                 journal.close()
                 await replicas.close()

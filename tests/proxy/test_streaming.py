@@ -90,3 +90,56 @@ def test_stream_chunks_are_relayed_as_they_arrive():
 
     first, rest = run(main())
     assert first == b'data: {"n": 1}\n\n' and rest == b"data: [DONE]\n\n"
+
+
+def test_each_request_is_counted_once_by_how_it_ended_queued_streams_included():
+    """One slot held by a whole answer; a queued stream whose client leaves counts 499, a queued stream whose
+    backend answers 500 once admitted counts 500 (its client saw a 200 and then an error event), the whole
+    answer 200: each once."""
+    holding, release = asyncio.Event(), asyncio.Event()
+
+    async def backend(request):
+        if request.method != "POST":  # the handshake, the health probes
+            return answer({"detail": "Not Found"}, 404)
+        body = await body_of(request)
+        if body.get("user") == "fails":
+            return answer({"error": {"message": "engine error", "type": "server_error"}}, 500)
+        if body.get("stream"):
+            return await sse(request, b"data: [DONE]\n\n")
+        holding.set()
+        await release.wait()
+        return answer(OK_BODY)
+
+    def counted(text: str) -> dict[str, float]:
+        return {line.split('status="')[1].split('"')[0]: float(line.split()[-1]) for line in text.splitlines()
+                if line.startswith('cohort_requests_total{route="chat"')}
+
+    async def main():
+        async with local_backend(backend) as url:
+            settings = Settings(backend_url=url, port=free_port(), encoder="none", max_in_flight=1, keepalive_s=0.02)
+            with ProxyThread(settings) as proxy:  # a real server: a client that leaves closes its connection
+                async with httpx.AsyncClient(base_url=proxy.url, timeout=10) as c:
+                    whole = asyncio.create_task(c.post("/v1/chat/completions", json=CHAT))
+                    await holding.wait()
+                    async with c.stream("POST", "/v1/chat/completions", json={**CHAT, "stream": True}) as left:
+                        assert (await anext(left.aiter_raw())).startswith(b": queued")
+                    for _ in range(250):  # the proxy sees the connection close at its next keep-alive
+                        if "499" in counted((await c.get("/metrics")).text):
+                            break
+                        await asyncio.sleep(0.02)
+                    failing = asyncio.create_task(c.post("/v1/chat/completions",
+                                                         json={**CHAT, "stream": True, "user": "fails"}))
+                    while "cohort_waiting 1.0" not in (await c.get("/metrics")).text:
+                        await asyncio.sleep(0.01)
+                    await asyncio.sleep(0.1)  # past its first keep-alive: answered 200 already
+                    release.set()
+                    whole, failing = await whole, await failing
+                    for _ in range(500):  # counted once the answer's last byte is sent: just after the client read it
+                        if len(counts := counted((await c.get("/metrics")).text)) == 3:
+                            break
+                        await asyncio.sleep(0.01)
+                    return whole, failing, counts
+
+    whole, failing, counts = run(main())
+    assert whole.status_code == 200 and failing.status_code == 200 and '"engine error"' in failing.text
+    assert counts == {"200": 1.0, "499": 1.0, "500": 1.0}

@@ -1,11 +1,12 @@
 """Tenancy on the Batch API: files, batches and their results belong to the key (or tenant) that made them;
 any other key gets the 404 a missing id gets. The official openai client against the proxy under uvicorn
 and a real vLLM CPU server; a database from before owners; keys compared in constant time; /metrics and
-/health behind --protect-metrics."""
+/health behind protect_metrics."""
 
 import asyncio
 import hashlib
 import json
+import os
 import sqlite3
 import subprocess
 import sys
@@ -167,14 +168,14 @@ def test_protect_metrics_needs_a_key_for_metrics_and_hides_the_backend_from_heal
     base = Settings(backend_url="http://127.0.0.1:9", encoder="none", data_dir=str(tmp_path), api_keys=("k",))
     open_metrics, open_health = call(create_app(base), ("GET", "/metrics", {}), ("GET", "/health", {}))
     assert open_metrics.status_code == 200 and "cohort_requests" in open_metrics.text
-    assert open_health.json()["backend"] == "http://127.0.0.1:9"
+    assert open_health.json()["replicas"][0]["backend"] == "http://127.0.0.1:9"
     no_key, wrong_key, with_key, health, health_with_key = call(
         create_app(base.replace(protect_metrics=True)), ("GET", "/metrics", {}), ("GET", "/metrics", bearer("x")),
         ("GET", "/metrics", bearer("k")), ("GET", "/health", {}), ("GET", "/health", bearer("k")))
     assert no_key.status_code == wrong_key.status_code == 401 and no_key.json()["error"]["code"] == "invalid_api_key"
     assert with_key.status_code == 200 and "cohort_requests" in with_key.text
     assert health.status_code == 503 and health.json() == {"status": "backend unavailable"}
-    assert health_with_key.json()["backend"] == "http://127.0.0.1:9"
+    assert health_with_key.json()["replicas"][0]["backend"] == "http://127.0.0.1:9"
     with pytest.raises(SettingsError, match="protect_metrics"):
         Settings(protect_metrics=True)
 
@@ -186,12 +187,13 @@ def test_unauthenticated_paths_do_not_reach_the_metrics(tmp_path):
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("flags, message", [
-    (["--protect-metrics"], "protect_metrics (env COHORT_PROTECT_METRICS) needs at least one --api-key"),
-    (["--api-key", "k=team-a", "--api-key", "k=team-b"], "gives one key for two tenants"),
+@pytest.mark.parametrize("flags, env, message", [
+    ([], {"COHORT_PROTECT_METRICS": "1"}, "protect_metrics (env COHORT_PROTECT_METRICS) needs at least one --api-key"),
+    (["--api-key", "k=team-a", "--api-key", "k=team-b"], {}, "gives one key for two tenants"),
 ])
-def test_serve_refuses_bad_security_flags_in_one_line(flags, message):
+def test_serve_refuses_bad_security_settings_in_one_line(flags, env, message):
     done = subprocess.run([sys.executable, "-m", "moe_cohort.cli", "serve", "--backend", "http://127.0.0.1:9",
-                           "--encoder", "none", *flags], capture_output=True, text=True, timeout=120)
+                           "--encoder", "none", *flags], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, **env})
     said = (done.stdout + done.stderr).strip()
     assert done.returncode == 2 and message in said and len(said.splitlines()) == 1, said

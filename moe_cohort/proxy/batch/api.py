@@ -177,7 +177,7 @@ def _copy(src, path, max_bytes: int) -> int:
             dst.write(chunk)
     if size > max_bytes:
         path.unlink()
-        raise PayloadTooLarge(f"the file is over the proxy's limit of {max_bytes} bytes (--max-file-bytes)")
+        raise PayloadTooLarge(f"the file is over the proxy's limit of {max_bytes} bytes (max_file_bytes, COHORT_MAX_FILE_BYTES)")
     return size
 
 

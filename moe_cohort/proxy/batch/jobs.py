@@ -52,9 +52,9 @@ RETRY_S = (5.0, 300.0)  # first and longest pause while the backend is unreachab
 
 
 class BatchJobs:
-    def __init__(self, settings: Settings, backend, predictor, gate=None, *, clock: Callable[[], float] = time.time,
+    def __init__(self, settings: Settings, replicas, predictor, gate=None, *, clock: Callable[[], float] = time.time,
                  learning=None) -> None:
-        self.settings, self.backend, self.predictor = settings, backend, predictor  # BackendClient, proxy.profiles.Predictor
+        self.settings, self.replicas, self.predictor = settings, replicas, predictor  # [BackendClient], proxy.profiles.Predictor
         self.learning = learning  # proxy.learning.Learning of `cohort serve --learn`: batches learn too
         self.gate = gate  # proxy.gate.AdmissionGate
         self.clock = clock  # epoch seconds: completion windows
@@ -222,7 +222,7 @@ class BatchJobs:
                               usage=job.usage)
 
         try:
-            await run_batch(parsed, journal, self.backend, self.predictor, self.config, skip_invalid=False,
+            await run_batch(parsed, journal, self.replicas, self.predictor, self.config, skip_invalid=False,
                             on_progress=progress, stop=job.stop, gate=self.gate, deadline=job.expires_at,
                             clock=self.clock, seat=self.share.seat(job.owner, job.id), learning=self.learning)
         except RunAborted as exc:

@@ -174,7 +174,7 @@ class _SendBlock:
         kept = _Collected()
         backend = BackendClient(url, **self.timeouts)
         try:
-            await run_batch(BatchFile(requests=requests), kept, backend, None, self.config, skip_invalid=False)
+            await run_batch(BatchFile(requests=requests), kept, [backend], None, self.config, skip_invalid=False)
             return kept.records, None
         except RunAborted as exc:
             return kept.records, str(exc)
@@ -208,17 +208,14 @@ def _connect(ray) -> bool:
 def _expert_loads(urls: list[str]):
     """The replicas' summed expert-load counters (proxy/expert_loads.py); None if one has none."""
     from moe_cohort.proxy.backend_client import BackendClient
-    from moe_cohort.proxy.expert_loads import ExpertLoads, fetch_expert_loads
+    from moe_cohort.proxy.expert_loads import fetch_expert_loads
 
     async def read():
         clients = [BackendClient(u, timeout_s=10) for u in urls]
         try:
-            loads = [await fetch_expert_loads(c) for c in clients]
+            return await fetch_expert_loads(clients)
         finally:
             for c in clients:
                 await c.close()
-        if any(x is None for x in loads):
-            return None
-        return ExpertLoads(*(sum(getattr(x, f) for x in loads) for f in ("before", "after", "forwards")))
 
     return asyncio.run(read())

@@ -79,7 +79,7 @@ class _Unreachable(Exception):
     """The backend stayed unreachable through a request's retries."""
 
 
-async def run_batch(batch: BatchFile, journal: Journal, backend: BackendClient,
+async def run_batch(batch: BatchFile, journal: Journal, replicas: Sequence[BackendClient],
                     predictor: Predictor | Awaitable[Predictor] | None,
                     config: RunConfig, *, skip_invalid: bool = True, on_progress: ProgressFn | None = None,
                     stop: asyncio.Event | None = None, gate: AdmissionGate | None = None,
@@ -98,7 +98,7 @@ async def run_batch(batch: BatchFile, journal: Journal, backend: BackendClient,
     if not pending:
         return stats
     core = BatchCore(pending, config, stats, deadline=deadline)
-    driver = _Driver(core, journal, backend, gate, on_progress or (lambda stats: None), clock, seat, learning)
+    driver = _Driver(core, journal, replicas, gate, on_progress or (lambda stats: None), clock, seat, learning)
     background = asyncio.to_thread if learning is None else learning.in_background
     if predictor is not None and not inspect.isawaitable(predictor) and predictor.ready():
         core.order = await asyncio.to_thread(make_order, pending, predictor, config.concurrency)
@@ -131,12 +131,13 @@ def write_plan(path: str | Path, requests: Sequence[BatchRequest], concurrency: 
 
 
 class _Driver:
-    def __init__(self, core: BatchCore, journal: Journal, backend: BackendClient, gate: AdmissionGate | None,
+    def __init__(self, core: BatchCore, journal: Journal, replicas: Sequence[BackendClient], gate: AdmissionGate | None,
                  on_progress: ProgressFn, clock: Callable[[], float], seat: Seat | None,
                  learning: Learning | None = None) -> None:
-        self.core, self.journal, self.backend, self.seat = core, journal, backend, seat
-        # without the proxy's gate, the backend's slots are this run's alone (the core keeps within them)
-        self.gate = gate or AdmissionGate(None, ProxyMetrics(), ReplicaSet([backend], [core.config.concurrency]))
+        self.core, self.journal, self.replicas, self.seat = core, journal, replicas, seat
+        # without the proxy's gate, the replicas' slots are this run's alone (the core keeps within them)
+        self.gate = gate or AdmissionGate(None, ProxyMetrics(),
+                                          ReplicaSet(replicas, [core.config.concurrency] * len(replicas)))
         self.learning = learning
         self.follow: Callable[[], Awaitable[None]] | None = None  # runs beside the sends (follow_heads)
         self.on_progress, self.clock = on_progress, clock
@@ -145,7 +146,7 @@ class _Driver:
         self.slot_freed = asyncio.Condition()
 
     async def run(self, stop: asyncio.Event) -> RunStats:
-        loads0 = await fetch_expert_loads(self.backend) if self.core.config.metrics_interval_s > 0 else None
+        loads0 = await fetch_expert_loads(self.replicas) if self.core.config.metrics_interval_s > 0 else None
         try:
             async with asyncio.TaskGroup() as tg:
                 tg.create_task(self._write())
@@ -253,7 +254,7 @@ class _Driver:
             await self._read_loads(start)
 
     async def _read_loads(self, start: ExpertLoads) -> None:
-        now = await fetch_expert_loads(self.backend)
+        now = await fetch_expert_loads(self.replicas)
         if now is not None:
             self.core.stats.expert_loads = now - start
             self.on_progress(self.core.stats)

@@ -1,15 +1,13 @@
-"""Errors as the proxy answers them: the OpenAI error shape, counted in the metrics under a route label.
+"""Errors as the proxy answers them: the OpenAI error shape.
 
 A ProxyError raised anywhere on a request's path ends here once (`error_answer`), as does an HTTP error of the
-framework (an unknown route, a wrong method). The metrics' label is the route's name or template, never the raw
-path: file and batch ids would reach /metrics, and every new path, even refused without a key, a new series.
+framework (an unknown route, a wrong method). The requests metric counts them where every request ends
+(proxy/http/middleware.py).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Mapping
-
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -19,9 +17,8 @@ from moe_cohort.proxy.http.errors import BackendStatusError, ProxyError
 log = logging.getLogger("moe_cohort.proxy.app")  # the proxy's own log lines, under one name
 
 
-def error_answer(metrics, request: Request, exc: ProxyError, route: str) -> Response:
-    """The answer to a ProxyError (the OpenAI error shape), counted in `metrics` (ProxyMetrics) under `route`."""
-    metrics.requests.labels(route, str(exc.status_code)).inc()
+def error_answer(request: Request, exc: ProxyError) -> Response:
+    """The answer to a ProxyError (the OpenAI error shape)."""
     if isinstance(exc, BackendStatusError):  # the backend's own error, in the OpenAI shape
         content, media_type = exc.openai_content(f"{request.method} {request.url.path}")
         return Response(content, status_code=exc.status_code, media_type=media_type)
@@ -29,14 +26,12 @@ def error_answer(metrics, request: Request, exc: ProxyError, route: str) -> Resp
     return JSONResponse(exc.body(), status_code=exc.status_code)
 
 
-def add_error_handlers(app: FastAPI, metrics, paths: Mapping[str, str]) -> None:
-    """`app` answers ProxyErrors and the framework's HTTP errors in the OpenAI shape; `paths`: route name -> path."""
-    routes = {path: route for route, path in paths.items()}
+def add_error_handlers(app: FastAPI) -> None:
+    """`app` answers ProxyErrors and the framework's HTTP errors in the OpenAI shape."""
 
     @app.exception_handler(ProxyError)
     async def proxy_error(request: Request, exc: ProxyError) -> Response:
-        template = getattr(request.scope.get("route"), "path", "unmatched")
-        return error_answer(metrics, request, exc, routes.get(template, template))
+        return error_answer(request, exc)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:

@@ -1,4 +1,4 @@
-"""The API's own description, off unless the operator turns it on (`api_docs`, --api-docs): /openapi.json,
+"""The API's own description, off unless the operator turns it on (`api_docs`, COHORT_API_DOCS): /openapi.json,
 /docs (Swagger UI) and /redoc, each behind the proxy's key like every other route when keys are set.
 
 FastAPI serves them by default, to anyone: a keyed proxy would tell every caller its routes, and /docs and

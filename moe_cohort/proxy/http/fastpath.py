@@ -21,11 +21,11 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from moe_cohort.proxy.http.errors import ProxyError
 
 Handler = Callable[[Request], Awaitable[Response]]
-ErrorAnswer = Callable[[Request, ProxyError, str], Response]  # (request, error, metrics route label)
+ErrorAnswer = Callable[[Request, ProxyError], Response]
 
 
 class FastPath:
-    """ASGI middleware: `routes` maps a POST path to (handler, metrics route label)."""
+    """ASGI middleware: `routes` maps a POST path to (handler, its route's name in the metrics)."""
 
     def __init__(self, app: ASGIApp, routes: dict[str, tuple[Handler, str]], on_error: ErrorAnswer) -> None:
         self.app, self.routes, self.on_error = app, routes, on_error
@@ -36,9 +36,10 @@ class FastPath:
             await self.app(scope, receive, send)
             return
         handler, label = route
+        scope.setdefault("state", {})["route"] = label  # proxy.http.middleware.route_label
         request = Request(scope, receive)
         try:
             response = await handler(request)
         except ProxyError as exc:
-            response = self.on_error(request, exc, label)
+            response = self.on_error(request, exc)
         await response(scope, receive, send)

@@ -47,10 +47,10 @@ class HeadLimits:
     def problem(self, size: int, count: int) -> str | None:
         """Why a head of `size` bytes and `count` headers is refused (None: it is not)."""
         if count > self.max_count:
-            return f"request has over {self.max_count} headers, the proxy's limit (--max-headers)"
+            return f"request has over {self.max_count} headers, the proxy's limit (max_headers, COHORT_MAX_HEADERS)"
         if size > self.max_bytes:
             return (f"request headers are over the proxy's limit of {self.max_bytes} bytes "
-                    f"(--max-header-bytes; request target and headers together)")
+                    f"(max_header_bytes, COHORT_MAX_HEADER_BYTES; request target and headers together)")
         return None
 
     def check(self, scope) -> HeadersTooLarge | None:
@@ -129,7 +129,7 @@ def httptools_protocol(limits: HeadLimits) -> type:
                 return
             if self._raw or self._size:  # part of a head came: say why the connection ends
                 problem = (f"the request head did not arrive whole within {limits.timeout_s:g} s "
-                           f"(--head-timeout-s); send it at once")
+                           f"(head_timeout_s, COHORT_HEAD_TIMEOUT_S); send it at once")
                 log.warning("408 from %s: %s", "%s:%d" % self.client if self.client else "?", problem)
                 self.transport.write(_answer(HeadTimeout(problem, code="request_timeout"), b"408 Request Timeout",
                                              self.server_state.default_headers))

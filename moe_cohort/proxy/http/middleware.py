@@ -9,6 +9,9 @@ client disconnects from the routes):
   it, proxy/auth.py `backend_headers`) and onto every response, errors included;
 - one line per request on the `moe_cohort.proxy.access` logger: method, path, status, duration in ms, request id;
   never a body or a query string (prompts are user data); 499 when the client left before an answer;
+- the request's end, once (`on_end(scope, status)`: the requests metric): the status is how the request ended,
+  the one a handler wrote to `scope["state"]["outcome"]` when it differs from the answer's first line (a
+  stream that failed or whose client left after its 200), else that first line's, else 499;
 - an exception that no handler turned into a response becomes a 500 in the OpenAI error shape naming
   the request id, logged with its traceback;
 - a request whose head is over the limits (`limits`, proxy/http/limits.py) is answered 431 before any
@@ -22,6 +25,7 @@ import logging
 import re
 import time
 import uuid
+from typing import Callable, Mapping
 
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -31,6 +35,7 @@ from moe_cohort.proxy.http.limits import HeadLimits
 log = logging.getLogger(__name__)
 access_log = logging.getLogger("moe_cohort.proxy.access")
 
+CLIENT_CLOSED = 499  # the client left before its answer (nginx's code)
 REQUEST_ID = "x-request-id"
 _SANE_ID = re.compile(r"[A-Za-z0-9._:/+=@-]{1,128}")
 
@@ -52,9 +57,21 @@ def error_body(message: str, request_id: str) -> bytes:
                                  "param": None, "code": "internal_error"}}).encode()
 
 
+def route_label(scope: Scope, names: Mapping[str, str]) -> str:
+    """A request's route in the metrics: the name its fast path gave it (`scope["state"]["route"]`), else its
+    route's template named by `names` (template -> name) or the template itself; "unmatched" without a route.
+    Never the raw path: file and batch ids would reach /metrics, and every new path a new series."""
+    named = scope.get("state", {}).get("route")
+    if named:
+        return named
+    template = getattr(scope.get("route"), "path", "unmatched")
+    return names.get(template, template)
+
+
 class RequestContext:
-    def __init__(self, app: ASGIApp, limits: HeadLimits | None = None) -> None:
-        self.app, self.limits = app, limits
+    def __init__(self, app: ASGIApp, limits: HeadLimits | None = None,
+                 on_end: Callable[[Scope, int], None] | None = None) -> None:
+        self.app, self.limits, self.on_end = app, limits, on_end
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -99,5 +116,8 @@ class RequestContext:
                                             (b"content-length", str(len(body)).encode())]})
             await send({"type": "http.response.body", "body": body})
         finally:
-            access_log.info("%s %s %d %.1fms %s", scope["method"], scope["path"], status[0] or 499,
+            ended = scope["state"].get("outcome") or status[0] or CLIENT_CLOSED
+            access_log.info("%s %s %d %.1fms %s", scope["method"], scope["path"], ended,
                             (time.perf_counter() - start) * 1000, request_id)
+            if self.on_end is not None:
+                self.on_end(scope, ended)

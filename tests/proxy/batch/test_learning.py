@@ -60,11 +60,11 @@ async def _learning_run(parsed, tmp_path, learner, encoder, prompts, tokens, *, 
 
     async with local_backend(_slow(_plugin_backend(tokens), prompts)) as url:
         backend = BackendClient(url, timeout_s=5)
-        learning = Learning(learner, predictor.features, tmp_path / "learned", ProxyMetrics(), 0.0, backend)
+        learning = Learning(learner, predictor.features, tmp_path / "learned", ProxyMetrics(), 0.0, [backend])
         predictor.follow(learning)
         journal = Journal.open(paths, parsed.journal_meta)
         try:
-            return await run_batch(parsed, journal, backend, predictor, CONFIG, learning=learning, stop=stop,
+            return await run_batch(parsed, journal, [backend], predictor, CONFIG, learning=learning, stop=stop,
                                    on_progress=progress)
         finally:
             journal.close()
@@ -139,11 +139,11 @@ def test_a_request_a_refused_replica_never_ran_is_learned_once_from_the_replica_
         async with local_backend(_slow(_plugin_backend(tokens), prompts)) as url:
             live, down = BackendClient(url, timeout_s=5), BackendClient(refused_url(), timeout_s=5)
             gate = AdmissionGate(None, ProxyMetrics(), ReplicaSet([down, live], [2, 2], "least-loaded"))
-            learning = Learning(learner, predictor.features, tmp_path / "learned", ProxyMetrics(), 0.0, live)
+            learning = Learning(learner, predictor.features, tmp_path / "learned", ProxyMetrics(), 0.0, [live])
             predictor.follow(learning)
             journal = Journal.open(JournalPaths.for_output(tmp_path / "out.jsonl"), parsed.journal_meta)
             try:
-                stats = await run_batch(parsed, journal, live, predictor, CONFIG, gate=gate, learning=learning)
+                stats = await run_batch(parsed, journal, [live], predictor, CONFIG, gate=gate, learning=learning)
                 await learning.flush()
                 return stats, learning.counts.waiting_on(), learning.metrics
             finally:

@@ -45,7 +45,7 @@ def run(tmp_path, parsed, handler, config=CONFIG, predictor=None):
             backend = BackendClient(url, timeout_s=0.3)
             journal = Journal.open(paths, parsed.journal_meta)
             try:
-                return await run_batch(parsed, journal, backend, predictor, config)
+                return await run_batch(parsed, journal, [backend], predictor, config)
             finally:
                 journal.close()
                 await backend.close()
@@ -181,14 +181,14 @@ def test_gate_gives_batch_work_only_the_slots_online_traffic_leaves(tmp_path):
             await gate.admit("online 2")
             journal = Journal.open(paths, parsed.journal_meta)
             try:
-                stats = await run_batch(parsed, journal, client, None, CONFIG, gate=gate)
+                stats = await run_batch(parsed, journal, [client], None, CONFIG, gate=gate)
                 cancel = asyncio.Event()  # now a run that cannot get a slot at all, cancelled while waiting
                 await gate.admit("online 3")
                 asyncio.get_running_loop().call_later(0.05, cancel.set)
                 (tmp_path / "second").mkdir()
                 parsed2 = batch_file(tmp_path / "second", ["s0", "s1"])
                 journal2 = Journal.open(JournalPaths.for_output(tmp_path / "out2.jsonl"), parsed2.journal_meta)
-                stats2 = await asyncio.wait_for(run_batch(parsed2, journal2, client, None, CONFIG,
+                stats2 = await asyncio.wait_for(run_batch(parsed2, journal2, [client], None, CONFIG,
                                                           stop=cancel, gate=gate), 5)
                 journal2.close()
             finally:

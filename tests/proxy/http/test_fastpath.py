@@ -1,5 +1,6 @@
 """The hot routes' short way (proxy/http/fastpath.py): its paths reach their handlers without the app, every
-other path and method reaches the app, and a ProxyError becomes the app's own error answer."""
+other path and method reaches the app, a ProxyError becomes the app's own error answer, and the request carries
+its route's name for the metrics."""
 
 import asyncio
 
@@ -28,8 +29,8 @@ def test_fast_paths_skip_the_app_and_others_reach_it():
         seen.append(("fast", request.method, request.url.path, await request.body()))
         return PlainTextResponse("fast")
 
-    def on_error(request, exc: ProxyError, label):
-        return JSONResponse({**exc.body(), "label": label}, status_code=exc.status_code)
+    def on_error(request, exc: ProxyError):
+        return JSONResponse({**exc.body(), "label": request.scope["state"]["route"]}, status_code=exc.status_code)
 
     inner = Starlette(routes=[Route("/v1/completions", app_route, methods=["GET", "POST"]),
                               Route("/other", app_route, methods=["POST"])])
@@ -50,8 +51,8 @@ def test_a_proxy_error_on_a_fast_path_is_the_error_answer_with_its_label():
     async def fails(request):
         raise InvalidRequest("bad field", param="model")
 
-    def on_error(request, exc: ProxyError, label):
-        return JSONResponse({**exc.body(), "label": label}, status_code=exc.status_code)
+    def on_error(request, exc: ProxyError):
+        return JSONResponse({**exc.body(), "label": request.scope["state"]["route"]}, status_code=exc.status_code)
 
     app = FastPath(Starlette(), {"/v1/chat/completions": (fails, "chat")}, on_error)
 
@@ -79,4 +80,6 @@ def test_the_proxy_counts_fast_path_errors_under_the_route_and_keeps_405s_in_sha
     assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"
     assert bad.headers["x-request-id"] == "rid-1"  # RequestContext still wraps the fast path
     assert wrong_method.status_code == 405 and "error" in wrong_method.json()
-    assert 'route="chat",status="400"' in metrics and 'route="chat",status="200"' in metrics
+    assert 'cohort_requests_total{route="chat",status="400"} 1.0' in metrics
+    assert 'cohort_requests_total{route="chat",status="200"} 1.0' in metrics  # each counted once
+    assert 'cohort_requests_total{route="completion",status="405"} 1.0' in metrics  # the route's, not the fast path's

@@ -207,7 +207,7 @@ def test_a_head_sent_too_slowly_gets_a_408_and_the_connection_ends(tmp_path):
         status, headers, body = answer_of(_until_closed(sock))
     assert status == 408 and headers["connection"] == "close"
     error = json.loads(body)["error"]
-    assert error["code"] == "request_timeout" and "--head-timeout-s" in error["message"]
+    assert error["code"] == "request_timeout" and "head_timeout_s" in error["message"]
 
 
 def test_the_head_timeout_neither_cuts_a_slow_answer_nor_a_second_request(tmp_path):
