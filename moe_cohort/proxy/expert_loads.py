@@ -13,7 +13,6 @@ policy removed on top. The counters are server-wide: other traffic on the same s
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from dataclasses import dataclass
 from typing import Sequence
@@ -62,6 +61,8 @@ def parse_expert_loads(text: str, phase: str = "decode") -> ExpertLoads:
 async def fetch_expert_loads(replicas: Sequence) -> ExpertLoads | None:
     """The counters summed over `replicas` (proxy.backend_client.BackendClient each: GET /metrics, all at once);
     None when one cannot be read."""
+    import asyncio  # here, so that the batch core (which reads ExpertLoads) loads no event loop
+
     from moe_cohort.proxy.http.errors import ProxyError
 
     async def one(client) -> ExpertLoads | None:

@@ -13,7 +13,8 @@ class ProxyMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("cohort_requests", "Requests answered, by route and status", ["route", "status"], registry=r)
+        self.requests = Counter("cohort_requests", "Requests, by route and the status each ended with (499: the client left)",
+                                ["route", "status"], registry=r)
         self.queue_seconds = Histogram("cohort_queue_seconds", "Time from arrival to dispatch", buckets=LATENCY_BUCKETS, registry=r)
         self.backend_seconds = Histogram("cohort_backend_seconds", "Backend time to response headers", ["route"],
                                          buckets=LATENCY_BUCKETS, registry=r)
