@@ -3,7 +3,6 @@
 (tests/proxy/servers.py) that answer as moe-cohort's vLLM would, as a plain vLLM, or badly."""
 
 import asyncio
-import json
 
 import httpx
 import pytest

@@ -5,7 +5,6 @@ and a real vLLM CPU server; a database from before owners; keys compared in cons
 
 import asyncio
 import hashlib
-import json
 import os
 import sqlite3
 import subprocess
@@ -19,7 +18,6 @@ import moe_cohort.proxy.auth
 from moe_cohort.proxy.vllm_server import free_port
 from moe_cohort.proxy.app import create_app
 from moe_cohort.proxy.auth import Authorizer
-from moe_cohort.proxy.batch.store import BatchStore
 from moe_cohort.proxy.http.errors import Unauthorized
 from moe_cohort.proxy.settings import Settings, SettingsError
 from tests.proxy.servers import ProxyThread
