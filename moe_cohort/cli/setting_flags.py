@@ -1,11 +1,10 @@
-"""The `cohort` commands' flags for the proxy's settings, and the config reference, both made from the settings
-table (proxy/settings.py).
+"""The `cohort` commands' flags for the proxy's settings, made from the settings table (proxy/settings.py).
 
 A command's flag table names the few settings a user sets there (`flag_table`); each flag is the setting's one
 flag (`flag_of`), its help the setting's meaning (or the command's own words for it) with its default and its
 variable, and it defaults to None so that an unset flag leaves the setting to its variable, the config file and
 its default (proxy/setting_sources.py). Every other setting is a variable and a config key only, listed in the
-config reference: `python -m moe_cohort.cli.setting_flags` prints its tables (docs/configuration.md holds them).
+config reference: `python -m moe_cohort.cli.config_reference` prints its tables (docs/configuration.md holds them).
 """
 
 from __future__ import annotations
@@ -14,8 +13,7 @@ import argparse
 from dataclasses import fields
 from typing import Iterable, Mapping
 
-from moe_cohort.proxy.settings import (ENGINE_READS, OTHER_VARIABLES, SECTIONS, FlagTable, Settings, flag_of,
-                                       meaning_of, variable_of)
+from moe_cohort.proxy.settings import SECTIONS, FlagTable, Settings, flag_of, meaning_of, variable_of
 
 KINDS = {"int": int, "float": float, "str": str}
 
@@ -66,51 +64,3 @@ def flag_overrides(args, flags: FlagTable) -> dict[str, object]:
     values = {dest: getattr(args, dest) for dest, _, _ in flags.values()}
     return {dest: (tuple(v) if dest in tuples else ",".join(v)) if isinstance(v, list) else v
             for dest, v in values.items()}
-
-
-def command_flags() -> dict[str, FlagTable]:
-    """The flag table of every command that takes settings: {"cohort serve": its table, ...}."""
-    from moe_cohort.cli import batch, serve
-
-    return {"cohort serve": serve._FLAGS, "cohort batch run": batch._FLAGS}
-
-
-def reference() -> str:
-    """The config reference in Markdown: one table per section (every setting: its config key, variable, flag
-    and the commands that take it, default, meaning), then the COHORT_* variables that are no setting."""
-    taken: dict[str, list[str]] = {}
-    for command, table in command_flags().items():
-        for dest, _, _ in table.values():
-            taken.setdefault(dest, []).append(command.removeprefix("cohort "))
-    lines = []
-    for section, (about, names) in SECTIONS.items():
-        lines += [f"### {section}: {about}", "", "| setting | variable | flag | default | meaning |",
-                  "|---|---|---|---|---|"]
-        for name in names:
-            variable = f"`{variable_of(name)}`" + (" (vLLM too)" if name in ENGINE_READS else "")
-            flag = f"`{flag_of(name)}` ({', '.join(taken[name])})" if name in taken else "-"
-            default = Settings.__dataclass_fields__[name].default
-            lines.append(f"| `{name}` | {variable} | {flag} | `{_shown(default)}` | {_cell(meaning_of(name))} |")
-        lines.append("")
-    lines += ["### other variables", "", "| variable | what it sets |", "|---|---|"]
-    lines += [f"| `{name}` | {_cell(text)} |" for name, text in OTHER_VARIABLES.items()]
-    return "\n".join(lines) + "\n"
-
-
-def _shown(default: object) -> str:
-    """A default as a config file writes it."""
-    if default is None:
-        return "unset"
-    if isinstance(default, bool):
-        return str(default).lower()
-    if isinstance(default, tuple):
-        return "[" + ", ".join(default) + "]"
-    return '""' if default == "" else str(default)
-
-
-def _cell(text: str) -> str:
-    return text.replace("|", "\\|")
-
-
-if __name__ == "__main__":
-    print(reference(), end="")

@@ -35,6 +35,7 @@ __all__ = [
     "LynxLat", "LynxAcc", "MoESpec", "format_policy", "parse_policy",
 ]
 
+ENV_POLICY = "COHORT_DEFAULT_POLICY"  # the engine's default policy for requests that name none (the proxy's too)
 _INT = re.compile(r"[+-]?\d+\Z")
 
 

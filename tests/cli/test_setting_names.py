@@ -9,7 +9,7 @@ import ast
 import re
 from pathlib import Path
 
-from moe_cohort.cli import setting_flags
+from moe_cohort.cli import config_reference
 from moe_cohort.cli.setting_flags import flag_overrides
 from moe_cohort.proxy.setting_sources import CONFIG_VARIABLE, load_settings
 from moe_cohort.proxy.settings import ENGINE_READS, OTHER_VARIABLES, Settings, flag_of, variable_of
@@ -93,14 +93,14 @@ def test_serve_shows_at_most_a_dozen_flags_and_the_reference_lists_every_setting
     assert len(shown) <= SERVE_FLAGS_AT_MOST, [a.option_strings for a in shown]
     text = (ROOT / "docs" / "configuration.md").read_text()
     block = text.split("<!-- settings: begin -->\n")[1].split("<!-- settings: end -->")[0]
-    assert block == setting_flags.reference(), "docs/configuration.md: python -m moe_cohort.cli.setting_flags"
+    assert block == config_reference.reference(), "docs/configuration.md: python -m moe_cohort.cli.config_reference"
     for name in Settings.__dataclass_fields__:
         assert f"| `{name}` | `{variable_of(name)}`" in block, name
     assert all(f"| `{var}` |" in block for var in OTHER_VARIABLES)
 
 
 def test_the_settings_commands_say_each_flags_variable_once_made_from_the_table():
-    commands = setting_flags.command_flags()
+    commands = config_reference.command_flags()
     for parser in parsers():
         for action in parser._actions:
             said = re.findall(r"env (COHORT_[A-Z_]+)", action.help or "")
