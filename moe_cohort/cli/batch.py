@@ -22,6 +22,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from moe_cohort.cli.batch_report import ProgressBar, learned, list_errors, summary
 from moe_cohort.cli.checks import ENCODER_CHOICES
 from moe_cohort.cli.setting_flags import add_setting_flags, flag_overrides, flag_table
 from moe_cohort.proxy.setting_sources import load_settings
@@ -46,7 +47,6 @@ _FLAGS = flag_table(
               "backend serves its expert counts)",
      "forward_profiles": "send each request's predicted profile, for moe-cohort's scheduler in vLLM to choose among "
                          "the few queued lines by (default: off, the runner chooses every line)"})
-MAX_LISTED_ERRORS = 20
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -95,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
     except OSError as exc:
         return _fail(f"cannot read {args.input}: {exc}")
     if batch.errors and not args.skip_invalid:
-        _list_errors(args.input, batch.errors)
+        list_errors(args.input, batch.errors)
         return 2
     if not batch.requests and not batch.errors:
         return _fail(f"{args.input} has no requests")
@@ -156,7 +156,7 @@ def _execute(args, settings: Settings, batch, layers: int | None, started: float
         return _fail(f"interrupted; results so far are in {paths.output}; run the same command again to finish", 130)
     finally:
         journal.close()
-    _summary(stats, journal, paths, layers, time.monotonic() - started)
+    summary(stats, journal, paths, layers, time.monotonic() - started)
     return 0
 
 
@@ -176,7 +176,7 @@ async def _run(settings: Settings, batch, journal, *, progress: bool, skip_inval
     predictor = None if loading is None else asyncio.wrap_future(_following(loading, learning))
     finished = sum(1 for r in batch.requests if r.line in journal.done)
     before = await _metrics(backend)
-    with _ProgressBar(len(batch.requests), finished, enabled=progress) as bar:
+    with ProgressBar(len(batch.requests), finished, enabled=progress) as bar:
         try:
             stats = await run_batch(batch, journal, [backend], predictor, RunConfig.from_settings(settings),
                                     skip_invalid=skip_invalid, on_progress=bar.update, learning=learning)
@@ -184,7 +184,7 @@ async def _run(settings: Settings, batch, journal, *, progress: bool, skip_inval
             if learning is not None:
                 await learning.flush()  # the last answers' counts
                 await asyncio.to_thread(learning.close)  # what it learned is saved for the next run (and serve)
-                _learned(learning.learner, learned_folder(settings))
+                learned(learning.learner, learned_folder(settings))
             after = await _metrics(backend)
             await backend.close()
     if before is not None and after is not None:
@@ -249,7 +249,7 @@ def _run_ray(settings: Settings, batch, journal, *, progress: bool, skip_invalid
     from moe_cohort.proxy.profiles import make_predictor
 
     finished = sum(1 for r in batch.requests if r.line in journal.done)
-    with _ProgressBar(len(batch.requests), finished, enabled=progress) as bar:
+    with ProgressBar(len(batch.requests), finished, enabled=progress) as bar:
         return run_batch_ray(settings, batch, journal, make_predictor(settings), skip_invalid=skip_invalid,
                              on_progress=bar.update)
 
@@ -265,72 +265,6 @@ def _ray_problem() -> str | None:
     from moe_cohort.proxy.batch.ray import ray_problem
 
     return ray_problem()
-
-
-class _ProgressBar:
-    """tqdm: requests done (ETA from tqdm), tokens/s, and the backend's live expert loads."""
-
-    def __init__(self, total: int, finished: int, *, enabled: bool) -> None:
-        from tqdm.auto import tqdm
-
-        # `initial`: requests finished by an earlier run count as done but not towards the rate and ETA
-        self.bar = tqdm(total=total, initial=finished, unit="req", desc="batch", disable=not enabled,
-                        dynamic_ncols=True)
-
-    def update(self, stats) -> None:
-        self.bar.update(stats.done - self.bar.n)
-        postfix = f"{stats.tokens_per_s:.0f} tok/s"
-        loads = stats.expert_loads
-        if loads is not None and loads.per_forward is not None:
-            postfix += f", {loads.per_forward:.1f} experts/layer/decode step"
-            if loads.policy_saving:
-                postfix += f" ({loads.policy_saving:.1%} saved by the policy)"
-        self.bar.set_postfix_str(postfix, refresh=False)
-        self.bar.refresh()
-
-    def __enter__(self) -> "_ProgressBar":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.bar.close()
-
-
-def _summary(stats, journal, paths, layers: int | None, wall_s: float) -> None:
-    ok, failed = journal.counts["output"], journal.counts["errors"]
-    print(f"done: {ok} succeeded -> {paths.output}; {failed} failed or skipped -> {paths.errors}", file=sys.stderr)
-    if stats.succeeded + stats.failed == 0:
-        print(f"nothing to send: all {stats.total} requests were finished by an earlier run", file=sys.stderr)
-        return
-    print(f"this run: {stats.succeeded + stats.failed} requests in {stats.elapsed:.1f} s from the first sent "
-          f"({wall_s:.1f} s with start-up), {stats.tokens_per_s:.0f} generated tokens/s", file=sys.stderr)
-    decode = stats.decode
-    if decode and decode["tokens"] > 0:
-        from moe_cohort.proxy.backend_metrics import decode_rates
-
-        per_token, per_forward = decode_rates({k: 0.0 for k in decode}, decode, layers)
-        shared = f", {per_forward:.2f} decode tokens per forward" if per_forward else ""
-        print(f"decode: {per_token:.3f} expert loads per generated token{shared} (the engine's counters over this "
-              f"run; compare with --encoder none on the same file for file order)", file=sys.stderr)
-    loads = stats.expert_loads
-    if loads is not None and loads.per_forward is not None:
-        saving = f", routing policy saved {loads.policy_saving:.1%} of them" if loads.policy_saving else ""
-        print(f"backend decode steps: {loads.per_forward:.2f} distinct experts per MoE layer "
-              f"({loads.after:,.0f} expert loads over {loads.forwards:,.0f} layer-steps){saving}", file=sys.stderr)
-
-
-def _learned(learner, folder: Path) -> None:
-    head = f"a head fitted on {learner.fitted_on}" if learner.head is not None else \
-        f"no head yet (the first after {learner.config.first_fit})"
-    print(f"learned: {learner.observed} observed requests, {head}; saved in {folder}", file=sys.stderr)
-
-
-def _list_errors(path: Path, errors) -> None:
-    print(f"cohort batch: {path}: {len(errors)} invalid line(s); nothing was sent:", file=sys.stderr)
-    for err in errors[:MAX_LISTED_ERRORS]:
-        print(f"  {err.message}", file=sys.stderr)
-    if len(errors) > MAX_LISTED_ERRORS:
-        print(f"  ... and {len(errors) - MAX_LISTED_ERRORS} more", file=sys.stderr)
-    print("fix them, or pass --skip-invalid to write them to the error file and run the rest", file=sys.stderr)
 
 
 def _fail(message: str, code: int = 2) -> int:

@@ -6,8 +6,26 @@ prints it."""
 from __future__ import annotations
 
 from moe_cohort.cli import batch, serve
-from moe_cohort.proxy.settings import (ENGINE_READS, OTHER_VARIABLES, SECTIONS, FlagTable, Settings, flag_of,
+from moe_cohort.proxy.settings import (ENGINE_READS, SECTIONS, FlagTable, Settings, flag_of,
                                        meaning_of, variable_of)
+
+# The COHORT_* variables that are no setting: what each one sets, and what reads it.
+OTHER_VARIABLES = {
+    "COHORT_CONFIG": "the config file (YAML or TOML) `cohort serve` and `cohort batch run` read; their --config",
+    "COHORT_CACHE_DIR": "where built models are cached: the static encoder, the trained tiny MoE (default "
+                        "$XDG_CACHE_HOME/moe-cohort, else ~/.cache/moe-cohort)",
+    "COHORT_DATA": "the data folder the tiny MoE's training reads its prompt set from (unset: templated prompts)",
+    "COHORT_RECORD_TRACES": "vLLM's plugin: 1 records every request's experts, `request` those that ask "
+                            "(vllm_xargs moe_record), 0 none",
+    "COHORT_TRACE_DIR": "vLLM's plugin: where recorded traces go (default ./cohort-traces)",
+    "COHORT_MOE_METRICS": "vLLM's plugin: 0 turns its expert-load metrics off (default 1)",
+    "COHORT_ALLOW_UNTESTED_VLLM": "vLLM's plugin and scheduler: 1 patches a vLLM version they were not tested on",
+    "COHORT_GRAPH_XSHARE_SPEC": "vLLM's plugin with CUDA graphs: 1 serves xshare-spec too (one more kernel per step)",
+    "COHORT_GRAPH_RANK_WIDTH": "vLLM's plugin with CUDA graphs: experts ranked per token, the largest OEA max_p "
+                               "served (default 2 x top_k)",
+    "COHORT_DIE_WITH_PARENT": "set by `cohort serve` for its embedded vLLM: each of its processes dies with its parent",
+    "COHORT_METRICS_DIR": "set by vLLM's plugin for vLLM's own processes: where they write their metrics",
+}
 
 
 def command_flags() -> dict[str, FlagTable]:

@@ -12,7 +12,8 @@ from pathlib import Path
 from moe_cohort.cli import config_reference
 from moe_cohort.cli.setting_flags import flag_overrides
 from moe_cohort.proxy.setting_sources import CONFIG_VARIABLE, load_settings
-from moe_cohort.proxy.settings import ENGINE_READS, OTHER_VARIABLES, Settings, flag_of, variable_of
+from moe_cohort.cli.config_reference import OTHER_VARIABLES
+from moe_cohort.proxy.settings import ENGINE_READS, Settings, flag_of, variable_of
 from tests.cli.test_cli import parsers
 
 ROOT = Path(__file__).resolve().parents[2]
