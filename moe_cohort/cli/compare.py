@@ -144,10 +144,10 @@ def find_target(proxy: str, backend: str | None, api_key: str | None) -> Target:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     health = proxy_health(proxy, api_key)
     if not backend:
-        shown = [r.get("backend") for r in health.get("replicas", []) if isinstance(r, dict)]
-        backend = shown[0] if len(shown) == 1 else None
+        urls = [r.get("backend") for r in health.get("replicas", []) if isinstance(r, dict)]
+        backend = urls[0] if len(urls) == 1 else None
         if not isinstance(backend, str) or not backend:
-            shown = "several replicas" if len(shown) > 1 else "no backend"
+            shown = "several replicas" if len(urls) > 1 else "no backend"
             raise CompareError(f"the proxy's /health shows {shown} (with protect_metrics on, only to an --api-key): "
                                f"pass --backend URL, the vLLM server to measure")
     try:

@@ -39,7 +39,7 @@ def _is_http_url(text: str) -> bool:
 
 
 def _bad(name: str, detail: str) -> SettingsError:
-    return SettingsError(f"{name} (env {ENV_PREFIX}{name.upper()}) {detail}", field=name, detail=detail)
+    return SettingsError(f"{name} (env {variable_of(name)}) {detail}", field=name, detail=detail)
 
 
 # The sections of the settings, in the order `cohort serve --help` and docs/configuration.md show them: name ->
