@@ -21,7 +21,8 @@ from moe_cohort.proxy.http.errors import BackendStatusError, BackendTimeout, Bac
 
 log = logging.getLogger(__name__)
 
-IDLE_S = 3.0  # how long an idle keep-alive connection to the backend is kept (below vLLM's 5 s)
+IDLE_S = 2.0  # how long an idle keep-alive connection to the backend is kept: below vLLM's 5 s keep-alive, with
+# margin for a starved server, whose event loop may close a connection late or read a request late
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,8 @@ class BackendClient:
         self.max_connections = max_connections
         # timeout_s bounds each wait for bytes (a whole answer, or the next chunk of a stream)
         self.timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s, sock_read=timeout_s)
-        self._session: aiohttp.ClientSession | None = None
+        self._session: aiohttp.ClientSession | None = None  # pooled keep-alive connections
+        self._fresh: aiohttp.ClientSession | None = None  # a new connection per request (the one retry)
         self._loop: asyncio.AbstractEventLoop | None = None
 
     @classmethod
@@ -58,9 +60,10 @@ class BackendClient:
                    connect_timeout_s=settings.connect_timeout_s, api_key=settings.backend_api_key)
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        for session in (self._session, self._fresh):
+            if session is not None:
+                await session.close()
+        self._session = self._fresh = None
 
     async def request(self, method: str, path: str, *, json: dict | None = None,
                       headers: dict[str, str] | None = None) -> BackendAnswer:
@@ -96,16 +99,25 @@ class BackendClient:
 
     async def _open(self, method: str, path: str, body: dict | None, headers: dict[str, str] | None
                     ) -> aiohttp.ClientResponse:
-        """Send and wait for the answer's status line, retrying once when the backend certainly did
-        not receive the request (`_not_received`); never once it may have started on it."""
+        """Send and wait for the answer's status line. Sent again, once and on a new connection, when the
+        backend certainly did not receive the request (`_not_received`), or when the connection was reused from
+        the pool and the backend closed it before the status line came back (`_unanswered`: a keep-alive
+        connection the backend closed as the request reached it; a request whose connection closes is
+        aborted by vLLM, so it is not generated twice). Never when a new connection broke after the request
+        went out (the backend may be generating it), nor once the answer began."""
+        sent = _Attempt()
         try:
-            return await self._send(method, path, body, headers)
+            return await self._send(method, path, body, headers, sent)
         except aiohttp.ClientError as exc:
-            if not _not_received(exc):
+            if _not_received(exc):
+                why = "the backend did not receive the request"
+            elif sent.reused and _unanswered(exc):
+                why = "the backend closed a reused connection before answering"
+            else:
                 raise
-            log.warning("%s %s%s: %s: %s; the backend did not receive the request, retrying once",
-                        method, self.base_url, path, type(exc).__name__, exc)
-        return await self._send(method, path, body, headers)
+            log.warning("%s %s%s: %s: %s; %s, retrying once on a new connection",
+                        method, self.base_url, path, type(exc).__name__, exc, why)
+        return await self._send(method, path, body, headers, _Attempt(), fresh=True)
 
     async def alive(self, timeout_s: float) -> bool:
         """Whether the backend answers GET /health within `timeout_s` (the one liveness probe: `problem`)."""
@@ -133,25 +145,54 @@ class BackendClient:
             async for chunk in response.content.iter_any():
                 yield chunk
 
-    def _send(self, method: str, path: str, body: dict | None, headers: dict[str, str] | None):
+    def _send(self, method: str, path: str, body: dict | None, headers: dict[str, str] | None, sent: _Attempt,
+              fresh: bool = False):
         headers = {**self.auth, **(headers or {})}
         if body is not None:
             headers = {**(headers or {}), "content-type": "application/json"}
         data = None if body is None else jsonlib.dumps(body).encode()
-        return self._client().request(method, self.base_url + path, data=data, headers=headers)
+        return self._client(fresh).request(method, self.base_url + path, data=data, headers=headers,
+                                           trace_request_ctx=sent)
 
-    def _client(self) -> aiohttp.ClientSession:
+    def _client(self, fresh: bool = False) -> aiohttp.ClientSession:
         loop = asyncio.get_running_loop()
         if self._session is None or self._session.closed or self._loop is not loop:
-            if self._session is not None and not self._session.closed:
-                log.debug("event loop changed; opening a new backend session")
-                self._session.detach()
-            # idle connections are dropped before vLLM's uvicorn closes them (its keep-alive is 5 s): a request
-            # written to a connection the server is closing fails with "Server disconnected"
+            for session in (self._session, self._fresh):
+                if session is not None and not session.closed:
+                    log.debug("event loop changed; opening a new backend session")
+                    session.detach()
+            # idle connections are dropped before vLLM's uvicorn closes them (IDLE_S); one it closes as a request
+            # reaches it anyway (a starved server) is seen reused by `_Attempt.traced` and the request resent
             connector = aiohttp.TCPConnector(limit=self.max_connections, ttl_dns_cache=300, keepalive_timeout=IDLE_S)
-            self._session = aiohttp.ClientSession(connector=connector, timeout=self.timeout)
+            self._session = aiohttp.ClientSession(connector=connector, timeout=self.timeout,
+                                                  trace_configs=[_Attempt.traced()])
+            one_shot = aiohttp.TCPConnector(limit=self.max_connections, ttl_dns_cache=300, force_close=True)
+            self._fresh = aiohttp.ClientSession(connector=one_shot, timeout=self.timeout)
             self._loop = loop
-        return self._session
+        return self._fresh if fresh else self._session
+
+
+class _Attempt:
+    """One send of a request; `reused`: its connection came from the pool (the last one it was given, should
+    aiohttp itself try again on another)."""
+
+    def __init__(self) -> None:
+        self.reused = False
+
+    @staticmethod
+    def traced() -> aiohttp.TraceConfig:
+        """A session's trace: each request's `_Attempt` (its trace_request_ctx) told how it got its connection."""
+        trace = aiohttp.TraceConfig()
+
+        async def reused(session, context, params) -> None:
+            context.trace_request_ctx.reused = True
+
+        async def created(session, context, params) -> None:
+            context.trace_request_ctx.reused = False
+
+        trace.on_connection_reuseconn.append(reused)
+        trace.on_connection_create_end.append(created)
+        return trace
 
 
 def _not_received(exc: aiohttp.ClientError) -> bool:
@@ -166,6 +207,12 @@ def _not_received(exc: aiohttp.ClientError) -> bool:
                for e in (exc, exc.__cause__))
 
 
+def _unanswered(exc: aiohttp.ClientError) -> bool:
+    """Whether the backend closed the connection before the answer's status line came back (aiohttp reports a
+    status line it had read with the disconnect, in place of its message)."""
+    return isinstance(exc, aiohttp.ServerDisconnectedError) and isinstance(exc.message, str)
+
+
 @contextlib.contextmanager
 def _translated(base_url: str, *, answer_started: bool = True):
     """aiohttp's failures as BackendTimeout / BackendUnreachable; `answer_started` False while nothing of the
@@ -176,5 +223,6 @@ def _translated(base_url: str, *, answer_started: bool = True):
         raise BackendTimeout(f"the backend at {base_url} did not answer in time ({type(exc).__name__}); "
                              f"raise request_timeout_s (COHORT_REQUEST_TIMEOUT_S) or check the backend's load") from exc
     except (aiohttp.ClientError, OSError) as exc:
+        began = answer_started or isinstance(exc, aiohttp.ServerDisconnectedError) and not _unanswered(exc)
         raise BackendUnreachable(f"cannot reach the backend at {base_url} ({type(exc).__name__}: {exc}); "
-                                 f"is vLLM running there?", answer_started=answer_started) from exc
+                                 f"is vLLM running there?", answer_started=began) from exc

@@ -1,9 +1,11 @@
 """The backend client's connection handling against a local server: keep-alive reuse (the proxy's
 latency depends on it), a finished stream returning its connection, an abandoned stream closing
-its own (how vLLM learns to abort), errors translated at the boundary, and the one retry of a request
-the backend certainly did not receive (never of one it may have started)."""
+its own (how vLLM learns to abort), errors translated at the boundary, and the one retry, on a new
+connection, of a request the backend certainly did not receive or that it closed a reused connection on
+before answering (never of one it may have started on a new connection, nor of one whose answer began)."""
 
 import asyncio
+import contextlib
 import logging
 import socket
 
@@ -101,6 +103,7 @@ def test_error_status_keeps_the_backends_body_and_client_survives_a_new_event_lo
 
 
 RETRY_LOG = "the backend did not receive the request, retrying once"
+RETRIED = "retrying once on a new connection"  # every retry's log line
 
 
 def test_refused_connect_is_retried_exactly_once_then_unreachable(caplog):
@@ -211,3 +214,147 @@ def test_the_liveness_probe_says_why_asks_its_paths_in_turn_and_sends_the_key():
     (health_only, both, alive), refused = asyncio.run(main())
     assert health_only == "GET /health answered 500" and both is None and alive is False
     assert refused.startswith("ClientConnectorError") and set(keys) == {"Bearer k"}
+
+
+OK_ANSWER = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}"
+
+
+@contextlib.asynccontextmanager
+async def scripted_server(script):
+    """A raw HTTP/1.1 server: the `r`-th request (from 0) of its `c`-th connection is read whole, then answered
+    with `script(c, r)`: (bytes to send, whether to close the connection after them). Yields the URL and the
+    (c, r) of every request read."""
+    got: list[tuple[int, int]] = []
+    connections = 0
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal connections
+        c, connections = connections, connections + 1
+        with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
+            for r in range(100):
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next((int(line.split(b":")[1]) for line in head.lower().split(b"\r\n")
+                               if line.startswith(b"content-length:")), 0)
+                await reader.readexactly(length)
+                got.append((c, r))
+                sent, close = await script(c, r)
+                writer.write(sent)
+                await writer.drain()
+                if close:
+                    break
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    try:
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", got
+    finally:
+        server.close()
+
+
+async def send(client: BackendClient, how: str) -> bytes:
+    if how == "whole":
+        return (await client.request("POST", "/v1/completions", json={"prompt": "x"})).content
+    async with client.stream("/v1/completions", json={"prompt": "x"}) as response:
+        return b"".join([c async for c in client.iter_raw(response)])
+
+
+def retries(caplog) -> int:
+    return sum(RETRIED in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("how", ["whole", "stream"])
+def test_a_reused_connection_closed_before_the_answer_is_retried_once_on_a_new_one(how, caplog):
+    """Two connections sit idle in the pool; the server closes each without answering when the next request
+    reaches it (a keep-alive timer firing as the request arrives). The request is sent again on a new
+    connection, not on the other pooled one, which the server would close too."""
+    both_open = asyncio.Event()
+
+    async def script(c, r):
+        if r == 0 and c < 2:  # the first two requests are answered together: two connections in the pool
+            if c == 1:
+                both_open.set()
+            await asyncio.wait_for(both_open.wait(), 5)
+            return OK_ANSWER, False
+        return (b"", True) if c < 2 else (OK_ANSWER, False)
+
+    async def main():
+        async with scripted_server(script) as (url, got):
+            client = BackendClient(url)
+            try:
+                await asyncio.gather(send(client, "whole"), send(client, "whole"))
+                return await send(client, how), got
+            finally:
+                await client.close()
+
+    with caplog.at_level(logging.WARNING, logger="moe_cohort.proxy.backend_client"):
+        content, got = asyncio.run(main())
+    assert content == b"{}"
+    assert len(got) == 4 and got[-1] == (2, 0)  # the two first, the one closed, the one sent again on a third
+    assert retries(caplog) == 1
+
+
+@pytest.mark.parametrize("how", ["whole", "stream"])
+def test_a_new_connection_closed_before_the_answer_is_not_retried(how, caplog):
+    """The backend read the request on a connection opened for it, then closed it: it may be generating."""
+    async def script(c, r):
+        return b"", True
+
+    async def main():
+        async with scripted_server(script) as (url, got):
+            client = BackendClient(url)
+            try:
+                with pytest.raises(BackendUnreachable) as caught:
+                    await send(client, how)
+                return caught.value, got
+            finally:
+                await client.close()
+
+    with caplog.at_level(logging.WARNING, logger="moe_cohort.proxy.backend_client"):
+        error, got = asyncio.run(main())
+    assert got == [(0, 0)] and not error.answer_started
+    assert retries(caplog) == 0
+
+
+@pytest.mark.parametrize("how", ["whole", "stream"])
+def test_a_reused_connection_whose_answer_began_is_not_retried(how, caplog):
+    """The status line came back on a pooled connection, then the connection closed: the answer had begun."""
+    async def script(c, r):
+        return (OK_ANSWER, False) if r == 0 else (b"HTTP/1.1 200 OK\r\n", True)
+
+    async def main():
+        async with scripted_server(script) as (url, got):
+            client = BackendClient(url)
+            try:
+                await send(client, "whole")
+                with pytest.raises(BackendUnreachable) as caught:
+                    await send(client, how)
+                return caught.value, got
+            finally:
+                await client.close()
+
+    with caplog.at_level(logging.WARNING, logger="moe_cohort.proxy.backend_client"):
+        error, got = asyncio.run(main())
+    assert got == [(0, 0), (0, 1)] and error.answer_started
+    assert retries(caplog) == 0
+
+
+def test_a_get_aiohttp_sent_again_itself_is_judged_by_its_last_connection(caplog):
+    """aiohttp sends an idempotent request again itself when a pooled connection closes on it; when that
+    second send, on a new connection, is closed unanswered too, the backend may be working on it: no retry."""
+    async def script(c, r):
+        return (OK_ANSWER, False) if (c, r) == (0, 0) or c > 1 else (b"", True)
+
+    async def main():
+        async with scripted_server(script) as (url, got):
+            client = BackendClient(url)
+            try:
+                await client.request("GET", "/v1/models")
+                with pytest.raises(BackendUnreachable):
+                    await client.request("GET", "/v1/models")
+                return got
+            finally:
+                await client.close()
+
+    with caplog.at_level(logging.WARNING, logger="moe_cohort.proxy.backend_client"):
+        got = asyncio.run(main())
+    assert got == [(0, 0), (0, 1), (1, 0)] and retries(caplog) == 0
