@@ -32,7 +32,8 @@ from moe_cohort.proxy.backend_client import BackendClient
 from moe_cohort.proxy.batch.api import add_batch_api
 from moe_cohort.proxy.batch.jobs import BatchJobs
 from moe_cohort.proxy.gate import AdmissionGate, Profiler
-from moe_cohort.proxy.autoconfig import LearningPlan, describe, passed_bound, plan_batch, plan_learning, plan_replica
+from moe_cohort.proxy.autoconfig import (LearningPlan, describe, fed_at, passed_bound, plan_batch, plan_learning,
+                                        plan_replica)
 from moe_cohort.proxy.handshake import UNREACHABLE, EngineInfo, ask
 from moe_cohort.proxy.http.fastpath import FastPath
 from moe_cohort.proxy.health import health_answer
@@ -105,6 +106,7 @@ class Proxy:
             self.engines[r], self.plans[r] = info, plan_replica(self.settings, info)
             self.replicas.set_capacity(r, self.plans[r].slots)
         self.gate.profile_first = any(p.engine_side for p in self.plans)
+        self.gate.fed_at = fed_at(self.engines)
         self.replicas.router.max_passed = self.settings.max_passed or passed_bound(self.plans)
         self._decide_learning()
         if self.batch_jobs is not None:
@@ -158,7 +160,8 @@ class Proxy:
                          metrics=self.metrics,
                          started=request.scope.get("state", {}).get("started"))  # proxy.http.middleware
         if preq.stream:
-            return await StreamRelay(life, self.settings.keepalive_s, request.scope.setdefault("state", {})).start()
+            return await StreamRelay(life, self.settings.keepalive_s,
+                                     request.scope.setdefault("state", {})).start(request.receive)
         return await life.reply(request.receive)
 
 

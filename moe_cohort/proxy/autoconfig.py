@@ -86,7 +86,7 @@ def plan_batch_replica(settings: Settings, info: EngineInfo) -> ReplicaPlan:
     """How to send a batch's lines to one replica that answered the handshake with `info` (the module docstring)."""
     given = settings.batch_concurrency or settings.max_in_flight
     seqs = info.max_num_seqs
-    slots = given or (seqs + max(BATCH_QUEUE_MIN, seqs // BATCH_QUEUE_SHARE) if seqs else UNKNOWN_SLOTS)
+    slots = given or (fed(seqs) if seqs else UNKNOWN_SLOTS)
     forward = bool(settings.forward_profiles)
     said = " (--max-in-flight)" if given else f" ({seqs} for its max_num_seqs and a queue of {slots - seqs})" \
         if seqs else UNKNOWN_SEQS
@@ -94,6 +94,19 @@ def plan_batch_replica(settings: Settings, info: EngineInfo) -> ReplicaPlan:
     why = "not answering yet: " if info.source == UNREACHABLE else "no moe-cohort plugin: " if not info.plugin else ""
     return ReplicaPlan(slots, forward, f"{why}each line chosen from the whole file in the proxy, {slots} at a time"
                                        f"{said}{with_profiles}", "" if info.plugin else INSTALL_PLUGIN)
+
+
+def fed(max_num_seqs: int) -> int:
+    """Requests at an engine of `max_num_seqs` slots that keep it fed: its slots, and a short queue of its own
+    (a quarter more, at least BATCH_QUEUE_MIN) that vLLM refills a freed slot from at once."""
+    return max_num_seqs + max(BATCH_QUEUE_MIN, max_num_seqs // BATCH_QUEUE_SHARE)
+
+
+def fed_at(infos: Sequence[EngineInfo]) -> int:
+    """Requests at the backends from which every engine is fed (`fed`), so that a request may wait for its
+    prediction without an engine slot idling (proxy/gate.py); an engine that does not say its max_num_seqs adds
+    nothing."""
+    return sum(fed(info.max_num_seqs) for info in infos if info.max_num_seqs)
 
 
 def passed_bound(plans: Sequence[ReplicaPlan]) -> int:

@@ -9,16 +9,19 @@ profile). When a slot is free nobody waits: there is nothing to reorder.
 
 Each request's expert profile is predicted once, on arrival, by a `Profiler` (encoder embedding
 -> profile head, in one worker thread, batched with whatever else arrived meanwhile, off the
-event loop). A prediction is waited for at most `deadline_s`: past it the request goes on without
-one (first come, first served for it) and its profile joins its replica's resident set when it
-comes, so a slow prediction never holds the engine's slots empty. A predictor with nothing to
-predict yet (a learning proxy before its first head) is not asked at all. With `profile_first`
-every request waits for its prediction, and the admission carries it in compact form, which the
-proxy forwards as `vllm_xargs.moe_profile`, so an engine with our scheduler (`engine.scheduler`)
-can reorder its own queue. Without, a request that finds a free slot with nobody waiting is
-admitted at once (there is nothing to choose, and a burst of arrivals would otherwise wait for the
-whole burst's prediction), and its profile joins its replica's resident set when predicted, so
-later choices still count its experts; a request that has to wait is predicted first.
+event loop). The rule is work conservation: while requests wait, no backend slot is idle because of
+the proxy's own work, so a prediction never stands between a request and a free slot. A request
+that finds a free slot with nobody waiting goes at once; one that has to wait joins the pool at
+once, first come, first served (`admission.waiting`, rule 2) until its prediction lands, which then
+re-scores it in place; either way its profile joins its replica's resident set when predicted, so
+later choices count its experts. A predictor with nothing to predict yet (a learning proxy before
+its first head) is not asked at all.
+
+With `profile_first` (an engine running our scheduler admits from its own queue) the prediction is
+forwarded as `vllm_xargs.moe_profile` so the engine can choose by it; a request then waits for its
+prediction (at most `deadline_s`) only while the engines are fed: at least `fed_at` requests at the
+backends, every engine's slots taken and a queue of its own to refill them from. Below that the engine
+has room, there is nothing for it to choose, and the request goes at once without its profile.
 Background work (the Batch API's jobs) shares the slots through `admit_background()` but only
 gets one that no waiting request wants. Nothing here knows HTTP: a
 caller awaits `admit()` for a `proxy.replicas.Slot`, talks to the backend, then calls `release(slot)`
@@ -100,11 +103,12 @@ class AdmissionGate:
     profiler: Profiler | None
     metrics: ProxyMetrics
     replicas: ReplicaSet
-    # True: every request waits for its prediction (and carries it to the backend); False: one that finds a
-    # free slot with nobody waiting goes at once, and its prediction joins the resident set when ready
+    # True: the prediction is forwarded (an engine with our scheduler chooses by it), so a request waits for it
+    # while the engines are fed (`fed_at`); False: admission is the proxy's, and no request waits for its prediction
     profile_first: bool = True
-    deadline_s: float = 0.05  # longest wait for a prediction; past it the request goes on without one (FCFS)
-    _late: set[asyncio.Task] = field(default_factory=set)  # predicting the profiles of requests admitted at once
+    deadline_s: float = 0.05  # longest wait for a prediction with profile_first; past it the request goes without
+    fed_at: int = 0  # requests at the backends from which every engine has its slots taken and a queue of its own
+    _late: set[asyncio.Task] = field(default_factory=set)  # predictions of requests that went on without theirs
     _ids: itertools.count = field(default_factory=itertools.count)
 
     @property
@@ -117,14 +121,22 @@ class AdmissionGate:
         self.metrics.waiting.inc()
         if self.profiler is None or not self.profiler.ready():  # nothing to predict with: first come, first served
             return await self._acquire(slot)
-        if not self.profile_first and self.replicas.router.places_at_once():
-            await self._acquire(slot)  # nothing to choose: no wait for the prediction
+        if self.profile_first and self.replicas.in_flight() >= self.fed_at:
+            return await self._admit_predicted(slot, text)
+        if self.replicas.router.places_at_once():  # a free slot, nobody waiting: nothing to choose
+            await self._acquire(slot)
             self._join_later(slot, self._profile_after(LATE_PROFILE_S, text))
             return slot
+        self._join_later(slot, self.profiler.profile(text))  # waits first come, first served until predicted
+        return await self._acquire(slot)
+
+    async def _admit_predicted(self, slot: Slot, text: str) -> Slot:
+        """`slot` admitted with its prediction (at most `deadline_s` waited for; past it the request goes on
+        without, and its profile joins the resident set when it comes)."""
         predicting = asyncio.ensure_future(self.profiler.profile(text))
         try:
             prediction = await asyncio.wait_for(asyncio.shield(predicting), self.deadline_s)
-        except TimeoutError:  # the request goes on without it; its profile joins the resident set when ready
+        except TimeoutError:
             self.metrics.profile_late.inc()
             prediction = None
         except asyncio.CancelledError:
@@ -144,12 +156,12 @@ class AdmissionGate:
         return await self.profiler.profile(text)
 
     def _join_later(self, slot: Slot, prediction: Awaitable[Prediction | None]) -> None:
-        """The request's profile, once predicted, joins its replica's resident set (unless it finished meanwhile),
-        so that later choices count its experts."""
+        """The request's profile, once predicted, re-scores it where it waits, or joins its replica's resident set
+        where it was admitted (proxy.replicas.ReplicaSet.predicted); nothing once it finished."""
         async def join() -> None:
             predicted = await prediction  # None when the encoder failed
             if predicted is not None:
-                self.replicas.router.assign(slot, predicted.vector)
+                self.replicas.predicted(slot, predicted)
         task = asyncio.get_running_loop().create_task(join())
         self._late.add(task)
         task.add_done_callback(self._late.discard)

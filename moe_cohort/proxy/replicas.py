@@ -117,6 +117,16 @@ class ReplicaSet:
             self._forget(slot)
             raise
 
+    def predicted(self, slot: Slot, prediction: Prediction) -> None:
+        """`slot`'s prediction, landed after the request arrived: a waiting request is re-scored in place (first
+        come, first served until now) and carries it when admitted; an admitted one joins its replica's resident
+        set; one released already is left alone."""
+        if slot in self._waiting:
+            slot.vector, slot.prediction = prediction.vector, prediction
+            self.router.update(slot, prediction.vector)
+        elif slot.client is not None:
+            self.router.assign(slot, prediction.vector)
+
     def _forget(self, slot: Slot) -> None:
         """A waiter that left: out of the queue, or its slot given back if it was granted meanwhile."""
         if slot in self._waiting:

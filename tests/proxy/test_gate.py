@@ -55,6 +55,12 @@ def pooled(g, n):
     return lambda: g.replicas.router.waiting() == n
 
 
+def profiled(g):
+    """Waiting requests whose prediction has landed."""
+    pool = g.replicas.router.pool
+    return int((pool.active & pool.profiled).sum())
+
+
 def run(coro):
     return asyncio.run(coro)
 
@@ -78,7 +84,7 @@ def test_a_freed_slot_goes_to_the_request_that_fits_the_resident_set():
         waiting = {"b2": asyncio.ensure_future(g.admit("b2"))}
         await until(pooled(g, 1))
         waiting["a2"] = asyncio.ensure_future(g.admit("a2"))  # arrival order: b2 first
-        await until(pooled(g, 2))
+        await until(lambda: profiled(g) == 2)  # both pooled, their predictions landed where they wait
         assert not any(w.done() for w in waiting.values())
         g.release(other)  # a1 stays resident: a2 fits it
         await until(waiting["a2"].done)
@@ -246,7 +252,7 @@ def test_a_late_profile_steers_the_next_choice_and_a_waiting_request_waits_for_i
         waiting = {"b2": asyncio.ensure_future(g.admit("b2"))}
         await until(pooled(g, 1))
         waiting["a2"] = asyncio.ensure_future(g.admit("a2"))  # arrival order: b2 first
-        await until(pooled(g, 2))
+        await until(lambda: profiled(g) == 2)  # both pooled, their predictions landed where they wait
         g.release(other)  # a1 stays resident, known only from its late profile: a2 fits it
         await until(waiting["a2"].done)
         assert not waiting["b2"].done() and waiting["a2"].result().prediction.compact == [7]  # predicted before it waited
@@ -307,4 +313,38 @@ def test_a_predictor_with_nothing_to_predict_yet_is_not_asked_first_come_first_s
         assert not waiting[1].done() and asked == []  # arrival order, and no prediction asked for
         g.release(waiting[0].result())
         g.release(await waiting[1])
+    run(main())
+
+
+def test_a_waiting_request_takes_a_freed_slot_before_its_prediction_lands():
+    async def main():
+        g, go = blocked_gate(1)
+        g.deadline_s = 30.0  # no deadline frees the slot: the rule does
+        first = await asyncio.wait_for(g.admit("a1"), 2)
+        second = asyncio.ensure_future(g.admit("b1"))
+        await until(pooled(g, 1))
+        assert profiled(g) == 0  # pooled at once, first come, first served until predicted
+        g.release(first)
+        await until(second.done)  # the freed slot did not wait for the prediction (still blocked)
+        assert not go.is_set() and second.result().prediction is None and in_flight(g) == 1
+        go.set()
+        await until(lambda: resident_count(g) == 1)  # its profile joined the resident set when it came
+        g.release(second.result())
+    run(main())
+
+
+def test_with_profile_first_a_request_waits_for_its_prediction_only_while_the_engines_are_fed():
+    async def main():
+        g, go = blocked_gate(8)
+        g.profile_first, g.deadline_s, g.fed_at = True, 30.0, 2  # fed from 2 requests at the backend
+        early = [await asyncio.wait_for(g.admit(t), 2) for t in ("a1", "b1")]  # the engine has room: at once
+        assert all(a.prediction is None for a in early)
+        fed = asyncio.ensure_future(g.admit("a2"))
+        await asyncio.sleep(0.1)
+        assert not fed.done()  # the engine is fed: this one waits for its profile, to carry it
+        go.set()
+        admitted = await asyncio.wait_for(fed, 5)
+        assert admitted.prediction.compact == [7]
+        for a in (*early, admitted):
+            g.release(a)
     run(main())
