@@ -1,6 +1,7 @@
 """Server-sent events through the proxy: keep-alives while queued, then the backend's bytes as they come.
 
-A streaming request waits for its turn up to `keepalive_s` before answering. Admitted by then
+A streaming request waits for its turn up to `keepalive_s` before answering, watching its client
+meanwhile: one that leaves is never sent (or its stream, opening, is closed). Admitted by then
 (the usual case), it opens the backend stream first, so a backend error keeps its own status
 code; otherwise it answers 200 at once and sends SSE comments (`: queued`) until admitted, and a
 later error arrives as an SSE `data: {"error": ...}` event, as vLLM itself reports errors mid-stream.
@@ -21,11 +22,11 @@ import json
 import logging
 from typing import AsyncIterator
 
-from starlette.responses import StreamingResponse
+from starlette.responses import Response, StreamingResponse
 
 from moe_cohort.proxy.http.errors import ProxyError
 from moe_cohort.proxy.http.middleware import CLIENT_CLOSED
-from moe_cohort.proxy.lifecycle import Lifecycle
+from moe_cohort.proxy.lifecycle import Lifecycle, unless_client_leaves
 
 log = logging.getLogger(__name__)
 
@@ -54,17 +55,30 @@ class StreamRelay:
         self._response = None
         self._streaming = self._ended = False  # the body began / came to its end
 
-    async def start(self):
-        """Return the response: relayed at once when admitted within keepalive_s, else keep-alives first."""
+    async def start(self, receive) -> Response:
+        """Return the response: relayed at once when admitted within keepalive_s, else keep-alives first. While
+        it is admitted and its stream opened, the client's connection (ASGI `receive`, the body already read) is
+        watched: a client that leaves then is answered 499 and its request ended (never sent, or its backend
+        stream closed)."""
         try:
-            done, _ = await asyncio.wait({self._admit}, timeout=self.keepalive_s)
-            if not done:
-                return _ClosingStreamingResponse(self._queued_then_relay(), self.close)
-            await self._open()
+            opened = await unless_client_leaves(self._opened_in_time(), receive)
         except BaseException:
             await self.close()
             raise
+        if opened is None:  # the client left
+            await self.close()
+            return Response(status_code=CLIENT_CLOSED)
+        if not opened:
+            return _ClosingStreamingResponse(self._queued_then_relay(), self.close)
         return _ClosingStreamingResponse(self._relay(), self.close, headers=self.life.response_headers())
+
+    async def _opened_in_time(self) -> bool:
+        """Whether the request was admitted within keepalive_s, and then its stream opened."""
+        done, _ = await asyncio.wait({self._admit}, timeout=self.keepalive_s)
+        if not done:
+            return False
+        await self._open()
+        return True
 
     async def _open(self) -> None:
         self._admit.result()  # raises what the admission raised
