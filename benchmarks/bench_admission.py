@@ -8,7 +8,11 @@ top-6), sent in admission.wire's compact form. Prints, for a pool of --pool wait
 
 - engine side: `engine.expert_queue.ExpertAwareQueue`, one peek + pop (what vLLM's scheduler
   calls per admitted request), the running set read anew each time;
-- proxy side: `proxy.gate.AdmissionGate`, one release + the admission it triggers.
+- proxy side: `proxy.gate.AdmissionGate`, one release + the admission it triggers;
+- batch side: `proxy.batch.order.ExpertOrder`, one finished + pick + sent (what `cohort batch run` does per
+  line when a slot frees), with --pool lines waiting and --resident out;
+- the decode step time each cost keeps up with: a 16-slot engine whose requests generate --tokens tokens frees
+  16 / tokens slots per step on average, so one choice per slot freed must fit in tokens / 16 steps.
 Target (issue 13): < 1 ms per request for a pool of 1,000 on this machine.
 """
 
@@ -22,8 +26,11 @@ from types import SimpleNamespace
 import numpy as np
 from threadpoolctl import threadpool_limits
 
+from moe_cohort.admission.resident import ResidentExperts
 from moe_cohort.engine.expert_queue import ExpertAwareQueue
 from moe_cohort.admission.wire import Prediction, compact, expand
+from moe_cohort.proxy.batch.format import BatchRequest
+from moe_cohort.proxy.batch.order import ExpertOrder
 from moe_cohort.proxy.gate import AdmissionGate, Profiler
 from moe_cohort.proxy.metrics import ProxyMetrics
 from moe_cohort.proxy.replicas import ReplicaSet
@@ -80,22 +87,49 @@ def proxy_side(pool: int, resident: int, layers: int, experts: int, rng) -> floa
     return asyncio.run(main())
 
 
+def batch_side(pool: int, resident: int, layers: int, experts: int, rng) -> float:
+    """Microseconds per finished + pick + sent of ExpertOrder (the batch runner's choice of its next line)."""
+    n = pool + resident + 200
+    vectors = {i: u.ravel() for i, u in enumerate(profiles(n, layers, experts, 6, rng))}
+    requests = [BatchRequest(i, f"c{i}", "/v1/chat/completions", {}, "none", "") for i in range(n)]
+    order = ExpertOrder(dict(vectors), lambda size: ResidentExperts(1, size), resident)
+    waiting, out = list(requests), []
+    for _ in range(resident):  # the engine filled, as at the start of a run
+        request = waiting.pop(order.pick(waiting))
+        order.sent(request)
+        out.append(request)
+    start = time.perf_counter()
+    for _ in range(200):
+        order.finished(out.pop(0))
+        request = waiting.pop(order.pick(waiting))
+        order.sent(request)
+        out.append(request)
+    return (time.perf_counter() - start) / 200 * 1e6
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--pool", type=int, default=1000)
     p.add_argument("--resident", type=int, default=32)
     p.add_argument("--layers", type=int, default=26)
     p.add_argument("--experts", type=int, default=64)
+    p.add_argument("--tokens", type=int, default=64, help="mean tokens generated per request")
     args = p.parse_args()
     rng = np.random.default_rng(0)
     assert np.allclose(expand(compact(np.eye(3, 8)), 3, 8), np.eye(3, 8))
     with threadpool_limits(limits=1, user_api="blas"):
         engine = engine_side(args.pool, args.resident, args.layers, args.experts, rng)
         proxy = proxy_side(args.pool, args.resident, args.layers, args.experts, rng)
+        batch = batch_side(args.pool, args.resident, args.layers, args.experts, rng)
     shape = f"{args.layers} x {args.experts} profiles, {args.pool} waiting, {args.resident} running, 1 BLAS thread"
     print(f"admission cost per request ({shape}):")
     print(f"  engine side, ExpertAwareQueue peek + pop: {engine:8.0f} us")
     print(f"  proxy side, AdmissionGate release -> admit: {proxy:8.0f} us")
+    print(f"  batch side, ExpertOrder finished + pick + sent: {batch:8.0f} us")
+    steps = args.tokens / 16  # decode steps of a 16-slot engine per slot freed
+    for name, us in (("engine", engine), ("proxy", proxy), ("batch", batch)):
+        print(f"  {name} side keeps a 16-slot engine fed at decode steps of >= {us / steps / 1000:.3f} ms "
+              f"({args.tokens} tokens per request: one choice every {steps:.0f} steps)")
 
 
 if __name__ == "__main__":

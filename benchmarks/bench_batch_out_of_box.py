@@ -1,13 +1,14 @@
 """End to end through vLLM CPU: what a bare `cohort batch run --backend URL` gives a batch file, against file order.
 
     python -m benchmarks.bench_batch_out_of_box [--model-dir DIR] [--lines 600] [--rounds 4] [--slots 16]
-        [--max-tokens 64] [--api] [--json FILE]
+        [--max-tokens 64] [--api] [--shared] [--plain-vllm] [--json FILE]
 
 The served model is the tiny MoE trained on text (`cohort serve`'s embedded default, trained and cached if
 --model-dir has none; give a widened copy, `cohort make-tiny-moe --trained DIR --expert-width N`, for wall time
 on experts of real size), on vLLM CPU with the moe-cohort plugin and its scheduler (`--scheduler-cls
 ...ExpertAwareScheduler`, the README's command), eager, max_num_seqs = --slots, pinned to a core of its own; the
-runner and the proxy run on the other core. The batch file: --lines chat and question prompts that no model here
+runner and the proxy run on the other core (--shared: nothing pinned, vLLM and the runner share every core, as on a
+user's first try; --plain-vllm: vLLM's own scheduler, the plugin loaded). The batch file: --lines chat and question prompts that no model here
 saw (the held-out sides of $COHORT_DATA/prompts/mixed.jsonl and of the DeepSeek-V2-Lite Puffin chat prompts),
 shuffled, --max-tokens each (`ignore_eos`: every order does the same decode work).
 
@@ -20,7 +21,8 @@ client: files.create, batches.create, poll, download): file order (`--encoder no
 
 Per run: decode expert loads per GENERATED token and decode tokens per forward (the plugin's counters over the
 run), the wall time with start-up (the command's) and without it (from its first request: the runner's summary),
-and whether every line was answered exactly once. Savings are taken against the same round's file order.
+the CPU seconds of our own process (the runner, or the proxy behind the Batch API), and whether every line was
+answered exactly once. Savings are taken against the same round's file order.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import json
 import os
 import random
 import re
+import resource
 import shutil
 import subprocess
 import sys
@@ -78,18 +81,24 @@ def answered_once(lines: list[str], total: int) -> bool:
 def measured(name: str, backend: str, layers: int, send) -> dict:
     """`send()` -> (wall without start-up or None, output lines, total lines, its log), with the engine's counters
     read around it."""
-    before, start = decode_counters(backend), time.perf_counter()
+    before, start, cpu = decode_counters(backend), time.perf_counter(), _children_cpu_s()
     after_start, lines, total, log = send()
-    wall = time.perf_counter() - start
+    wall, cpu = time.perf_counter() - start, _children_cpu_s() - cpu
     time.sleep(1.5)  # the worker publishes its counters at most once a second
     loads, per_forward = decode_rates(before, decode_counters(backend), layers)
     row = {"run": name, "loads_per_token": loads, "tokens_per_forward": per_forward, "wall_s": wall,
-           "wall_after_start_s": after_start, "once": answered_once(lines, total)}
+           "wall_after_start_s": after_start, "cpu_s": cpu, "once": answered_once(lines, total)}
     print(f"{name:>18}: {loads:6.3f} decode loads per generated token, {per_forward:5.2f} tokens per forward, wall "
-          f"{wall:6.1f} s ({after_start or float('nan'):6.1f} s from the first request), every line once: "
-          f"{row['once']}", flush=True)
+          f"{wall:6.1f} s ({after_start or float('nan'):6.1f} s from the first request), our CPU {cpu:5.1f} s, every "
+          f"line once: {row['once']}", flush=True)
     row["log"] = log
     return row
+
+
+def _children_cpu_s() -> float:
+    """User + system CPU seconds of the finished child processes so far (the runner, the proxy)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def cli_run(src: Path, out: Path, backend: str, flags: list[str]):
@@ -175,7 +184,8 @@ def summary(rows: list[dict]) -> list[str]:
                    f"fewer decode loads per generated token (each round: {', '.join(f'{s:+.1%}' for s in saving)}); "
                    f"tokens per forward {mean(kind, 'tokens_per_forward'):.2f} against "
                    f"{mean(base, 'tokens_per_forward'):.2f}; wall with start-up {mean(kind, 'wall_s'):.1f} s against "
-                   f"{mean(base, 'wall_s'):.1f} s ({wall.mean():+.1%} +- {wall.std():.1%}); every line once: "
+                   f"{mean(base, 'wall_s'):.1f} s ({wall.mean():+.1%} +- {wall.std():.1%}); our CPU "
+                   f"{mean(kind, 'cpu_s'):.1f} s against {mean(base, 'cpu_s'):.1f} s; every line once: "
                    f"{all(r['once'] for r in rows if r['kind'] in (kind, base))}")
     return out
 
@@ -190,6 +200,8 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--api", action="store_true", help="also through the Batch API of a bare cohort serve")
     p.add_argument("--json", help="also write the rows here")
+    p.add_argument("--shared", action="store_true", help="pin nothing: vLLM and the runs share every core")
+    p.add_argument("--plain-vllm", action="store_true", help="vLLM's own scheduler (the plugin still loaded)")
     p.add_argument("--flags", type=str.split, default=[], help="flags for the cold and warm runs, in one string "
                    "(e.g. '--max-in-flight 16'); none: the bare command")
     args = p.parse_args()
@@ -200,11 +212,13 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="bench-batch-out-of-box-"))
     src = batch_file(work / "in.jsonl", heldout_prompts(args.lines), args.max_tokens)
     backend_cpus, bench_proxy.PROXY_CPUS = split_cpus()
+    if args.shared:
+        backend_cpus, bench_proxy.PROXY_CPUS = os.sched_getaffinity(0), None
     os.sched_setaffinity(0, backend_cpus)  # vLLM inherits it; the runs go to the other core
     print(f"{args.lines} held-out lines, {args.max_tokens} tokens each, max_num_seqs {args.slots}; vLLM with "
-          f"moe-cohort's scheduler on CPUs {sorted(backend_cpus)}, runner and proxy on "
-          f"{sorted(bench_proxy.PROXY_CPUS)}; model {model}", flush=True)
-    with start(model, max_num_seqs=args.slots, max_model_len=1024, extra_args=SCHEDULER) as server:
+          f"{'its own' if args.plain_vllm else 'moe-cohort' + chr(39) + 's'} scheduler on CPUs {sorted(backend_cpus)}, "
+          f"runner and proxy on {sorted(bench_proxy.PROXY_CPUS or backend_cpus)}; model {model}", flush=True)
+    with start(model, max_num_seqs=args.slots, max_model_len=1024, extra_args=[] if args.plain_vllm else SCHEDULER) as server:
         rows = rounds(server.url, src, work, args, layers)
     first = next(r["log"] for r in rows if r["kind"] == "cold")
     print("the bare command said:\n  " + "\n  ".join(first.strip().splitlines()))

@@ -115,19 +115,21 @@ class Embedder:
                  threads: int | None = None):
         from moe_cohort.encoder.clip import Clipper
         from moe_cohort.encoder.onnx import OnnxSentenceModel, is_onnx_dir
+        from moe_cohort.encoder.static import read_static
 
         self.source = resolve_model(model)
         check_available(self.source)
         self.onnx = is_onnx_dir(self.source)
+        self._device, self._model = device, None
+        # a static model alone (mean-pooled token vectors, no module after): its tokenizer and [V, D] table, read
+        # without torch or sentence-transformers (their import alone takes seconds of a core the engine needs)
+        plain = None if self.onnx else read_static(self.source)
+        self._tokenizer, self._table = plain or (None, None)
         if self.onnx:  # no torch, no sentence-transformers on this path
-            self.model = OnnxSentenceModel(self.source, threads=threads)
-        else:
-            from sentence_transformers import SentenceTransformer  # heavy (torch): imported on first use
-
-            self.model = SentenceTransformer(self.source, device=device)
-        self.static = not self.onnx and type(self.model[0]).__name__ == "StaticEmbedding"
-        # a static model alone (mean-pooled token vectors, no module after): its [V, D] table, for _static_forward
-        self._table = self.model[0].embedding.weight.detach().cpu().numpy() if self.static and len(self.model) == 1 else None
+            self._model = OnnxSentenceModel(self.source, threads=threads)
+        self.static = plain is not None or (not self.onnx and type(self.model[0]).__name__ == "StaticEmbedding")
+        if self.static and plain is None:  # a static model with modules after it: the model's own forward
+            self._tokenizer = self.model[0].tokenizer
         if max_seq_len is not None:
             self._truncate(max_seq_len)
         self._clipper = Clipper.of(self._fast_tokenizer(), self._max_tokens())  # None: texts go in whole
@@ -136,10 +138,22 @@ class Embedder:
         self._cache: OrderedDict[bytes, np.ndarray] = OrderedDict()  # text digest -> [D] float32
         self._by_tokens: OrderedDict[bytes, np.ndarray] = OrderedDict()  # digest of the truncated token ids -> [D]
         self._hits = self._misses = 0
-        log.info("loaded encoder %s (dim %d, max %s tokens)", self.source, self.dim, self.model.max_seq_length)
+        log.info("loaded encoder %s (dim %d, max %s tokens)", self.source, self.dim, self._max_tokens())
+
+    @property
+    def model(self):
+        """The sentence-transformers model (ONNX: encoder.onnx's); a static folder read without it loads it on
+        first use only (saving it, or comparing against its own encode)."""
+        if self._model is None:
+            from sentence_transformers import SentenceTransformer  # heavy (torch): imported on first use
+
+            self._model = SentenceTransformer(self.source, device=self._device)
+        return self._model
 
     @property
     def dim(self) -> int:
+        if self._table is not None:
+            return int(self._table.shape[1])
         if self.onnx:
             return self.model.dim
         return int(self.model.get_embedding_dimension() if hasattr(self.model, "get_embedding_dimension")
@@ -155,18 +169,18 @@ class Embedder:
         if max_seq_len < 1:
             raise ValueError(f"max_seq_len must be >= 1, got {max_seq_len}")
         if self.static:  # a static model has no maximum of its own; its tokenizer truncates
-            self.model[0].tokenizer.enable_truncation(max_seq_len)
+            self._tokenizer.enable_truncation(max_seq_len)
         else:
             self.model.max_seq_length = max_seq_len
 
     def _fast_tokenizer(self):
         if self.onnx:
             return self.model.tokenizer
-        return self.model[0].tokenizer if self.static else getattr(self.model.tokenizer, "backend_tokenizer", None)
+        return self._tokenizer if self.static else getattr(self.model.tokenizer, "backend_tokenizer", None)
 
     def _max_tokens(self) -> int | None:
         if self.static:
-            return (self.model[0].tokenizer.truncation or {}).get("max_length")
+            return (self._tokenizer.truncation or {}).get("max_length")
         return self.model.max_seq_length
 
     def _clip(self, texts: Sequence[str]) -> Sequence[str]:
@@ -247,7 +261,7 @@ class Embedder:
         if self.onnx:
             return self.model.tokenize(texts)
         if self.static:
-            return [e.ids for e in self.model[0].tokenizer.encode_batch(texts, add_special_tokens=False)]
+            return [e.ids for e in self._tokenizer.encode_batch(texts, add_special_tokens=False)]
         return list(self.model.tokenizer(texts, truncation=True, max_length=self.model.max_seq_length)["input_ids"])
 
     def token_lengths(self, texts: list[str]) -> np.ndarray:

@@ -18,6 +18,7 @@ folder, the others wait for it and reuse its folder. The cache lives in $COHORT_
 from __future__ import annotations
 
 import fcntl
+import json
 import logging
 import os
 import shutil
@@ -25,6 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Callable
+
+import numpy as np
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +66,29 @@ def static_model_dir(source: str, *, dims: int = DEFAULT_DIMS, root: Path | None
         (build or distill)(source, out, dims=dims)
         log.info("static encoder ready in %.0f s: %s", time.monotonic() - started, out)
     return out
+
+
+def read_static(folder: str) -> tuple[object, np.ndarray] | None:
+    """(fast tokenizer, token table [V, D] float32) of a local sentence-transformers folder that holds one
+    StaticEmbedding module and nothing after it, as StaticEmbedding.load reads them (tokenizer.json, the
+    `embedding.weight` tensor), without torch; None for any other folder (the caller loads it whole)."""
+    path = Path(folder)
+    try:
+        modules = json.loads((path / "modules.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if len(modules) != 1 or not str(modules[0].get("type", "")).endswith("StaticEmbedding") \
+            or modules[0].get("path", "") or not (path / "model.safetensors").is_file():
+        return None
+    from safetensors.numpy import load_file
+    from tokenizers import Tokenizer
+
+    weights = load_file(str(path / "model.safetensors"))
+    if "embedding.weight" not in weights:  # model2vec's own layout: the model folds it
+        return None
+    tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+    tokenizer.no_padding()
+    return tokenizer, weights["embedding.weight"].astype(np.float32)
 
 
 def static_path(source: str, *, dims: int = DEFAULT_DIMS, root: Path | None = None) -> Path:

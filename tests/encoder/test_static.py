@@ -1,7 +1,10 @@
 """The static encoder: distilled once from the packaged MiniLM, cached, and fast paths of Embedder."""
 
+import json
 import logging
 import os
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -47,6 +50,20 @@ def test_static_embeddings_track_meaning_and_equal_plain_encode(static_dir, monk
     monkeypatch.setattr(e.model, "forward", lambda *a, **kw: pytest.fail("a static model alone needs no torch forward"))
     odd = ["", "  ", TEXTS[1], TEXTS[0]]
     np.testing.assert_allclose(e.encode(odd), np.concatenate([np.zeros((2, 64)), plain[[1, 0]]]), atol=1e-6)
+
+
+def test_a_static_folder_loads_and_encodes_without_torch(static_dir):
+    """What a batch run or the proxy loads beside the engine: no torch, no sentence-transformers imported."""
+    code = ("import json, sys; from moe_cohort.encoder.embedding import Embedder; "
+            "e = Embedder(sys.argv[1], max_seq_len=8); x = e.encode(json.loads(sys.argv[2])); "
+            "print(json.dumps({'heavy': sorted(m for m in ('torch', 'sentence_transformers', 'transformers') "
+            "if m in sys.modules), 'x': x.tolist(), 'dim': e.dim}))")
+    out = subprocess.run([sys.executable, "-c", code, str(static_dir), json.dumps(TEXTS)], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["heavy"] == [] and got["dim"] == 64
+    np.testing.assert_allclose(got["x"], Embedder(static_dir, max_seq_len=8).encode(TEXTS), atol=1e-6)
 
 
 def test_short_inputs_truncate_only_long_texts(static_dir):
