@@ -221,6 +221,8 @@ def _following(loading, learning):
     out: Future = Future()
 
     def done(future) -> None:
+        if out.cancelled():  # the run ended before the encoder had loaded
+            return
         try:
             predictor = future.result()
             if learning is not None:
