@@ -10,8 +10,8 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
 
 from moe_cohort.proxy.app import create_app
-from moe_cohort.proxy.autoconfig import (INSTALL_PLUGIN, TURN_ON_COUNTS, TURN_ON_SCHEDULER, plan_learning,
-                                         plan_replica)
+from moe_cohort.proxy.autoconfig import (INSTALL_PLUGIN, TURN_ON_COUNTS, TURN_ON_SCHEDULER, fed, fed_at,
+                                         plan_learning, plan_replica)
 from moe_cohort.proxy.backend_client import BackendClient
 from moe_cohort.proxy.handshake import (METRICS, PLAIN, ROUTE, UNREACHABLE, EngineInfo, MalformedInfo, ask,
                                         from_json, from_metrics)
@@ -154,6 +154,14 @@ def test_each_replica_is_served_by_what_it_said_and_flags_win(settings, engine_i
 def test_learning_is_on_where_a_replica_counts_experts_and_flags_win(settings, infos, on, could):
     plan = plan_learning(Settings(**settings), infos)
     assert (plan.on, plan.could) == (on, could)
+
+
+def test_engines_are_fed_from_their_slots_and_a_short_queue_each():
+    """A request waits for its prediction only from fed_at requests at the backends (proxy/gate.py): every engine's
+    max_num_seqs and a queue of its own (a quarter more, at least 2); an engine that does not say adds nothing."""
+    assert [fed(s) for s in (1, 8, 16, 64)] == [3, 10, 20, 80]
+    assert fed_at([AWARE, EngineInfo(ROUTE, 64, None, True, True)]) == 20 + 80
+    assert fed_at([AWARE, PLAIN_VLLM, EngineInfo(UNREACHABLE)]) == 20 and fed_at([PLAIN_VLLM]) == 0
 
 
 # ---- the running proxy -------------------------------------------------------------------------------------------
