@@ -8,7 +8,8 @@ spans, groups, layer) and cached on the device, so repeated calls copy nothing t
 
 Triton is optional: `available(tensor)` says whether the kernels can run on that tensor (CUDA
 with Triton installed, or any tensor under `TRITON_INTERPRET=1`, which must be set before this
-module is first used).
+module is first used). Both facts are decided once, when this module loads, so that a compiled caller
+reads constants and never looks anything up while it is traced.
 """
 
 from __future__ import annotations
@@ -25,19 +26,13 @@ from moe_cohort.engine.policy import Policy
 from moe_cohort.engine.selection.table import NCOL, RoutingTables, build_tables
 
 
-def interpreting() -> bool:
-    """Triton's CPU interpreter is on (TRITON_INTERPRET=1; read by Triton when kernels are defined)."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-@functools.cache
-def triton_installed() -> bool:
-    return importlib.util.find_spec("triton") is not None
+TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpreter (read when kernels are defined)
 
 
 def available(tensor: torch.Tensor) -> bool:
     """Whether `route_fused` can run on this tensor's device."""
-    return triton_installed() and (tensor.is_cuda or interpreting())
+    return TRITON_INSTALLED and (tensor.is_cuda or INTERPRETING)
 
 
 @functools.cache

@@ -93,3 +93,27 @@ def test_entry_points_compile_fullgraph():
     logits = _logits()
     _assert_compiles(single, logits)
     _assert_compiles(mixed, logits)
+
+
+def test_the_fused_path_check_compiles_with_nothing_decided_while_tracing(monkeypatch):
+    """Whether the Triton kernels can run is a value decided once, when the module loads: a check that looks
+    Triton up while tracing breaks the graph where Dynamo cannot trace the lookup (torch 2.11 on a GPU)."""
+    import importlib
+    import importlib.util
+
+    from moe_cohort.engine.selection import fused
+
+    fused = importlib.reload(fused)  # as in a new process: nothing asked before the first compiled call
+
+    def looked_up(*args, **kwargs):
+        raise AssertionError("Triton was looked up after the module loaded")
+
+    monkeypatch.setattr(importlib.util, "find_spec", looked_up)
+
+    def check(logits):
+        return logits * 2 if fused.available(logits) else logits
+
+    torch._dynamo.reset()
+    compiled = torch.compile(check, fullgraph=True, backend="aot_eager")
+    logits = _logits()
+    assert torch.equal(compiled(logits), check(logits))
