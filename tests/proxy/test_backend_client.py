@@ -258,6 +258,25 @@ async def send(client: BackendClient, how: str) -> bytes:
         return b"".join([c async for c in client.iter_raw(response)])
 
 
+def unreachable(script, how: str, caplog, pooled: bool = False) -> tuple[BackendUnreachable, list]:
+    """The BackendUnreachable a request `how` gets from a `scripted_server(script)` (after one answered request
+    that leaves its connection in the pool, with `pooled`), and what the server got."""
+    async def main():
+        async with scripted_server(script) as (url, got):
+            client = BackendClient(url)
+            try:
+                if pooled:
+                    await send(client, "whole")
+                with pytest.raises(BackendUnreachable) as caught:
+                    await send(client, how)
+                return caught.value, got
+            finally:
+                await client.close()
+
+    with caplog.at_level(logging.WARNING, logger="moe_cohort.proxy.backend_client"):
+        return asyncio.run(main())
+
+
 def retries(caplog) -> int:
     return sum(RETRIED in r.getMessage() for r in caplog.records)
 
@@ -299,18 +318,7 @@ def test_a_new_connection_closed_before_the_answer_is_not_retried(how, caplog):
     async def script(c, r):
         return b"", True
 
-    async def main():
-        async with scripted_server(script) as (url, got):
-            client = BackendClient(url)
-            try:
-                with pytest.raises(BackendUnreachable) as caught:
-                    await send(client, how)
-                return caught.value, got
-            finally:
-                await client.close()
-
-    with caplog.at_level(logging.WARNING, logger="moe_cohort.proxy.backend_client"):
-        error, got = asyncio.run(main())
+    error, got = unreachable(script, how, caplog)
     assert got == [(0, 0)] and not error.answer_started
     assert retries(caplog) == 0
 
@@ -321,19 +329,7 @@ def test_a_reused_connection_whose_answer_began_is_not_retried(how, caplog):
     async def script(c, r):
         return (OK_ANSWER, False) if r == 0 else (b"HTTP/1.1 200 OK\r\n", True)
 
-    async def main():
-        async with scripted_server(script) as (url, got):
-            client = BackendClient(url)
-            try:
-                await send(client, "whole")
-                with pytest.raises(BackendUnreachable) as caught:
-                    await send(client, how)
-                return caught.value, got
-            finally:
-                await client.close()
-
-    with caplog.at_level(logging.WARNING, logger="moe_cohort.proxy.backend_client"):
-        error, got = asyncio.run(main())
+    error, got = unreachable(script, how, caplog, pooled=True)
     assert got == [(0, 0), (0, 1)] and error.answer_started
     assert retries(caplog) == 0
 
