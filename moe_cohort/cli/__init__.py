@@ -70,7 +70,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("moe_cohort.cli.serve", "run the OpenAI-compatible proxy in front of vLLM (or an embedded tiny-MoE vLLM)"),
     "compare": ("moe_cohort.cli.compare", "on a running `cohort serve`: held-out prompts first come, first served "
                 "and through admission, decode expert loads per generated token of each"),
-    "batch": ("moe_cohort.cli.batch", "run an OpenAI Batch file through vLLM, planned up front and resumable after a crash"),
+    "batch": ("moe_cohort.cli.batch", "run an OpenAI Batch file through vLLM, each line admitted when a slot frees; "
+                                      "resumable after a crash"),
     "eval": ("moe_cohort.cli.eval", "compare static batching plans on expert traces against random and an oracle"),
     "replay": ("moe_cohort.cli.replay", "replay vLLM's continuous batching on expert traces under each admission policy"),
     "traces": ("moe_cohort.cli.traces", "inspect, import and convert expert-trace files"),
