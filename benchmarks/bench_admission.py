@@ -27,13 +27,13 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 from moe_cohort.admission.resident import ResidentExperts
-from moe_cohort.engine.expert_queue import ExpertAwareQueue
 from moe_cohort.admission.wire import Prediction, compact, expand
-from moe_cohort.proxy.batch.format import BatchRequest
-from moe_cohort.proxy.batch.order import ExpertOrder
-from moe_cohort.proxy.gate import AdmissionGate, Profiler
-from moe_cohort.proxy.metrics import ProxyMetrics
-from moe_cohort.proxy.replicas import ReplicaSet
+from moe_cohort.batch.format import BatchRequest
+from moe_cohort.batch.order import ExpertOrder
+from moe_cohort.engine.expert_queue import ExpertAwareQueue
+from moe_cohort.send.gate import AdmissionGate, Profiler
+from moe_cohort.send.metrics import ProxyMetrics
+from moe_cohort.send.replicas import ReplicaSet
 
 
 def profiles(n: int, layers: int, experts: int, top_k: int, rng) -> list[np.ndarray]:

@@ -45,17 +45,17 @@ import time
 from pathlib import Path
 
 from benchmarks.heldout import prompt_texts
+from moe_cohort.batch.core import RunConfig
+from moe_cohort.batch.format import read_batch_file
+from moe_cohort.batch.journal import Journal, JournalPaths
+from moe_cohort.batch.order import make_order, simulated_order
+from moe_cohort.batch.run import run_batch
 from moe_cohort.encoder.plans import chunk
-from moe_cohort.proxy.backend_client import BackendClient
-from moe_cohort.proxy.backend_metrics import metric_sum
-from moe_cohort.proxy.batch.core import RunConfig
-from moe_cohort.proxy.batch.order import make_order, simulated_order
-from moe_cohort.proxy.batch.run import run_batch
-from moe_cohort.proxy.batch.format import read_batch_file
-from moe_cohort.proxy.expert_loads import ExpertLoads, parse_expert_loads
-from moe_cohort.proxy.batch.journal import Journal, JournalPaths
-from moe_cohort.proxy.profiles import Predictor, make_predictor
-from moe_cohort.proxy.settings import Settings
+from moe_cohort.send.backend_client import BackendClient
+from moe_cohort.send.backend_metrics import metric_sum
+from moe_cohort.send.expert_loads import ExpertLoads, parse_expert_loads
+from moe_cohort.send.profiles import Predictor, make_predictor
+from moe_cohort.send.settings import Settings
 
 TOKENS_KEY = "cohort_moe_routed_tokens"
 
@@ -212,8 +212,8 @@ def main() -> None:
     args = parser.parse_args()
     server = None
     if not args.backend:
-        from moe_cohort.proxy.vllm_server import start
-        from moe_cohort.proxy.embedded import ensure_tiny_model
+        from moe_cohort.embedded.backend import ensure_tiny_model
+        from moe_cohort.embedded.vllm_server import start
 
         server = start(ensure_tiny_model(args.model_dir), max_num_seqs=args.batch_size,
                        extra_args=["--no-enable-prefix-caching"])

@@ -35,7 +35,7 @@ from pathlib import Path
 
 from benchmarks.bench_learning_e2e import TRAINED, counters, offline_encoder, trained_model
 from benchmarks.heldout import prompt_texts
-from moe_cohort.proxy.backend_metrics import decode_rates
+from moe_cohort.send.backend_metrics import decode_rates
 
 
 def batch_file(path: Path, prompts: list[str], max_tokens: int) -> Path:
@@ -84,7 +84,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--json", help="also write the rows here")
     args = p.parse_args()
-    from moe_cohort.proxy.vllm_server import start
+    from moe_cohort.embedded.vllm_server import start
 
     model, layers = trained_model(args.model_dir)
     prompts = prompt_texts()

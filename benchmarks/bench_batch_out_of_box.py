@@ -46,8 +46,8 @@ from benchmarks import bench_proxy
 from benchmarks.bench_out_of_box import SCHEDULER, finish
 from benchmarks.bench_proxy import split_cpus, start_proxy
 from benchmarks.heldout import TRACES, data_path, prompt_texts
-from moe_cohort.proxy.backend_metrics import decode_counters, decode_rates
-from moe_cohort.proxy.embedded import default_model_dir, ensure_trained_model
+from moe_cohort.embedded.backend import default_model_dir, ensure_trained_model
+from moe_cohort.send.backend_metrics import decode_counters, decode_rates
 from moe_cohort.traces.split import split_requests
 
 MAX_CHARS = 1500  # longer prompts are cut (the tiny model's context is 1024 tokens)
@@ -205,7 +205,7 @@ def main() -> None:
     p.add_argument("--flags", type=str.split, default=[], help="flags for the cold and warm runs, in one string "
                    "(e.g. '--max-in-flight 16'); none: the bare command")
     args = p.parse_args()
-    from moe_cohort.proxy.vllm_server import start
+    from moe_cohort.embedded.vllm_server import start
 
     model = ensure_trained_model(Path(args.model_dir))
     layers = json.loads((model / "config.json").read_text())["num_hidden_layers"]

@@ -55,9 +55,9 @@ import numpy as np
 from benchmarks import bench_proxy
 from benchmarks.bench_proxy import split_cpus, start_proxy
 from benchmarks.heldout import prompt_texts
-from moe_cohort.proxy.backend_metrics import decode_counters as counters  # bench_batch_learning imports it here
-from moe_cohort.proxy.backend_metrics import decode_rates, metric_sum, scrape
-from moe_cohort.proxy.embedded import default_model_dir, ensure_trained_model
+from moe_cohort.embedded.backend import default_model_dir, ensure_trained_model
+from moe_cohort.send.backend_metrics import decode_counters as counters  # bench_batch_learning imports it here
+from moe_cohort.send.backend_metrics import decode_rates, metric_sum, scrape
 from moe_cohort.traces.split import split_requests
 
 TRAINED = default_model_dir()  # where `cohort serve` keeps it
@@ -280,7 +280,7 @@ def main() -> None:
     p.add_argument("--no-refit-held-out", action="store_true", help="a diagnosis: the learning proxy, restarted from "
                    "what it learned, observes the held-out prompts but refits nothing while they run")
     args = p.parse_args()
-    from moe_cohort.proxy.vllm_server import start
+    from moe_cohort.embedded.vllm_server import start
 
     model, layers = trained_model(args.model_dir)
     texts = prompt_texts()

@@ -34,7 +34,7 @@ import numpy as np
 from benchmarks import bench_proxy
 from benchmarks.bench_out_of_box import SCHEDULER, add_served_arguments, finish, learn_through, served_setup
 from benchmarks.bench_proxy import start_proxy
-from moe_cohort.proxy.backend_metrics import decode_counters, decode_rates
+from moe_cohort.send.backend_metrics import decode_counters, decode_rates
 
 POLICIES = "topk,xshare;m=16;k0=1,xshare;m=24;k0=1,moe-spec;budget=16,moe-spec;budget=24"
 
@@ -137,7 +137,7 @@ def main() -> None:
     add_served_arguments(p, rounds=2)
     p.add_argument("--policies", default=POLICIES, help="comma-separated routing policies; the first is the reference")
     args = p.parse_args()
-    from moe_cohort.proxy.vllm_server import start
+    from moe_cohort.embedded.vllm_server import start
 
     model, layers, learn, held, _ = served_setup(args)
     work = Path(tempfile.mkdtemp(prefix="bench-levers-e2e-"))

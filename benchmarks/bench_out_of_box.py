@@ -40,9 +40,9 @@ from benchmarks import bench_proxy
 from benchmarks.bench_learning_e2e import health_of, send, wait_learned
 from benchmarks.bench_proxy import split_cpus, start_proxy
 from benchmarks.heldout import prompt_texts
+from moe_cohort.embedded.backend import default_model_dir, ensure_trained_model
 from moe_cohort.engine.engine_info import SCHEDULER_CLS
-from moe_cohort.proxy.backend_metrics import decode_counters, decode_rates
-from moe_cohort.proxy.embedded import default_model_dir, ensure_trained_model
+from moe_cohort.send.backend_metrics import decode_counters, decode_rates
 from moe_cohort.traces.split import split_requests
 
 SCHEDULER = ["--scheduler-cls", SCHEDULER_CLS]
@@ -77,7 +77,7 @@ def through(backend: str, flags: list[str], logs: Path, name: str, prompts: list
 
 
 def one_server(kind: str, model: Path, layers: int, learn: list[str], held: list[str], args, work: Path) -> list[dict]:
-    from moe_cohort.proxy.vllm_server import start
+    from moe_cohort.embedded.vllm_server import start
 
     logs = work / kind
     logs.mkdir()

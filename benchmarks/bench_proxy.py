@@ -63,8 +63,8 @@ import aiohttp
 import numpy as np
 
 from benchmarks.heldout import prompt_texts
-from moe_cohort.proxy.backend_metrics import metric_sum, scrape
-from moe_cohort.proxy.vllm_server import free_port
+from moe_cohort.embedded.vllm_server import free_port
+from moe_cohort.send.backend_metrics import metric_sum, scrape
 
 
 async def post(http: aiohttp.ClientSession, url: str, body: dict, own: list[float] | None = None) -> float:
@@ -386,7 +386,7 @@ def main() -> None:
     if args.replicas == 2 and args.backend:
         parser.error("--replicas 2 starts both servers itself; leave out --backend")
     if not args.backend:
-        from moe_cohort.proxy.embedded import ensure_tiny_model, start_embedded_backend
+        from moe_cohort.embedded.backend import ensure_tiny_model, start_embedded_backend
 
         os.sched_setaffinity(0, backend_cpus)  # vLLM's processes inherit it
         model = ensure_tiny_model(args.model_dir)
@@ -395,8 +395,8 @@ def main() -> None:
         if args.replicas == 2:
             second = start_embedded_backend(model, max_num_seqs=64, expert_aware=False)
     if args.engine_side:
-        from moe_cohort.proxy.vllm_server import start
-        from moe_cohort.proxy.embedded import ensure_tiny_model
+        from moe_cohort.embedded.backend import ensure_tiny_model
+        from moe_cohort.embedded.vllm_server import start
 
         os.sched_setaffinity(0, backend_cpus)
         engine = start(ensure_tiny_model(args.model_dir), max_num_seqs=args.slots,

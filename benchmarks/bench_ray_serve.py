@@ -33,7 +33,7 @@ from fastapi.responses import JSONResponse
 
 from benchmarks import bench_proxy
 from benchmarks.bench_out_of_box import SCHEDULER, add_served_arguments, learn_through, served_setup
-from moe_cohort.proxy.backend_metrics import decode_counters, decode_rates
+from moe_cohort.send.backend_metrics import decode_counters, decode_rates
 
 
 def build_app(urls: list[str], kind: str, slots: int, head: str):
@@ -42,7 +42,7 @@ def build_app(urls: list[str], kind: str, slots: int, head: str):
     from ray.serve.config import RequestRouterConfig
 
     router = {} if kind == "default" else {"request_router_config": RequestRouterConfig(
-        request_router_class="moe_cohort.proxy.ray_router:ExpertAffinityRouter",
+        request_router_class="moe_cohort.ray_serve.router:ExpertAffinityRouter",
         request_router_kwargs={"slots": slots, "encoder": "static", "head": head})}
 
     @serve.deployment(num_replicas=len(urls), max_ongoing_requests=slots, ray_actor_options={"num_cpus": 0},
@@ -146,10 +146,10 @@ def router_cpu_ms(prompts: list[str], head: str, slots: int, waiting: int = 64) 
     learned head, one prompt at a time, as requests arrive) and its bookkeeping (arrive, a freed slot's take
     over `waiting` waiting requests, the completion), on two replicas of `slots`; Serve's own routing
     machinery, the same for every router, is left out."""
-    from moe_cohort.proxy.profiles import make_predictor
-    from moe_cohort.proxy.ray_router import FixedHead
-    from moe_cohort.proxy.serve_admission import ServeAdmission
-    from moe_cohort.proxy.settings import Settings
+    from moe_cohort.ray_serve.admission import ServeAdmission
+    from moe_cohort.ray_serve.router import FixedHead
+    from moe_cohort.send.profiles import make_predictor
+    from moe_cohort.send.settings import Settings
 
     predictor = make_predictor(Settings(encoder="static"))
     predictor.follow(FixedHead(head))
@@ -199,7 +199,7 @@ def main() -> None:
     import ray
     from ray import serve
 
-    from moe_cohort.proxy.vllm_server import free_port, start
+    from moe_cohort.embedded.vllm_server import free_port, start
 
     model, layers, learn, held, backend_cpus = served_setup(args)
     work = Path(tempfile.mkdtemp(prefix="bench-ray-serve-"))

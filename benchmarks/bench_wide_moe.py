@@ -47,7 +47,7 @@ def fused_moe_backend():
     try:
         from vllm._custom_ops import cpu_fused_moe, cpu_prepack_moe_weight
         from vllm.model_executor.layers.fused_moe.experts.cpu_moe import (
-            ArmCPUUnquantizedExperts, CPUUnquantizedExperts, PowerCPUUnquantizedExperts, X86CPUUnquantizedExperts)
+                                                                          ArmCPUUnquantizedExperts, CPUUnquantizedExperts, PowerCPUUnquantizedExperts, X86CPUUnquantizedExperts)
     except ImportError:
         return "torch loop over touched experts (vLLM not importable)", None, lambda w: w, _torch_experts
     order = (X86CPUUnquantizedExperts, ArmCPUUnquantizedExperts, PowerCPUUnquantizedExperts, CPUUnquantizedExperts)
@@ -233,7 +233,7 @@ def main() -> int:
     torch.set_num_threads(args.threads)
 
     from moe_cohort.devtools.widen import widen_experts
-    from moe_cohort.proxy.embedded import ensure_trained_model
+    from moe_cohort.embedded.backend import ensure_trained_model
 
     backend = fused_moe_backend()
     trained = ensure_trained_model(args.model_dir)

@@ -31,7 +31,7 @@ import numpy as np
 from benchmarks.heldout import PROMPTS, data_path
 from benchmarks.routing_mi import category_mi, chat_prompt
 from moe_cohort.devtools.corpus import read_prompts, split_prompts
-from moe_cohort.proxy.vllm_server import start
+from moe_cohort.embedded.vllm_server import start
 from moe_cohort.traces.format import TraceSet, load_trace_file, save_traces
 from moe_cohort.traces.importers import load_traces
 

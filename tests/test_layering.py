@@ -3,7 +3,8 @@
 Every `import` statement of our packages is read from the source (module level or inside a
 function, so lazy imports count too). Our packages live in one namespace, `moe_cohort/`: floors:
 traces/, admission/ and encoder/ are the ground (they import no other package of ours), engine/,
-train/ and eval/ stand on them, devtools/ on those, proxy/ on top, and the `cohort` command
+train/ and eval/ stand on them, devtools/ on those, send/ (the send path) above, batch/, embedded/ and
+ray_serve/ on it, proxy/ (whose Batch API runs the batch runner) above them, and the `cohort` command
 (moe_cohort/cli/__init__.py, moe_cohort/__init__.py) above all; a package imports only packages on lower
 floors. The pure modules (traces/, admission/, encoder/, eval/, train/, engine/selection/) import
 no web framework, no HTTP client and no vLLM, and import each other in no circle. Nothing imports
@@ -22,8 +23,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 NS = "moe_cohort"
-FLOORS = {"traces": 0, "admission": 0, "encoder": 0, "engine": 1, "train": 1, "eval": 1, "devtools": 2, "proxy": 3,
-          "cohort": 4}
+FLOORS = {"traces": 0, "admission": 0, "encoder": 0, "engine": 1, "train": 1, "eval": 1, "devtools": 2, "send": 3,
+          "batch": 4, "embedded": 4, "ray_serve": 4, "proxy": 5, "cohort": 6}
 PURE = tuple(f"{NS}.{p}" for p in ("traces", "admission", "encoder", "eval", "train", "engine.selection"))
 FORBIDDEN_IN_PURE = ("vllm", "fastapi", "starlette", "uvicorn", "aiohttp", "httpx", "requests", "urllib3", "flask",
                      "urllib.request", "http.client", "http.server")
@@ -133,7 +134,7 @@ def known() -> dict[str, Path]:
 
 
 def test_every_package_imports_only_lower_floors(known):
-    assert {"moe_cohort.traces.format", "moe_cohort.encoder.planner", "moe_cohort.engine.selection", "moe_cohort.proxy.vllm_server", "moe_cohort.proxy.app"} <= known.keys()
+    assert {"moe_cohort.traces.format", "moe_cohort.encoder.planner", "moe_cohort.engine.selection", "moe_cohort.embedded.vllm_server", "moe_cohort.proxy.app"} <= known.keys()
     assert floor_breaches(known) == []
 
 
@@ -199,4 +200,4 @@ def test_the_built_wheel_installs_one_top_level_name(tmp_path):
     (wheel,) = tmp_path.glob("moe_cohort-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")} == {NS}
-    assert {f"{NS}/cli/__init__.py", f"{NS}/admission/waiting.py", f"{NS}/proxy/batch/core.py", f"{NS}/engine/selection/__init__.py"} <= set(names)
+    assert {f"{NS}/cli/__init__.py", f"{NS}/admission/waiting.py", f"{NS}/batch/core.py", f"{NS}/engine/selection/__init__.py"} <= set(names)

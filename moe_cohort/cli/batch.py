@@ -3,7 +3,7 @@
     cohort batch run --input requests.jsonl --output results.jsonl --backend http://127.0.0.1:8000
 
 The whole file is validated first (nothing is sent if a line is bad, unless --skip-invalid). Then the
-run asks each backend what it is, as `cohort serve` does (proxy/handshake.py, proxy/autoconfig.py), and says
+run asks each backend what it is, as `cohort serve` does (send/handshake.py, send/autoconfig.py), and says
 what it chose: as many requests out as the engine's max_num_seqs plus a short queue (vLLM refills a freed slot
 at once), and learning on where the engine serves its expert counts. Flags win. With no profile head yet (a fresh --data-dir) it sends a sample drawn from
 across the file first, learns the head from the engine's counts of those answers, then predicts the rest and
@@ -25,8 +25,8 @@ from pathlib import Path
 from moe_cohort.cli.batch_report import ProgressBar, learned, list_errors, summary
 from moe_cohort.cli.checks import ENCODER_CHOICES
 from moe_cohort.cli.setting_flags import add_setting_flags, flag_overrides, flag_table
-from moe_cohort.proxy.setting_sources import load_settings
-from moe_cohort.proxy.settings import Settings, SettingsError
+from moe_cohort.send.setting_sources import load_settings
+from moe_cohort.send.settings import Settings, SettingsError
 
 # the settings `cohort batch run` takes as flags, in its own words where a batch gives them another sense
 # (defaults live in Settings and COHORT_* variables)
@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
     settings = settings.replace(batch_concurrency=0)  # the Batch API's share of a proxy's slots; a run's: max_in_flight
     if not settings.backend_url and not args.dry_run:
         return _fail("no backend: pass --backend URL (a vLLM server) or set COHORT_BACKEND_URL")
-    from moe_cohort.proxy.profiles import encoder_problem
+    from moe_cohort.send.profiles import encoder_problem
 
     problem = encoder_problem(settings) or (_ray_problem() if args.engine == "ray" else _one_backend(settings))
     if settings.learn and (args.engine == "ray" or args.dry_run):
@@ -86,8 +86,8 @@ def run(args: argparse.Namespace) -> int:
                               f"{'--engine ray' if args.engine == 'ray' else '--dry-run'}")
     if problem:
         return _fail(problem)
-    from moe_cohort.proxy.batch.format import read_batch_file
-    from moe_cohort.proxy.hints import HintRules
+    from moe_cohort.batch.format import read_batch_file
+    from moe_cohort.send.hints import HintRules
 
     try:
         batch = read_batch_file(args.input, default_policy=settings.default_policy, max_line_bytes=settings.max_body_bytes,
@@ -100,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
     if not batch.requests and not batch.errors:
         return _fail(f"{args.input} has no requests")
     if args.dry_run:
-        from moe_cohort.proxy.profiles import make_predictor
+        from moe_cohort.send.profiles import make_predictor
 
         return _dry_run(args, settings, batch, make_predictor(settings))
     settings, layers = _configured(settings, args.engine)
@@ -110,8 +110,8 @@ def run(args: argparse.Namespace) -> int:
 def _configured(settings: Settings, engine: str) -> tuple[Settings, int | None]:
     """The run's settings as the backends' handshake makes them (flags win), said in one line; and the model's
     MoE layers when an engine told them."""
-    from moe_cohort.proxy.autoconfig import plan_batch
-    from moe_cohort.proxy.handshake import ask_all
+    from moe_cohort.send.autoconfig import plan_batch
+    from moe_cohort.send.handshake import ask_all
 
     infos = asyncio.run(ask_all(settings.backend_urls, settings))
     plan = plan_batch(settings, settings.backend_urls, infos)
@@ -122,8 +122,8 @@ def _configured(settings: Settings, engine: str) -> tuple[Settings, int | None]:
 
 
 def _dry_run(args, settings: Settings, batch, predictor) -> int:
-    from moe_cohort.proxy.batch.order import make_order, simulated_order
-    from moe_cohort.proxy.batch.run import write_plan
+    from moe_cohort.batch.order import make_order, simulated_order
+    from moe_cohort.batch.run import write_plan
 
     concurrency = settings.batch_in_flight
     order = simulated_order(batch.requests, make_order(batch.requests, predictor, concurrency), concurrency)
@@ -138,8 +138,8 @@ def _dry_run(args, settings: Settings, batch, predictor) -> int:
 
 
 def _execute(args, settings: Settings, batch, layers: int | None, started: float) -> int:
-    from moe_cohort.proxy.batch.run import RunAborted
-    from moe_cohort.proxy.batch.journal import Journal, JournalError, JournalPaths
+    from moe_cohort.batch.journal import Journal, JournalError, JournalPaths
+    from moe_cohort.batch.run import RunAborted
 
     paths = JournalPaths.for_output(args.output, args.errors)
     try:
@@ -161,11 +161,11 @@ def _execute(args, settings: Settings, batch, layers: int | None, started: float
 
 
 async def _run(settings: Settings, batch, journal, *, progress: bool, skip_invalid: bool):
-    from moe_cohort.proxy.backend_client import BackendClient
-    from moe_cohort.proxy.batch.core import RunConfig
-    from moe_cohort.proxy.batch.run import run_batch
-    from moe_cohort.proxy.learning import Learning, learned_folder, load_learner
-    from moe_cohort.proxy.metrics import ProxyMetrics
+    from moe_cohort.batch.core import RunConfig
+    from moe_cohort.batch.run import run_batch
+    from moe_cohort.send.backend_client import BackendClient
+    from moe_cohort.send.learning.learning import Learning, learned_folder, load_learner
+    from moe_cohort.send.metrics import ProxyMetrics
 
     backend = BackendClient.from_settings(settings)
     loading = _load_predictor(settings)  # the encoder loads while the first requests go (a sample, in any case)
@@ -195,7 +195,7 @@ async def _run(settings: Settings, batch, journal, *, progress: bool, skip_inval
 def _refit_every(settings: Settings) -> int | None:
     """A batch refits its head more often than a server, unless the settings say how often: its early heads order
     most of the file (docs/results.md: the learned-first schedule in the replay)."""
-    from moe_cohort.proxy.batch.follow import BATCH_REFIT_EVERY
+    from moe_cohort.batch.follow import BATCH_REFIT_EVERY
 
     return BATCH_REFIT_EVERY if settings.learn_refit_every == Settings.learn_refit_every else None
 
@@ -206,7 +206,7 @@ def _load_predictor(settings: Settings):
         return None
     from concurrent.futures import ThreadPoolExecutor
 
-    from moe_cohort.proxy.profiles import make_predictor
+    from moe_cohort.send.profiles import make_predictor
 
     pool = ThreadPoolExecutor(1, "cohort-encoder-load")
     loading = pool.submit(make_predictor, settings)
@@ -235,10 +235,10 @@ def _following(loading, learning):
 
 
 async def _metrics(backend) -> dict[str, float] | None:
-    """The plugin's decode counters on the backend now (proxy/backend_metrics.py: zeros before its first step, or
+    """The plugin's decode counters on the backend now (send/backend_metrics.py: zeros before its first step, or
     without the plugin); None where /metrics cannot be read."""
-    from moe_cohort.proxy.backend_metrics import decode_sums
-    from moe_cohort.proxy.http.errors import ProxyError
+    from moe_cohort.send.backend_metrics import decode_sums
+    from moe_cohort.send.errors import ProxyError
 
     try:
         return decode_sums((await backend.request("GET", "/metrics")).text)
@@ -247,8 +247,8 @@ async def _metrics(backend) -> dict[str, float] | None:
 
 
 def _run_ray(settings: Settings, batch, journal, *, progress: bool, skip_invalid: bool):
-    from moe_cohort.proxy.batch.ray import run_batch_ray
-    from moe_cohort.proxy.profiles import make_predictor
+    from moe_cohort.batch.ray import run_batch_ray
+    from moe_cohort.send.profiles import make_predictor
 
     finished = sum(1 for r in batch.requests if r.line in journal.done)
     with ProgressBar(len(batch.requests), finished, enabled=progress) as bar:
@@ -264,7 +264,7 @@ def _one_backend(settings: Settings) -> str | None:
 
 
 def _ray_problem() -> str | None:
-    from moe_cohort.proxy.batch.ray import ray_problem
+    from moe_cohort.batch.ray import ray_problem
 
     return ray_problem()
 

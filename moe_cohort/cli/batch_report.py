@@ -48,7 +48,7 @@ def summary(stats, journal, paths, layers: int | None, wall_s: float) -> None:
           f"({wall_s:.1f} s with start-up), {stats.tokens_per_s:.0f} generated tokens/s", file=sys.stderr)
     decode = stats.decode
     if decode and decode["tokens"] > 0:
-        from moe_cohort.proxy.backend_metrics import decode_rates
+        from moe_cohort.send.backend_metrics import decode_rates
 
         per_token, per_forward = decode_rates({k: 0.0 for k in decode}, decode, layers)
         shared = f", {per_forward:.2f} decode tokens per forward" if per_forward else ""

@@ -13,7 +13,7 @@ the rounds, --learn-requests prompts of the training side go through the proxy, 
 proxy has a profile head. --clients closed-loop clients keep more requests waiting than the engine has
 slots: admission chooses among those.
 
-Each run is measured by the difference of the backend's plugin counters (proxy/backend_metrics.py):
+Each run is measured by the difference of the backend's plugin counters (send/backend_metrics.py):
 decode expert loads per GENERATED token, and decode tokens per forward beside it (fewer tokens per
 forward touch fewer experts by themselves). FCFS and admission alternate on one server, so the
 engine's drift over minutes hits both alike. The counters are server-wide: run it on a backend that
@@ -38,8 +38,8 @@ import time
 from dataclasses import dataclass
 
 from moe_cohort.cli.checks import positive_int
-from moe_cohort.proxy.backend_metrics import (decode_counters, decode_rates, decode_sums, has_plugin_counters,
-                                              scrape)
+from moe_cohort.send.backend_metrics import (decode_counters, decode_rates, decode_sums, has_plugin_counters,
+                                             scrape)
 
 log = logging.getLogger(__name__)
 

@@ -1,13 +1,13 @@
 """The config reference (docs/configuration.md): every setting with its config key, variable, flag and the
 commands that take it, default and meaning, then the COHORT_* variables that are no setting; made from the
-settings table (proxy/settings.py) and the commands' flag tables. `python -m moe_cohort.cli.config_reference`
+settings table (send/settings.py) and the commands' flag tables. `python -m moe_cohort.cli.config_reference`
 prints it."""
 
 from __future__ import annotations
 
 from moe_cohort.cli import batch, serve
-from moe_cohort.proxy.settings import (ENGINE_READS, SECTIONS, FlagTable, Settings, flag_of,
-                                       meaning_of, variable_of)
+from moe_cohort.send.settings import (ENGINE_READS, SECTIONS, FlagTable, Settings, flag_of,
+                                      meaning_of, variable_of)
 
 # The COHORT_* variables that are no setting: what each one sets, and what reads it.
 OTHER_VARIABLES = {

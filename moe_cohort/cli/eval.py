@@ -12,11 +12,11 @@ import sys
 
 import numpy as np
 
-from moe_cohort.encoder.plans import PlanError, read_plan_file
 from moe_cohort.cli.checks import ENCODER_CHOICES, encoder_problem, int_list, path_problem, positive_int
+from moe_cohort.encoder.plans import PlanError, read_plan_file
 from moe_cohort.eval.metrics import evaluate
 from moe_cohort.eval.report import format_table, write_report
-from moe_cohort.proxy.settings import DEFAULT_ENCODER
+from moe_cohort.send.settings import DEFAULT_ENCODER
 from moe_cohort.traces.format import TraceFormatError, TraceSet
 from moe_cohort.traces.importers import load_traces
 from moe_cohort.traces.loads import DEFAULT_DECODE_STEPS, expert_masks

@@ -20,7 +20,7 @@ from pathlib import Path
 from moe_cohort.cli.checks import ENCODER_CHOICES
 from moe_cohort.encoder.inputs import InputError, PlanInput, parse_lines
 from moe_cohort.encoder.plans import write_plan_file
-from moe_cohort.proxy.settings import DEFAULT_ENCODER
+from moe_cohort.send.settings import DEFAULT_ENCODER
 
 log = logging.getLogger(__name__)
 

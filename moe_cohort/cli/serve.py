@@ -1,7 +1,7 @@
 """`cohort serve`: the OpenAI-compatible proxy in front of vLLM (or of an embedded tiny-MoE vLLM).
 
 Settings come from flags > COHORT_* variables > a config file (--config / COHORT_CONFIG) > defaults
-(proxy/settings.py); every one is checked before anything starts, and a bad one is one line, exit 2. The flags
+(send/settings.py); every one is checked before anything starts, and a bad one is one line, exit 2. The flags
 are the settings a user sets (`SETTINGS`), grouped by the settings' sections; every other setting (limits,
 timeouts, fairness bounds, learning's tuning) is a variable and a config key, in docs/configuration.md.
 With a backend, each replica is asked for /health at start-up, retried with backoff for backend_wait_s,
@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 
 from moe_cohort.cli.setting_flags import add_setting_flags, flag_overrides, flag_table, section_groups
-from moe_cohort.proxy.setting_sources import CONFIG_VARIABLE, load_settings, setting_names
-from moe_cohort.proxy.settings import Settings, SettingsError
+from moe_cohort.send.setting_sources import CONFIG_VARIABLE, load_settings, setting_names
+from moe_cohort.send.settings import Settings, SettingsError
 
 # the settings `cohort serve` takes as flags, in the order of their sections
 SETTINGS = ("backend_url", "routing", "model_dir", "host", "port", "api_keys", "max_in_flight", "default_policy",
@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
         settings = load_settings(flag_overrides(args, _FLAGS), config=args.config, flags=_FLAGS)
     except SettingsError as exc:
         return _fail(str(exc))
-    from moe_cohort.proxy.profiles import encoder_problem
+    from moe_cohort.send.profiles import encoder_problem
 
     problem = (encoder_problem(settings) or _port_problem(settings.host, settings.port, "port")
                or _data_dir_problem(settings.data_dir))
@@ -80,7 +80,7 @@ def wait_for_backend(url: str, wait_s: float, api_key: str = "") -> bool:
         return False
     import asyncio
 
-    from moe_cohort.proxy.backend_client import BackendClient
+    from moe_cohort.send.backend_client import BackendClient
 
     client = BackendClient(url, api_key=api_key)
     deadline, delay = time.monotonic() + wait_s, 0.5
@@ -136,9 +136,9 @@ def _start_embedded(settings: Settings, *, explicit_in_flight: bool):
     """vLLM CPU on the tiny MoE trained on text (trained into model_dir first when it holds no model), on
     backend_port, with the plugin and the expert-aware scheduler; the settings pointed at it. Its slots
     (max_num_seqs) are the given max_in_flight, else 16; the proxy takes its own from the engine's handshake."""
-    from moe_cohort.proxy.embedded import TRAIN_MINUTES, default_model_dir, ensure_trained_model, has_model, \
+    from moe_cohort.embedded.backend import TRAIN_MINUTES, default_model_dir, ensure_trained_model, has_model, \
         start_embedded_backend
-    from moe_cohort.proxy.vllm_server import stay_off_worker_cpus
+    from moe_cohort.embedded.vllm_server import stay_off_worker_cpus
 
     given = explicit_in_flight or settings.max_in_flight != Settings.max_in_flight  # a flag, variable or file
     max_num_seqs = settings.max_in_flight if given else 16
@@ -166,7 +166,7 @@ def _serve(settings: Settings) -> int:
     from moe_cohort.proxy.app import create_app
     from moe_cohort.proxy.http.limits import server_options
     from moe_cohort.proxy.http.starting import Starting
-    from moe_cohort.proxy.profiles import limit_threads
+    from moe_cohort.send.profiles import limit_threads
 
     where = f"http://{settings.host}:{settings.port}"
     replicas = f", routing {settings.routing}" if len(settings.backend_urls) > 1 else ""

@@ -1,9 +1,9 @@
-"""The `cohort` commands' flags for the proxy's settings, made from the settings table (proxy/settings.py).
+"""The `cohort` commands' flags for the proxy's settings, made from the settings table (send/settings.py).
 
 A command's flag table names the few settings a user sets there (`flag_table`); each flag is the setting's one
 flag (`flag_of`), its help the setting's meaning (or the command's own words for it) with its default and its
 variable, and it defaults to None so that an unset flag leaves the setting to its variable, the config file and
-its default (proxy/setting_sources.py). Every other setting is a variable and a config key only, listed in the
+its default (send/setting_sources.py). Every other setting is a variable and a config key only, listed in the
 config reference: `python -m moe_cohort.cli.config_reference` prints its tables (docs/configuration.md holds them).
 """
 
@@ -13,7 +13,7 @@ import argparse
 from dataclasses import fields
 from typing import Iterable, Mapping
 
-from moe_cohort.proxy.settings import SECTIONS, FlagTable, Settings, flag_of, meaning_of, variable_of
+from moe_cohort.send.settings import SECTIONS, FlagTable, Settings, flag_of, meaning_of, variable_of
 
 KINDS = {"int": int, "float": float, "str": str}
 

@@ -1,6 +1,6 @@
 """A process that dies with its parent (Linux PR_SET_PDEATHSIG), for every process of a guarded vLLM server.
 
-Linux does not end a process when its parent dies: the child is re-parented and runs on. proxy/vllm_guard.py
+Linux does not end a process when its parent dies: the child is re-parented and runs on. embedded/vllm_guard.py
 starts the vLLM API server with `ENV=1` in its environment; every vLLM process inherits it and loads our
 plugin, whose `register()` calls `follow_parent()`: so the API server dies with the guard, the engine core
 with the API server, a worker with the engine core, even when the one above is killed outright (SIGKILL,
@@ -25,7 +25,7 @@ _prctl = getattr(ctypes.CDLL(None, use_errno=True), "prctl", None)  # Linux only
 def die_with_parent(sig: int) -> None:
     """Ask Linux to send this process `sig` when the thread that created it ends."""
     if _prctl is None:
-        raise OSError(f"prctl(PR_SET_PDEATHSIG) is Linux only: unset {ENV} (the guard of proxy/vllm_guard.py sets it)")
+        raise OSError(f"prctl(PR_SET_PDEATHSIG) is Linux only: unset {ENV} (the guard of embedded/vllm_guard.py sets it)")
     if _prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
         errno = ctypes.get_errno()
         raise OSError(errno, f"prctl(PR_SET_PDEATHSIG): {os.strerror(errno)}")

@@ -30,7 +30,7 @@ Environment (read when the plugin registers, in every vLLM process):
     COHORT_TRACE_DIR            where trace files go (default ./cohort-traces of the server's cwd)
     COHORT_MOE_METRICS          0: no expert-load metrics (default 1)
     COHORT_ALLOW_UNTESTED_VLLM  1: patch a vLLM version this plugin was not written for
-    COHORT_DIE_WITH_PARENT      1: each vLLM process dies with its parent (set by proxy/vllm_guard)
+    COHORT_DIE_WITH_PARENT      1: each vLLM process dies with its parent (set by embedded/vllm_guard)
 
     COHORT_GRAPH_XSHARE_SPEC    1: with CUDA graphs, also serve xshare-spec (its per-request kernel then
                                 runs in every step; default 0: such requests get HTTP 400)
@@ -172,7 +172,7 @@ def register() -> None:
         return
     import vllm
 
-    follow_parent()  # under proxy/vllm_guard: this vLLM process dies with the one that started it
+    follow_parent()  # under embedded/vllm_guard: this vLLM process dies with the one that started it
     config = PluginConfig.from_env()
     check_vllm_version(vllm.__version__, allow_untested=_env_flag(os.environ, ENV_ALLOW, False))
     _use_vllm_logging()

@@ -2,7 +2,7 @@
 
 A `Policy` names a routing of `admission.router.ReplicaRouter` and what it fits requests by, and
 `run` replays it (eval.replay) through a router built fresh for that run, so the replay admits exactly
-as the proxy serves (proxy/replicas.py drives the same router) and as a batch file is ordered:
+as the proxy serves (send/replicas.py drives the same router) and as a batch file is ordered:
 
 - order policies (`random_order`, `fixed_order`): first come, first served ("least-loaded"), the
   requests that arrive together joining in a fixed order: random, trace order, or a static plan's

@@ -2,8 +2,8 @@
 
 R replicas of S slots each (one engine: R = 1); every resident request emits one token per step; a
 request leaves after its output length and the freed slot is filled at once by
-`admission.router.ReplicaRouter`, the one admission driver the proxy serves with (proxy/replicas.py)
-and the batch runner orders by (proxy/batch/order.py): fairness bound first, FCFS for requests
+`admission.router.ReplicaRouter`, the one admission driver the proxy serves with (send/replicas.py)
+and the batch runner orders by (batch/order.py): fairness bound first, FCFS for requests
 without a vector, the oldest when nobody is resident, else the fewest expected new experts (or the
 nearest embedding), ties to the earliest arrival. A step of replica r loads, per MoE layer, the
 distinct experts of r's residents' current tokens; its loads are those counts summed over layers

@@ -8,7 +8,7 @@
 
 `create_app(settings)` builds everything once: the settings, the backend client, the encoder
 and profile head (the predictor), the admission gate and the metrics. Before it serves, its lifespan
-asks each replica what it is and serves it accordingly (proxy/handshake.py, proxy/autoconfig.py).
+asks each replica what it is and serves it accordingly (send/handshake.py, send/autoconfig.py).
 Every request gets a request id and an access log line (proxy/http/middleware.py); every error
 leaves in the OpenAI error shape.
 """
@@ -25,31 +25,31 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from moe_cohort.proxy.http.answers import add_error_handlers, error_answer
-from moe_cohort.proxy.http.api_docs import OFF as API_DOCS_OFF, add_api_docs
-from moe_cohort.proxy.auth import Authorizer, backend_headers
-from moe_cohort.proxy.backend_client import BackendClient
 from moe_cohort.proxy.batch.api import add_batch_api
 from moe_cohort.proxy.batch.jobs import BatchJobs
-from moe_cohort.proxy.gate import AdmissionGate, Profiler
-from moe_cohort.proxy.autoconfig import (LearningPlan, describe, fed_at, passed_bound, plan_batch, plan_learning,
-                                        plan_replica)
-from moe_cohort.proxy.handshake import UNREACHABLE, EngineInfo, ask
-from moe_cohort.proxy.http.fastpath import FastPath
 from moe_cohort.proxy.health import health_answer
-from moe_cohort.proxy.hints import HintRules
-from moe_cohort.proxy.learning import Learning, learned_folder, load_learner
+from moe_cohort.proxy.http.answers import add_error_handlers, error_answer
+from moe_cohort.proxy.http.api_docs import OFF as API_DOCS_OFF, add_api_docs
+from moe_cohort.proxy.http.fastpath import FastPath
 from moe_cohort.proxy.http.limits import HeadLimits
-from moe_cohort.proxy.metrics import ProxyMetrics
 from moe_cohort.proxy.http.middleware import RequestContext, access_log, route_label
-from moe_cohort.proxy.profiles import Predictor, make_predictor
-from moe_cohort.proxy.lifecycle import Lifecycle
-from moe_cohort.proxy.protocol import Route, check_size, read_body, read_request
 from moe_cohort.proxy.relay import add_relay_routes
-from moe_cohort.proxy.replicas import ReplicaSet
-from moe_cohort.proxy.setting_sources import load_settings
-from moe_cohort.proxy.settings import Settings
 from moe_cohort.proxy.streaming import StreamRelay
+from moe_cohort.send.auth import Authorizer, backend_headers
+from moe_cohort.send.autoconfig import (LearningPlan, describe, fed_at, passed_bound, plan_batch, plan_learning,
+                                        plan_replica)
+from moe_cohort.send.backend_client import BackendClient
+from moe_cohort.send.gate import AdmissionGate, Profiler
+from moe_cohort.send.handshake import UNREACHABLE, EngineInfo, ask
+from moe_cohort.send.hints import HintRules
+from moe_cohort.send.learning.learning import Learning, learned_folder, load_learner
+from moe_cohort.send.lifecycle import Lifecycle
+from moe_cohort.send.metrics import ProxyMetrics
+from moe_cohort.send.profiles import Predictor, make_predictor
+from moe_cohort.send.protocol import Route, check_size, read_body, read_request
+from moe_cohort.send.replicas import ReplicaSet
+from moe_cohort.send.setting_sources import load_settings
+from moe_cohort.send.settings import Settings
 from moe_cohort.train.online import OnlineLearner
 
 log = logging.getLogger(__name__)
@@ -97,7 +97,7 @@ class Proxy:
         await self.replicas.close()
 
     async def configure(self, replicas: Sequence[int] | None = None) -> str:
-        """Ask `replicas` (default: all) what they are and serve each accordingly (proxy/autoconfig.py): slots,
+        """Ask `replicas` (default: all) what they are and serve each accordingly (send/autoconfig.py): slots,
         where admission runs, whether to learn (decided once, when the first replica answers). The line saying
         what was chosen and why."""
         replicas = range(len(self.replicas.clients)) if replicas is None else replicas
@@ -114,14 +114,14 @@ class Proxy:
         return describe(self.settings.backend_urls, self.plans, self.learning_plan)
 
     def _decide_learning(self) -> None:
-        """Whether to learn is decided once (proxy/autoconfig.py: a setting, else the first replica's answer)."""
+        """Whether to learn is decided once (send/autoconfig.py: a setting, else the first replica's answer)."""
         if self.learning_plan is None or self.learning_plan.on is None:
             self.learning_plan = plan_learning(self.settings, self.engines)
             if self.learning is not None and self.learning_plan.on is not None:
                 self.learning.decide(self.learning_plan.on)
 
     async def watch_replicas(self, every_s: float | None = None) -> None:
-        """Every `every_s`: probe the replicas (proxy/replicas.py: one that stops answering goes out, never the
+        """Every `every_s`: probe the replicas (send/replicas.py: one that stops answering goes out, never the
         last; one that answers again comes back); a replica that came back, or never answered the handshake, is
         asked it again and served by its answer."""
         while True:

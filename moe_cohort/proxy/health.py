@@ -14,12 +14,12 @@ from __future__ import annotations
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from moe_cohort.proxy.autoconfig import health
+from moe_cohort.send.autoconfig import health
 
 
 async def health_answer(proxy, request: Request) -> Response:
     """The answer of `proxy` (proxy.app.Proxy) to `request`: each replica probed now (taken out or back in by the
-    answer, proxy/replicas.py); 200 while one is up."""
+    answer, send/replicas.py); 200 while one is up."""
     shown = not proxy.settings.protect_metrics or proxy.authorize.allows(request.headers)
     up = await proxy.replicas.check()
     router = proxy.replicas.router
@@ -33,7 +33,7 @@ async def health_answer(proxy, request: Request) -> Response:
 
 def admission_health(proxy) -> dict:
     """What admission runs on (a learned head, a trained folder's, embeddings only, or nothing: FCFS) and how each
-    replica is served (proxy/autoconfig.py)."""
+    replica is served (send/autoconfig.py)."""
     if proxy.predictor is None:
         admission = {"mode": "first come, first served (--encoder none)"}
     else:

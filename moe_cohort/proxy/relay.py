@@ -18,9 +18,9 @@ from __future__ import annotations
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from moe_cohort.proxy.auth import backend_headers
-from moe_cohort.proxy.http.errors import NotFound
-from moe_cohort.proxy.protocol import json_object
+from moe_cohort.send.auth import backend_headers
+from moe_cohort.send.errors import NotFound
+from moe_cohort.send.protocol import json_object
 
 POST_ROUTES = ("/v1/embeddings", "/tokenize", "/detokenize")
 

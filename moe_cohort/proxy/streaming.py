@@ -6,9 +6,9 @@ meanwhile: one that leaves is never sent (or its stream, opening, is closed). Ad
 code; otherwise it answers 200 at once and sends SSE comments (`: queued`) until admitted, and a
 later error arrives as an SSE `data: {"error": ...}` event, as vLLM itself reports errors mid-stream.
 Whatever happens (finish, error, client disconnect) `close()` runs once: it closes the backend
-connection, which makes vLLM abort the request, and frees its slot (proxy/lifecycle.py). With several
+connection, which makes vLLM abort the request, and frees its slot (send/lifecycle.py). With several
 replicas the stream opens on its slot's replica; one that is down before any byte of the answer
-came back passes the request to another (proxy.replicas: it generated nothing of it); one that dies
+came back passes the request to another (send.replicas: it generated nothing of it); one that dies
 mid-stream ends it with an SSE error event. A stream that ends otherwise than its 200 said (an error event,
 or its client left before the end) writes how it ended to the request's `state["outcome"]` (the status the
 access log and the requests metric count, proxy/http/middleware.py).
@@ -24,9 +24,8 @@ from typing import AsyncIterator
 
 from starlette.responses import Response, StreamingResponse
 
-from moe_cohort.proxy.http.errors import ProxyError
-from moe_cohort.proxy.http.middleware import CLIENT_CLOSED
-from moe_cohort.proxy.lifecycle import Lifecycle, unless_client_leaves
+from moe_cohort.send.errors import CLIENT_CLOSED, ProxyError
+from moe_cohort.send.lifecycle import Lifecycle, unless_client_leaves
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +112,7 @@ class StreamRelay:
         return _sse_error(exc)
 
     async def close(self) -> None:
-        """Once, whatever happened: a queued request leaves the queue; an admitted one ends (proxy.lifecycle)."""
+        """Once, whatever happened: a queued request leaves the queue; an admitted one ends (send.lifecycle)."""
         if self._streaming and not self._ended:
             self.state.setdefault("outcome", CLIENT_CLOSED)  # the client left before the end
         if not self._admit.done():

@@ -2,7 +2,7 @@
 
 For each finished request: per MoE layer, how many of its prompt tokens and, kept apart, how many of
 its generated tokens picked each expert, and how many tokens each part had. Counts only: never the
-text, never token ids. Two sources produce them, read by the proxy (proxy/learning.py):
+text, never token ids. Two sources produce them, read by the proxy (send/learning/learning.py):
 
 - vLLM's own `routed_experts` response field (server flag `--enable-return-routed-experts`): base64
   `.npy` bytes of shape [tokens - 1, L, k], every token that went through the model (the last

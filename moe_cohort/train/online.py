@@ -1,6 +1,6 @@
 """Learn the profile head from the served model's own routing, online: observations in, a head out.
 
-The proxy (proxy/learning.py) hands the learner each observed request as what the head reads
+The proxy (send/learning/learning.py) hands the learner each observed request as what the head reads
 (encoder.profile.head_features: the unit embedding beside the prompt's hashed n-grams, never the
 text) and its observed counts (traces.observed). The learner keeps a bounded uniform sample of all
 requests offered to it (`Reservoir`, Vitter's algorithm R: it decides before a request runs whether

@@ -16,11 +16,11 @@ import pytest
 from moe_cohort.admission.wire import Prediction
 from moe_cohort.eval.policies import by_profile
 from moe_cohort.eval.replay import decode_profiles, decode_tokens
-from moe_cohort.proxy.gate import AdmissionGate, Profiler
-from moe_cohort.proxy.metrics import ProxyMetrics
-from moe_cohort.proxy.replicas import ReplicaSet
-from tests.proxy.servers import idle_clients
+from moe_cohort.send.gate import AdmissionGate, Profiler
+from moe_cohort.send.metrics import ProxyMetrics
+from moe_cohort.send.replicas import ReplicaSet
 from tests.conftest import random_traces
+from tests.proxy.servers import idle_clients
 
 N, MAX_WAIT = 24, 15  # requests; the fairness bound in steps (seconds on the proxy's clock)
 

@@ -1,9 +1,9 @@
-"""benchmarks/bench_batch_learning's batch file (its rates are proxy.backend_metrics.decode_rates, tested there);
+"""benchmarks/bench_batch_learning's batch file (its rates are send.backend_metrics.decode_rates, tested there);
 benchmarks/bench_refit's timings."""
 
 from benchmarks.bench_batch_learning import batch_file
 from benchmarks.bench_refit import time_predict, time_refit
-from moe_cohort.proxy.batch.format import read_batch_file
+from moe_cohort.batch.format import read_batch_file
 
 
 def test_the_batch_file_is_a_valid_openai_batch_of_the_prompts(tmp_path):

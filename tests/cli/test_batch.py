@@ -9,7 +9,7 @@ import time
 import pytest
 
 from moe_cohort.cli import main
-from tests.proxy.test_learning import encoder  # noqa: F401 (a fixture)
+from tests.send.learning.test_learning import encoder  # noqa: F401 (a fixture)
 
 
 def request_line(cid, content, max_tokens=4, url="/v1/chat/completions"):

@@ -2,7 +2,7 @@
 (proxy/autoconfig.plan_batch): the slots, whether it learns; flags win (and forward profiles when asked).
 The engines are stand-ins on real sockets that answer the handshake as moe-cohort's vLLM would (with and without
 our scheduler, with and without the expert counts), or as a plain vLLM; the learning one counts experts as our
-plugin does (tests/proxy/test_learning.py)."""
+plugin does (tests/send/learning/test_learning.py)."""
 
 import asyncio
 import json
@@ -11,12 +11,12 @@ import pytest
 
 from moe_cohort.admission.wire import OBSERVE_KEY, PROFILE_KEY
 from moe_cohort.cli import main
-from moe_cohort.proxy.autoconfig import BatchPlan, plan_batch
-from moe_cohort.proxy.handshake import EngineInfo
-from moe_cohort.proxy.settings import Settings
+from moe_cohort.send.autoconfig import BatchPlan, plan_batch
+from moe_cohort.send.handshake import EngineInfo
+from moe_cohort.send.settings import Settings
 from tests.proxy.servers import BackendThread, answer, body_of
-from tests.proxy.test_handshake import AWARE, OURS, PLAIN_VLLM, info, metrics_text
-from tests.proxy.test_learning import _plugin_backend, _prompt, encoder  # noqa: F401 (a fixture)
+from tests.send.learning.test_learning import _plugin_backend, _prompt, encoder  # noqa: F401 (a fixture)
+from tests.send.test_handshake import AWARE, OURS, PLAIN_VLLM, info, metrics_text
 
 LINES = 40
 

@@ -9,7 +9,7 @@ import re
 import pytest
 
 from moe_cohort.cli import SUBCOMMANDS, ArgumentParser, add_verbose, main
-from moe_cohort.proxy.settings import DEFAULT_ENCODER, SECTIONS, Settings
+from moe_cohort.send.settings import DEFAULT_ENCODER, SECTIONS, Settings
 
 
 def parsers():

@@ -15,7 +15,7 @@ import pytest
 from aiohttp import web
 
 from moe_cohort.cli import main
-from moe_cohort.proxy.vllm_server import free_port
+from moe_cohort.embedded.vllm_server import free_port
 from tests.proxy.servers import answer, local_backend
 
 PER_TOKEN = re.compile(r"(\S+) decode expert loads per generated token, +(\S+) decode tokens per forward")

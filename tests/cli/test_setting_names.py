@@ -1,5 +1,5 @@
 """One name per setting: every command's flags and every COHORT_* variable the code reads, read against the
-settings table (proxy/settings.py). A flag that sets a setting is that setting's one flag; a flag or variable
+settings table (send/settings.py). A flag that sets a setting is that setting's one flag; a flag or variable
 for the same thing outside the table has the setting's name (in another unit: the same stem, its own unit);
 no other flag or variable takes a setting's name. `cohort serve --help` shows the few settings a user sets;
 docs/configuration.md lists every one, made from the table."""
@@ -10,10 +10,10 @@ import re
 from pathlib import Path
 
 from moe_cohort.cli import config_reference
-from moe_cohort.cli.setting_flags import flag_overrides
-from moe_cohort.proxy.setting_sources import CONFIG_VARIABLE, load_settings
 from moe_cohort.cli.config_reference import OTHER_VARIABLES
-from moe_cohort.proxy.settings import ENGINE_READS, Settings, flag_of, variable_of
+from moe_cohort.cli.setting_flags import flag_overrides
+from moe_cohort.send.setting_sources import CONFIG_VARIABLE, load_settings
+from moe_cohort.send.settings import ENGINE_READS, Settings, flag_of, variable_of
 from tests.cli.test_cli import parsers
 
 ROOT = Path(__file__).resolve().parents[2]

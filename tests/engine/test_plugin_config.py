@@ -55,7 +55,7 @@ def test_unsupported_versions_raise_a_clear_error(version):
 def test_engine_side_modules_do_not_import_vllm():
     """Layering: only engine.vllm_plugin's lazily loaded engine.vllm_patches imports vLLM."""
     modules = ["moe_cohort.engine.vllm_plugin", "moe_cohort.engine.routing_hook", "moe_cohort.engine.engine_state", "moe_cohort.engine.metrics",
-               "moe_cohort.engine.recorder", "moe_cohort.proxy.vllm_server", "moe_cohort.devtools.tiny_moe", "moe_cohort.engine.policy", "moe_cohort.engine.selection"]
+               "moe_cohort.engine.recorder", "moe_cohort.embedded.vllm_server", "moe_cohort.devtools.tiny_moe", "moe_cohort.engine.policy", "moe_cohort.engine.selection"]
     code = (f"import sys, importlib; [importlib.import_module(m) for m in {modules!r}]; "
             "bad = sorted(m for m in sys.modules if m == 'vllm' or m.startswith('vllm.')); "
             "print(bad); sys.exit(1 if bad else 0)")

@@ -50,7 +50,7 @@ def trace_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model_dir, trace_dir, tmp_path_factory):
-    from moe_cohort.proxy import vllm_server
+    from moe_cohort.embedded import vllm_server
 
     if not any(ep.name == "moe_cohort" for ep in entry_points(group="vllm.general_plugins")):
         pytest.fail("the moe_cohort vLLM plugin entry point is not installed; run `pip install -e .`")

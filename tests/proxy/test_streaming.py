@@ -7,8 +7,8 @@ import json
 import httpx
 from aiohttp import web
 
-from moe_cohort.proxy.settings import Settings
-from moe_cohort.proxy.vllm_server import free_port
+from moe_cohort.embedded.vllm_server import free_port
+from moe_cohort.send.settings import Settings
 from tests.proxy.servers import CHAT, OK_BODY, ProxyThread, answer, body_of, local_backend, post, proxy_client, run
 
 

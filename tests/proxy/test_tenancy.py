@@ -14,14 +14,14 @@ import httpx
 import openai
 import pytest
 
-import moe_cohort.proxy.auth
-from moe_cohort.proxy.vllm_server import free_port
+import moe_cohort.send.auth
+from moe_cohort.embedded.vllm_server import free_port
 from moe_cohort.proxy.app import create_app
-from moe_cohort.proxy.auth import Authorizer
-from moe_cohort.proxy.http.errors import Unauthorized
-from moe_cohort.proxy.settings import Settings, SettingsError
-from tests.proxy.servers import ProxyThread
+from moe_cohort.send.auth import Authorizer
+from moe_cohort.send.errors import Unauthorized
+from moe_cohort.send.settings import Settings, SettingsError
 from tests.proxy.batch.test_api import jsonl, request_line, settings, wait_for
+from tests.proxy.servers import ProxyThread
 
 ALICE, BOB = "sk-alice-7f3c9a", "sk-bob-12d4e8"
 
@@ -143,8 +143,8 @@ def test_every_key_is_compared_in_constant_time(monkeypatch):
         compared.append((len(a), len(b)))
         return real(a, b)
 
-    real = moe_cohort.proxy.auth.hmac.compare_digest
-    monkeypatch.setattr(moe_cohort.proxy.auth.hmac, "compare_digest", counting)
+    real = moe_cohort.send.auth.hmac.compare_digest
+    monkeypatch.setattr(moe_cohort.send.auth.hmac, "compare_digest", counting)
     authorize = Authorizer(("first", "second=team", "third"))
     assert authorize(bearer("first")) == "key:" + hashlib.sha256(b"first").hexdigest()
     assert authorize(bearer("second")) == "tenant:team"

@@ -11,7 +11,7 @@
     POST /v1/batches/{batch_id}/cancel                                      -> Batch
 
 Endpoints: /v1/chat/completions and /v1/completions. Errors use the OpenAI error shape (the app's
-ProxyError handler). Every route acts for the caller's owner (`authorize` returns it, proxy/auth.py):
+ProxyError handler). Every route acts for the caller's owner (`authorize` returns it, send/auth.py):
 files and batches of another key or tenant are answered exactly as ids that do not exist (404),
 and lists show only the caller's own. Storage and jobs: proxy/batch/store.py, proxy/batch/jobs.py.
 """
@@ -24,11 +24,11 @@ from typing import Callable, Mapping
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse
 
+from moe_cohort.batch.format import URLS, new_id
 from moe_cohort.proxy.batch.jobs import BatchJobs
 from moe_cohort.proxy.batch.store import to_batch, to_file
-from moe_cohort.proxy.batch.format import URLS, new_id
-from moe_cohort.proxy.http.errors import InvalidRequest, NotFound, PayloadTooLarge
-from moe_cohort.proxy.protocol import check_size, json_object, limited
+from moe_cohort.send.errors import InvalidRequest, NotFound, PayloadTooLarge
+from moe_cohort.send.protocol import check_size, json_object, limited
 
 COMPLETION_WINDOWS = ("24h",)
 CREATE_BODY_BYTES = 64 * 1024  # POST /v1/batches: four fields; metadata at most 16 x (64 + 512) characters

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import asyncio
 
+from moe_cohort.batch.format import URLS, BatchFile, read_batch_file
+from moe_cohort.batch.journal import Journal, JournalPaths
 from moe_cohort.proxy.batch.job import Job
 from moe_cohort.proxy.batch.store import BatchStore
-from moe_cohort.proxy.batch.format import URLS, BatchFile, read_batch_file
-from moe_cohort.proxy.hints import HintRules
-from moe_cohort.proxy.batch.journal import Journal, JournalPaths
-from moe_cohort.proxy.settings import Settings
+from moe_cohort.send.hints import HintRules
+from moe_cohort.send.settings import Settings
 
 MAX_ERRORS_KEPT = 100  # validation errors stored on a failed batch
 

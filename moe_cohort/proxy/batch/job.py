@@ -16,8 +16,8 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-from moe_cohort.proxy.batch.format import BatchFile
-from moe_cohort.proxy.batch.journal import Journal
+from moe_cohort.batch.format import BatchFile
+from moe_cohort.batch.journal import Journal
 
 TRANSITIONS: dict[str, frozenset[str]] = {
     "validating": frozenset({"in_progress", "failed", "cancelling"}),
@@ -48,7 +48,7 @@ class Job:
     stop: asyncio.Event = field(default_factory=asyncio.Event)  # cancel, expiry or shutdown: stop where it is
     parsed: BatchFile | None = None  # the validated file, kept from validation to the run
     journal: Journal | None = None
-    owner: str = ""  # proxy/auth.py: the tenant the batch's requests share slots as (proxy/batch/share.py)
+    owner: str = ""  # send/auth.py: the tenant the batch's requests share slots as (proxy/batch/share.py)
 
     @classmethod
     def from_row(cls, row: dict) -> "Job":

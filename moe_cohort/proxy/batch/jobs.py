@@ -12,7 +12,7 @@ Every batch is one asyncio task over one `Job`. Batches run at once and share th
 (Settings.batch_in_flight requests at the backend in all): a slot that frees goes round-robin over
 tenants, then over a tenant's batches (proxy/batch/share.py), so one tenant's big batch never holds
 another's small one, and no batch waits for another to finish. Within a batch, the slots it gets go
-to its requests in its admission order (proxy/batch/order.py). Running is
+to its requests in its admission order (batch/order.py). Running is
 `proxy.batch.run.run_batch` with a journal in the batch's folder, the same code as `cohort batch
 run`: a restarted proxy starts a job again for every batch still validating, in_progress,
 finalizing or cancelling, and the journal skips what was finished. While the backend is unreachable
@@ -21,7 +21,7 @@ requests use only backend slots that online requests leave free. Cancel, expiry 
 set the job's one `stop` event; the job tells them apart by its status and `expiring`.
 
 Usage is summed from RunStats into the record after each commit (a kill -9 in between loses those tokens).
-`create`, `get` and `cancel` act for an owner (proxy/auth.py): another owner's batch or input file is
+`create`, `get` and `cancel` act for an owner (send/auth.py): another owner's batch or input file is
 NotFound, as a missing one is; a batch's result files are registered to the batch's owner.
 """
 
@@ -34,17 +34,17 @@ import time
 from dataclasses import replace
 from typing import Callable
 
-from moe_cohort.proxy.autoconfig import BatchPlan
-from moe_cohort.proxy.batch.core import RunConfig, RunStats, expired_records
+from moe_cohort.batch.core import RunConfig, RunStats, expired_records
+from moe_cohort.batch.format import BatchFile, new_id
+from moe_cohort.batch.journal import Journal
+from moe_cohort.batch.run import RunAborted, run_batch
 from moe_cohort.proxy.batch.folder import BatchFolder, validation_errors
 from moe_cohort.proxy.batch.job import CANCELLABLE, Job
 from moe_cohort.proxy.batch.share import FairShare
-from moe_cohort.proxy.batch.run import RunAborted, run_batch
 from moe_cohort.proxy.batch.store import BatchStore
-from moe_cohort.proxy.batch.format import BatchFile, new_id
-from moe_cohort.proxy.http.errors import InvalidRequest, NotFound
-from moe_cohort.proxy.batch.journal import Journal
-from moe_cohort.proxy.settings import Settings
+from moe_cohort.send.autoconfig import BatchPlan
+from moe_cohort.send.errors import InvalidRequest, NotFound
+from moe_cohort.send.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -54,9 +54,9 @@ RETRY_S = (5.0, 300.0)  # first and longest pause while the backend is unreachab
 class BatchJobs:
     def __init__(self, settings: Settings, replicas, predictor, gate=None, *, clock: Callable[[], float] = time.time,
                  learning=None) -> None:
-        self.settings, self.replicas, self.predictor = settings, replicas, predictor  # [BackendClient], proxy.profiles.Predictor
-        self.learning = learning  # proxy.learning.Learning of `cohort serve --learn`: batches learn too
-        self.gate = gate  # proxy.gate.AdmissionGate
+        self.settings, self.replicas, self.predictor = settings, replicas, predictor  # [BackendClient], send.profiles.Predictor
+        self.learning = learning  # send.learning.learning.Learning of `cohort serve --learn`: batches learn too
+        self.gate = gate  # send.gate.AdmissionGate
         self.clock = clock  # epoch seconds: completion windows
         self.config = RunConfig.from_settings(settings, metrics_interval_s=0)
         self._store: BatchStore | None = None

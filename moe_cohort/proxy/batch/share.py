@@ -10,7 +10,7 @@ waits for about one request of each other tenant, never for a whole batch, and a
 get a bigger share by splitting its work into many batches (round-robin over batches alone would
 give it one share per batch). Slots nobody waits for are taken at once: a batch alone uses them all.
 
-Tenants are the batches' owners (proxy/auth.py: a key's hash, a named tenant, or "" on an open proxy).
+Tenants are the batches' owners (send/auth.py: a key's hash, a named tenant, or "" on an open proxy).
 Nothing here touches a socket or a file; waiting is an asyncio future per request.
 """
 

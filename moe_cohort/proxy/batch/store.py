@@ -3,11 +3,11 @@
     <data_dir>/cohort.sqlite3              tables `files` and `batches` (schema below)
     <data_dir>/files/<file id>             uploaded files, as uploaded
     <data_dir>/batches/<batch id>/         a batch's run: output.jsonl, errors.jsonl, output.jsonl.journal
-                                           (proxy/batch/journal.py); output and error files are registered in
+                                           (batch/journal.py); output and error files are registered in
                                            `files` with purpose batch_output and served from here
 
 A batch record holds the OpenAI Batch object's fields; `to_batch`/`to_file` render the objects the
-official client parses. Every file and batch has an `owner` (proxy/auth.py: "key:<sha256 of the API
+official client parses. Every file and batch has an `owner` (send/auth.py: "key:<sha256 of the API
 key>", "tenant:<name>", or "" on an open proxy; never a key): the API's reads, lists and deletes take
 the caller's owner and match only its records, so another owner's id reads as missing. A batch's
 output and error files get the batch's owner. Databases from before owners gain the column on open,
@@ -32,7 +32,7 @@ CREATE TABLE IF NOT EXISTS files (
     bytes INTEGER NOT NULL,
     created_at INTEGER NOT NULL,
     path TEXT NOT NULL,
-    owner TEXT NOT NULL DEFAULT ''  -- proxy/auth.py: a key's hash, a tenant, or '' (open proxy)
+    owner TEXT NOT NULL DEFAULT ''  -- send/auth.py: a key's hash, a tenant, or '' (open proxy)
 );
 CREATE TABLE IF NOT EXISTS batches (
     seq INTEGER PRIMARY KEY AUTOINCREMENT,

@@ -12,7 +12,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from moe_cohort.proxy.http.errors import BackendStatusError, ProxyError
+from moe_cohort.send.errors import BackendStatusError, ProxyError
 
 log = logging.getLogger("moe_cohort.proxy.app")  # the proxy's own log lines, under one name
 

@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from moe_cohort.proxy.http.errors import ProxyError
+from moe_cohort.send.errors import ProxyError
 
 Handler = Callable[[Request], Awaitable[Response]]
 ErrorAnswer = Callable[[Request, ProxyError], Response]

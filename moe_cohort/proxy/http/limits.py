@@ -28,7 +28,7 @@ import json
 import logging
 from dataclasses import dataclass
 
-from moe_cohort.proxy.http.errors import ProxyError
+from moe_cohort.send.errors import ProxyError
 
 log = logging.getLogger(__name__)
 
@@ -226,7 +226,7 @@ def limited_protocol(limits: HeadLimits) -> type:
 
 
 def server_options(settings) -> dict:
-    """uvicorn.run's (and uvicorn.Config's) options for the proxy's `settings` (proxy/settings.py): its host,
+    """uvicorn.run's (and uvicorn.Config's) options for the proxy's `settings` (send/settings.py): its host,
     port, and the protocol with the head limits. An idle keep-alive connection is closed after head_timeout_s
     (10 s), not uvicorn's 5 s: httpx and the openai client drop theirs after 5 s, so the client closes first,
     never a connection the server closes as a request goes out on it (a ReadError, not retried for a POST)."""

@@ -6,7 +6,7 @@ client disconnects from the routes):
 
 - the request id is the client's `x-request-id` when it is sane (1-128 characters of letters, digits and
   `-_.:/+=@`), else a new `req-<hex>`; it is written back into the request's headers (so the backend gets
-  it, proxy/auth.py `backend_headers`) and onto every response, errors included;
+  it, send/auth.py `backend_headers`) and onto every response, errors included;
 - one line per request on the `moe_cohort.proxy.access` logger: method, path, status, duration in ms, request id;
   never a body or a query string (prompts are user data); 499 when the client left before an answer;
 - the request's end, once (`on_end(scope, status)`: the requests metric): the status is how the request ended,
@@ -31,11 +31,11 @@ from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from moe_cohort.proxy.http.limits import HeadLimits
+from moe_cohort.send.errors import CLIENT_CLOSED
 
 log = logging.getLogger(__name__)
 access_log = logging.getLogger("moe_cohort.proxy.access")
 
-CLIENT_CLOSED = 499  # the client left before its answer (nginx's code)
 REQUEST_ID = "x-request-id"
 _SANE_ID = re.compile(r"[A-Za-z0-9._:/+=@-]{1,128}")
 
@@ -79,7 +79,7 @@ class RequestContext:
             return
         refused = self.limits.check(scope) if self.limits is not None else None  # the client's head, as sent
         request_id, sent = request_id_of(scope["headers"])
-        if not sent:  # the backend gets the id the client sees (proxy/auth.py forwards the header)
+        if not sent:  # the backend gets the id the client sees (send/auth.py forwards the header)
             scope["headers"] = [(k, v) for k, v in scope["headers"] if k.lower() != b"x-request-id"]
             scope["headers"].append((b"x-request-id", request_id.encode()))
         start, status = time.perf_counter(), [0]

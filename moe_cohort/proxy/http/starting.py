@@ -22,7 +22,7 @@ from typing import Callable
 
 from starlette.applications import Starlette
 
-from moe_cohort.proxy.http.errors import NotReady
+from moe_cohort.send.errors import NotReady
 
 log = logging.getLogger(__name__)
 

@@ -9,12 +9,12 @@ import httpx
 import openai
 import pytest
 
-from moe_cohort.proxy.vllm_server import free_port
+from moe_cohort.embedded.vllm_server import free_port
 from moe_cohort.proxy.app import create_app
 from moe_cohort.proxy.batch.store import BatchStore
-from moe_cohort.proxy.settings import Settings
+from moe_cohort.send.settings import Settings
 from tests.proxy.servers import ProxyThread
-from tests.proxy.test_learning import encoder  # noqa: F401 (a fixture)
+from tests.send.learning.test_learning import encoder  # noqa: F401 (a fixture)
 
 
 def request_line(cid, content, max_tokens=6, **body):

@@ -7,12 +7,12 @@ import json
 
 import pytest
 
-from moe_cohort.proxy.backend_client import BackendClient
+from moe_cohort.batch.format import read_batch_file
 from moe_cohort.proxy.batch.job import InvalidTransition, Job
 from moe_cohort.proxy.batch.jobs import BatchJobs
 from moe_cohort.proxy.batch.store import BatchStore
-from moe_cohort.proxy.batch.format import read_batch_file
-from moe_cohort.proxy.settings import Settings
+from moe_cohort.send.backend_client import BackendClient
+from moe_cohort.send.settings import Settings
 from tests.proxy.servers import answer, body_of, local_backend
 
 OK = {"id": "cmpl", "object": "text_completion", "choices": [{"index": 0, "text": "ok"}],

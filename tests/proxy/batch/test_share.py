@@ -9,9 +9,9 @@ import json
 import openai
 import pytest
 
+from moe_cohort.embedded.vllm_server import free_port
 from moe_cohort.proxy.batch.share import FairShare
-from moe_cohort.proxy.vllm_server import free_port
-from moe_cohort.proxy.settings import Settings
+from moe_cohort.send.settings import Settings
 from tests.proxy.servers import ProxyThread, answer, body_of, local_backend
 
 OK = {"id": "cmpl", "object": "chat.completion",

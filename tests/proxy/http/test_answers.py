@@ -9,7 +9,7 @@ import openai
 import pytest
 
 from moe_cohort.proxy.app import create_app
-from moe_cohort.proxy.settings import Settings
+from moe_cohort.send.settings import Settings
 from tests.proxy.servers import CHAT, OK_BODY, answer, ok, post, proxy_client, run
 
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from moe_cohort.proxy.settings import Settings
-from moe_cohort.proxy.vllm_server import free_port
+from moe_cohort.embedded.vllm_server import free_port
+from moe_cohort.send.settings import Settings
 from tests.proxy.servers import ProxyThread
 
 
@@ -42,7 +42,7 @@ def test_api_docs_turned_on_are_behind_the_key(tmp_path):
 
 
 def test_api_docs_setting():
-    from moe_cohort.proxy.setting_sources import load_settings
+    from moe_cohort.send.setting_sources import load_settings
 
     assert load_settings(environ={"COHORT_API_DOCS": "true"}).api_docs is True
     assert load_settings(environ={}).api_docs is False

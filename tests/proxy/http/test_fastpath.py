@@ -9,8 +9,8 @@ from starlette.applications import Starlette
 from starlette.responses import JSONResponse, PlainTextResponse
 from starlette.routing import Route
 
-from moe_cohort.proxy.http.errors import InvalidRequest, ProxyError
 from moe_cohort.proxy.http.fastpath import FastPath
+from moe_cohort.send.errors import InvalidRequest, ProxyError
 from tests.proxy.servers import CHAT, ok, proxy_client
 
 

@@ -12,10 +12,10 @@ import time
 import pytest
 import uvicorn
 
+from moe_cohort.embedded.vllm_server import free_port
 from moe_cohort.proxy.app import create_app
 from moe_cohort.proxy.http.limits import HeadLimits, h11_protocol, server_options
-from moe_cohort.proxy.settings import Settings
-from moe_cohort.proxy.vllm_server import free_port
+from moe_cohort.send.settings import Settings
 from tests.proxy.servers import ProxyThread
 
 
@@ -144,8 +144,8 @@ def test_the_limits_are_settings(tmp_path):
 @pytest.mark.parametrize("env, message", [({"COHORT_MAX_HEADERS": "0"}, "COHORT_MAX_HEADERS"),
                                           ({"COHORT_MAX_HEADER_BYTES": "-1"}, "COHORT_MAX_HEADER_BYTES")])
 def test_bad_limits_are_refused(env, message):
-    from moe_cohort.proxy.setting_sources import load_settings
-    from moe_cohort.proxy.settings import SettingsError
+    from moe_cohort.send.setting_sources import load_settings
+    from moe_cohort.send.settings import SettingsError
 
     with pytest.raises(SettingsError, match=message):
         load_settings(environ=env)

@@ -16,12 +16,12 @@ from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import Whitespace
 
+from moe_cohort.embedded.vllm_server import free_port
 from moe_cohort.encoder.embedding import resolve_model
 from moe_cohort.encoder.static import save_static, static_path
 from moe_cohort.proxy.app import create_app
 from moe_cohort.proxy.http.starting import Starting
-from moe_cohort.proxy.settings import Settings
-from moe_cohort.proxy.vllm_server import free_port
+from moe_cohort.send.settings import Settings
 from tests.proxy.servers import ProxyThread, answer, local_backend
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hello world"}], "max_tokens": 1}

@@ -1,0 +1,145 @@
+"""Which request of a batch file goes to the backend next: file order, a spread draw, or admission by predicted experts.
+
+A batch run keeps `concurrency` requests (the backend's max_num_seqs) at the backend; whenever one
+finishes, the next is chosen from everything still waiting. `ExpertOrder` is the proxy's online
+admission in one replica of `concurrency` slots: the same `admission.router.ReplicaRouter` (the
+oldest while nothing is out, else the waiting request expected to add the fewest experts per step to
+the requests out now: predicted profiles, or nearest embedding without a profile head; FCFS for a
+request without a vector; ties to file order), over the first `window` waiting requests in file
+order, so the choice stays cheap, and the pool's memory bounded, on files of any size. An order is
+pure (no I/O, no asyncio): `BatchCore` calls `pick` with its waiting requests and tells it what it
+`sent` and what `finished`.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from typing import Iterable, Protocol, Sequence
+
+import numpy as np
+
+from moe_cohort.admission.router import ReplicaRouter, ResidentFactory
+from moe_cohort.admission.wire import Prediction
+from moe_cohort.batch.format import BatchRequest
+from moe_cohort.send.profiles import Predictor
+
+DEFAULT_WINDOW = 1024
+
+
+class Order(Protocol):
+    def pick(self, waiting: Sequence[BatchRequest]) -> int: ...
+    def sent(self, request: BatchRequest) -> None: ...
+    def finished(self, request: BatchRequest) -> None: ...
+    def compact(self, line: int) -> list[int] | None: ...  # the line's predicted profile as forwarded, if any
+
+
+class FileOrder:
+    """The file's order (what `--encoder none` gives)."""
+
+    def pick(self, waiting: Sequence[BatchRequest]) -> int:
+        return 0
+
+    def sent(self, request: BatchRequest) -> None:
+        pass
+
+    def finished(self, request: BatchRequest) -> None:
+        pass
+
+    def compact(self, line: int) -> list[int] | None:
+        return None
+
+
+class SpreadOrder(FileOrder):
+    """The waiting requests in a seeded random permutation of `lines`: the first n sent are a uniform sample of
+    the file (of what an earlier run left), whatever n turns out to be."""
+
+    def __init__(self, lines: Iterable[int], seed: int = 0) -> None:
+        order = list(lines)
+        random.Random(seed).shuffle(order)
+        self.rank = {line: i for i, line in enumerate(order)}
+
+    def pick(self, waiting: Sequence[BatchRequest]) -> int:
+        return min(range(len(waiting)), key=lambda i: self.rank.get(waiting[i].line, len(self.rank)))
+
+
+class ExpertOrder:
+    """Admission by predicted experts over the waiting requests, through a ReplicaRouter of one replica of
+    `concurrency` slots; `vectors` by input line ([L*E] or [D], or None). The caller sends at most
+    `concurrency` requests at once, each the one `pick` chose, and reports each `finished` one."""
+
+    def __init__(self, vectors: dict[int, np.ndarray | None], resident_factory: ResidentFactory, concurrency: int, *,
+                 window: int = DEFAULT_WINDOW) -> None:
+        self.vectors, self.window = vectors, window
+        self.compacts: dict[int, list[int] | None] = {}  # by input line: the predicted profile as forwarded
+        self.router = ReplicaRouter([concurrency], "affinity", resident_factory=resident_factory)
+        self._chosen: deque[int] = deque()  # lines the router admitted that were not sent yet, in its order
+
+    @classmethod
+    def taking_over(cls, predictions: dict[int, Prediction | None], out: dict[int, Prediction | None],
+                    resident_factory: ResidentFactory, concurrency: int, *, window: int = DEFAULT_WINDOW) -> ExpertOrder:
+        """The order of the waiting lines' `predictions` from now on, while the lines in `out` (sent by an earlier
+        order, not finished) stay at the backend: they hold their slots, and their predictions count as residents."""
+        order = cls({}, resident_factory, concurrency, window=window)
+        order.predicted({**predictions, **out})
+        for line, prediction in out.items():
+            order.router.hold(line, 0)
+            if prediction is not None:
+                order.router.assign(line, prediction.vector)
+        return order
+
+    def compact(self, line: int) -> list[int] | None:
+        return self.compacts.get(line)
+
+    def predicted(self, predictions: dict[int, Prediction | None]) -> None:
+        """New predictions by input line (`refresh` with the vectors; the compact profiles kept to forward)."""
+        self.compacts.update({line: None if p is None else p.compact for line, p in predictions.items()})
+        self.refresh({line: None if p is None else p.vector for line, p in predictions.items()})
+
+    def pick(self, waiting: Sequence[BatchRequest]) -> int:
+        if not self._chosen:
+            for r in waiting[self.router.waiting(): self.window]:  # top the pool up from the file (in file order)
+                if r.line not in self.router.pool:
+                    self.router.add(r.line, self.vectors.get(r.line), 0.0)
+            self._chosen.extend(line for line, _ in self.router.admit(0.0))
+        return next(i for i, r in enumerate(waiting[: self.window]) if r.line == self._chosen[0])
+
+    def sent(self, request: BatchRequest) -> None:
+        if self._chosen[0] != request.line:
+            raise ValueError(f"line {request.line} was sent, but the order chose line {self._chosen[0]}")
+        self._chosen.popleft()
+
+    def finished(self, request: BatchRequest) -> None:
+        self.router.release(request.line)
+
+    def refresh(self, vectors: dict[int, np.ndarray | None]) -> None:
+        """New predictions by input line (a newer profile head's, batch/run.py); the waiting ones among
+        them are re-scored in place, the others when they join the pool. The lines chosen already stay chosen."""
+        self.vectors.update(vectors)
+        for line in vectors:
+            if line in self.router.pool:
+                self.router.update(line, vectors[line])
+
+
+def make_order(requests: Sequence[BatchRequest], predictor: Predictor | None, concurrency: int, *,
+               window: int = DEFAULT_WINDOW) -> Order:
+    """Admission by `predictor`'s vectors of `requests` (predicted once, here) with `concurrency` requests out,
+    or file order without a predictor."""
+    if predictor is None:
+        return FileOrder()
+    order = ExpertOrder({}, predictor.resident_factory, concurrency, window=window)
+    order.predicted(dict(zip((r.line for r in requests), predictor.predict([r.text for r in requests]))))
+    return order
+
+
+def simulated_order(requests: Sequence[BatchRequest], order: Order, concurrency: int) -> list[BatchRequest]:
+    """The order `order` would send `requests` in if they finished first in, first out (`--dry-run`)."""
+    waiting, out, sent = list(requests), deque(), []
+    while waiting:
+        if len(out) >= concurrency:
+            order.finished(out.popleft())
+        request = waiting.pop(order.pick(waiting))
+        order.sent(request)
+        out.append(request)
+        sent.append(request)
+    return sent

@@ -1,0 +1,288 @@
+"""Run a validated Batch file against the backend: `run_batch`, the one entry of `cohort batch run`, the
+Batch API's jobs and benchmarks/bench_batch.py.
+
+1. lines the journal already has are finished: they are neither planned nor sent again;
+2. invalid lines (when skipped) go to the error file first, once;
+3. the remaining requests are sent with at most `concurrency` at the backend (its max_num_seqs, plus a short
+   queue vLLM refills a freed slot from: proxy/autoconfig.plan_batch); a slot that frees goes at once to the
+   waiting request that best fits the requests out now (batch/order.py: admission by the predictor's
+   expert profiles, predicted once for the whole file, or file order without a predictor), so the backend stays
+   full and its resident set stays alike. While nothing can be predicted yet (the encoder loading, or no head
+   while one is learned) the run sends a sample drawn from across the file, learns from its answers, then
+   hands over to admission (batch/follow.py); with `learning` (send/learning/learning.py) each later head
+   re-predicts the requests next in line. With `config.forward_profiles` each request carries its predicted
+   profile, for moe-cohort's scheduler in vLLM to choose among the queued ones by. With `gate` (the proxy's online
+   admission, send/gate.py) each request also takes a background slot, so batch work only uses
+   backend capacity that interactive requests leave free, on the replica the gate gives the slot on
+   (`cohort serve` with several --backend); with `seat` (the Batch API's batches) each also holds one
+   of the slots all running batches share, handed out round-robin over tenants (proxy/batch/share.py);
+4. retries, backoff and what fails a request: batch/core.py decides; an unreachable backend
+   (after the retries) stops the run with RunAborted, and a rerun resumes;
+5. finished requests are committed to the journal (batch/journal.py) in groups by one writer.
+
+The decisions are BatchCore's; here is only the I/O, in one asyncio.TaskGroup: a dispatcher that asks
+the core for the next request whenever a slot frees, one task per request out (send; on Retry, sleep
+and send again), and one journal writer fed by a queue. The run ends when every request is committed,
+when `stop` is set or the core says the deadline passed (requests out are abandoned, so the backend
+aborts them; what finished is committed), or on RunAborted (after committing what finished).
+
+Prompts are user data: nothing here logs request text or bodies, only custom_ids and counts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Awaitable, Callable, Protocol, Sequence, TypeVar
+
+import numpy as np
+
+from moe_cohort.batch.core import (Abort, Answered, BatchCore, Outcome, Retry, RunConfig, RunStats, Send, Stop, TimedOut,
+                                   Unreachable, invalid_records)
+from moe_cohort.batch.follow import follow_heads, order_after, sample_size
+from moe_cohort.batch.format import BatchFile, BatchRequest
+from moe_cohort.batch.journal import Journal, JournalError, Record
+from moe_cohort.batch.order import ExpertOrder, SpreadOrder, make_order
+from moe_cohort.encoder.plans import chunk, write_plan_file
+from moe_cohort.send.auth import bearer
+from moe_cohort.send.backend_client import BackendClient
+from moe_cohort.send.errors import BackendStatusError, BackendTimeout, BackendUnreachable
+from moe_cohort.send.expert_loads import ExpertLoads, fetch_expert_loads
+from moe_cohort.send.gate import AdmissionGate
+from moe_cohort.send.learning.learning import Learning
+from moe_cohort.send.lifecycle import Lifecycle
+from moe_cohort.send.metrics import ProxyMetrics
+from moe_cohort.send.profiles import Predictor
+from moe_cohort.send.replicas import ReplicaSet
+
+log = logging.getLogger(__name__)
+
+ProgressFn = Callable[[RunStats], None]
+T = TypeVar("T")
+
+
+class Seat(Protocol):
+    """One of the slots the running batches of a server share (proxy/batch/share.py): taken before each
+    request, given back when it is finished."""
+
+    async def acquire(self) -> None: ...
+
+    def release(self) -> None: ...
+
+
+class RunAborted(RuntimeError):
+    """The run stopped before every request finished (backend unreachable, journal write failed)."""
+
+
+class Stopped(Exception):
+    """Raised in a task group to end it: `stop` was set, or the deadline passed (asyncio's documented way
+    to terminate a TaskGroup); what finished is kept."""
+
+
+class _Unreachable(Exception):
+    """The backend stayed unreachable through a request's retries."""
+
+
+async def run_batch(batch: BatchFile, journal: Journal, replicas: Sequence[BackendClient],
+                    predictor: Predictor | Awaitable[Predictor] | None,
+                    config: RunConfig, *, skip_invalid: bool = True, on_progress: ProgressFn | None = None,
+                    stop: asyncio.Event | None = None, gate: AdmissionGate | None = None,
+                    deadline: float | None = None, clock: Callable[[], float] = time.time,
+                    seat: Seat | None = None, learning: Learning | None = None) -> RunStats:
+    """Finish every line of `batch` that `journal` has not: invalid ones into the error file (`skip_invalid`),
+    the rest sent in admission order (`predictor`: send/profiles.py, or an awaitable of one still loading; None:
+    file order; until it can predict, a sample: batch/follow.py). Returns when all are committed, `stop` is set, or `clock()` reaches
+    `deadline`; raises RunAborted when the backend stays unreachable or the journal cannot be written.
+    `seat` (proxy/batch/share.py): each request also holds one of the slots the running batches share.
+    `learning` (send/learning/learning.py, with `predictor` made to read its head): the run learns from its answers."""
+    if skip_invalid:
+        journal.commit(invalid_records(batch, journal.done))
+    pending = [r for r in batch.requests if r.line not in journal.done]
+    stats = RunStats(total=len(batch.requests), finished_before=len(batch.requests) - len(pending))
+    if not pending:
+        return stats
+    core = BatchCore(pending, config, stats, deadline=deadline)
+    driver = _Driver(core, journal, replicas, gate, on_progress or (lambda stats: None), clock, seat, learning)
+    background = asyncio.to_thread if learning is None else learning.in_background
+    if predictor is not None and not inspect.isawaitable(predictor) and predictor.ready():
+        core.order = await asyncio.to_thread(make_order, pending, predictor, config.concurrency)
+        if learning is not None:
+            driver.follow = lambda: follow_heads(lambda: learning.head, predictor.predict, core.order,
+                                                 lambda: core.waiting, background)
+    elif predictor is not None:  # no prediction yet (the encoder loading, or no head learned): a sample first
+        core.order = SpreadOrder((r.line for r in pending), seed=len(batch.requests))
+        sample = sample_size(learning.learner.config.first_fit if learning else 2, len(pending))
+        driver.follow = lambda: order_after(core, predictor if inspect.isawaitable(predictor) else _now(predictor),
+                                            learning, sample=sample, run=background)
+    log.info("%d requests to send, %d at a time, in %s", len(pending), config.concurrency,
+             "file order" if predictor is None else "admission order" if isinstance(core.order, ExpertOrder)
+             else "a sample drawn from across the file until there are predictions, then admission order")
+    if learning is not None:
+        await learning.probe()  # the first requests are marked when the backend counts experts
+    return await driver.run(stop or asyncio.Event())
+
+
+async def _now(value: T) -> T:
+    return value
+
+
+def write_plan(path: str | Path, requests: Sequence[BatchRequest], concurrency: int) -> None:
+    """`requests` in sending order as a plan file (encoder.plans; batch k = the k-th `concurrency` sent);
+    `id` is the custom_id, so `cohort eval --plan` reads it. Extra fields: custom_id, line, policy."""
+    plan = chunk(np.arange(len(requests)), concurrency)
+    write_plan_file(path, plan, [r.custom_id for r in requests],
+                    [{"custom_id": r.custom_id, "line": r.line, "policy": r.policy} for r in requests])
+
+
+class _Driver:
+    def __init__(self, core: BatchCore, journal: Journal, replicas: Sequence[BackendClient], gate: AdmissionGate | None,
+                 on_progress: ProgressFn, clock: Callable[[], float], seat: Seat | None,
+                 learning: Learning | None = None) -> None:
+        self.core, self.journal, self.replicas, self.seat = core, journal, replicas, seat
+        # without the proxy's gate, the replicas' slots are this run's alone (the core keeps within them)
+        self.gate = gate or AdmissionGate(None, ProxyMetrics(),
+                                          ReplicaSet(replicas, [core.config.concurrency] * len(replicas)))
+        self.learning = learning
+        self.follow: Callable[[], Awaitable[None]] | None = None  # runs beside the sends (follow_heads)
+        self.on_progress, self.clock = on_progress, clock
+        self.headers = bearer(core.config.api_key)
+        self.records: asyncio.Queue[Record | None] = asyncio.Queue()  # None: no more
+        self.slot_freed = asyncio.Condition()
+
+    async def run(self, stop: asyncio.Event) -> RunStats:
+        loads0 = await fetch_expert_loads(self.replicas) if self.core.config.metrics_interval_s > 0 else None
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tg.create_task(self._write())
+                unreachable = await self._send_all(stop, loads0)
+                self.records.put_nowait(None)
+        except* (JournalError, OSError) as group:  # disk full, ...: the journal rolled its files back
+            raise RunAborted(f"cannot write the results: {_first(group)}") from _first(group)
+        if loads0 is not None:
+            await self._read_loads(loads0)
+        if unreachable is not None:
+            log.error("stopping the batch run: %s", unreachable)
+            raise RunAborted(unreachable)
+        return self.core.stats
+
+    async def _send_all(self, stop: asyncio.Event, loads0: ExpertLoads | None) -> str | None:
+        """Send until the core says stop; None, or why the backend is unreachable."""
+        unreachable = None
+        try:
+            async with asyncio.TaskGroup() as tg:
+                helpers = [tg.create_task(raise_when_set(stop))]
+                if loads0 is not None:
+                    helpers.append(tg.create_task(self._watch_loads(loads0)))
+                if self.follow is not None:
+                    helpers.append(tg.create_task(self.follow()))
+                async with asyncio.TaskGroup() as senders:
+                    await self._dispatch(senders)
+                for task in helpers:
+                    task.cancel()
+        except* Stopped:
+            pass
+        except* _Unreachable as group:
+            unreachable = str(_first(group))
+        return unreachable
+
+    async def _dispatch(self, senders: asyncio.TaskGroup) -> None:
+        while True:
+            async with self.slot_freed:
+                step = await self.slot_freed.wait_for(lambda: self.core.schedule(self.clock()))
+            if step is Stop.DONE:
+                return
+            if step is Stop.EXPIRED:
+                log.warning("the batch's deadline passed; stopping it")
+                raise Stopped()
+            if self.seat is None:
+                senders.create_task(self._finish(step))
+                continue
+            await self.seat.acquire()  # this batch's turn at the shared slots; held until the request is finished
+            try:
+                task = senders.create_task(self._finish(step))
+            except BaseException:
+                self.seat.release()
+                raise
+            task.add_done_callback(lambda _: self.seat.release())  # also when cancelled before it ran
+
+    async def _finish(self, send: Send) -> None:
+        """Send one request until the core finishes it; its record goes to the writer."""
+        decision = self.core.on_outcome(send, await self._slotted(send))
+        while isinstance(decision, Retry):
+            log.warning("custom_id %r: %s; retry %d/%d in %.1f s", send.request.custom_id, decision.reason,
+                        self.core.attempts[send.request.line], self.core.config.max_retries, decision.delay_s)
+            await asyncio.sleep(decision.delay_s)
+            decision = self.core.on_outcome(send, await self._slotted(send))
+        if isinstance(decision, Abort):
+            raise _Unreachable(decision.message)
+        self.records.put_nowait(decision.record)
+        async with self.slot_freed:
+            self.slot_freed.notify()
+
+    async def _slotted(self, send: Send) -> Outcome:
+        """One attempt on a background slot (held for the attempt only), as the core's Outcome: the gate's
+        replica, and another one when that one is down and never got the request (send/lifecycle.py)."""
+        headers = {**self.headers, "x-request-id": send.request_id}
+        profile = self.core.order.compact(send.request.line) if self.core.config.forward_profiles else None
+        life = Lifecycle(self.gate, send.request.url, send.request.body, send.request.text, headers,
+                         learning=self.learning, background=True, profile=profile)
+        try:
+            async with life:
+                answer = await life.answer()
+                return Answered(answer.status_code, _decode(life.observed(answer.content)))
+        except BackendStatusError as exc:
+            return Answered(exc.status_code, _decode(exc.content))
+        except BackendTimeout as exc:
+            return TimedOut(exc.message)
+        except BackendUnreachable as exc:  # no healthy replica, or down with the request in hand
+            return Unreachable(exc.message)
+
+    async def _write(self) -> None:
+        """The one journal writer: what finished while a commit was on disk goes together in the next one."""
+        while True:
+            records = [await self.records.get()]
+            while not self.records.empty():
+                records.append(self.records.get_nowait())
+            last = None in records
+            records = [r for r in records if r is not None]
+            if records:
+                await asyncio.to_thread(self.journal.commit, records)
+                self.core.committed(records)
+                self.on_progress(self.core.stats)
+            if last:
+                return
+
+    async def _watch_loads(self, start: ExpertLoads) -> None:
+        while True:
+            await asyncio.sleep(self.core.config.metrics_interval_s)
+            await self._read_loads(start)
+
+    async def _read_loads(self, start: ExpertLoads) -> None:
+        now = await fetch_expert_loads(self.replicas)
+        if now is not None:
+            self.core.stats.expert_loads = now - start
+            self.on_progress(self.core.stats)
+
+
+async def raise_when_set(event: asyncio.Event) -> None:
+    """A task that ends its TaskGroup with Stopped once `event` is set (cancel it when the group's work is done)."""
+    await event.wait()
+    raise Stopped()
+
+
+def _first(error: BaseException) -> BaseException:
+    """The first leaf of a (nested) exception group: task groups inside task groups nest them."""
+    while isinstance(error, BaseExceptionGroup):
+        error = error.exceptions[0]
+    return error
+
+
+def _decode(content: bytes):
+    try:
+        return json.loads(content)
+    except ValueError:
+        return content.decode("utf-8", errors="replace")

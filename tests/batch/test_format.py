@@ -1,0 +1,200 @@
+"""Batch file validation (line numbers, duplicates, oversized lines) and the journal's crash recovery."""
+
+import json
+
+import pytest
+
+from moe_cohort.batch.format import read_batch_file, result_line
+from moe_cohort.batch.journal import Journal, JournalError, JournalPaths, Record
+
+
+def line(cid, content="hi", url="/v1/chat/completions", **extra):
+    body = {"model": "tiny", "messages": [{"role": "user", "content": content}], "max_tokens": 4}
+    if url == "/v1/completions":
+        body = {"model": "tiny", "prompt": content, "max_tokens": 4}
+    return json.dumps({"custom_id": cid, "method": "POST", "url": url, "body": body, **extra})
+
+
+def write(tmp_path, lines, name="in.jsonl"):
+    path = tmp_path / name
+    path.write_bytes(b"".join((ln.encode() if isinstance(ln, str) else ln) + b"\n" for ln in lines))
+    return path
+
+
+def read(path, **kw):
+    return read_batch_file(path, default_policy=kw.pop("policy", "topk"), max_line_bytes=kw.pop("max_bytes", 10_000), **kw)
+
+
+def test_valid_lines_keep_numbers_policy_and_text(tmp_path):
+    body = json.loads(line("c"))["body"] | {"vllm_xargs": {"moe_routing": "oea;k0=1"}}
+    path = write(tmp_path, [line("a", "first"), "", line("b", "second", url="/v1/completions"),
+                            json.dumps({"custom_id": "c", "method": "POST", "url": "/v1/chat/completions", "body": body})])
+    parsed = read(path, policy="xshare;m=8")
+    assert [(r.line, r.custom_id, r.text) for r in parsed.requests] == [(1, "a", "first"), (3, "b", "second"), (4, "c", "hi")]
+    assert parsed.requests[0].policy.startswith("xshare") and parsed.requests[2].policy.startswith("oea")
+    assert parsed.requests[0].body["vllm_xargs"]["moe_routing"] == parsed.requests[0].policy
+    assert not parsed.errors and parsed.lines == 4 and parsed.size == path.stat().st_size and len(parsed.sha256) == 64
+
+
+def test_every_bad_line_is_reported_with_its_number(tmp_path):
+    lines = [
+        line("a"),
+        "{oops",                                                          # 2 not JSON
+        line("a", "again"),                                               # 3 duplicate
+        json.dumps({"custom_id": "m", "method": "GET", "url": "/v1/completions", "body": {}}),  # 4 method
+        line("u", url="/v1/embeddings"),                                  # 5 url
+        json.dumps({"custom_id": 7, "method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}),  # 6 id
+        json.dumps({"custom_id": "s", "method": "POST", "url": "/v1/chat/completions",
+                    "body": {"messages": [{"role": "user", "content": "x"}], "stream": True}}),  # 7 stream
+        json.dumps({"custom_id": "e", "method": "POST", "url": "/v1/chat/completions", "body": {"messages": []}}),  # 8
+        line("p", **{}).replace('"max_tokens": 4', '"max_tokens": 4, "vllm_xargs": {"moe_routing": "xshare;m=zero"}'),  # 9
+        b'{"custom_id": "\xff"}',                                         # 10 not UTF-8
+        line("big", "x" * 20_000),                                        # 11 oversized
+        line("z"),
+    ]
+    parsed = read(write(tmp_path, lines))
+    assert [r.custom_id for r in parsed.requests] == ["a", "z"]
+    messages = {e.line: e.message for e in parsed.errors}
+    assert sorted(messages) == list(range(2, 12))
+    assert all(m.startswith(f"line {n}: ") for n, m in messages.items())
+    assert "invalid JSON" in messages[2]
+    assert 'duplicate custom_id "a" (first on line 1)' in messages[3]
+    assert "'method' must be \"POST\"" in messages[4]
+    assert 'unsupported url "/v1/embeddings"' in messages[5]
+    assert "'custom_id' must be a non-empty string" in messages[6]
+    assert "'stream' is not supported" in messages[7]
+    assert "'messages' must be a non-empty list" in messages[8]
+    assert "invalid routing policy 'xshare;m=zero'" in messages[9]
+    assert "not valid UTF-8" in messages[10]
+    assert "over the limit of 10000 bytes per line" in messages[11]
+    assert {e.line: e.custom_id for e in parsed.errors}[3] == "a"
+
+
+def test_oversized_line_without_newline_at_end_of_file(tmp_path):
+    path = tmp_path / "in.jsonl"
+    path.write_bytes((line("a") + "\n" + line("b", "y" * 50_000)).encode())
+    parsed = read(path)
+    assert [r.custom_id for r in parsed.requests] == ["a"]
+    assert parsed.errors[0].line == 2 and "over the limit" in parsed.errors[0].message
+    assert parsed.size == path.stat().st_size
+
+
+# --- journal ---------------------------------------------------------------------------------------
+
+META = {"input_sha256": "abc", "input_bytes": 10}
+
+
+def rec(n, kind="output"):
+    return Record(n, kind, {"id": f"batch_req_{n}", "custom_id": f"c{n}", "response": None, "error": None})
+
+
+def lines_of(path):
+    return [json.loads(x) for x in path.read_text().splitlines()]
+
+
+def test_journal_commits_and_resumes(tmp_path):
+    paths = JournalPaths.for_output(tmp_path / "out.jsonl")
+    assert paths.errors.name == "out.errors.jsonl" and paths.journal.name == "out.jsonl.journal"
+    j = Journal.open(paths, META)
+    j.commit([rec(1), rec(2, "errors")])
+    j.commit([rec(4)])
+    with pytest.raises(JournalError, match="already finished"):
+        j.commit([rec(4)])
+    j.close()
+    j = Journal.open(paths, META)
+    assert j.done == {1: "output", 2: "errors", 4: "output"} and j.counts == {"output": 2, "errors": 1}
+    j.commit([rec(3)])
+    j.close()
+    assert [r["custom_id"] for r in lines_of(paths.output)] == ["c1", "c4", "c3"]
+    assert [r["custom_id"] for r in lines_of(paths.errors)] == ["c2"]
+
+
+def test_torn_tails_and_uncommitted_lines_are_cut_on_resume(tmp_path):
+    paths = JournalPaths.for_output(tmp_path / "out.jsonl", tmp_path / "err.jsonl")
+    j = Journal.open(paths, META)
+    j.commit([rec(1), rec(2)])
+    j.close()
+    committed = paths.output.read_bytes()
+    # a crash: a whole data line whose journal entry never came, a torn data line, a torn journal entry
+    with open(paths.output, "ab") as f:
+        f.write(json.dumps(rec(3).data).encode() + b"\n" + b'{"id": "batch_req_4", "cus')
+    with open(paths.journal, "ab") as f:
+        f.write(b'{"line": 3, "file": "out')
+    j = Journal.open(paths, META)
+    assert set(j.done) == {1, 2}
+    assert paths.output.read_bytes() == committed
+    j.commit([rec(3)])
+    j.close()
+    assert [r["custom_id"] for r in lines_of(paths.output)] == ["c1", "c2", "c3"]
+    assert all(json.loads(x) for x in paths.journal.read_text().splitlines())
+
+
+def test_journal_refuses_another_input_foreign_files_and_a_second_writer(tmp_path):
+    paths = JournalPaths.for_output(tmp_path / "out.jsonl")
+    j = Journal.open(paths, META)
+    with pytest.raises(JournalError, match="another process is writing"):
+        Journal.open(paths, META)
+    j.commit([rec(1)])
+    j.close()
+    with pytest.raises(JournalError, match="belongs to another run"):
+        Journal.open(paths, {**META, "input_sha256": "changed"})
+    paths.output.write_bytes(b"")  # shorter than the journal says
+    with pytest.raises(JournalError, match="truncated or replaced"):
+        Journal.open(paths, META)
+    other = JournalPaths.for_output(tmp_path / "existing.jsonl")
+    other.output.write_text('{"something": "else"}\n')
+    with pytest.raises(JournalError, match="has no journal"):
+        Journal.open(other, META)
+
+
+def test_failed_commit_rolls_back(tmp_path, monkeypatch):
+    paths = JournalPaths.for_output(tmp_path / "out.jsonl")
+    j = Journal.open(paths, META)
+    j.commit([rec(1)])
+    size = paths.output.stat().st_size
+
+    def disk_full(f, data):
+        f.write(data[: len(data) // 2])
+        f.flush()
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Journal, "_append", staticmethod(disk_full))
+    with pytest.raises(OSError):
+        j.commit([rec(2)])
+    monkeypatch.undo()
+    assert paths.output.stat().st_size == size and 2 not in j.done
+    j.commit([rec(2)])
+    j.close()
+    assert [r["custom_id"] for r in lines_of(paths.output)] == ["c1", "c2"]
+
+
+def test_result_line_schema_and_backend_error_message():
+    from moe_cohort.batch.format import BatchRequest
+
+    req = BatchRequest(1, "x", "/v1/completions", {}, "topk", "")
+    ok = result_line(req, "req_1", 200, {"id": "cmpl", "choices": []})
+    assert set(ok) == {"id", "custom_id", "response", "error"} and ok["error"] is None
+    assert ok["response"] == {"status_code": 200, "request_id": "req_1", "body": {"id": "cmpl", "choices": []}}
+    bad = result_line(req, "req_2", 400, {"error": {"message": "too long", "type": "BadRequestError", "code": 400}})
+    assert bad["error"] == {"code": "400", "message": "too long"} and bad["response"]["status_code"] == 400
+
+
+def test_a_policy_of_the_wrong_type_is_an_error_of_its_line(tmp_path):
+    lines = [json.dumps({"custom_id": c, "method": "POST", "url": "/v1/completions",
+                         "body": {"prompt": "hi", "vllm_xargs": {"moe_routing": routing}}})
+             for c, routing in (("a", ["xshare"]), ("b", "oea;k0=1"), ("c", 7))]
+    parsed = read(write(tmp_path, lines))
+    assert [r.custom_id for r in parsed.requests] == ["b"]
+    assert [e.message for e in parsed.errors] == [
+        'line 1: vllm_xargs.moe_routing must be a string such as "xshare;m=24", got list [\'xshare\']',
+        'line 3: vllm_xargs.moe_routing must be a string such as "xshare;m=24", got int 7']
+
+
+@pytest.mark.parametrize("text, where", [
+    (line("a")[:-1], f"at column {len(line('a'))} (the end of the line)"),  # the closing brace is missing
+    ('{"custom_id": oops}', "Expecting value at column 15"),
+    ('{"custom_id": "a",}  ', "at column 19"),
+])
+def test_invalid_json_names_the_column_where_it_went_wrong(tmp_path, text, where):
+    (error,) = read(write(tmp_path, [text])).errors
+    assert error.message.startswith("line 1: invalid JSON (") and where in error.message, error.message

@@ -1,0 +1,78 @@
+"""`cohort serve --backend URL` and nothing else, in front of real vLLM CPU servers with the plugin: the proxy
+configures itself from each engine's handshake (send/autoconfig.py) and learns from the model it serves."""
+
+import time
+
+import openai
+
+from moe_cohort.embedded.vllm_server import free_port, start
+from moe_cohort.send.autoconfig import TURN_ON_SCHEDULER
+from moe_cohort.send.settings import Settings
+from tests.proxy.servers import ProxyThread
+
+SCHEDULER = ["--scheduler-cls", "moe_cohort.engine.scheduler.ExpertAwareScheduler"]
+
+
+def _ask(proxy: ProxyThread, n: int) -> None:
+    client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="unused")
+    for i in range(n):
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": f"question {i}: why?"}],
+                                       max_tokens=4)
+
+
+def _until(condition, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s  # a guard against hanging, not a timing
+    while not condition():
+        assert time.monotonic() < deadline, "condition never held"
+        time.sleep(0.2)
+
+
+def test_in_front_of_vllm_with_our_scheduler_it_forwards_profiles_and_learns(tiny_moe_dir, tmp_path):
+    with start(tiny_moe_dir, max_num_seqs=4, extra_args=SCHEDULER) as server:
+        settings = Settings(backend_url=server.url, port=free_port(), data_dir=str(tmp_path))  # no other setting
+        with ProxyThread(settings) as proxy:
+            state = proxy.server.config.app.state.proxy
+            plan = state.plans[0]
+            assert plan.engine_side and plan.slots == 256 and state.gate.profile_first
+            assert state.learning.on and state.predictor.mode().startswith("first come, first served")
+            _ask(proxy, 24)
+            _until(lambda: state.learning.learner.head is not None)  # 16 observed: the first learned head
+            assert state.predictor.mode() == "learned head"
+
+
+def test_in_front_of_vllm_with_its_own_scheduler_it_admits_itself_on_its_slots(vllm_server, tmp_path):
+    settings = Settings(backend_url=vllm_server.url, port=free_port(), data_dir=str(tmp_path))
+    with ProxyThread(settings) as proxy:
+        state = proxy.server.config.app.state.proxy
+        plan = state.plans[0]
+        assert (plan.engine_side, plan.slots, plan.could) == (False, 16, TURN_ON_SCHEDULER)  # its max_num_seqs
+        assert state.learning.on  # the fixture's vLLM names the endpoint plugin: it serves the counts
+        _ask(proxy, 2)
+
+
+def test_behind_a_vllm_that_takes_a_key_every_backend_request_carries_it(tiny_moe_dir, tmp_path, capsys):
+    """vLLM started with --api-key refuses /v1/... without it: the handshake, the expert counts and the requests
+    all go with --backend-api-key, so the proxy and a batch run configure themselves and learn as without a key."""
+    import json
+
+    from moe_cohort.cli import main
+
+    with start(tiny_moe_dir, max_num_seqs=4, extra_args=[*SCHEDULER, "--api-key", "backend-secret"]) as server:
+        settings = Settings(backend_url=server.url, port=free_port(), data_dir=str(tmp_path / "serve"),
+                            backend_api_key="backend-secret")
+        with ProxyThread(settings) as proxy:
+            state = proxy.server.config.app.state.proxy
+            assert state.engines[0].expert_aware and state.plans[0].engine_side  # the handshake was answered
+            _ask(proxy, 20)
+            _until(lambda: state.learning.learner.head is not None)  # the counts were taken, with the key
+        src = tmp_path / "in.jsonl"
+        src.write_text("".join(json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions",
+                                           "body": {"model": "tiny", "max_tokens": 4, "messages": [
+                                               {"role": "user", "content": f"question {i}"}]}}) + "\n"
+                               for i in range(8)))
+        code = main(["batch", "run", "--input", str(src), "--output", str(tmp_path / "out.jsonl"), "--backend",
+                     server.url, "--backend-api-key", "backend-secret", "--data-dir", str(tmp_path / "batch"),
+                     "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 0 and "6 at a time (4 for its max_num_seqs and a queue of 2)" in err and "learning on" in err, err
+    assert "done: 8 succeeded" in err and "learned: 8 observed requests" in err
