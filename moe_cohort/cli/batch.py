@@ -16,10 +16,8 @@ command finishes the rest, and a head learned before the kill orders it from its
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 from moe_cohort.cli.batch_report import ProgressBar, learned, list_errors, summary
@@ -67,206 +65,48 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from moe_cohort.batch.file_run import BatchRunError, FileJob, FileRun, InvalidLines, configured, problem, read_file
+
     started = time.monotonic()
-    if args.output.is_dir():
-        return _fail(f"--output {args.output} is a folder; give a file path for the results, "
-                     f"e.g. {args.output / 'results.jsonl'}")
+    job = FileJob(args.input, args.output, args.errors, engine=args.engine, skip_invalid=args.skip_invalid)
     try:
         settings = load_settings(flag_overrides(args, _FLAGS), flags=_FLAGS)
     except SettingsError as exc:
         return _fail(str(exc))
     settings = settings.replace(batch_concurrency=0)  # the Batch API's share of a proxy's slots; a run's: max_in_flight
-    if not settings.backend_url and not args.dry_run:
-        return _fail("no backend: pass --backend URL (a vLLM server) or set COHORT_BACKEND_URL")
-    from moe_cohort.send.profiles import encoder_problem
-
-    problem = encoder_problem(settings) or (_ray_problem() if args.engine == "ray" else _one_backend(settings))
-    if settings.learn and (args.engine == "ray" or args.dry_run):
-        problem = problem or ("--learn learns from answers as the local runner gets them; drop --learn for "
-                              f"{'--engine ray' if args.engine == 'ray' else '--dry-run'}")
-    if problem:
-        return _fail(problem)
-    from moe_cohort.batch.format import read_batch_file
-    from moe_cohort.send.hints import HintRules
-
+    found = problem(settings, job, dry_run=args.dry_run)
+    if found:
+        return _fail(found)
     try:
-        batch = read_batch_file(args.input, default_policy=settings.default_policy, max_line_bytes=settings.max_body_bytes,
-                                rules=HintRules.of(settings))
-    except OSError as exc:
-        return _fail(f"cannot read {args.input}: {exc}")
-    if batch.errors and not args.skip_invalid:
-        list_errors(args.input, batch.errors)
-        return 2
-    if not batch.requests and not batch.errors:
-        return _fail(f"{args.input} has no requests")
-    if args.dry_run:
-        from moe_cohort.send.profiles import make_predictor
-
-        return _dry_run(args, settings, batch, make_predictor(settings))
-    settings, layers = _configured(settings, args.engine)
-    return _execute(args, settings, batch, layers, started)
-
-
-def _configured(settings: Settings, engine: str) -> tuple[Settings, int | None]:
-    """The run's settings as the backends' handshake makes them (flags win), said in one line; and the model's
-    MoE layers when an engine told them."""
-    from moe_cohort.send.autoconfig import plan_batch
-    from moe_cohort.send.handshake import ask_all
-
-    infos = asyncio.run(ask_all(settings.backend_urls, settings))
-    plan = plan_batch(settings, settings.backend_urls, infos)
-    learn = plan.learn and engine == "local" and settings.encoder.lower() != "none"
-    print(f"cohort batch: {plan.line}" + ("" if learn == plan.learn else " (not with --engine ray)"), file=sys.stderr)
-    return replace(settings, max_in_flight=plan.slots, forward_profiles=plan.forward_profiles, learn=learn), \
-        plan.layers
+        batch = read_file(settings, job)
+        if args.dry_run:
+            return _dry_run(args, settings, batch)
+        settings, layers, said = configured(settings, job)
+        print(f"cohort batch: {said}", file=sys.stderr)
+        run_ = FileRun(settings, batch, job)
+        with ProgressBar(len(batch.requests), run_.finished, enabled=not args.no_progress) as bar:
+            result = run_.run(bar.update)
+    except InvalidLines as exc:
+        list_errors(exc.path, exc.errors)
+        return exc.code
+    except BatchRunError as exc:
+        return _fail(exc.message, exc.code)
+    if result.learner is not None:
+        learned(result.learner, result.learned_in)
+    summary(result.stats, result.counts, result.paths, layers, time.monotonic() - started)
+    return 0
 
 
-def _dry_run(args, settings: Settings, batch, predictor) -> int:
-    from moe_cohort.batch.order import make_order, simulated_order
-    from moe_cohort.batch.run import write_plan
+def _dry_run(args, settings: Settings, batch) -> int:
+    from moe_cohort.batch.file_run import dry_run
 
-    concurrency = settings.batch_in_flight
-    order = simulated_order(batch.requests, make_order(batch.requests, predictor, concurrency), concurrency)
     path = args.plan or args.output.with_name(args.output.name + ".plan.jsonl")
-    write_plan(path, order, concurrency)
+    slots = dry_run(settings, batch, path)
     skipped = f", {len(batch.errors)} invalid line(s) left out" if batch.errors else ""
-    batches = -(-len(order) // concurrency)
-    print(f"dry run: planned {len(batch.requests)} requests into {batches} batches of <= {concurrency} "
-          f"(the order admission sends them in, {concurrency} at a time, if they finish in order){skipped} -> {path}; "
-          f"nothing was sent", file=sys.stderr)
+    print(f"dry run: planned {len(batch.requests)} requests into {-(-len(batch.requests) // slots)} batches of <= "
+          f"{slots} (the order admission sends them in, {slots} at a time, if they finish in order){skipped} -> "
+          f"{path}; nothing was sent", file=sys.stderr)
     return 0
-
-
-def _execute(args, settings: Settings, batch, layers: int | None, started: float) -> int:
-    from moe_cohort.batch.journal import Journal, JournalError, JournalPaths
-    from moe_cohort.batch.run import RunAborted
-
-    paths = JournalPaths.for_output(args.output, args.errors)
-    try:
-        journal = Journal.open(paths, batch.journal_meta)
-    except (JournalError, OSError) as exc:
-        return _fail(str(exc))
-    try:
-        progress, skip = not args.no_progress, args.skip_invalid
-        stats = _run_ray(settings, batch, journal, progress=progress, skip_invalid=skip) if args.engine == "ray" \
-            else asyncio.run(_run(settings, batch, journal, progress=progress, skip_invalid=skip))
-    except RunAborted as exc:
-        return _fail(f"{exc}\nresults so far are in {paths.output}; run the same command again to finish the rest", 1)
-    except KeyboardInterrupt:
-        return _fail(f"interrupted; results so far are in {paths.output}; run the same command again to finish", 130)
-    finally:
-        journal.close()
-    summary(stats, journal, paths, layers, time.monotonic() - started)
-    return 0
-
-
-async def _run(settings: Settings, batch, journal, *, progress: bool, skip_invalid: bool):
-    from moe_cohort.batch.core import RunConfig
-    from moe_cohort.batch.run import run_batch
-    from moe_cohort.send.backend_client import BackendClient
-    from moe_cohort.send.learning.learning import Learning, learned_folder, load_learner
-    from moe_cohort.send.metrics import ProxyMetrics
-
-    backend = BackendClient.from_settings(settings)
-    loading = _load_predictor(settings)  # the encoder loads while the first requests go (a sample, in any case)
-    learning = None
-    if settings.learn:
-        learning = Learning(load_learner(settings, _refit_every(settings)), lambda texts: loading.result().features(texts),
-                            learned_folder(settings), ProxyMetrics(), settings.learn_sample_rate, [backend])
-    predictor = None if loading is None else asyncio.wrap_future(_following(loading, learning))
-    finished = sum(1 for r in batch.requests if r.line in journal.done)
-    before = await _metrics(backend)
-    with ProgressBar(len(batch.requests), finished, enabled=progress) as bar:
-        try:
-            stats = await run_batch(batch, journal, [backend], predictor, RunConfig.from_settings(settings),
-                                    skip_invalid=skip_invalid, on_progress=bar.update, learning=learning)
-        finally:
-            if learning is not None:
-                await learning.flush()  # the last answers' counts
-                await asyncio.to_thread(learning.close)  # what it learned is saved for the next run (and serve)
-                learned(learning.learner, learned_folder(settings))
-            after = await _metrics(backend)
-            await backend.close()
-    if before is not None and after is not None:
-        stats.decode = {key: after[key] - before[key] for key in before}
-    return stats
-
-
-def _refit_every(settings: Settings) -> int | None:
-    """A batch refits its head more often than a server, unless the settings say how often: its early heads order
-    most of the file (docs/results.md: the learned-first schedule in the replay)."""
-    from moe_cohort.batch.follow import BATCH_REFIT_EVERY
-
-    return BATCH_REFIT_EVERY if settings.learn_refit_every == Settings.learn_refit_every else None
-
-
-def _load_predictor(settings: Settings):
-    """The settings' predictor, loading on a thread (a concurrent Future); None with --encoder none."""
-    if settings.encoder.lower() == "none":
-        return None
-    from concurrent.futures import ThreadPoolExecutor
-
-    from moe_cohort.send.profiles import make_predictor
-
-    pool = ThreadPoolExecutor(1, "cohort-encoder-load")
-    loading = pool.submit(make_predictor, settings)
-    pool.shutdown(wait=False)  # the load goes on; the thread ends with it
-    return loading
-
-
-def _following(loading, learning):
-    """`loading`'s predictor, made to follow `learning` (its head, once learned) as soon as it is loaded."""
-    from concurrent.futures import Future
-
-    out: Future = Future()
-
-    def done(future) -> None:
-        if out.cancelled():  # the run ended before the encoder had loaded
-            return
-        try:
-            predictor = future.result()
-            if learning is not None:
-                predictor.follow(learning)
-            out.set_result(predictor)
-        except BaseException as exc:  # the encoder failed to load: the run fails with its error
-            out.set_exception(exc)
-    loading.add_done_callback(done)
-    return out
-
-
-async def _metrics(backend) -> dict[str, float] | None:
-    """The plugin's decode counters on the backend now (send/backend_metrics.py: zeros before its first step, or
-    without the plugin); None where /metrics cannot be read."""
-    from moe_cohort.send.backend_metrics import decode_sums
-    from moe_cohort.send.errors import ProxyError
-
-    try:
-        return decode_sums((await backend.request("GET", "/metrics")).text)
-    except (ProxyError, ValueError):
-        return None
-
-
-def _run_ray(settings: Settings, batch, journal, *, progress: bool, skip_invalid: bool):
-    from moe_cohort.batch.ray import run_batch_ray
-    from moe_cohort.send.profiles import make_predictor
-
-    finished = sum(1 for r in batch.requests if r.line in journal.done)
-    with ProgressBar(len(batch.requests), finished, enabled=progress) as bar:
-        return run_batch_ray(settings, batch, journal, make_predictor(settings), skip_invalid=skip_invalid,
-                             on_progress=bar.update)
-
-
-def _one_backend(settings: Settings) -> str | None:
-    if "," in settings.backend_url:
-        return (f"--engine local sends to one backend, got several in --backend {settings.backend_url!r}; "
-                f"pass one, or --engine ray to send to all of them")
-    return None
-
-
-def _ray_problem() -> str | None:
-    from moe_cohort.batch.ray import ray_problem
-
-    return ray_problem()
 
 
 def _fail(message: str, code: int = 2) -> int:

@@ -38,8 +38,8 @@ class ProgressBar:
         self.bar.close()
 
 
-def summary(stats, journal, paths, layers: int | None, wall_s: float) -> None:
-    ok, failed = journal.counts["output"], journal.counts["errors"]
+def summary(stats, counts: dict[str, int], paths, layers: int | None, wall_s: float) -> None:
+    ok, failed = counts["output"], counts["errors"]
     print(f"done: {ok} succeeded -> {paths.output}; {failed} failed or skipped -> {paths.errors}", file=sys.stderr)
     if stats.succeeded + stats.failed == 0:
         print(f"nothing to send: all {stats.total} requests were finished by an earlier run", file=sys.stderr)

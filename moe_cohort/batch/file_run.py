@@ -1,0 +1,268 @@
+"""One OpenAI Batch file through vLLM, resumable: the batch runner's entry point, as `create_app(settings)` is the
+server's. `cohort batch run` parses its flags into Settings and a FileJob, calls these, and prints.
+
+    batch = read_file(settings, job)                  # every line checked; InvalidLines names the bad ones
+    settings, layers, said = configured(settings, job)  # what the backends' handshake makes of the settings
+    run = FileRun(settings, batch, job)               # the journal beside the output: a rerun resumes
+    result = run.run(on_progress)                     # every line answered once, into the output or error file
+
+A local run sends from this process to one backend, in admission order once its predictor is ready (the encoder
+loads on a thread while the first lines go), learning the profile head from the engine's expert counts of its
+answers with `settings.learn` and saving it in the data dir; without learning it orders by the head an earlier run
+saved there. A Ray run sends through Ray Data to every backend. Anything that stops a run raises BatchRunError,
+whose `code` is the exit status the command returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Callable
+
+from moe_cohort.batch.core import RunConfig, RunStats
+from moe_cohort.batch.format import BatchFile, LineError, read_batch_file
+from moe_cohort.batch.journal import Journal, JournalError, JournalPaths
+from moe_cohort.send.hints import HintRules
+from moe_cohort.send.settings import Settings
+
+log = logging.getLogger(__name__)
+
+ENGINES = ("local", "ray")
+
+
+@dataclass(frozen=True)
+class FileJob:
+    """What to run beside the settings: the files, and who sends."""
+
+    input: Path  # OpenAI Batch JSONL
+    output: Path  # results JSONL; its journal lies beside it
+    errors: Path | None = None  # failed (and with skip_invalid refused) lines; default: OUTPUT's stem + .errors.jsonl
+    engine: str = "local"  # "local": this process, to one backend; "ray": Ray Data, to every backend
+    skip_invalid: bool = False  # bad lines go to the error file instead of stopping the run before it starts
+
+
+class BatchRunError(Exception):
+    """Why a run cannot start or did not finish, said for the person who runs it; `code`: the exit status."""
+
+    def __init__(self, message: str, code: int = 2) -> None:
+        super().__init__(message)
+        self.message, self.code = message, code
+
+
+class InvalidLines(BatchRunError):
+    """The file has bad lines and skip_invalid is off: nothing was sent."""
+
+    def __init__(self, path: Path, errors: list[LineError]) -> None:
+        super().__init__(f"{path}: {len(errors)} invalid line(s); nothing was sent")
+        self.path, self.errors = path, errors
+
+
+@dataclass
+class RunResult:
+    stats: RunStats
+    paths: JournalPaths
+    counts: dict[str, int]  # lines in the output and the error file, this run and earlier ones
+    learner: object | None = None  # the online learner, saved in `learned_in`, when the run learned
+    learned_in: Path | None = None
+
+
+def problem(settings: Settings, job: FileJob, *, dry_run: bool = False) -> str | None:
+    """What stops the run before any work (no backend, an encoder that will not load, Ray missing), said with the
+    fix; None when it can go."""
+    from moe_cohort.send.profiles import encoder_problem
+
+    if job.output.is_dir():
+        return (f"--output {job.output} is a folder; give a file path for the results, "
+                f"e.g. {job.output / 'results.jsonl'}")
+    if not settings.backend_url and not dry_run:
+        return "no backend: pass --backend URL (a vLLM server) or set COHORT_BACKEND_URL"
+    if job.engine not in ENGINES:
+        return f"engine {job.engine!r}: choose one of {', '.join(ENGINES)}"
+    found = encoder_problem(settings) or (_ray_problem() if job.engine == "ray" else _one_backend(settings))
+    if not found and settings.learn and (job.engine == "ray" or dry_run):
+        found = ("--learn learns from answers as the local runner gets them; drop --learn for "
+                 f"{'--engine ray' if job.engine == 'ray' else '--dry-run'}")
+    return found
+
+
+def read_file(settings: Settings, job: FileJob) -> BatchFile:
+    """Every line of `job.input`, checked as the proxy checks a request; raises InvalidLines when some are bad and
+    `job.skip_invalid` is off."""
+    try:
+        batch = read_batch_file(job.input, default_policy=settings.default_policy,
+                                max_line_bytes=settings.max_body_bytes, rules=HintRules.of(settings))
+    except OSError as exc:
+        raise BatchRunError(f"cannot read {job.input}: {exc}") from exc
+    if batch.errors and not job.skip_invalid:
+        raise InvalidLines(job.input, batch.errors)
+    if not batch.requests and not batch.errors:
+        raise BatchRunError(f"{job.input} has no requests")
+    return batch
+
+
+def configured(settings: Settings, job: FileJob) -> tuple[Settings, int | None, str]:
+    """The run's settings as the backends' handshake makes them (flags win), the model's MoE layers when an engine
+    told them, and one line that says what was chosen."""
+    from moe_cohort.send.autoconfig import plan_batch
+    from moe_cohort.send.handshake import ask_all
+
+    infos = asyncio.run(ask_all(settings.backend_urls, settings))
+    plan = plan_batch(settings, settings.backend_urls, infos)
+    learn = plan.learn and job.engine == "local" and settings.encoder.lower() != "none"
+    said = plan.line + ("" if learn == plan.learn else " (not with --engine ray)")
+    settings = replace(settings, max_in_flight=plan.slots, forward_profiles=plan.forward_profiles, learn=learn)
+    return settings, plan.layers, said
+
+
+def dry_run(settings: Settings, batch: BatchFile, plan: Path) -> int:
+    """The order admission would send `batch` in if every request finished in order, written to `plan`; nothing
+    is sent. Returns how many requests go at a time."""
+    from moe_cohort.batch.order import make_order, simulated_order
+    from moe_cohort.batch.run import write_plan
+    from moe_cohort.send.profiles import make_predictor
+
+    slots = settings.batch_in_flight
+    order = simulated_order(batch.requests, make_order(batch.requests, make_predictor(settings), slots), slots)
+    write_plan(plan, order, slots)
+    return slots
+
+
+class FileRun:
+    """One run of a checked file: opening it opens (or resumes) the journal beside the output."""
+
+    def __init__(self, settings: Settings, batch: BatchFile, job: FileJob) -> None:
+        self.settings, self.batch, self.job = settings, batch, job
+        self.paths = JournalPaths.for_output(job.output, job.errors)
+        try:
+            self.journal = Journal.open(self.paths, batch.journal_meta)
+        except (JournalError, OSError) as exc:
+            raise BatchRunError(str(exc)) from exc
+
+    @property
+    def finished(self) -> int:
+        """Requests an earlier run finished."""
+        return sum(1 for r in self.batch.requests if r.line in self.journal.done)
+
+    def run(self, on_progress: Callable[[RunStats], None] | None = None) -> RunResult:
+        """Every line answered once; the journal is closed after, whatever happened."""
+        from moe_cohort.batch.run import RunAborted
+
+        result = RunResult(RunStats(0, 0), self.paths, {})
+        try:
+            if self.job.engine == "ray":
+                result.stats = self._ray(on_progress)
+            else:
+                asyncio.run(self._local(result, on_progress))
+        except RunAborted as exc:
+            raise BatchRunError(f"{exc}\nresults so far are in {self.paths.output}; run the same command again to "
+                                f"finish the rest", 1) from exc
+        except KeyboardInterrupt:
+            raise BatchRunError(f"interrupted; results so far are in {self.paths.output}; run the same command "
+                                f"again to finish", 130) from None
+        finally:
+            self.journal.close()
+        result.counts = dict(self.journal.counts)
+        return result
+
+    async def _local(self, result: RunResult, on_progress) -> None:
+        from moe_cohort.batch.run import run_batch
+        from moe_cohort.send.backend_client import BackendClient
+        from moe_cohort.send.learning.learning import Learning, learned_folder, load_learner
+        from moe_cohort.send.metrics import ProxyMetrics
+
+        settings = self.settings
+        backend = BackendClient.from_settings(settings)
+        loading = _load_predictor(settings)  # the encoder loads while the first requests go (a sample, in any case)
+        learning = None
+        if settings.learn:
+            learning = Learning(load_learner(settings, _refit_every(settings)),
+                                lambda texts: loading.result().features(texts), learned_folder(settings),
+                                ProxyMetrics(), settings.learn_sample_rate, [backend])
+        predictor = None if loading is None else asyncio.wrap_future(_following(loading, learning))
+        before = await _decode_counters(backend)
+        try:
+            result.stats = await run_batch(self.batch, self.journal, [backend], predictor,
+                                           RunConfig.from_settings(settings), skip_invalid=self.job.skip_invalid,
+                                           on_progress=on_progress, learning=learning)
+        finally:
+            if learning is not None:
+                await learning.flush()  # the last answers' counts
+                await asyncio.to_thread(learning.close)  # what it learned is saved for the next run (and serve)
+                result.learner, result.learned_in = learning.learner, learned_folder(settings)
+            after = await _decode_counters(backend)
+            await backend.close()
+        if before is not None and after is not None:
+            result.stats.decode = {key: after[key] - before[key] for key in before}
+
+    def _ray(self, on_progress) -> RunStats:
+        from moe_cohort.batch.ray import run_batch_ray
+        from moe_cohort.send.profiles import make_predictor
+
+        return run_batch_ray(self.settings, self.batch, self.journal, make_predictor(self.settings),
+                             skip_invalid=self.job.skip_invalid, on_progress=on_progress)
+
+
+def _refit_every(settings: Settings) -> int | None:
+    """A batch refits its head more often than a server, unless the settings say how often: its early heads order
+    most of the file (docs/results.md: the learned-first schedule in the replay)."""
+    from moe_cohort.batch.follow import BATCH_REFIT_EVERY
+
+    return BATCH_REFIT_EVERY if settings.learn_refit_every == Settings.learn_refit_every else None
+
+
+def _load_predictor(settings: Settings) -> Future | None:
+    """The settings' predictor, loading on a thread; None with --encoder none."""
+    if settings.encoder.lower() == "none":
+        return None
+    from moe_cohort.send.profiles import make_predictor
+
+    pool = ThreadPoolExecutor(1, "cohort-encoder-load")
+    loading = pool.submit(make_predictor, settings)
+    pool.shutdown(wait=False)  # the load goes on; the thread ends with it
+    return loading
+
+
+def _following(loading: Future, learning) -> Future:
+    """`loading`'s predictor, made to follow `learning` (its head, once learned) as soon as it is loaded."""
+    out: Future = Future()
+
+    def done(future: Future) -> None:
+        if out.cancelled():  # the run ended before the encoder had loaded
+            return
+        try:
+            predictor = future.result()
+            if learning is not None:
+                predictor.follow(learning)
+            out.set_result(predictor)
+        except BaseException as exc:  # the encoder failed to load: the run fails with its error
+            out.set_exception(exc)
+    loading.add_done_callback(done)
+    return out
+
+
+async def _decode_counters(backend) -> dict[str, float] | None:
+    """The plugin's decode counters on the backend now (send/backend_metrics.py: zeros before its first step, or
+    without the plugin); None where /metrics cannot be read."""
+    from moe_cohort.send.backend_metrics import decode_sums
+    from moe_cohort.send.errors import ProxyError
+
+    try:
+        return decode_sums((await backend.request("GET", "/metrics")).text)
+    except (ProxyError, ValueError):
+        return None
+
+
+def _one_backend(settings: Settings) -> str | None:
+    if "," in settings.backend_url:
+        return (f"--engine local sends to one backend, got several in --backend {settings.backend_url!r}; "
+                f"pass one, or --engine ray to send to all of them")
+    return None
+
+
+def _ray_problem() -> str | None:
+    from moe_cohort.batch.ray import ray_problem
+
+    return ray_problem()
