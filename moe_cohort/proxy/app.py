@@ -35,6 +35,7 @@ from moe_cohort.proxy.http.limits import HeadLimits
 from moe_cohort.proxy.http.middleware import RequestContext, access_log, route_label
 from moe_cohort.proxy.relay import add_relay_routes
 from moe_cohort.proxy.streaming import StreamRelay
+from moe_cohort.proxy.whole import reply
 from moe_cohort.send.auth import Authorizer, backend_headers
 from moe_cohort.send.autoconfig import (LearningPlan, describe, fed_at, passed_bound, plan_batch, plan_learning,
                                         plan_replica)
@@ -162,7 +163,7 @@ class Proxy:
         if preq.stream:
             return await StreamRelay(life, self.settings.keepalive_s,
                                      request.scope.setdefault("state", {})).start(request.receive)
-        return await life.reply(request.receive)
+        return await reply(life, request.receive)
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:

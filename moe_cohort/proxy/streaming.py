@@ -24,8 +24,9 @@ from typing import AsyncIterator
 
 from starlette.responses import Response, StreamingResponse
 
+from moe_cohort.proxy.whole import unless_client_leaves
 from moe_cohort.send.errors import CLIENT_CLOSED, ProxyError
-from moe_cohort.send.lifecycle import Lifecycle, unless_client_leaves
+from moe_cohort.send.lifecycle import Lifecycle
 
 log = logging.getLogger(__name__)
 

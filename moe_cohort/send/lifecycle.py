@@ -18,17 +18,15 @@ The chat, completions and responses routes (whole or streamed) and each line of 
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import time
+from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, TypeVar
-
-from starlette.responses import Response
 
 from moe_cohort.admission.wire import PROFILE_KEY, with_xargs
 from moe_cohort.send.backend_client import BackendAnswer, BackendClient
 from moe_cohort.send.cohort_key import cohort_key_header
-from moe_cohort.send.errors import CLIENT_CLOSED, BackendUnreachable
+from moe_cohort.send.errors import BackendUnreachable
 from moe_cohort.send.gate import AdmissionGate
 from moe_cohort.send.learning.learning import Learning
 from moe_cohort.send.learning.observed_counts import client_answer
@@ -36,6 +34,16 @@ from moe_cohort.send.metrics import ProxyMetrics
 from moe_cohort.send.replicas import Slot
 
 T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Reply:
+    """A whole answer as the client gets it (the HTTP layer makes it a response)."""
+
+    content: bytes
+    status_code: int
+    content_type: str
+    headers: dict[str, str]  # X-Cohort-Admission, X-Cohort-Queue-Ms, Server-Timing
 
 
 class Lifecycle:
@@ -76,20 +84,13 @@ class Lifecycle:
                                           else self.gate.admit(self.text))
         return self.slot
 
-    async def reply(self, receive) -> Response:
-        """The client's answer to a whole (not streamed) request: admitted, sent, answered; while the client
-        (ASGI `receive`) stays: when it leaves, the request is cancelled (vLLM aborts it) and answered 499."""
-        answer = await unless_client_leaves(self._whole(), receive)
-        if answer is None:
-            return Response(status_code=CLIENT_CLOSED)
-        headers = self.response_headers()
-        return Response(self.observed(answer.content), status_code=answer.status_code, headers=headers,
-                        media_type=answer.content_type)
-
-    async def _whole(self) -> BackendAnswer:
+    async def whole(self) -> Reply:
+        """The client's answer to a whole (not streamed) request: admitted, sent, answered, released. Cancelling
+        it (the client left) closes the backend connection, which makes vLLM abort the request."""
         async with self:
             with self.metrics.backend_seconds.labels(self.route).time():
-                return await self.answer()
+                answer = await self.answer()
+        return Reply(self.observed(answer.content), answer.status_code, answer.content_type, self.response_headers())
 
     def response_headers(self) -> dict[str, str]:
         """X-Cohort-Admission (the slot's number in admission order), X-Cohort-Queue-Ms, and a Server-Timing
@@ -169,27 +170,3 @@ class Lifecycle:
 
     def _headers(self, slot: Slot) -> dict[str, str]:
         return {**self.headers, **cohort_key_header(slot.prediction)}
-
-
-async def unless_client_leaves(work: Awaitable[T], receive) -> T | None:
-    """Await `work` while watching the client's connection (ASGI `receive`, the request body already read):
-    if the client leaves first, `work` is cancelled, which closes its backend connection (vLLM aborts the
-    request; the work's own cleanup frees its slot), and the result is None."""
-    task = asyncio.ensure_future(work)
-    watch = asyncio.ensure_future(_disconnected(receive))
-    try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:  # also when this handler is cancelled itself
-        watch.cancel()
-        if not task.done():
-            task.cancel()
-    if task.cancelled() or not task.done():
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await task  # let its cleanup run before the answer goes
-        return None
-    return task.result()
-
-
-async def _disconnected(receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
