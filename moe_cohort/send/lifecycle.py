@@ -64,7 +64,7 @@ class Lifecycle:
         self.started = started  # when the request arrived (perf_counter): the proxy's own time is counted from it
         self.body = dict(body)
         if learning is not None:
-            learning.mark(self.body)  # when sampled, the engine counts this request's experts
+            learning.sending(self.body)  # when sampled, the engine counts this request's experts
         self.slot: Slot | None = None  # the slot held (None before admission, between replicas, after close)
         self.granted: Slot | None = None  # the last slot granted, kept after close (the response's headers)
         self.backend_s = 0.0  # time at the backend until the answer (or the stream's status line), every replica
@@ -113,10 +113,9 @@ class Lifecycle:
     def observed(self, content: bytes) -> bytes:
         """A 200 answer's content as the client gets it: its routed experts learned from, when sampled, and
         stripped unless the client asked for them."""
-        relayed, routed = client_answer(content, self.body)
-        if routed is not None and self.learning is not None:
-            self.learning.answered(routed, self.body, self.text)
-        return relayed
+        if self.learning is None:
+            return client_answer(content, self.body)[0]
+        return self.learning.answer(content, self.body, self.text)
 
     async def open_stream(self):
         """Open the streamed answer on the held slot's replica (raises on a backend error status); the
@@ -139,7 +138,7 @@ class Lifecycle:
         if slot is None:
             return
         if self.learning is not None and self._at is not None:
-            self.learning.finished(self._at, self.body, self.text)
+            self.learning.left(self._at, self.body, self.text)
         self.gate.release(slot)
 
     async def _on_a_replica(self, send: Callable[[Slot], Awaitable[T]]) -> T:

@@ -28,8 +28,8 @@ import numpy as np
 from moe_cohort.encoder.profile import ProfileHead
 from moe_cohort.send.backend_client import BackendClient
 from moe_cohort.send.learning.behind_serving import lowest_priority, one_blas_thread
-from moe_cohort.send.learning.observed_counts import (ROUTED_EXPERTS, ObservedCounts, marked, one_routed_choice,
-                                                      routed_counts)
+from moe_cohort.send.learning.observed_counts import (ROUTED_EXPERTS, ObservedCounts, client_answer, marked,
+                                                      one_routed_choice, routed_counts)
 from moe_cohort.send.metrics import ProxyMetrics
 from moe_cohort.traces.observed import BadObservation, Observed
 from moe_cohort.train.online import LearnConfig, OnlineLearner
@@ -89,9 +89,12 @@ class Learning:
             return True
         return False if self._random.random() < self.sample_rate else None
 
-    def mark(self, body: dict) -> None:
-        """Have the engine count this request's experts (a body about to be forwarded), when sampled and the
-        backend serves the counts (asked once, in the background, before the first request is marked)."""
+    # The request's events, each entered once by the lifecycle (send/lifecycle.py): sending, answer, left.
+
+    def sending(self, body: dict) -> None:
+        """A request `body` is about to be forwarded: when sampled and the backend serves the plugin's counts
+        (asked once, in the background, before the first request is marked), it is marked for the engine to count
+        its experts."""
         if not self.on:
             return
         if self.counts.serves is None:
@@ -103,7 +106,16 @@ class Learning:
         """Ask the backend now whether it serves the plugin's counts (at start-up: the first requests get marked)."""
         await self.counts.probe()
 
-    def finished(self, client: BackendClient, body: dict, text: str) -> None:
+    def answer(self, content: bytes, body: dict, text: str) -> bytes:
+        """A whole 200 answer came back for `body` (sent for `text`): learned from when it carries vLLM's routed
+        experts and the request is sampled; returned as the client gets it (routed experts stripped unless the
+        client asked for them)."""
+        relayed, routed = client_answer(content, body)
+        if routed is not None:
+            self._routed(routed, body, text)
+        return relayed
+
+    def left(self, client: BackendClient, body: dict, text: str) -> None:
         """A request left `client` (answered, failed or abandoned): when marked, its counts are taken from there."""
         self.counts.finished(client, body, text)
 
@@ -121,7 +133,7 @@ class Learning:
         """Experts per layer of what was learned so far (None before the first observation)."""
         return self.learner.shape[1] if self.learner.shape else None
 
-    def answered(self, answer: dict, body: dict, text: str) -> None:
+    def _routed(self, answer: dict, body: dict, text: str) -> None:
         """Learn from the routed experts in a whole answer of vLLM (`answer`, to the request `body` sent for
         `text`) when this request is sampled and the plugin's counts do not come for it (not `marked`)."""
         if marked(body) or not one_routed_choice(answer) or (kept := self.sample()) is None:
