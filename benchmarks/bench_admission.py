@@ -8,8 +8,8 @@ top-6), sent in admission.wire's compact form. Prints, for a pool of --pool wait
 
 - engine side: `engine.expert_queue.ExpertAwareQueue`, one peek + pop (what vLLM's scheduler
   calls per admitted request), the running set read anew each time;
-- proxy side: `proxy.gate.AdmissionGate`, one release + the admission it triggers;
-- batch side: `proxy.batch.order.ExpertOrder`, one finished + pick + sent (what `cohort batch run` does per
+- proxy side: `send.gate.AdmissionGate`, one release + the admission it triggers;
+- batch side: `batch.order.ExpertOrder`, one finished + pick + sent (what `cohort batch run` does per
   line when a slot frees), with --pool lines waiting and --resident out;
 - the decode step time each cost keeps up with: a 16-slot engine whose requests generate --tokens tokens frees
   16 / tokens slots per step on average, so one choice per slot freed must fit in tokens / 16 steps.

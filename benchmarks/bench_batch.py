@@ -14,7 +14,7 @@ context are left out). Three orders of the same file, against one backend, in on
 
 Two ways of sending, each reading the plugin's counters on the backend's /metrics before and after:
 
-1. `cohort batch run` (proxy.batch.run.run_batch): one request per line, B = concurrency = the
+1. `cohort batch run` (batch.run.run_batch): one request per line, B = concurrency = the
    backend's max_num_seqs, a freed slot goes to the order's next request. Wall time, and distinct
    experts per MoE layer per pure decode step. On a small, busy CPU host the engine is often starved
    (the API server cannot feed a model this fast), so the number of requests that share a decode step
@@ -163,7 +163,7 @@ def report(title: str, rows: list[dict]) -> None:
 
 async def bench(args, backend_url: str) -> None:
     # the process's one Settings: concurrency = --batch-size = the backend's max_num_seqs; the admission encoder
-    args.settings = Settings(backend_url=backend_url, batch_concurrency=args.batch_size, encoder=args.encoder or "")
+    args.settings = Settings(backend_url=backend_url, batch_max_in_flight=args.batch_size, encoder=args.encoder or "")
     backend = BackendClient.from_settings(args.settings)
     texts = prompt_texts(args.heldout)[: args.prompts]
     fitting = await fitting_prompts(backend, texts, args.max_tokens)

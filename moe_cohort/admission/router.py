@@ -6,7 +6,7 @@ resident together on one replica. `ReplicaRouter` is pure bookkeeping (no clock,
 caller adds waiting requests, asks `admit(now)` which request takes which free slot, and
 releases a request when it finishes. It is the one admission driver: the proxy's gate
 (send.replicas, one backend or several), the Ray Serve request router (ray_serve.router, told of
-one free replica at a time: `admit_to`), the batch order (proxy.batch.order, one replica of
+one free replica at a time: `admit_to`), the batch order (batch.order, one replica of
 `--max-in-flight` slots) and the engine replay (eval.replay) all admit through it; only vLLM's own
 queue (engine.expert_queue) keeps the pool and a resident set without it. Routings (`ROUTINGS`, what
 the proxy serves):

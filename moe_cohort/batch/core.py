@@ -5,7 +5,7 @@ Shaped like nano-vllm's scheduler. `BatchCore` holds the waiting requests in fil
 hand `order` over to another between two sends: batch/follow.py) which one goes next,
 and answers the driver (batch/run.py), which does the sending, the sleeping and the writing:
 
-    schedule(now)          Send(request, request_id) while fewer than `concurrency` requests are out;
+    schedule(now)          Send(request, request_id) while fewer than `max_in_flight` requests are out;
                            None when all slots are taken; Stop.DONE when every request was handed
                            out; Stop.EXPIRED once `now` is past the deadline (nothing more is sent)
     on_outcome(send, o)    Finish(record) | Retry(delay_s, reason) | Abort(message)
@@ -40,7 +40,7 @@ EXPIRED_MESSAGE = "This request could not be executed before the completion wind
 
 @dataclass(frozen=True)
 class RunConfig:
-    concurrency: int = 16  # requests at the backend at once (its max_num_seqs)
+    max_in_flight: int = 16  # requests at the backend at once (its max_num_seqs and a short queue)
     max_retries: int = 5
     backoff_s: float = 0.5  # first retry delay; doubles per attempt, up to max_backoff_s
     max_backoff_s: float = 30.0
@@ -51,7 +51,7 @@ class RunConfig:
     @classmethod
     def from_settings(cls, settings: Settings, **overrides) -> "RunConfig":
         """The run's configuration from the process's one Settings object (`overrides` win)."""
-        return cls(**{"concurrency": settings.batch_in_flight, "forward_profiles": bool(settings.forward_profiles),
+        return cls(**{"max_in_flight": settings.max_in_flight_for_batches, "forward_profiles": bool(settings.forward_profiles),
                       "max_retries": settings.batch_max_retries, "api_key": settings.backend_api_key, **overrides})
 
 
@@ -147,7 +147,7 @@ class BatchCore:
             return Stop.EXPIRED
         if not self.waiting:
             return Stop.DONE
-        if len(self.attempts) >= self.config.concurrency:
+        if len(self.attempts) >= self.config.max_in_flight:
             return None
         request = self.waiting.pop(self.order.pick(self.waiting))
         self.order.sent(request)

@@ -113,7 +113,7 @@ def configured(settings: Settings, job: FileJob) -> tuple[Settings, int | None, 
     plan = plan_batch(settings, settings.backend_urls, infos)
     learn = plan.learn and job.engine == "local" and settings.encoder.lower() != "none"
     said = plan.line + ("" if learn == plan.learn else " (not with --engine ray)")
-    settings = replace(settings, max_in_flight=plan.slots, forward_profiles=plan.forward_profiles, learn=learn)
+    settings = replace(settings, max_in_flight=plan.max_in_flight, forward_profiles=plan.forward_profiles, learn=learn)
     return settings, plan.layers, said
 
 
@@ -124,7 +124,7 @@ def dry_run(settings: Settings, batch: BatchFile, plan: Path) -> int:
     from moe_cohort.batch.run import write_plan
     from moe_cohort.send.profiles import make_predictor
 
-    slots = settings.batch_in_flight
+    slots = settings.max_in_flight_for_batches
     order = simulated_order(batch.requests, make_order(batch.requests, make_predictor(settings), slots), slots)
     write_plan(plan, order, slots)
     return slots

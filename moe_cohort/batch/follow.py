@@ -74,8 +74,8 @@ async def follow_heads(head: Callable[[], object], predict: Predict, order: Expe
 async def order_after(core, predictor: Awaitable, learning, *, sample: int,
                       run: Callable[..., Awaitable] = asyncio.to_thread) -> None:
     """Beside the sends of `core` (proxy/batch/core.BatchCore, sending in a SpreadOrder): once `predictor`
-    (awaited: proxy.profiles.Predictor) can predict, after `sample` new observations of `learning`
-    (proxy.learning.Learning) when it can only once a head is learned, hand `core` over to admission by the
+    (awaited: send.profiles.Predictor) can predict, after `sample` new observations of `learning`
+    (send.learning.learning.Learning) when it can only once a head is learned, hand `core` over to admission by the
     predicted profiles of every waiting line; then follow the later heads. `run` calls the predictions (the
     learning worker, behind serving)."""
     predictor = await predictor
@@ -90,7 +90,7 @@ async def order_after(core, predictor: Awaitable, learning, *, sample: int,
     predicted = dict(zip(lines, await run(predictor.predict, [r.text for r in lines.values()])))
     waiting = {r.line: predicted[r.line] for r in core.waiting}  # sends went on meanwhile
     out = {line: predicted.get(line) for line in core.out}
-    order = ExpertOrder.taking_over(waiting, out, predictor.resident_factory, core.config.concurrency)
+    order = ExpertOrder.taking_over(waiting, out, predictor.resident_factory, core.config.max_in_flight)
     core.order = order
     log.info("%d requests waiting, ordered by %s", len(waiting), predictor.mode())
     if learning is not None:

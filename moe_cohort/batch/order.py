@@ -1,8 +1,8 @@
 """Which request of a batch file goes to the backend next: file order, a spread draw, or admission by predicted experts.
 
-A batch run keeps `concurrency` requests (the backend's max_num_seqs) at the backend; whenever one
+A batch run keeps `max_in_flight` requests (the backend's max_num_seqs) at the backend; whenever one
 finishes, the next is chosen from everything still waiting. `ExpertOrder` is the proxy's online
-admission in one replica of `concurrency` slots: the same `admission.router.ReplicaRouter` (the
+admission in one replica of `max_in_flight` slots: the same `admission.router.ReplicaRouter` (the
 oldest while nothing is out, else the waiting request expected to add the fewest experts per step to
 the requests out now: predicted profiles, or nearest embedding without a profile head; FCFS for a
 request without a vector; ties to file order), over the first `window` waiting requests in file
@@ -65,22 +65,22 @@ class SpreadOrder(FileOrder):
 
 class ExpertOrder:
     """Admission by predicted experts over the waiting requests, through a ReplicaRouter of one replica of
-    `concurrency` slots; `vectors` by input line ([L*E] or [D], or None). The caller sends at most
-    `concurrency` requests at once, each the one `pick` chose, and reports each `finished` one."""
+    `max_in_flight` slots; `vectors` by input line ([L*E] or [D], or None). The caller sends at most
+    `max_in_flight` requests at once, each the one `pick` chose, and reports each `finished` one."""
 
-    def __init__(self, vectors: dict[int, np.ndarray | None], resident_factory: ResidentFactory, concurrency: int, *,
+    def __init__(self, vectors: dict[int, np.ndarray | None], resident_factory: ResidentFactory, max_in_flight: int, *,
                  window: int = DEFAULT_WINDOW) -> None:
         self.vectors, self.window = vectors, window
         self.compacts: dict[int, list[int] | None] = {}  # by input line: the predicted profile as forwarded
-        self.router = ReplicaRouter([concurrency], "affinity", resident_factory=resident_factory)
+        self.router = ReplicaRouter([max_in_flight], "affinity", resident_factory=resident_factory)
         self._chosen: deque[int] = deque()  # lines the router admitted that were not sent yet, in its order
 
     @classmethod
     def taking_over(cls, predictions: dict[int, Prediction | None], out: dict[int, Prediction | None],
-                    resident_factory: ResidentFactory, concurrency: int, *, window: int = DEFAULT_WINDOW) -> ExpertOrder:
+                    resident_factory: ResidentFactory, max_in_flight: int, *, window: int = DEFAULT_WINDOW) -> ExpertOrder:
         """The order of the waiting lines' `predictions` from now on, while the lines in `out` (sent by an earlier
         order, not finished) stay at the backend: they hold their slots, and their predictions count as residents."""
-        order = cls({}, resident_factory, concurrency, window=window)
+        order = cls({}, resident_factory, max_in_flight, window=window)
         order.predicted({**predictions, **out})
         for line, prediction in out.items():
             order.router.hold(line, 0)
@@ -121,22 +121,22 @@ class ExpertOrder:
                 self.router.update(line, vectors[line])
 
 
-def make_order(requests: Sequence[BatchRequest], predictor: Predictor | None, concurrency: int, *,
+def make_order(requests: Sequence[BatchRequest], predictor: Predictor | None, max_in_flight: int, *,
                window: int = DEFAULT_WINDOW) -> Order:
-    """Admission by `predictor`'s vectors of `requests` (predicted once, here) with `concurrency` requests out,
+    """Admission by `predictor`'s vectors of `requests` (predicted once, here) with `max_in_flight` requests out,
     or file order without a predictor."""
     if predictor is None:
         return FileOrder()
-    order = ExpertOrder({}, predictor.resident_factory, concurrency, window=window)
+    order = ExpertOrder({}, predictor.resident_factory, max_in_flight, window=window)
     order.predicted(dict(zip((r.line for r in requests), predictor.predict([r.text for r in requests]))))
     return order
 
 
-def simulated_order(requests: Sequence[BatchRequest], order: Order, concurrency: int) -> list[BatchRequest]:
+def simulated_order(requests: Sequence[BatchRequest], order: Order, max_in_flight: int) -> list[BatchRequest]:
     """The order `order` would send `requests` in if they finished first in, first out (`--dry-run`)."""
     waiting, out, sent = list(requests), deque(), []
     while waiting:
-        if len(out) >= concurrency:
+        if len(out) >= max_in_flight:
             order.finished(out.popleft())
         request = waiting.pop(order.pick(waiting))
         order.sent(request)

@@ -6,12 +6,12 @@
 Who does what:
 - the driver (this process) validates the file, opens the journal and computes the sending order as
   the local runner's `--dry-run` plan does (batch/order.py: admission by predicted experts,
-  `concurrency` at a time; file order with --encoder none), leaving out lines an earlier run finished;
+  `max_in_flight` at a time; file order with --encoder none), leaving out lines an earlier run finished;
 - Ray Data holds the ordered requests as a Dataset cut into contiguous blocks of `block_rows` rows
   (a run of the plan, so alike requests travel together) and maps every block with `_SendBlock`, a
   pool of one actor per replica. For a block, an actor leases a free replica (a ray.util.queue.Queue
   of replica indexes, so no replica has two blocks at once) and sends the block's requests in order,
-  `concurrency` at a time, with the local runner's own code (`run_batch` over the block: the same
+  `max_in_flight` at a time, with the local runner's own code (`run_batch` over the block: the same
   retries and the same output lines); finished blocks stream back as they end, in any order;
 - the driver is the journal's one writer (batch/journal.py), so resume is the local runner's: a line
   is finished when its journal entry is on disk; a block that was out when a run stopped is sent
@@ -43,7 +43,7 @@ from moe_cohort.send.settings import Settings
 
 log = logging.getLogger(__name__)
 
-BLOCK_BATCHES = 8  # a block holds this many `concurrency`-sized batches of the plan
+BLOCK_BATCHES = 8  # a block holds this many `max_in_flight`-sized batches of the plan
 ACTOR_CPUS = 0.25  # an actor only waits on HTTP; a fraction of a CPU lets several share a core
 LEASE_TIMEOUT_S = 600.0
 _ABORT = -1  # the `line` of the row that says a block stopped (its `data`: why)
@@ -61,7 +61,7 @@ def ray_problem() -> str | None:
 
 def run_batch_ray(settings: Settings, batch: BatchFile, journal: Journal, predictor, *, skip_invalid: bool = True,
                   on_progress: Callable[[RunStats], None] | None = None, block_rows: int | None = None) -> RunStats:
-    """Finish every line of `batch` that `journal` has not, as `proxy.batch.run.run_batch` does (invalid
+    """Finish every line of `batch` that `journal` has not, as `batch.run.run_batch` does (invalid
     ones into the error file with `skip_invalid`), the valid ones sent by Ray Data. Raises RunAborted
     when a replica stays unreachable (what finished is committed)."""
     import ray
@@ -77,11 +77,11 @@ def run_batch_ray(settings: Settings, batch: BatchFile, journal: Journal, predic
     stats = RunStats(total=len(batch.requests), finished_before=len(batch.requests) - len(pending))
     if not pending:
         return stats
-    order = simulated_order(pending, make_order(pending, predictor, config.concurrency), config.concurrency)
+    order = simulated_order(pending, make_order(pending, predictor, config.max_in_flight), config.max_in_flight)
     started = _connect(ray)
     try:
         loads0 = _expert_loads(urls)
-        rows = block_rows or BLOCK_BATCHES * config.concurrency
+        rows = block_rows or BLOCK_BATCHES * config.max_in_flight
         with contextlib.closing(_send_blocks(ray, order, urls, config, settings, rows)) as blocks:
             for records in blocks:
                 _commit(journal, records)

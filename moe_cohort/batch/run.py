@@ -3,7 +3,7 @@ Batch API's jobs and benchmarks/bench_batch.py.
 
 1. lines the journal already has are finished: they are neither planned nor sent again;
 2. invalid lines (when skipped) go to the error file first, once;
-3. the remaining requests are sent with at most `concurrency` at the backend (its max_num_seqs, plus a short
+3. the remaining requests are sent with at most `max_in_flight` at the backend (its max_num_seqs, plus a short
    queue vLLM refills a freed slot from: proxy/autoconfig.plan_batch); a slot that frees goes at once to the
    waiting request that best fits the requests out now (batch/order.py: admission by the predictor's
    expert profiles, predicted once for the whole file, or file order without a predictor), so the backend stays
@@ -52,12 +52,11 @@ from moe_cohort.send.auth import bearer
 from moe_cohort.send.backend_client import BackendClient
 from moe_cohort.send.errors import BackendStatusError, BackendTimeout, BackendUnreachable
 from moe_cohort.send.expert_loads import ExpertLoads, fetch_expert_loads
-from moe_cohort.send.gate import AdmissionGate
+from moe_cohort.send.gate import AdmissionGate, OneBackend
 from moe_cohort.send.learning.learning import Learning
 from moe_cohort.send.lifecycle import Lifecycle
 from moe_cohort.send.metrics import ProxyMetrics
 from moe_cohort.send.profiles import Predictor
-from moe_cohort.send.replicas import ReplicaSet
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +98,8 @@ async def run_batch(batch: BatchFile, journal: Journal, replicas: Sequence[Backe
     `deadline`; raises RunAborted when the backend stays unreachable or the journal cannot be written.
     `seat` (proxy/batch/share.py): each request also holds one of the slots the running batches share.
     `learning` (send/learning/learning.py, with `predictor` made to read its head): the run learns from its answers."""
+    if gate is None and len(replicas) != 1:
+        raise ValueError(f"without the proxy's gate a run sends to one backend, got {len(replicas)}")
     if skip_invalid:
         journal.commit(invalid_records(batch, journal.done))
     pending = [r for r in batch.requests if r.line not in journal.done]
@@ -109,7 +110,7 @@ async def run_batch(batch: BatchFile, journal: Journal, replicas: Sequence[Backe
     driver = _Driver(core, journal, replicas, gate, on_progress or (lambda stats: None), clock, seat, learning)
     background = asyncio.to_thread if learning is None else learning.in_background
     if predictor is not None and not inspect.isawaitable(predictor) and predictor.ready():
-        core.order = await asyncio.to_thread(make_order, pending, predictor, config.concurrency)
+        core.order = await asyncio.to_thread(make_order, pending, predictor, config.max_in_flight)
         if learning is not None:
             driver.follow = lambda: follow_heads(lambda: learning.head, predictor.predict, core.order,
                                                  lambda: core.waiting, background)
@@ -118,7 +119,7 @@ async def run_batch(batch: BatchFile, journal: Journal, replicas: Sequence[Backe
         sample = sample_size(learning.learner.config.first_fit if learning else 2, len(pending))
         driver.follow = lambda: order_after(core, predictor if inspect.isawaitable(predictor) else _now(predictor),
                                             learning, sample=sample, run=background)
-    log.info("%d requests to send, %d at a time, in %s", len(pending), config.concurrency,
+    log.info("%d requests to send, %d at a time, in %s", len(pending), config.max_in_flight,
              "file order" if predictor is None else "admission order" if isinstance(core.order, ExpertOrder)
              else "a sample drawn from across the file until there are predictions, then admission order")
     if learning is not None:
@@ -130,10 +131,10 @@ async def _now(value: T) -> T:
     return value
 
 
-def write_plan(path: str | Path, requests: Sequence[BatchRequest], concurrency: int) -> None:
-    """`requests` in sending order as a plan file (encoder.plans; batch k = the k-th `concurrency` sent);
+def write_plan(path: str | Path, requests: Sequence[BatchRequest], max_in_flight: int) -> None:
+    """`requests` in sending order as a plan file (encoder.plans; batch k = the k-th `max_in_flight` sent);
     `id` is the custom_id, so `cohort eval --plan` reads it. Extra fields: custom_id, line, policy."""
-    plan = chunk(np.arange(len(requests)), concurrency)
+    plan = chunk(np.arange(len(requests)), max_in_flight)
     write_plan_file(path, plan, [r.custom_id for r in requests],
                     [{"custom_id": r.custom_id, "line": r.line, "policy": r.policy} for r in requests])
 
@@ -143,9 +144,8 @@ class _Driver:
                  on_progress: ProgressFn, clock: Callable[[], float], seat: Seat | None,
                  learning: Learning | None = None) -> None:
         self.core, self.journal, self.replicas, self.seat = core, journal, replicas, seat
-        # without the proxy's gate, the replicas' slots are this run's alone (the core keeps within them)
-        self.gate = gate or AdmissionGate(None, ProxyMetrics(),
-                                          ReplicaSet(replicas, [core.config.concurrency] * len(replicas)))
+        # without the proxy's gate, the one backend's slots are this run's alone: the core counts them
+        self.gate = gate or OneBackend(replicas[0], ProxyMetrics())
         self.learning = learning
         self.follow: Callable[[], Awaitable[None]] | None = None  # runs beside the sends (follow_heads)
         self.on_progress, self.clock = on_progress, clock

@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
         settings = load_settings(flag_overrides(args, _FLAGS), flags=_FLAGS)
     except SettingsError as exc:
         return _fail(str(exc))
-    settings = settings.replace(batch_concurrency=0)  # the Batch API's share of a proxy's slots; a run's: max_in_flight
+    settings = settings.replace(batch_max_in_flight=0)  # the Batch API's share of a proxy's slots; a run's: max_in_flight
     found = problem(settings, job, dry_run=args.dry_run)
     if found:
         return _fail(found)

@@ -31,22 +31,20 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.request_queue import RequestQueue, SchedulingPolicy
 from vllm.v1.core.sched.scheduler import Scheduler
 
+from moe_cohort.admission.fairness import MAX_WAIT_S, PASSED_PER_SLOT
 from moe_cohort.engine.expert_queue import ExpertAwareQueue
 from moe_cohort.engine.vllm_plugin import ENV_ALLOW, check_vllm_version
 
 log = logging.getLogger(__name__)
 
 ENV_MAX_WAIT, ENV_MAX_PASSED = "COHORT_MAX_QUEUE_MS", "COHORT_MAX_PASSED"
-# later arrivals admitted before a waiting request, per engine slot, before it goes first: the bound trades the
-# saving against the latency tail (docs/results.md, "Fairness against the saving")
-PASSED_PER_SLOT = 3
 RequestQueue.register(ExpertAwareQueue)  # it implements the whole contract, without importing vLLM
 
 
 def max_wait_s(environ=None) -> float:
     """The fairness bound in seconds, from COHORT_MAX_QUEUE_MS; ValueError names the variable."""
     env = os.environ if environ is None else environ
-    text = env.get(ENV_MAX_WAIT, "30000")
+    text = env.get(ENV_MAX_WAIT) or str(MAX_WAIT_S * 1000)
     try:
         value = float(text)
     except ValueError:

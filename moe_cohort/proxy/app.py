@@ -75,7 +75,7 @@ class Proxy:
         # replicas have answered the handshake (`configure`), each is served as one that said nothing.
         self.engines = [EngineInfo(UNREACHABLE)] * len(clients)
         self.plans = [plan_replica(settings, info) for info in self.engines]
-        self.replicas = ReplicaSet(clients, [p.slots for p in self.plans], settings.routing,
+        self.replicas = ReplicaSet(clients, [p.max_in_flight for p in self.plans], settings.routing,
                                    max_queue_s=settings.max_queue_ms / 1000,
                                    max_passed=settings.max_passed or passed_bound(self.plans),
                                    **({"resident_factory": predictor.resident_factory} if predictor else {}))
@@ -105,7 +105,7 @@ class Proxy:
         infos = await asyncio.gather(*(ask(self.replicas.clients[r]) for r in replicas))
         for r, info in zip(replicas, infos):
             self.engines[r], self.plans[r] = info, plan_replica(self.settings, info)
-            self.replicas.set_capacity(r, self.plans[r].slots)
+            self.replicas.set_capacity(r, self.plans[r].max_in_flight)
         self.gate.profile_first = any(p.engine_side for p in self.plans)
         self.gate.fed_at = fed_at(self.engines)
         self.replicas.router.max_passed = self.settings.max_passed or passed_bound(self.plans)

@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from moe_cohort.admission.fairness import MAX_WAIT_S
 from moe_cohort.admission.router import ReplicaRouter, ResidentFactory
 from moe_cohort.admission.wire import PROFILE_KEY, Prediction, with_xargs
 from moe_cohort.encoder.text import RequestTextError, request_text
@@ -40,7 +41,7 @@ class ServeAdmission:
     """The admission state of one Serve router: Serve's replica ids mapped onto the driver's indices, the
     requests waiting and placed (by key: Serve's internal request id). Pure bookkeeping, one event loop."""
 
-    def __init__(self, slots: int | None = None, *, max_wait: float | None = 30.0, max_passed: int | None = None,
+    def __init__(self, slots: int | None = None, *, max_wait: float | None = MAX_WAIT_S, max_passed: int | None = None,
                  resident_factory: ResidentFactory | None = None) -> None:
         self.slots = slots  # per replica; None: what each replica says (Serve's max_ongoing_requests)
         self._options = dict(max_wait=max_wait, max_passed=max_passed)

@@ -25,6 +25,7 @@ try:
 except ImportError as exc:  # without Ray this module imports nothing and says how to install it
     raise ImportError(f"the Ray Serve router needs Ray Serve: pip install 'moe-cohort[ray]' ({exc})") from exc
 
+from moe_cohort.admission.fairness import MAX_WAIT_S, PASSED_PER_SLOT
 from moe_cohort.admission.wire import Prediction
 from moe_cohort.encoder.profile import load_profile_head
 from moe_cohort.ray_serve.admission import ServeAdmission, call_text, with_profile
@@ -51,14 +52,14 @@ class ExpertAffinityRouter(RequestRouter):
     `ServeAdmission`; see this module's and ray_serve/admission.py's docstrings."""
 
     def initialize_state(self, slots: int | None = None, encoder: str = DEFAULT_ENCODER, head: str | None = None,
-                         max_queue_ms: float = 30_000.0, max_passed: int = 0, forward_profiles: bool = False) -> None:
+                         max_queue_ms: float = MAX_WAIT_S * 1000, max_passed: int = 0, forward_profiles: bool = False) -> None:
         settings = Settings(encoder=encoder, max_queue_ms=max_queue_ms, max_passed=max_passed)
         predictor = make_predictor(settings)
         if predictor is not None and head:
             predictor.follow(FixedHead(head))
         self._predictor, self._forward = predictor, forward_profiles
         self._profiler = None if predictor is None else Profiler(predictor.predict, ready=predictor.ready)
-        passed = max_passed or (3 * slots if slots else None)  # 0: 3 x the slots, as the proxy's default
+        passed = max_passed or (PASSED_PER_SLOT * slots if slots else None)  # 0: as the proxy's default
         self._book = ServeAdmission(slots, max_wait=max_queue_ms / 1000, max_passed=passed,
                                     resident_factory=None if predictor is None else predictor.resident_factory)
         self._waiting: dict[str, PendingRequest] = {}  # key -> the request, until handed a replica

@@ -20,7 +20,7 @@ Rules (a setting the user gave wins over each of them):
   max_num_seqs requests at the replica plus a short queue (a quarter more, at least 2), so that vLLM refills
   a freed slot at once, first come, first served from that queue. No profile is forwarded unless asked: the
   engine's choice among a few queued lines saved nothing more and cost engine time per step
-  (docs/results.md). Setting: batch_concurrency, else max_in_flight; forward_profiles.
+  (docs/results.md). Setting: batch_max_in_flight, else max_in_flight; forward_profiles.
 
 Pure: no I/O; the proxy asks the replicas and applies the plan (proxy/app.py).
 """
@@ -30,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+from moe_cohort.admission.fairness import PASSED_PER_SLOT
 from moe_cohort.engine.engine_info import SCHEDULER_CLS
 from moe_cohort.send.handshake import UNREACHABLE, EngineInfo
 from moe_cohort.send.settings import Settings
@@ -37,7 +38,6 @@ from moe_cohort.send.settings import Settings
 UNKNOWN_SLOTS = 256  # vLLM's default max_num_seqs
 ENGINE_SIDE_SLOTS = 256  # at least this many requests forwarded to an engine that admits by itself
 BATCH_QUEUE_SHARE, BATCH_QUEUE_MIN = 4, 2  # a batch's queue at an engine that admits by itself: S / 4, at least 2
-PASSED_PER_SLOT = 3  # engine.scheduler's: the same fairness in the proxy as in vLLM's queue
 TURN_ON_SCHEDULER = f"start vLLM with --scheduler-cls {SCHEDULER_CLS} to run admission inside it"
 INSTALL_PLUGIN = ("install moe-cohort in vLLM's environment (its plugin tells the proxy max_num_seqs and serves the "
                   "expert counts learning reads), or give --max-in-flight = vLLM's --max-num-seqs")
@@ -47,7 +47,7 @@ TURN_ON_COUNTS = "start vLLM with VLLM_PLUGINS=moe_cohort: it then serves the ex
 
 @dataclass(frozen=True)
 class ReplicaPlan:
-    slots: int  # requests the proxy lets be at this replica at once
+    max_in_flight: int  # requests the proxy lets be at this replica at once
     engine_side: bool  # admission inside vLLM: forward at once, with the predicted profile
     why: str  # what was chosen and why, one clause
     could: str = ""  # what the user could turn on ("" when nothing)
@@ -84,7 +84,7 @@ def plan_replica(settings: Settings, info: EngineInfo) -> ReplicaPlan:
 
 def plan_batch_replica(settings: Settings, info: EngineInfo) -> ReplicaPlan:
     """How to send a batch's lines to one replica that answered the handshake with `info` (the module docstring)."""
-    given = settings.batch_concurrency or settings.max_in_flight
+    given = settings.batch_max_in_flight or settings.max_in_flight
     seqs = info.max_num_seqs
     slots = given or (fed(seqs) if seqs else UNKNOWN_SLOTS)
     forward = bool(settings.forward_profiles)
@@ -113,7 +113,7 @@ def passed_bound(plans: Sequence[ReplicaPlan]) -> int:
     """How many later arrivals the proxy may admit before a waiting request (admission.waiting): PASSED_PER_SLOT
     times the slots of the smallest replica that admits in the proxy, so that no request waits more than a few
     rounds of that replica's slots longer than first come, first served would have made it wait."""
-    slots = [p.slots for p in plans if not p.engine_side] or [p.slots for p in plans]
+    slots = [p.max_in_flight for p in plans if not p.engine_side] or [p.max_in_flight for p in plans]
     return PASSED_PER_SLOT * min(slots)
 
 
@@ -136,7 +136,7 @@ def plan_learning(settings: Settings, infos: Sequence[EngineInfo]) -> LearningPl
 class BatchPlan:
     """How a batch's lines go to its replicas (the same for each: the smallest replica's slots)."""
 
-    slots: int  # lines out at each replica at once
+    max_in_flight: int  # lines out at each replica at once
     forward_profiles: bool  # each line carries its predicted profile (asked for: --forward-profiles)
     learn: bool  # the run learns its head from the engine's counts of its answers
     line: str  # what was chosen and why (the run's first line)
@@ -149,7 +149,7 @@ def plan_batch(settings: Settings, urls: Sequence[str], infos: Sequence[EngineIn
     plans = [plan_batch_replica(settings, info) for info in infos]
     learning = plan_learning(settings, infos)
     layers = next((info.moe[0] for info in infos if info.moe), None)
-    return BatchPlan(min(p.slots for p in plans), all(p.engine_side for p in plans), bool(learning.on),
+    return BatchPlan(min(p.max_in_flight for p in plans), all(p.engine_side for p in plans), bool(learning.on),
                      describe(urls, plans, learning), layers)
 
 
@@ -162,6 +162,6 @@ def describe(urls: Sequence[str], plans: Sequence[ReplicaPlan], learning: Learni
 
 def health(urls: Sequence[str], plans: Sequence[ReplicaPlan], learning: LearningPlan) -> dict:
     """What /health shows of the configuration (to callers allowed to see the backends)."""
-    return {"replicas": [{"backend": url, "slots": p.slots, "admission": "engine" if p.engine_side else "proxy",
+    return {"replicas": [{"backend": url, "slots": p.max_in_flight, "admission": "engine" if p.engine_side else "proxy",
                           "why": p.why, **({"could": p.could} if p.could else {})} for url, p in zip(urls, plans)],
             "learning": {"on": learning.on, "why": learning.why, **({"could": learning.could} if learning.could else {})}}

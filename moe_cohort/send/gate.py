@@ -24,13 +24,13 @@ backends, every engine's slots taken and a queue of its own to refill them from.
 has room, there is nothing for it to choose, and the request goes at once without its profile.
 Background work (the Batch API's jobs) shares the slots through `admit_background()` but only
 gets one that no waiting request wants. Nothing here knows HTTP: a
-caller awaits `admit()` for a `proxy.replicas.Slot`, talks to the backend, then calls `release(slot)`
+caller awaits `admit()` for a `send.replicas.Slot`, talks to the backend, then calls `release(slot)`
 (send/lifecycle.py does this for every request the proxy sends).
 
-The slots are a `proxy.replicas.ReplicaSet`: one backend is a set of one replica, several backends
+The slots are a `send.replicas.ReplicaSet`: one backend is a set of one replica, several backends
 (`--backend` repeated) a set of R, each with `max_in_flight` slots, routed by `--routing`
 (admission.router.ReplicaRouter; "affinity" is this module's rule applied per replica), the same
-router that drives the batch order (proxy.batch.order) and the engine replay (eval.replay). A
+router that drives the batch order (batch.order) and the engine replay (eval.replay). A
 slot names its replica (`slot.client`); `failover()` and `readmit()` move a request whose
 replica is down (it generated nothing of it) to another one.
 """
@@ -48,6 +48,7 @@ from typing import Awaitable, Callable
 from prometheus_client import Histogram
 
 from moe_cohort.admission.wire import Prediction
+from moe_cohort.send.backend_client import BackendClient
 from moe_cohort.send.metrics import ProxyMetrics
 from moe_cohort.send.profiles import PredictFn
 from moe_cohort.send.replicas import ReplicaSet, Slot
@@ -63,7 +64,7 @@ class Profiler:
     def __init__(self, predict: PredictFn, seconds: Histogram | None = None,
                  ready: Callable[[], bool] = lambda: True) -> None:
         self.predict, self.seconds = predict, seconds  # seconds: observes each batch's prediction time
-        self.ready = ready  # whether `predict` would predict anything now (proxy.profiles.Predictor.ready)
+        self.ready = ready  # whether `predict` would predict anything now (send.profiles.Predictor.ready)
         self._pending: list[tuple[str, asyncio.Future]] = []
         self._task: asyncio.Task | None = None
         self._executor = ThreadPoolExecutor(1, "cohort-profile")
@@ -157,7 +158,7 @@ class AdmissionGate:
 
     def _join_later(self, slot: Slot, prediction: Awaitable[Prediction | None]) -> None:
         """The request's profile, once predicted, re-scores it where it waits, or joins its replica's resident set
-        where it was admitted (proxy.replicas.ReplicaSet.predicted); nothing once it finished."""
+        where it was admitted (send.replicas.ReplicaSet.predicted); nothing once it finished."""
         async def join() -> None:
             predicted = await prediction  # None when the encoder failed
             if predicted is not None:
@@ -167,7 +168,7 @@ class AdmissionGate:
         task.add_done_callback(self._late.discard)
 
     async def failover(self, slot: Slot, exc: Exception) -> bool:
-        """Whether `slot`'s request may go to another replica after `exc` (proxy.replicas.ReplicaSet.failover:
+        """Whether `slot`'s request may go to another replica after `exc` (send.replicas.ReplicaSet.failover:
         its replica is down and no byte of the answer came back); that replica is then taken out. The caller
         releases `slot` and asks `readmit(slot)` for a place elsewhere."""
         return await self.replicas.failover(slot, exc)
@@ -210,3 +211,31 @@ class AdmissionGate:
 
     def _in_flight_changed(self) -> None:
         self.metrics.in_flight.set(self.replicas.in_flight())
+
+
+class OneBackend:
+    """Admission for a caller that counts its own slots on one backend (`cohort batch run`: its core sends at most
+    its in-flight cap, in the order it chose): a request is granted at once, so each line is admitted once and its
+    slot counted once. Speaks for AdmissionGate to a Lifecycle; a request whose backend is down is not moved."""
+
+    def __init__(self, client: BackendClient, metrics: ProxyMetrics) -> None:
+        self.client, self.metrics = client, metrics
+        self._ids = itertools.count()
+
+    async def admit(self, text: str = "") -> Slot:
+        return self._slot(background=False)
+
+    async def admit_background(self) -> Slot:
+        return self._slot(background=True)
+
+    async def failover(self, slot: Slot, exc: Exception) -> bool:
+        return False  # no other backend: the caller decides whether to try again
+
+    async def readmit(self, slot: Slot) -> Slot:
+        raise RuntimeError("one backend: nothing to fail over to")
+
+    def release(self, slot: Slot) -> None:
+        pass
+
+    def _slot(self, background: bool) -> Slot:
+        return Slot(background=background, id=str(next(self._ids)), replica=0, client=self.client)

@@ -8,7 +8,7 @@ The chat, completions and responses routes (whole or streamed) and each line of 
 - The slot is released exactly once, however the request ends: answered, failed, or cancelled because the
   client left (`close()` is idempotent and runs on every exit).
 - A request goes to another replica only when its own is down and generated nothing of it
-  (`proxy.replicas.ReplicaSet.failover`); it keeps its arrival, so its place in the fairness bound.
+  (`send.replicas.ReplicaSet.failover`); it keeps its arrival, so its place in the fairness bound.
 - What is forwarded: the client's body with the predicted profile (`vllm_xargs.moe_profile`, for an engine
   that reorders its own queue) and its `x-cohort-key` header; with learning, the body marked for the
   engine to count its experts.

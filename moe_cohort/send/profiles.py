@@ -36,7 +36,7 @@ PredictFn = Callable[[Sequence[str]], list[Prediction | None]]
 
 
 class Learned(Protocol):
-    """What a predictor reads of the online learning it follows (proxy.learning.Learning), per prediction."""
+    """What a predictor reads of the online learning it follows (send.learning.learning.Learning), per prediction."""
 
     @property
     def head(self) -> ProfileHead | None: ...  # the latest learned head; None before the first, or not learning

@@ -36,6 +36,7 @@ from typing import Callable, Sequence
 import aiohttp
 import numpy as np
 
+from moe_cohort.admission.fairness import MAX_WAIT_S
 from moe_cohort.admission.resident import ResidentExperts
 from moe_cohort.admission.router import ReplicaRouter, ResidentFactory
 from moe_cohort.admission.wire import Prediction
@@ -65,7 +66,7 @@ class ReplicaSet:
     """R backends, their capacities and health, and the routing of admission.router; see the module docstring."""
 
     def __init__(self, clients: Sequence[BackendClient], capacities: Sequence[int], routing: str = "affinity", *,
-                 max_queue_s: float = 30.0, max_passed: int | None = None, health_timeout_s: float = 5.0,
+                 max_queue_s: float = MAX_WAIT_S, max_passed: int | None = None, health_timeout_s: float = 5.0,
                  failover_probe_s: float = 1.0,
                  clock: Callable[[], float] = time.monotonic,
                  resident_factory: ResidentFactory = lambda size: ResidentExperts(1, size)):

@@ -16,6 +16,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from moe_cohort.admission.fairness import MAX_WAIT_S
+
 ENV_PREFIX = "COHORT_"
 
 
@@ -61,7 +63,7 @@ SECTIONS: dict[str, tuple[str, tuple[str, ...]]] = {
     "learning": ("learning the profile head from the engine's routing of answered requests",
                  ("learn", "learn_sample_rate", "learn_capacity", "learn_refit_every")),
     "batches": ("the Batch API and `cohort batch run`",
-                ("data_dir", "max_file_bytes", "batch_concurrency", "batch_max_retries")),
+                ("data_dir", "max_file_bytes", "batch_max_in_flight", "batch_max_retries")),
 }
 # Settings that vLLM's process reads too (moe-cohort's plugin and scheduler), under the same variable: one
 # environment configures the proxy and the engine alike.
@@ -139,7 +141,7 @@ class Settings:
     max_in_flight: int = _setting(0, "requests at each replica at once (default: from its vLLM: its max_num_seqs, "
                                      "more where vLLM runs moe-cohort's scheduler, 256 where it does not say; the "
                                      "embedded vLLM: 16)")
-    max_queue_ms: float = _setting(30_000.0, "fairness bound: a request that has waited this long is admitted "
+    max_queue_ms: float = _setting(MAX_WAIT_S * 1000, "fairness bound: a request that has waited this long is admitted "
                                              "first (vLLM's scheduler reads it too; `cohort replay` counts it in "
                                              "engine steps: --max-queue-steps)")
     max_passed: int = _setting(0, "fairness bound: a request that this many later arrivals were admitted before "
@@ -181,7 +183,7 @@ class Settings:
     data_dir: str = _setting("", "Batch API storage (uploaded files, results, SQLite records) and the learned head "
                                  "(learned/) (default: $XDG_DATA_HOME/moe-cohort or ~/.local/share/moe-cohort)")
     max_file_bytes: int = _setting(200 * 1024 * 1024, "largest file uploaded to /v1/files (Batch API input)")
-    batch_concurrency: int = _setting(0, "the Batch API's requests at each replica at once, within the slots online "
+    batch_max_in_flight: int = _setting(0, "the Batch API's requests at each replica at once, within the slots online "
                                          "requests leave free (default: max_in_flight, else the replica's "
                                          "max_num_seqs plus a short queue); `cohort batch run` has the replicas to "
                                          "itself: max_in_flight")
@@ -241,7 +243,7 @@ class Settings:
         if not 0 < self.head_timeout_s < float("inf"):
             raise _bad("head_timeout_s", f"must be a finite number > 0, got {self.head_timeout_s}")
         for name in ("max_queue_ms", "keepalive_s", "profile_deadline_ms", "request_timeout_s", "connect_timeout_s",
-                     "backend_wait_s", "encoder_cache", "batch_concurrency", "batch_max_retries"):
+                     "backend_wait_s", "encoder_cache", "batch_max_in_flight", "batch_max_retries"):
             value = getattr(self, name)
             if not 0 <= value < float("inf"):  # nan fails too
                 raise _bad(name, f"must be a finite number >= 0, got {value}")
@@ -252,9 +254,9 @@ class Settings:
         return tuple(u.strip() for u in self.backend_url.split(",") if u.strip())
 
     @property
-    def batch_in_flight(self) -> int:
-        """Batch requests at the backend at once: batch_concurrency, else max_in_flight, else vLLM's default 256."""
-        return self.batch_concurrency or self.max_in_flight or 256
+    def max_in_flight_for_batches(self) -> int:
+        """Batch requests at the backend at once: batch_max_in_flight, else max_in_flight, else vLLM's default 256."""
+        return self.batch_max_in_flight or self.max_in_flight or 256
 
     @property
     def data_path(self) -> Path:

@@ -11,7 +11,7 @@ from moe_cohort.batch.core import (Abort, Answered, BatchCore, Finish, Retry, Ru
 from moe_cohort.batch.format import read_batch_file
 
 OK = {"object": "text_completion", "usage": {"prompt_tokens": 3, "completion_tokens": 2}}
-CONFIG = RunConfig(concurrency=2, max_retries=2, backoff_s=1.0, max_backoff_s=1.5)
+CONFIG = RunConfig(max_in_flight=2, max_retries=2, backoff_s=1.0, max_backoff_s=1.5)
 
 
 def requests(tmp_path, n, extra=""):
@@ -109,7 +109,7 @@ def test_an_unreachable_backend_after_the_retries_aborts_the_run(tmp_path):
 
 
 def test_a_retry_after_success_starts_counting_anew(tmp_path):
-    c = core(tmp_path, config=RunConfig(concurrency=1, max_retries=1, backoff_s=1.0))
+    c = core(tmp_path, config=RunConfig(max_in_flight=1, max_retries=1, backoff_s=1.0))
     first = c.schedule(0.0)
     assert isinstance(c.on_outcome(first, Answered(500, {})), Retry)
     c.on_outcome(first, Answered(200, OK))
@@ -136,8 +136,8 @@ def test_invalid_and_expired_lines_become_error_records_once(tmp_path):
     assert {r.data["error"]["code"] for r in expired} == {"batch_expired"}
 
 
-@pytest.mark.parametrize("key, field, value", [("concurrency", "batch_concurrency", 7), ("api_key", "backend_api_key", "k"),
-                                              ("concurrency", "max_in_flight", 9)])
+@pytest.mark.parametrize("key, field, value", [("max_in_flight", "batch_max_in_flight", 7), ("api_key", "backend_api_key", "k"),
+                                              ("max_in_flight", "max_in_flight", 9)])
 def test_run_config_comes_from_the_settings(key, field, value):
     from moe_cohort.send.settings import Settings
 

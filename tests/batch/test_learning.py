@@ -20,7 +20,7 @@ from moe_cohort.train.online import LearnConfig, OnlineLearner
 from tests.proxy.servers import body_of, local_backend
 from tests.send.learning.test_learning import _plugin_backend, _prompt, encoder  # noqa: F401 (a fixture)
 
-CONFIG = RunConfig(concurrency=2, max_retries=1, backoff_s=0.001, metrics_interval_s=0)
+CONFIG = RunConfig(max_in_flight=2, max_retries=1, backoff_s=0.001, metrics_interval_s=0)
 
 
 def _batch(tmp_path, n):
@@ -122,7 +122,7 @@ def test_a_run_killed_in_its_sample_or_after_it_resumes_without_sending_a_line_t
     answered = [json.loads(line)["custom_id"] for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert sorted(answered) == sorted(f"c{i}" for i in range(120))  # every line answered exactly once over 3 runs
     # a finished line is never sent again; only the requests out at each stop (abandoned, unanswered) go twice
-    assert set(prompts) == {_prompt(i) for i in range(120)} and len(prompts) <= 120 + 2 * CONFIG.concurrency
+    assert set(prompts) == {_prompt(i) for i in range(120)} and len(prompts) <= 120 + 2 * CONFIG.max_in_flight
     assert _alike(prompts[len(prompts) - third.succeeded:]) >= 0.8  # the third run: ordered from its first line
 
 

@@ -41,7 +41,7 @@ def test_simulated_admission_matches_brute_force(tmp_path):
         vectors = [rng.random(6) * (rng.random(6) < 0.4) for _ in range(9)]
         requests = parsed(tmp_path, [f"p{i}" for i in range(9)])
         order = ExpertOrder({r.line: v for r, v in zip(requests, vectors)}, lambda size: ResidentExperts(1, size), 3)
-        got = [requests.index(r) for r in simulated_order(requests, order, concurrency=3)]
+        got = [requests.index(r) for r in simulated_order(requests, order, max_in_flight=3)]
         assert got == brute_force_order(vectors, 3), trial
 
 

@@ -165,7 +165,7 @@ def test_a_block_is_skipped_once_the_run_stopped_and_a_stopping_block_raises_the
     leases, stop = Queue(), Queue()
     leases.put(0)
     nobody = "http://127.0.0.1:9"  # nothing listens: the block stops at its first request
-    send = _SendBlock([nobody], RunConfig(concurrency=1, max_retries=0), leases, stop, timeout_s=5,
+    send = _SendBlock([nobody], RunConfig(max_in_flight=1, max_retries=0), leases, stop, timeout_s=5,
                       connect_timeout_s=1)
     records, why = read_block(send(block))
     assert records == [] and len(why) == 1 and "cannot reach the backend" in why[0]

@@ -26,7 +26,7 @@ from tests.proxy.servers import answer, body_of, drop, local_backend
 
 OK = {"id": "cmpl", "object": "text_completion", "choices": [{"index": 0, "text": "ok"}],
       "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}
-CONFIG = RunConfig(concurrency=3, max_retries=3, backoff_s=0.001, max_backoff_s=0.01, metrics_interval_s=0)
+CONFIG = RunConfig(max_in_flight=3, max_retries=3, backoff_s=0.001, max_backoff_s=0.01, metrics_interval_s=0)
 
 
 def batch_file(tmp_path, ids):
@@ -144,12 +144,12 @@ def test_freed_slots_go_to_requests_like_those_out_with_bounded_concurrency(tmp_
         in_flight[0] -= 1
         return answer(OK)
 
-    run(tmp_path, parsed, backend, RunConfig(concurrency=2, metrics_interval_s=0), kinds_predictor())
+    run(tmp_path, parsed, backend, RunConfig(max_in_flight=2, metrics_interval_s=0), kinds_predictor())
     assert order[:3] == ["a0", "a1", "a2"] and sorted(order) == sorted(r.custom_id for r in parsed.requests)
     assert peak[0] == 2  # file order would send a0 b0 a1 b1 a2 b2
     (tmp_path / "file-order").mkdir()
     plain = batch_file(tmp_path / "file-order", ["a0", "b0", "a1"])
-    run(tmp_path / "file-order", plain, backend, RunConfig(concurrency=2, metrics_interval_s=0))
+    run(tmp_path / "file-order", plain, backend, RunConfig(max_in_flight=2, metrics_interval_s=0))
     assert order[6:] == ["a0", "b0", "a1"]  # no predictor: the file's order
 
 
@@ -199,3 +199,25 @@ def test_gate_gives_batch_work_only_the_slots_online_traffic_leaves(tmp_path):
     stats, stats2, held = asyncio.run(main())
     assert stats.succeeded == 8 and peak[0] == 1  # CONFIG allows 3, the gate had 1 free
     assert stats2.succeeded == 0 and held == 3  # the three online requests; the batch holds none
+
+
+def test_without_the_proxys_gate_a_run_sends_to_one_backend_and_counts_its_slots_once(tmp_path):
+    """The core's cap is the one slot count: a 1-slot run never has two requests out, and several backends without
+    a gate to route between them are refused before anything is sent."""
+    parsed = batch_file(tmp_path, [f"r{i}" for i in range(6)])
+    out = {"now": 0, "most": 0}
+
+    async def backend(request):
+        out["now"] += 1
+        out["most"] = max(out["most"], out["now"])
+        await asyncio.sleep(0.01)
+        out["now"] -= 1
+        return answer(OK)
+
+    stats, _ = run(tmp_path, parsed, backend, config=RunConfig(max_in_flight=1, metrics_interval_s=0))
+    assert stats.succeeded == 6 and out["most"] == 1
+    journal = Journal.open(JournalPaths.for_output(tmp_path / "two.jsonl"), parsed.journal_meta)
+    two = [BackendClient("http://127.0.0.1:9"), BackendClient("http://127.0.0.1:10")]
+    with pytest.raises(ValueError, match="one backend"):
+        asyncio.run(run_batch(parsed, journal, two, None, CONFIG))
+    journal.close()

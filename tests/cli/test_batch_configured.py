@@ -27,14 +27,14 @@ LINES = 40
     ({}, [PLAIN_VLLM], 256, False, False),  # nothing known: vLLM's default
     ({}, [EngineInfo(AWARE.source, 2, None, True, True)], 4, False, True),  # a queue of 2 at least
     ({}, [AWARE, EngineInfo(AWARE.source, 8, None, True, True)], 10, False, True),  # the smallest replica's
-    ({"batch_concurrency": 8}, [AWARE], 8, False, True),  # flags win
+    ({"batch_max_in_flight": 8}, [AWARE], 8, False, True),  # flags win
     ({"max_in_flight": 12}, [AWARE], 12, False, True),
     ({"forward_profiles": True, "learn": False}, [AWARE], 20, True, False),
     ({"encoder": "none"}, [AWARE], 20, False, False),
 ])
 def test_a_batch_is_planned_by_what_its_engines_said_and_flags_win(settings, infos, slots, forward, learn):
     plan = plan_batch(Settings(**settings), ["http://a"] * len(infos), infos)
-    assert isinstance(plan, BatchPlan) and (plan.slots, plan.forward_profiles, plan.learn) == (slots, forward, learn)
+    assert isinstance(plan, BatchPlan) and (plan.max_in_flight, plan.forward_profiles, plan.learn) == (slots, forward, learn)
 
 
 def _engine(info_body, metrics, bodies: list, counting: bool, latency_s: float = 0.02):

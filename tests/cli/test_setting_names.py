@@ -123,7 +123,7 @@ def _batch_settings(argv, environ=None):
 
 def test_batch_run_takes_max_in_flight_and_backend_as_serve_does():
     settings = _batch_settings(["--backend", "http://127.0.0.1:8000", "--max-in-flight", "16"])
-    assert (settings.backend_url, settings.max_in_flight, settings.batch_in_flight) == ("http://127.0.0.1:8000", 16, 16)
+    assert (settings.backend_url, settings.max_in_flight, settings.max_in_flight_for_batches) == ("http://127.0.0.1:8000", 16, 16)
     repeated = _batch_settings(["--backend", "http://a:1", "--backend", "http://b:2"])
     assert repeated.backend_urls == ("http://a:1", "http://b:2")
     assert _batch_settings(["--backend", "http://a:1,http://b:2"]).backend_urls == ("http://a:1", "http://b:2")

@@ -33,7 +33,7 @@ def test_in_front_of_vllm_with_our_scheduler_it_forwards_profiles_and_learns(tin
         with ProxyThread(settings) as proxy:
             state = proxy.server.config.app.state.proxy
             plan = state.plans[0]
-            assert plan.engine_side and plan.slots == 256 and state.gate.profile_first
+            assert plan.engine_side and plan.max_in_flight == 256 and state.gate.profile_first
             assert state.learning.on and state.predictor.mode().startswith("first come, first served")
             _ask(proxy, 24)
             _until(lambda: state.learning.learner.head is not None)  # 16 observed: the first learned head
@@ -45,7 +45,7 @@ def test_in_front_of_vllm_with_its_own_scheduler_it_admits_itself_on_its_slots(v
     with ProxyThread(settings) as proxy:
         state = proxy.server.config.app.state.proxy
         plan = state.plans[0]
-        assert (plan.engine_side, plan.slots, plan.could) == (False, 16, TURN_ON_SCHEDULER)  # its max_num_seqs
+        assert (plan.engine_side, plan.max_in_flight, plan.could) == (False, 16, TURN_ON_SCHEDULER)  # its max_num_seqs
         assert state.learning.on  # the fixture's vLLM names the endpoint plugin: it serves the counts
         _ask(proxy, 2)
 

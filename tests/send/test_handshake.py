@@ -142,7 +142,7 @@ AWARE, OURS, PLAIN_VLLM = EngineInfo(ROUTE, 16, (4, 64, 4), True, True), EngineI
 ])
 def test_each_replica_is_served_by_what_it_said_and_flags_win(settings, engine_info, slots, engine_side, could):
     plan = plan_replica(Settings(**settings), engine_info)
-    assert (plan.slots, plan.engine_side, plan.could) == (slots, engine_side, could)
+    assert (plan.max_in_flight, plan.engine_side, plan.could) == (slots, engine_side, could)
 
 
 @pytest.mark.parametrize("settings, infos, on, could", [

@@ -63,7 +63,7 @@ async def batch_line(gate: AdmissionGate, tmp_path) -> dict:
     journal = Journal.open(paths, parsed.journal_meta)
     try:
         stats = await run_batch(parsed, journal, gate.replicas.clients, None,
-                                RunConfig(concurrency=1, max_retries=0, metrics_interval_s=0), gate=gate)
+                                RunConfig(max_in_flight=1, max_retries=0, metrics_interval_s=0), gate=gate)
     finally:
         journal.close()
     assert stats.succeeded == 1

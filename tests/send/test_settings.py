@@ -8,8 +8,8 @@ def test_environment_then_flags():
     env = {"COHORT_MAX_QUEUE_MS": "20", "COHORT_API_KEYS": "a, b", "COHORT_LOG_PROMPTS": "true", "COHORT_PORT": "9000"}
     s = load_settings({"port": 9100, "max_in_flight": None}, environ=env)
     assert (s.max_queue_ms, s.api_keys, s.log_prompts, s.port, s.max_in_flight) == (20.0, ("a", "b"), True, 9100, 0)
-    assert s.batch_in_flight == 256 and s.replace(batch_concurrency=8).batch_in_flight == 8
-    assert s.replace(max_in_flight=16).batch_in_flight == 16
+    assert s.max_in_flight_for_batches == 256 and s.replace(batch_max_in_flight=8).max_in_flight_for_batches == 8
+    assert s.replace(max_in_flight=16).max_in_flight_for_batches == 16
 
 
 def test_settings_left_to_the_engines_handshake_are_none_until_given(tmp_path):

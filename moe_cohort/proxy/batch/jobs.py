@@ -9,11 +9,11 @@ Life of a batch (the OpenAI Batch statuses; the table of changes is proxy/batch/
                                                      the error file as batch_expired, results kept)
 
 Every batch is one asyncio task over one `Job`. Batches run at once and share the background slots
-(Settings.batch_in_flight requests at the backend in all): a slot that frees goes round-robin over
+(Settings.max_in_flight_for_batches requests at the backend in all): a slot that frees goes round-robin over
 tenants, then over a tenant's batches (proxy/batch/share.py), so one tenant's big batch never holds
 another's small one, and no batch waits for another to finish. Within a batch, the slots it gets go
 to its requests in its admission order (batch/order.py). Running is
-`proxy.batch.run.run_batch` with a journal in the batch's folder, the same code as `cohort batch
+`batch.run.run_batch` with a journal in the batch's folder, the same code as `cohort batch
 run`: a restarted proxy starts a job again for every batch still validating, in_progress,
 finalizing or cancelling, and the journal skips what was finished. While the backend is unreachable
 a batch stays in_progress and retries with backoff. With `gate` (the proxy's dispatcher) a batch's
@@ -61,15 +61,15 @@ class BatchJobs:
         self.config = RunConfig.from_settings(settings, metrics_interval_s=0)
         self._store: BatchStore | None = None
         self.folder: BatchFolder | None = None  # the batches' files, with the store
-        self.share = FairShare(settings.batch_in_flight)  # the batches' requests at the backend, shared fairly
+        self.share = FairShare(settings.max_in_flight_for_batches)  # the batches' requests at the backend, shared fairly
         self._jobs: dict[str, tuple[Job, asyncio.Task]] = {}
         self._closing = False
 
     def configure(self, plan: BatchPlan) -> None:
         """Run batches as the engines' handshake says (proxy/autoconfig.plan_batch): lines out at once, shared by
         the running batches, and whether each carries its predicted profile."""
-        self.config = replace(self.config, concurrency=plan.slots, forward_profiles=plan.forward_profiles)
-        self.share.resize(plan.slots)
+        self.config = replace(self.config, max_in_flight=plan.max_in_flight, forward_profiles=plan.forward_profiles)
+        self.share.resize(plan.max_in_flight)
 
     @property
     def store(self) -> BatchStore:

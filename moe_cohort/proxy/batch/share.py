@@ -1,7 +1,7 @@
 """The Batch API's background slots, shared by the batches that run at once: round-robin over tenants,
 and over each tenant's batches.
 
-The proxy sends at most `slots` batch requests (Settings.batch_in_flight) to the backend at a time,
+The proxy sends at most `slots` batch requests (Settings.max_in_flight_for_batches) to the backend at a time,
 whatever the number of batches. Every running batch asks for a slot before each request it sends
 (`Seat.acquire`) and gives it back when that request is finished (`Seat.release`). A slot that frees
 goes to the next tenant in turn that has a request waiting, and within that tenant to its next

@@ -28,7 +28,7 @@ def jsonl(lines):
 
 
 def settings(vllm_server, data_dir, **kw):
-    base = dict(backend_url=vllm_server.url, port=free_port(), encoder="none", batch_concurrency=4,
+    base = dict(backend_url=vllm_server.url, port=free_port(), encoder="none", batch_max_in_flight=4,
                 data_dir=str(data_dir))
     return Settings(**{**base, **kw})
 
@@ -148,7 +148,7 @@ def test_list_paginates_newest_first(proxy):
 
 
 def test_cancel_keeps_partial_results(vllm_server, tmp_path):
-    with ProxyThread(settings(vllm_server, tmp_path, batch_concurrency=1)) as proxy:
+    with ProxyThread(settings(vllm_server, tmp_path, batch_max_in_flight=1)) as proxy:
         client = client_for(proxy)
         lines = [request_line(f"c{i}", f"cancel me {i}", max_tokens=16) for i in range(60)]
         upload = client.files.create(file=("cancel.jsonl", jsonl(lines)), purpose="batch")
@@ -171,7 +171,7 @@ def test_cancel_keeps_partial_results(vllm_server, tmp_path):
 
 def test_restart_resumes_a_running_batch(vllm_server, tmp_path):
     lines = [request_line(f"r{i}", f"resume {i}", max_tokens=16) for i in range(40)]
-    with ProxyThread(settings(vllm_server, tmp_path, batch_concurrency=1)) as proxy:
+    with ProxyThread(settings(vllm_server, tmp_path, batch_max_in_flight=1)) as proxy:
         client = client_for(proxy)
         upload = client.files.create(file=("resume.jsonl", jsonl(lines)), purpose="batch")
         batch = client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h")
@@ -179,7 +179,7 @@ def test_restart_resumes_a_running_batch(vllm_server, tmp_path):
     with sqlite3.connect(tmp_path / "cohort.sqlite3") as db:  # the proxy is down, mid-batch
         status, completed = db.execute("SELECT status, completed FROM batches WHERE id = ?", (batch.id,)).fetchone()
     assert status == "in_progress" and 5 <= completed < 40
-    with ProxyThread(settings(vllm_server, tmp_path, batch_concurrency=4)) as proxy:
+    with ProxyThread(settings(vllm_server, tmp_path, batch_max_in_flight=4)) as proxy:
         client = client_for(proxy)
         batch = wait_for(client, batch.id)
         assert batch.status == "completed" and batch.request_counts.completed == 40

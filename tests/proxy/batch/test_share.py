@@ -79,7 +79,7 @@ def request_line(cid, content):
 def test_a_small_batch_of_one_tenant_finishes_while_another_tenants_long_batch_runs(tmp_path):
     """Bob's 200-line batch starts first; its first request is held at the backend until the test lets it go,
     so bob cannot finish. Alice's 1-line batch, created after, must complete meanwhile, and the two batches
-    together never have more than batch_concurrency (2) requests at the backend."""
+    together never have more than batch_max_in_flight (2) requests at the backend."""
     bob_lines = 200
     held, release, bob_rest_sent = asyncio.Event(), asyncio.Event(), asyncio.Event()
     at_backend, most, seen = [0], [0], []
@@ -114,7 +114,7 @@ def test_a_small_batch_of_one_tenant_finishes_while_another_tenants_long_batch_r
     async def main():
         async with local_backend(backend) as url:
             settings = Settings(backend_url=url, port=free_port(), encoder="none", data_dir=str(tmp_path),
-                                batch_concurrency=2, api_keys=("sk-alice=alice", "sk-bob=bob"))
+                                batch_max_in_flight=2, api_keys=("sk-alice=alice", "sk-bob=bob"))
             with ProxyThread(settings) as proxy:
                 alice, bob = (openai.AsyncOpenAI(base_url=proxy.url + "/v1", api_key=key, max_retries=0)
                               for key in ("sk-alice", "sk-bob"))
@@ -135,5 +135,5 @@ def test_a_small_batch_of_one_tenant_finishes_while_another_tenants_long_batch_r
     assert bob_then.status == "in_progress" and bob_then.request_counts.completed < bob_lines
     assert small_end.status == "completed" and small_end.request_counts.completed == 1
     assert long_end.status == "completed" and long_end.request_counts.completed == bob_lines
-    assert most[0] <= 2  # the batches share batch_concurrency slots; they do not get that many each
+    assert most[0] <= 2  # the batches share batch_max_in_flight slots; they do not get that many each
     assert seen.count("alice 0") == 1 and len(seen) == bob_lines + 1  # each request sent once
