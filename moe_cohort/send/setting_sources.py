@@ -74,10 +74,13 @@ def load_settings(overrides: Mapping[str, object] | None = None, environ: Mappin
                             detail=exc.detail) from None
 
 
+RENAMED = {"batch_concurrency": "batch_max_in_flight"}  # an old name -> its setting now, named in the error
+
+
 def unknown_setting(what: str, name: str, names, *, more: int = 0, spell=lambda name: name) -> str:
     """One short line for `what`, a setting `name` that is none of `names`: the nearest valid name (as
     `spell(name)` writes it), never the whole list."""
-    close = difflib.get_close_matches(name.lower(), list(names), 1)
+    close = [RENAMED[name.lower()]] if name.lower() in RENAMED else difflib.get_close_matches(name.lower(), list(names), 1)
     hint = f"did you mean {spell(close[0])!r}?" if close else "every setting is in docs/configuration.md"
     others = f" (and {more} more unknown)" if more else ""
     return f"{what} is no setting{others}; {hint}"
@@ -89,7 +92,7 @@ def _warn_misspelt_variables(environ: Mapping[str, str], names) -> None:
     for var in environ:
         name = var[len(ENV_PREFIX):].lower()
         if var.startswith(ENV_PREFIX) and name not in names and var != CONFIG_VARIABLE and \
-                difflib.get_close_matches(name, list(names), 1, cutoff=MISSPELT_CUTOFF):
+                (name in RENAMED or difflib.get_close_matches(name, list(names), 1, cutoff=MISSPELT_CUTOFF)):
             log.warning("%s (ignored)", unknown_setting(var, name, names, spell=variable_of))
 
 

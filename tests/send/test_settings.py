@@ -75,6 +75,7 @@ def test_a_bad_config_file_names_the_file_and_the_key(tmp_path, name, text, mess
     ("max_inflight: 8\n", "c.yaml: key 'max_inflight' is no setting; did you mean 'max_in_flight'?"),
     ("encoder_thread: 2\nport: 9000\n", "c.yaml: key 'encoder_thread' is no setting; did you mean 'encoder_threads'?"),
     ("zzz: 1\n", "c.yaml: key 'zzz' is no setting; every setting is in docs/configuration.md"),
+    ("batch_concurrency: 4\n", "c.yaml: key 'batch_concurrency' is no setting; did you mean 'batch_max_in_flight'?"),
 ])
 def test_an_unknown_config_key_is_one_short_line_with_its_nearest_setting(tmp_path, monkeypatch, text, said):
     monkeypatch.chdir(tmp_path)
