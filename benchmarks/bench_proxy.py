@@ -35,7 +35,7 @@ the tokens per forward beside it (fewer tokens per forward touch fewer experts b
 With --replicas 2 (issue 18): a second tiny-MoE vLLM server is started beside the first; part 1
 adds a proxy fronting both (`--backend A --backend B`, routing affinity) to the same comparison
 (the direct baseline is still server A alone), and part 2 becomes the two-replica run: the prompts
-through `cohort serve --backend A --backend B --routing X` for X in round-robin, least-loaded and
+through `cohort serve --backend A --backend B --replica-routing X` for X in round-robin, least-loaded and
 affinity (--slots in flight per replica, --encoder), the distinct experts per layer per decode
 forward summed over both servers' counters, and the wall time.
 Without --backend, a tiny-MoE vLLM CPU server is started (and stopped) here. The proxy runs as
@@ -330,7 +330,7 @@ def replicas_run(backends: list[str], prompts: list[str], slots: int, max_tokens
     print(f"{len(backends)} replicas, {len(prompts)} prompts, 64 clients, {slots} in flight per replica, "
           f"{max_tokens} tokens each, encoder {encoder or 'default'!r}")
     for routing in ("round-robin", "least-loaded", "affinity"):
-        proc, proxy = start_proxy(",".join(backends), *enc, "--max-in-flight", str(slots), "--routing", routing,
+        proc, proxy = start_proxy(",".join(backends), *enc, "--max-in-flight", str(slots), "--replica-routing", routing,
                                   "--no-learn")
         try:
             before = [decode_distinct(b) for b in backends]

@@ -124,7 +124,7 @@ def test_compose_starts_the_proxy_in_front_of_defined_replicas():
     fronted = [re.fullmatch(r"http://([a-z0-9-]+):8000", url) for url in proxy["environment"]["COHORT_BACKEND_URL"].split(",")]
     assert all(fronted) and sorted(m.group(1) for m in fronted) == replicas  # every replica, each once
     assert Settings(backend_url=proxy["environment"]["COHORT_BACKEND_URL"],
-                    routing=proxy["environment"]["COHORT_ROUTING"]).routing == "affinity"
+                    replica_routing=proxy["environment"]["COHORT_REPLICA_ROUTING"]).replica_routing == "affinity"
     assert sorted(proxy["depends_on"]) == replicas
     assert proxy["ports"] == ["${PROXY_PORT:-8080}:8080"]
     assert all(services[name]["shm_size"] for name in [*replicas, "proxy"])  # vLLM and Ray need /dev/shm

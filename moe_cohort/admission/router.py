@@ -4,7 +4,7 @@ Each replica r keeps up to `slots[r]` requests resident (vLLM's max_num_seqs) an
 replica r loads the experts of ITS residents only, so what routing decides is which requests are
 resident together on one replica. `ReplicaRouter` is pure bookkeeping (no clock, no I/O): a
 caller adds waiting requests, asks `admit(now)` which request takes which free slot, and
-releases a request when it finishes. It is the one admission driver: the proxy's gate
+releases a request when it finishes. It is the one admission rule: the proxy's gate
 (send.replicas, one backend or several), the Ray Serve request router (ray_serve.router, told of
 one free replica at a time: `admit_to`), the batch order (batch.order, one replica of
 `--max-in-flight` slots) and the engine replay (eval.replay) all admit through it; only vLLM's own

@@ -3,7 +3,7 @@
 Shaped like nano-vllm's scheduler. `BatchCore` holds the waiting requests in file order, asks its
 `Order` (batch/order.py: file order, a spread sample, or admission by predicted experts; the run may
 hand `order` over to another between two sends: batch/follow.py) which one goes next,
-and answers the driver (batch/run.py), which does the sending, the sleeping and the writing:
+and answers the sender (batch/run.py), which does the sending, the sleeping and the writing:
 
     schedule(now)          Send(request, request_id) while fewer than `max_in_flight` requests are out;
                            None when all slots are taken; Stop.DONE when every request was handed

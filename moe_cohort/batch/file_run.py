@@ -30,7 +30,7 @@ from moe_cohort.send.settings import Settings
 
 log = logging.getLogger(__name__)
 
-ENGINES = ("local", "ray")
+RUNNERS = ("local", "ray")  # who sends the lines: this process, or Ray Data
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ class FileJob:
     input: Path  # OpenAI Batch JSONL
     output: Path  # results JSONL; its journal lies beside it
     errors: Path | None = None  # failed (and with skip_invalid refused) lines; default: OUTPUT's stem + .errors.jsonl
-    engine: str = "local"  # "local": this process, to one backend; "ray": Ray Data, to every backend
+    runner: str = "local"  # "local": this process, to one backend; "ray": Ray Data, to every backend
     skip_invalid: bool = False  # bad lines go to the error file instead of stopping the run before it starts
 
 
@@ -79,12 +79,12 @@ def problem(settings: Settings, job: FileJob, *, dry_run: bool = False) -> str |
                 f"e.g. {job.output / 'results.jsonl'}")
     if not settings.backend_url and not dry_run:
         return "no backend: pass --backend URL (a vLLM server) or set COHORT_BACKEND_URL"
-    if job.engine not in ENGINES:
-        return f"engine {job.engine!r}: choose one of {', '.join(ENGINES)}"
-    found = encoder_problem(settings) or (_ray_problem() if job.engine == "ray" else _one_backend(settings))
-    if not found and settings.learn and (job.engine == "ray" or dry_run):
+    if job.runner not in RUNNERS:
+        return f"runner {job.runner!r}: choose one of {', '.join(RUNNERS)}"
+    found = encoder_problem(settings) or (_ray_problem() if job.runner == "ray" else _one_backend(settings))
+    if not found and settings.learn and (job.runner == "ray" or dry_run):
         found = ("--learn learns from answers as the local runner gets them; drop --learn for "
-                 f"{'--engine ray' if job.engine == 'ray' else '--dry-run'}")
+                 f"{'--runner ray' if job.runner == 'ray' else '--dry-run'}")
     return found
 
 
@@ -111,8 +111,8 @@ def configured(settings: Settings, job: FileJob) -> tuple[Settings, int | None, 
 
     infos = asyncio.run(ask_all(settings.backend_urls, settings))
     plan = plan_batch(settings, settings.backend_urls, infos)
-    learn = plan.learn and job.engine == "local" and settings.encoder.lower() != "none"
-    said = plan.line + ("" if learn == plan.learn else " (not with --engine ray)")
+    learn = plan.learn and job.runner == "local" and settings.encoder.lower() != "none"
+    said = plan.line + ("" if learn == plan.learn else " (not with --runner ray)")
     settings = replace(settings, max_in_flight=plan.max_in_flight, forward_profiles=plan.forward_profiles, learn=learn)
     return settings, plan.layers, said
 
@@ -152,7 +152,7 @@ class FileRun:
 
         result = RunResult(RunStats(0, 0), self.paths, {})
         try:
-            if self.job.engine == "ray":
+            if self.job.runner == "ray":
                 result.stats = self._ray(on_progress)
             else:
                 asyncio.run(self._local(result, on_progress))
@@ -257,8 +257,8 @@ async def _decode_counters(backend) -> dict[str, float] | None:
 
 def _one_backend(settings: Settings) -> str | None:
     if "," in settings.backend_url:
-        return (f"--engine local sends to one backend, got several in --backend {settings.backend_url!r}; "
-                f"pass one, or --engine ray to send to all of them")
+        return (f"--runner local sends to one backend, got several in --backend {settings.backend_url!r}; "
+                f"pass one, or --runner ray to send to all of them")
     return None
 
 

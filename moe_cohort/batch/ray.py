@@ -1,6 +1,6 @@
-"""`cohort batch run --engine ray`: the same batch run, sent through Ray Data to one or more vLLM replicas.
+"""`cohort batch run --runner ray`: the same batch run, sent through Ray Data to one or more vLLM replicas.
 
-    cohort batch run --engine ray --input big.jsonl --output results.jsonl \
+    cohort batch run --runner ray --input big.jsonl --output results.jsonl \
         --backend http://replica-1:8000,http://replica-2:8000
 
 Who does what:
@@ -51,11 +51,11 @@ _SKIPPED = -2  # the `line` of the row that says a block was not sent: the run h
 
 
 def ray_problem() -> str | None:
-    """Why --engine ray cannot run in this environment (None: it can)."""
+    """Why --runner ray cannot run in this environment (None: it can)."""
     try:
         import ray.data  # noqa: F401
     except ImportError as exc:
-        return f"--engine ray needs Ray Data ({exc}): pip install 'moe-cohort[ray]', or use --engine local"
+        return f"--runner ray needs Ray Data ({exc}): pip install 'moe-cohort[ray]', or use --runner local"
     return None
 
 

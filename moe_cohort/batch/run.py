@@ -107,24 +107,24 @@ async def run_batch(batch: BatchFile, journal: Journal, replicas: Sequence[Backe
     if not pending:
         return stats
     core = BatchCore(pending, config, stats, deadline=deadline)
-    driver = _Driver(core, journal, replicas, gate, on_progress or (lambda stats: None), clock, seat, learning)
+    sender = _Sender(core, journal, replicas, gate, on_progress or (lambda stats: None), clock, seat, learning)
     background = asyncio.to_thread if learning is None else learning.in_background
     if predictor is not None and not inspect.isawaitable(predictor) and predictor.ready():
         core.order = await asyncio.to_thread(make_order, pending, predictor, config.max_in_flight)
         if learning is not None:
-            driver.follow = lambda: follow_heads(lambda: learning.head, predictor.predict, core.order,
+            sender.follow = lambda: follow_heads(lambda: learning.head, predictor.predict, core.order,
                                                  lambda: core.waiting, background)
     elif predictor is not None:  # no prediction yet (the encoder loading, or no head learned): a sample first
         core.order = SpreadOrder((r.line for r in pending), seed=len(batch.requests))
         sample = sample_size(learning.learner.config.first_fit if learning else 2, len(pending))
-        driver.follow = lambda: order_after(core, predictor if inspect.isawaitable(predictor) else _now(predictor),
+        sender.follow = lambda: order_after(core, predictor if inspect.isawaitable(predictor) else _now(predictor),
                                             learning, sample=sample, run=background)
     log.info("%d requests to send, %d at a time, in %s", len(pending), config.max_in_flight,
              "file order" if predictor is None else "admission order" if isinstance(core.order, ExpertOrder)
              else "a sample drawn from across the file until there are predictions, then admission order")
     if learning is not None:
         await learning.probe()  # the first requests are marked when the backend counts experts
-    return await driver.run(stop or asyncio.Event())
+    return await sender.run(stop or asyncio.Event())
 
 
 async def _now(value: T) -> T:
@@ -139,7 +139,7 @@ def write_plan(path: str | Path, requests: Sequence[BatchRequest], max_in_flight
                     [{"custom_id": r.custom_id, "line": r.line, "policy": r.policy} for r in requests])
 
 
-class _Driver:
+class _Sender:
     def __init__(self, core: BatchCore, journal: Journal, replicas: Sequence[BackendClient], gate: AdmissionGate | None,
                  on_progress: ProgressFn, clock: Callable[[], float], seat: Seat | None,
                  learning: Learning | None = None) -> None:

@@ -31,7 +31,7 @@ from moe_cohort.send.settings import Settings, SettingsError
 _FLAGS = flag_table(
     ("backend_url", "default_policy", "encoder", "max_in_flight", "batch_max_retries", "request_timeout_s",
      "backend_api_key", "max_body_bytes", "data_dir", "learn", "forward_profiles"),
-    {"backend_url": "vLLM server, e.g. http://127.0.0.1:8000 (--engine ray: every replica, the flag repeated or a "
+    {"backend_url": "vLLM server, e.g. http://127.0.0.1:8000 (--runner ray: every replica, the flag repeated or a "
                     "comma list)",
      "default_policy": "routing policy for lines without vllm_xargs.moe_routing, e.g. xshare;m=32",
      "encoder": f"orders the requests by their predicted experts: {ENCODER_CHOICES}; 'none' keeps the file order",
@@ -59,7 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run_parser.add_argument("--dry-run", action="store_true", help="validate and predict only; write the sending order, send nothing")
     run_parser.add_argument("--plan", type=Path, help="where --dry-run writes the plan (default: OUTPUT + .plan.jsonl)")
     run_parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    run_parser.add_argument("--engine", choices=("local", "ray"), default="local",
+    run_parser.add_argument("--runner", choices=("local", "ray"), default="local",
                             help="local: this process sends, to one --backend; ray: Ray Data sends, to every "
                                  "--backend (the flag repeated, or a comma list)")
 
@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
     from moe_cohort.batch.file_run import BatchRunError, FileJob, FileRun, InvalidLines, configured, problem, read_file
 
     started = time.monotonic()
-    job = FileJob(args.input, args.output, args.errors, engine=args.engine, skip_invalid=args.skip_invalid)
+    job = FileJob(args.input, args.output, args.errors, runner=args.runner, skip_invalid=args.skip_invalid)
     try:
         settings = load_settings(flag_overrides(args, _FLAGS), flags=_FLAGS)
     except SettingsError as exc:

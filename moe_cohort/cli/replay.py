@@ -12,7 +12,7 @@ Policies, in the order of the output (random is always first):
 Loads and time per token count the steps with every slot busy (the engine kept full) unless
 --no-kept-full, or --replicas or --report, which count every step.
 
-With --replicas R: R replicas of S slots behind a router instead (eval.replicas; --routing picks
+With --replicas R: R replicas of S slots behind a router instead (eval.replicas; --replica-routing picks
 round-robin, least-loaded, affinity or all), beside one engine of R*S slots for reference.
 Static plans are `cohort eval` (cli.eval), whose trace flags this command shares.
 """
@@ -67,7 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "count every step)")
     parser.add_argument("--replicas", type=positive_int, default=None,
                         help="R replicas of --slots each behind a router (default: one engine)")
-    parser.add_argument("--routing", choices=("round-robin", "least-loaded", "affinity", "all"), default="all",
+    parser.add_argument("--replica-routing", choices=("round-robin", "least-loaded", "affinity", "all"), default="all",
                         help="with --replicas: which routings to replay beside random (default %(default)s)")
     parser.add_argument("--report", metavar="DIR",
                         help="also write report.json, report.md, saving.png and moe_time.png to DIR: static plans "
@@ -136,14 +136,14 @@ def run_continuous(args: argparse.Namespace, ts: TraceSet, plan: Plan | None, te
 
 
 def run_replicas(args: argparse.Namespace, ts: TraceSet, text: tuple) -> dict:
-    """R = args.replicas replicas of S = args.slots (eval.replicas) for --routing, with one engine of R*S for reference."""
+    """R = args.replicas replicas of S = args.slots (eval.replicas) for --replica-routing, with one engine of R*S for reference."""
     from moe_cohort.eval.replicas import evaluate_with_single, routings_for
 
     tokens = decode_tokens(ts, args.decode)
     x, head = text
     flat = lambda p: p.reshape(len(ts), -1)  # noqa: E731  [N, L, E] -> [N, L*E]
     predicted = None if head is None else flat(head.predict(x, _texts(ts)))
-    routings = routings_for(args.routing, predicted=predicted, embeddings=x,
+    routings = routings_for(args.replica_routing, predicted=predicted, embeddings=x,
                             reference=flat(decode_profiles(tokens, ts)))
     cost = parse_cost_model(args.cost_model, args.non_moe_us, args.moe_share)
     return evaluate_with_single(tokens, args.replicas, args.slots, routings, _lengths(args, ts, tokens), cost,

@@ -25,7 +25,7 @@ from moe_cohort.send.setting_sources import CONFIG_VARIABLE, load_settings, sett
 from moe_cohort.send.settings import Settings, SettingsError
 
 # the settings `cohort serve` takes as flags, in the order of their sections
-SETTINGS = ("backend_url", "routing", "model_dir", "host", "port", "api_keys", "max_in_flight", "default_policy",
+SETTINGS = ("backend_url", "replica_routing", "model_dir", "host", "port", "api_keys", "max_in_flight", "default_policy",
             "forward_profiles", "encoder", "learn", "data_dir")
 _FLAGS = flag_table(SETTINGS)
 EPILOG = ("Every setting, these and the rest (limits, timeouts, fairness bounds, learning's tuning, the Batch "
@@ -169,7 +169,7 @@ def _serve(settings: Settings) -> int:
     from moe_cohort.send.profiles import limit_threads
 
     where = f"http://{settings.host}:{settings.port}"
-    replicas = f", routing {settings.routing}" if len(settings.backend_urls) > 1 else ""
+    replicas = f", replica routing {settings.replica_routing}" if len(settings.backend_urls) > 1 else ""
 
     def ready() -> None:  # in the server's thread, as before it served: the encoder's libraries are loaded now
         limit_threads(settings.encoder_threads)

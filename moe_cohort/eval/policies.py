@@ -1,4 +1,4 @@
-"""Admission policies as the engine replay runs them: settings of the one admission driver, ReplicaRouter.
+"""Admission policies as the engine replay runs them: settings of the one admission rule, ReplicaRouter.
 
 A `Policy` names a routing of `admission.router.ReplicaRouter` and what it fits requests by, and
 `run` replays it (eval.replay) through a router built fresh for that run, so the replay admits exactly

@@ -2,7 +2,7 @@
 
 R replicas of S slots each (one engine: R = 1); every resident request emits one token per step; a
 request leaves after its output length and the freed slot is filled at once by
-`admission.router.ReplicaRouter`, the one admission driver the proxy serves with (send/replicas.py)
+`admission.router.ReplicaRouter`, the one admission rule the proxy serves with (send/replicas.py)
 and the batch runner orders by (batch/order.py): fairness bound first, FCFS for requests
 without a vector, the oldest when nobody is resident, else the fewest expected new experts (or the
 nearest embedding), ties to the earliest arrival. A step of replica r loads, per MoE layer, the

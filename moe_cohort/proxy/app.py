@@ -71,11 +71,11 @@ class Proxy:
         self.learning = None if learner is None or predictor is None else Learning(
             learner, predictor.features, learned_folder(settings), self.metrics, settings.learn_sample_rate, clients,
             on=None)
-        # one backend is a set of one replica; several (--backend repeated) are routed by --routing. Until the
+        # one backend is a set of one replica; several (--backend repeated) are routed by --replica-routing. Until the
         # replicas have answered the handshake (`configure`), each is served as one that said nothing.
         self.engines = [EngineInfo(UNREACHABLE)] * len(clients)
         self.plans = [plan_replica(settings, info) for info in self.engines]
-        self.replicas = ReplicaSet(clients, [p.max_in_flight for p in self.plans], settings.routing,
+        self.replicas = ReplicaSet(clients, [p.max_in_flight for p in self.plans], settings.replica_routing,
                                    max_queue_s=settings.max_queue_ms / 1000,
                                    max_passed=settings.max_passed or passed_bound(self.plans),
                                    **({"resident_factory": predictor.resident_factory} if predictor else {}))

@@ -1,5 +1,5 @@
 """What a Ray Serve request router keeps to admit by experts (ray_serve/router.py is the router; this module
-imports nothing of Ray). The rules the router keeps, through the one admission driver
+imports nothing of Ray). The rules the router keeps, through the one admission router
 (admission.router.ReplicaRouter, routing "affinity"):
 
 - A request's text (the call's OpenAI request: a dict, or an object with `messages` / `prompt` such as Ray
@@ -14,8 +14,8 @@ imports nothing of Ray). The rules the router keeps, through the one admission d
   the slot, as Serve's FIFO mixin hands a found replica to the oldest request. When a request completes, its
   replica admits at once; no replica idles while requests wait.
 - `choose_replicas` ranks the replicas with free slots, most free first, one per rank; Serve probes them
-  in that order and hands the first that accepts to the driver's choice.
-- A replica that Serve adds (scale-up, a replacement) gets a new place in the driver; one that leaves is
+  in that order and hands the first that accepts to the admission router's choice.
+- A replica that Serve adds (scale-up, a replacement) gets a new place in the admission router; one that leaves is
   taken out. Its requests end with errors, which Serve reports as completed, so their slots free.
 - `forward_profiles`: the predicted profile goes with the request as `vllm_xargs.moe_profile`, for a
   replica whose vLLM runs our scheduler (engine.scheduler).
@@ -38,7 +38,7 @@ from moe_cohort.encoder.text import RequestTextError, request_text
 
 
 class ServeAdmission:
-    """The admission state of one Serve router: Serve's replica ids mapped onto the driver's indices, the
+    """The admission state of one Serve router: Serve's replica ids mapped onto the admission router's indices, the
     requests waiting and placed (by key: Serve's internal request id). Pure bookkeeping, one event loop."""
 
     def __init__(self, slots: int | None = None, *, max_wait: float | None = MAX_WAIT_S, max_passed: int | None = None,
@@ -47,65 +47,65 @@ class ServeAdmission:
         self._options = dict(max_wait=max_wait, max_passed=max_passed)
         if resident_factory is not None:
             self._options["resident_factory"] = resident_factory
-        self.driver: ReplicaRouter | None = None  # made with the first replicas
-        self.index: dict[Hashable, int] = {}  # replica id -> the driver's index
-        self.ids: list[Hashable] = []  # the driver's index -> replica id
+        self.router: ReplicaRouter | None = None  # made with the first replicas
+        self.index: dict[Hashable, int] = {}  # replica id -> the admission router's index
+        self.ids: list[Hashable] = []  # the admission router's index -> replica id
         self._refused: set[Hashable] = set()  # placed, refused, routed again before the refusal was reported
 
     def replicas_changed(self, capacity: dict[Hashable, int]) -> None:
-        """The replicas now (id -> its own capacity): new ones join the driver, gone ones are taken out."""
+        """The replicas now (id -> its own capacity): new ones join the admission router, gone ones are taken out."""
         for rid, own in capacity.items():
             if rid not in self.index:
                 self._join(rid, self.slots or own)
         for rid, i in self.index.items():
-            if rid not in capacity and self.driver.healthy[i]:
-                self.driver.set_healthy(i, False)
+            if rid not in capacity and self.router.healthy[i]:
+                self.router.set_healthy(i, False)
 
     def arrive(self, key: Hashable, vector: np.ndarray | None, now: float) -> None:
         """A request wants a slot (its first routing attempt, or a retry after a replica refused it)."""
-        if key in self.driver.placed:  # a retry before its refused attempt was reported completed
-            self.driver.release(key)
+        if key in self.router.placed:  # a retry before its refused attempt was reported completed
+            self.router.release(key)
             self._refused.add(key)  # that report frees nothing
-        if key not in self.driver.pool:
-            self.driver.add(key, vector, now)
+        if key not in self.router.pool:
+            self.router.add(key, vector, now)
 
     def predicted(self, key: Hashable, vector: np.ndarray) -> None:
         """A late prediction of a waiting request (its place in the queue kept)."""
-        if key in self.driver.pool:
-            self.driver.update(key, vector)
+        if key in self.router.pool:
+            self.router.update(key, vector)
 
     def leave(self, key: Hashable) -> None:
         """A waiting request that no longer wants a slot (its caller cancelled it)."""
-        if key in self.driver.pool:
-            self.driver.remove(key)
+        if key in self.router.pool:
+            self.router.remove(key)
 
     def offer(self, rids: Iterable[Hashable]) -> list[Hashable]:
         """Of `rids`, the replicas with a free slot, most free first (ties: the oldest replica)."""
-        free = self.driver.free()
+        free = self.router.free()
         known = [rid for rid in rids if rid in self.index and free[self.index[rid]] > 0]
         return sorted(known, key=lambda rid: (-free[self.index[rid]], self.index[rid]))
 
     def take(self, rid: Hashable, now: float) -> Hashable | None:
         """The waiting request that a free slot of replica `rid` admits now (placed there), or None."""
         i = self.index.get(rid)
-        return None if i is None else self.driver.admit_to(i, now)
+        return None if i is None else self.router.admit_to(i, now)
 
     def completed(self, rid: Hashable, key: Hashable) -> bool:
         """Request `key` on replica `rid` is done: whether that freed a slot (False for one not placed there)."""
         if key in self._refused:
             self._refused.discard(key)
             return False
-        placed = self.driver.placed.get(key) if self.driver is not None else None
+        placed = self.router.placed.get(key) if self.router is not None else None
         if placed is None or self.ids[placed[0]] != rid:
             return False
-        self.driver.release(key)
+        self.router.release(key)
         return True
 
     def _join(self, rid: Hashable, slots: int) -> None:
-        if self.driver is None:
-            self.driver = ReplicaRouter([slots], "affinity", **self._options)
+        if self.router is None:
+            self.router = ReplicaRouter([slots], "affinity", **self._options)
         else:
-            self.driver.add_replica(slots)
+            self.router.add_replica(slots)
         self.index[rid] = len(self.ids)
         self.ids.append(rid)
 

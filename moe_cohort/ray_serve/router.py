@@ -81,7 +81,7 @@ class ExpertAffinityRouter(RequestRouter):
         return [[by_id[rid]] for rid in self._book.offer(by_id)]
 
     def _fulfill_next_pending_request(self, replica: RunningReplica, request_metadata=None) -> None:
-        """Serve found `replica` accepting: it takes the waiting request the driver chooses for it."""
+        """Serve found `replica` accepting: it takes the waiting request the admission router chooses for it."""
         self._admit(replica, at_most=1)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
@@ -127,7 +127,7 @@ class ExpertAffinityRouter(RequestRouter):
             self._book.predicted(key, prediction.vector)
 
     def _admit(self, replica: RunningReplica, at_most: int | None = None) -> None:
-        """Hand `replica`'s free slots (at most `at_most`) to the waiting requests the driver picks for it."""
+        """Hand `replica`'s free slots (at most `at_most`) to the waiting requests the admission router picks for it."""
         handed = 0
         while at_most is None or handed < at_most:
             key = self._book.take(replica.replica_id, time.monotonic())

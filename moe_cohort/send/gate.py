@@ -28,7 +28,7 @@ caller awaits `admit()` for a `send.replicas.Slot`, talks to the backend, then c
 (send/lifecycle.py does this for every request the proxy sends).
 
 The slots are a `send.replicas.ReplicaSet`: one backend is a set of one replica, several backends
-(`--backend` repeated) a set of R, each with `max_in_flight` slots, routed by `--routing`
+(`--backend` repeated) a set of R, each with `max_in_flight` slots, routed by `--replica-routing`
 (admission.router.ReplicaRouter; "affinity" is this module's rule applied per replica), the same
 router that drives the batch order (batch.order) and the engine replay (eval.replay). A
 slot names its replica (`slot.client`); `failover()` and `readmit()` move a request whose

@@ -74,7 +74,7 @@ def load_settings(overrides: Mapping[str, object] | None = None, environ: Mappin
                             detail=exc.detail) from None
 
 
-RENAMED = {"batch_concurrency": "batch_max_in_flight"}  # an old name -> its setting now, named in the error
+RENAMED = {"batch_concurrency": "batch_max_in_flight", "routing": "replica_routing"}  # an old name -> its setting now, named in the error
 
 
 def unknown_setting(what: str, name: str, names, *, more: int = 0, spell=lambda name: name) -> str:

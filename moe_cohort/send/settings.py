@@ -48,7 +48,7 @@ def _bad(name: str, detail: str) -> SettingsError:
 # (what the section sets, its fields). Every field is in exactly one section.
 SECTIONS: dict[str, tuple[str, tuple[str, ...]]] = {
     "backend": ("the vLLM server(s) the proxy fronts",
-                ("backend_url", "routing", "model_dir", "backend_api_key", "request_timeout_s", "connect_timeout_s",
+                ("backend_url", "replica_routing", "model_dir", "backend_api_key", "request_timeout_s", "connect_timeout_s",
                  "backend_wait_s", "backend_port")),
     "server": ("where the proxy listens and what it accepts",
                ("host", "port", "max_body_bytes", "max_header_bytes", "max_headers", "head_timeout_s", "keepalive_s",
@@ -94,7 +94,7 @@ class Settings:
     backend_url: str = _setting("", "vLLM server to front, e.g. http://127.0.0.1:8000; several replicas: the flag "
                                     "repeated, or a comma list, each with max_in_flight slots (default: start a tiny "
                                     "one)", flag="--backend", many=True)
-    routing: str = _setting("affinity", "which replica takes which request: affinity (a freed slot takes the "
+    replica_routing: str = _setting("affinity", "which replica takes which request: affinity (a freed slot takes the "
                                         "request that best fits that replica's residents), least-loaded or "
                                         "round-robin")
     model_dir: str = _setting("", "without a backend: the model folder the embedded vLLM serves as it is; without a "
@@ -218,8 +218,8 @@ class Settings:
             raise _bad("allowed_policies", f"must be policy names or policies: {exc}") from None
         from moe_cohort.admission.router import ROUTINGS
 
-        if self.routing not in ROUTINGS:
-            raise _bad("routing", f"must be one of {', '.join(ROUTINGS)}, got {self.routing!r}")
+        if self.replica_routing not in ROUTINGS:
+            raise _bad("replica_routing", f"must be one of {', '.join(ROUTINGS)}, got {self.replica_routing!r}")
         if not 1 <= self.port <= 65535:
             raise _bad("port", f"must be a TCP port in 1..65535, got {self.port}")
         if not 0 <= self.backend_port <= 65535:

@@ -1,4 +1,4 @@
-"""`cohort batch run --engine ray`: a local Ray instance sending to throwaway backends (order, one block per
+"""`cohort batch run --runner ray`: a local Ray instance sending to throwaway backends (order, one block per
 replica at a time, a replica dying mid-run and the rerun) and to a real vLLM CPU server (the same results as
 the local runner)."""
 
@@ -51,11 +51,11 @@ class Replica:
 
 
 def run_cli(replicas, args) -> tuple[int, str]:
-    """`cohort batch run --engine ray ARGS --backend <the replicas>` in a thread beside the replicas' event loop."""
+    """`cohort batch run --runner ray ARGS --backend <the replicas>` in a thread beside the replicas' event loop."""
     async def go(urls, stack):
         for replica in replicas:
             urls.append(await stack.enter_async_context(local_backend(replica.handle)))
-        return await asyncio.to_thread(main, ["batch", "run", "--engine", "ray", "--backend", ",".join(urls),
+        return await asyncio.to_thread(main, ["batch", "run", "--runner", "ray", "--backend", ",".join(urls),
                                               "--no-progress", *args])
 
     async def with_stack():
@@ -176,11 +176,11 @@ def test_a_block_is_skipped_once_the_run_stopped_and_a_stopping_block_raises_the
 def test_ray_missing_is_one_line_and_exit_2(tmp_path):
     src = write(tmp_path / "in.jsonl", chat_lines(2))
     code = ("import sys; sys.modules['ray'] = None; from moe_cohort.cli import main; sys.exit(main(sys.argv[1:]))")
-    done = subprocess.run([sys.executable, "-c", code, "batch", "run", "--engine", "ray", "--input", str(src),
+    done = subprocess.run([sys.executable, "-c", code, "batch", "run", "--runner", "ray", "--input", str(src),
                            "--output", str(tmp_path / "out.jsonl"), "--backend", "http://127.0.0.1:9",
                            "--encoder", "none"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
-    assert done.stderr.strip().startswith("cohort batch: error: --engine ray needs Ray Data")
+    assert done.stderr.strip().startswith("cohort batch: error: --runner ray needs Ray Data")
     assert "pip install 'moe-cohort[ray]'" in done.stderr and len(done.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "out.jsonl").exists()
 
@@ -190,7 +190,7 @@ def test_several_backends_need_the_ray_engine(tmp_path, capsys):
     code = main(["batch", "run", "--input", str(src), "--output", str(tmp_path / "out.jsonl"), "--encoder", "none",
                  "--backend", "http://127.0.0.1:9,http://127.0.0.1:10", "--no-progress"])
     err = capsys.readouterr().err
-    assert code == 2 and "--engine local sends to one backend" in err and "--engine ray" in err
+    assert code == 2 and "--runner local sends to one backend" in err and "--runner ray" in err
     assert len(err.strip().splitlines()) == 1 and not (tmp_path / "out.jsonl").exists()
 
 
@@ -202,7 +202,7 @@ def test_ray_and_local_runner_give_the_same_results_on_vllm(local_ray, vllm_serv
     runs = {}
     for engine in ("local", "ray"):
         out = tmp_path / f"{engine}.jsonl"
-        code = main(["batch", "run", "--engine", engine, "--input", str(src), "--output", str(out),
+        code = main(["batch", "run", "--runner", engine, "--input", str(src), "--output", str(out),
                      "--backend", vllm_server.url, "--max-in-flight", "4", "--no-progress"])
         assert code == 0, capsys.readouterr().err
         runs[engine] = {r["custom_id"]: r for r in results(out)}

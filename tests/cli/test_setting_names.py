@@ -22,7 +22,7 @@ UNITS = ("_ms", "_s", "_steps", "_bytes")
 # flags outside the settings table for a setting's concept: (command, flag) -> the setting
 SAME_CONCEPT = {
     ("cohort replay", "--max-queue-steps"): "max_queue_ms",  # the fairness bound in engine steps
-    ("cohort replay", "--routing"): "routing",
+    ("cohort replay", "--replica-routing"): "replica_routing",
     ("cohort compare", "--backend"): "backend_url",  # the vLLM server the proxy fronts
     ("cohort compare", "--api-key"): "api_keys",  # one of the proxy's keys
     ("cohort plan", "--max-seq-len"): "encoder_max_seq_len",

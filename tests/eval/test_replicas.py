@@ -118,12 +118,12 @@ def test_cohort_replay_replicas_json_and_table(tmp_path, capsys):
     assert (out["replicas"], out["slots"], out["num_requests"]) == (2, 3, 60)
     assert list(out["plans"]) == ["random", "round-robin", "least-loaded", "affinity-reference", "single-reference (1x6)"]
     assert out["plans"]["affinity-reference"]["saving"] > 0 and out["plans"]["affinity-reference"]["violations"] == 0
-    assert main([*base, "--routing", "least-loaded"]) == 0
+    assert main([*base, "--replica-routing", "least-loaded"]) == 0
     table = capsys.readouterr().out
     assert "R = 2 replicas x S = 3 slots" in table and "least-loaded" in table and "round-robin" not in table
 
 
-@pytest.mark.parametrize("extra, flag", [(["--replicas", "0"], "--replicas"), (["--routing", "hash"], "--routing"),
+@pytest.mark.parametrize("extra, flag", [(["--replicas", "0"], "--replicas"), (["--replica-routing", "hash"], "--replica-routing"),
                                          (["--replicas", "2", "--report", "{tmp}/r"], "--report")])
 def test_cohort_replay_replicas_rejects_bad_arguments_in_one_line(tmp_path, capsys, extra, flag):
     from moe_cohort.cli import main

@@ -85,7 +85,7 @@ def test_a_refused_replica_is_taken_out_every_request_answered_once_and_taken_ba
         down_port, down = free_url()
         async with local_backend(replica("a", seen)) as a:
             # round-robin: the first request goes to replica 0, the refused one, and must move to a
-            async with proxy_of([down, a], routing="round-robin", max_in_flight=2) as (client, http, app):
+            async with proxy_of([down, a], replica_routing="round-robin", max_in_flight=2) as (client, http, app):
                 assert await chat(client, "first", first_streams) == "hi"
                 assert app.state.proxy.replicas.router.healthy.tolist() == [False, True]
                 prompts = [f"p{i}" for i in range(10)]
@@ -120,7 +120,7 @@ def test_a_replica_dying_mid_stream_ends_the_stream_with_an_error_event_and_is_n
 
     async def main():
         async with local_backend(dying) as a, local_backend(replica("b", seen)) as b:
-            async with proxy_of([a, b], routing="least-loaded") as (client, http, app):
+            async with proxy_of([a, b], replica_routing="least-loaded") as (client, http, app):
                 stream = await client.chat.completions.create(
                     model="tiny", messages=[{"role": "user", "content": "x"}], stream=True)
                 got = []
@@ -206,7 +206,7 @@ def test_two_vllm_replicas_answer_every_request_and_both_serve(two_vllm_servers)
     servers = two_vllm_servers
     before = [_requests_served(s.url) for s in servers]
     settings = Settings(backend_url=",".join(s.url for s in servers), port=free_port(), max_in_flight=4,
-                        encoder="none", routing="affinity")
+                        encoder="none", replica_routing="affinity")
     with ProxyThread(settings) as proxy:
         async def main():
             client = openai.AsyncOpenAI(base_url=proxy.url + "/v1", api_key="unused", max_retries=0)
@@ -247,7 +247,7 @@ def test_a_replica_killed_with_requests_in_flight_loses_none_of_them(tiny_moe_di
     with start(tiny_moe_dir, max_num_seqs=4, max_model_len=1024) as a, \
             start(tiny_moe_dir, max_num_seqs=4, max_model_len=1024) as b:
         settings = Settings(backend_url=f"{a.url},{b.url}", port=free_port(), max_in_flight=4, encoder="none",
-                            routing="least-loaded")
+                            replica_routing="least-loaded")
         served_before = _requests_served(a.url)
         with ProxyThread(settings) as proxy, caplog.at_level("WARNING", logger="moe_cohort.send.replicas"):
             async def ask(client, i):
@@ -284,15 +284,15 @@ def test_serve_takes_backend_repeated_and_routing():
     parser = argparse.ArgumentParser()
     cli.add_arguments(parser)
     args = parser.parse_args(["--backend", "http://127.0.0.1:8001", "--backend", "http://127.0.0.1:8002",
-                              "--routing", "least-loaded", "--max-in-flight", "8"])
+                              "--replica-routing", "least-loaded", "--max-in-flight", "8"])
     settings = load_settings(flag_overrides(args, cli._FLAGS), environ={}, flags=cli._FLAGS)
     assert settings.backend_urls == ("http://127.0.0.1:8001", "http://127.0.0.1:8002")
-    assert (settings.routing, settings.max_in_flight) == ("least-loaded", 8)
-    env = load_settings(environ={"COHORT_BACKEND_URL": "http://a:1, http://b:2", "COHORT_ROUTING": "round-robin"})
-    assert env.backend_urls == ("http://a:1", "http://b:2") and env.routing == "round-robin"
-    with pytest.raises(SettingsError, match=r"--routing \(env COHORT_ROUTING\) must be one of round-robin, "
+    assert (settings.replica_routing, settings.max_in_flight) == ("least-loaded", 8)
+    env = load_settings(environ={"COHORT_BACKEND_URL": "http://a:1, http://b:2", "COHORT_REPLICA_ROUTING": "round-robin"})
+    assert env.backend_urls == ("http://a:1", "http://b:2") and env.replica_routing == "round-robin"
+    with pytest.raises(SettingsError, match=r"--replica-routing \(env COHORT_REPLICA_ROUTING\) must be one of round-robin, "
                                             r"least-loaded, affinity, got 'nearest'"):
-        load_settings(flag_overrides(parser.parse_args(["--routing", "nearest"]), cli._FLAGS), environ={},
+        load_settings(flag_overrides(parser.parse_args(["--replica-routing", "nearest"]), cli._FLAGS), environ={},
                       flags=cli._FLAGS)
 
 

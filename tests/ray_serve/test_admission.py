@@ -1,4 +1,4 @@
-"""moe_cohort.ray_serve.admission: a Ray Serve router's bookkeeping against the admission driver it drives."""
+"""moe_cohort.ray_serve.admission: a Ray Serve router's bookkeeping against the admission router it drives."""
 
 from types import SimpleNamespace
 
@@ -17,20 +17,20 @@ class Message(BaseModel):  # a chat message as a pydantic request model holds it
     content: str
 
 
-def test_free_slots_found_one_at_a_time_admit_what_the_driver_admits():
+def test_free_slots_found_one_at_a_time_admit_what_the_admission_router_admits():
     """Serve finds free replicas one at a time (an offer, then a take); the choices equal ReplicaRouter.admit's
     on the same arrivals and completions."""
     rng = np.random.default_rng(3)
-    book, driver = ServeAdmission(slots=3, max_wait=5.0), ReplicaRouter([3, 3], "affinity", max_wait=5.0)
+    book, router = ServeAdmission(slots=3, max_wait=5.0), ReplicaRouter([3, 3], "affinity", max_wait=5.0)
     book.replicas_changed({"r0": 99, "r1": 99})  # `slots` wins over what the replicas say
     placed, key = [], 0
     for now in range(60):
         for _ in range(int(rng.integers(0, 4))):
             vector = (rng.random(8) * (rng.random(8) < 0.4)).astype(np.float32)
             book.arrive(key, vector, float(now))
-            driver.add(key, vector, float(now))
+            router.add(key, vector, float(now))
             key += 1
-        expected = driver.admit(float(now))
+        expected = router.admit(float(now))
         got = []
         while offered := book.offer(["r1", "r0"]):
             taken = book.take(offered[0], float(now))
@@ -40,7 +40,7 @@ def test_free_slots_found_one_at_a_time_admit_what_the_driver_admits():
         assert got == expected, now
         placed += got
         for k, r in [p for p in placed if rng.random() < 0.4]:
-            assert book.completed(f"r{r}", k) and driver.release(k) == r
+            assert book.completed(f"r{r}", k) and router.release(k) == r
             placed.remove((k, r))
 
 

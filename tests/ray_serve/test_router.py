@@ -1,7 +1,7 @@
 """moe_cohort.ray_serve.router through a real local Ray Serve: an ingress deployment (FastAPI, the OpenAI
 routes) calls an engine deployment of two replicas, each fronting a vLLM CPU server on the tiny MoE with our
 plugin; the engine deployment routes with ExpertAffinityRouter. The official client talks to Serve's HTTP
-route; the router's choices are checked against the admission driver on the same events; a replica killed
+route; the router's choices are checked against the admission router on the same events; a replica killed
 mid-run is replaced by Serve and no request ends twice."""
 
 import concurrent.futures
@@ -35,7 +35,7 @@ TOPICS = ["Add 17 and 25, then double it.", "Write a haiku about the sea.", "def
 
 
 class RecordingRouter(ExpertAffinityRouter):
-    """The router, writing down what its driver saw and chose (`events`) and which request each key is (`users`)."""
+    """The router, writing down what its admission router saw and chose (`events`) and which request each key is (`users`)."""
 
     def initialize_state(self, **kwargs) -> None:
         super().initialize_state(**kwargs)
@@ -181,9 +181,9 @@ def test_the_official_client_through_serve_admits_within_each_replicas_slots(app
     assert sorted(served) == sorted(f"u{i}" for i in range(24))  # each answered once
 
 
-def test_the_routers_choices_are_the_drivers_on_the_same_events(app):
+def test_the_routers_choices_are_the_admission_routers_on_the_same_events(app):
     """The test's own handle routes 16 completions at once over 4 slots; its router's choices, replayed through a
-    fresh driver from the same events, come out the same, and each request ran where the driver placed it."""
+    fresh admission router from the same events, come out the same, and each request ran where the admission router placed it."""
     engine = serve.get_deployment_handle("Engine", "cohort")
     bodies = [{"model": "tiny", "prompt": TOPICS[i % len(TOPICS)] + f" [{i}]", "max_tokens": 16,
                "ignore_eos": True, "user": f"h{i}"} for i in range(16)]
@@ -196,7 +196,7 @@ def test_the_routers_choices_are_the_drivers_on_the_same_events(app):
         kind, *args = event
         if kind == "take":
             rid, now, key = args
-            pool = replay.driver.pool
+            pool = replay.router.pool
             oldest = min(pool.rows, key=lambda k: pool.seq[pool.rows[k]], default=None)
             assert replay.take(rid, now) == key  # the same choice from the same state
             if key is not None:
@@ -204,7 +204,7 @@ def test_the_routers_choices_are_the_drivers_on_the_same_events(app):
                 reordered += oldest is not None and key != oldest
         else:
             getattr(replay, kind)(*args)
-    assert {u: placed_on[u] for u in ran_on} == ran_on  # each ran on the replica the driver chose for it
+    assert {u: placed_on[u] for u in ran_on} == ran_on  # each ran on the replica the admission router chose for it
     assert len(set(ran_on.values())) == 2 and reordered  # both replicas, and not first come, first served
 
 

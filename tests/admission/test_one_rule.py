@@ -1,4 +1,4 @@
-"""One admission driver: the replay (eval.replay, the reference policy) and the proxy (AdmissionGate over a
+"""One admission rule: the replay (eval.replay, the reference policy) and the proxy (AdmissionGate over a
 ReplicaSet) admit the same requests in the same order, given the same arrivals, slots and finishing times.
 
 The proxy runs for real (its Profiler thread, its asyncio waiters, its router) on an injected clock that
