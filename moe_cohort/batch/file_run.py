@@ -1,6 +1,7 @@
 """One OpenAI Batch file through vLLM, resumable: the batch runner's entry point, as `create_app(settings)` is the
 server's. `cohort batch run` parses its flags into Settings and a FileJob, calls these, and prints.
 
+    result = run_file(settings, job)                  # all of it; or, step by step as `cohort batch run` prints them:
     batch = read_file(settings, job)                  # every line checked; InvalidLines names the bad ones
     settings, layers, said = configured(settings, job)  # what the backends' handshake makes of the settings
     run = FileRun(settings, batch, job)               # the journal beside the output: a rerun resumes
@@ -86,6 +87,18 @@ def problem(settings: Settings, job: FileJob, *, dry_run: bool = False) -> str |
         found = ("--learn learns from answers as the local runner gets them; drop --learn for "
                  f"{'--runner ray' if job.runner == 'ray' else '--dry-run'}")
     return found
+
+
+def run_file(settings: Settings, job: FileJob, on_progress: Callable[[RunStats], None] | None = None) -> RunResult:
+    """`job`'s file through the settings' backends, every line answered once: checked, configured by the backends'
+    handshake, then run (or resumed). Raises BatchRunError (InvalidLines for bad lines) with what to fix."""
+    found = problem(settings, job)
+    if found:
+        raise BatchRunError(found)
+    batch = read_file(settings, job)
+    settings, _, said = configured(settings, job)
+    log.info("%s", said)
+    return FileRun(settings, batch, job).run(on_progress)
 
 
 def read_file(settings: Settings, job: FileJob) -> BatchFile:
