@@ -147,12 +147,12 @@ def router_cpu_ms(prompts: list[str], head: str, slots: int, waiting: int = 64) 
     over `waiting` waiting requests, the completion), on two replicas of `slots`; Serve's own routing
     machinery, the same for every router, is left out."""
     from moe_cohort.ray_serve.admission import ServeAdmission
-    from moe_cohort.ray_serve.router import FixedHead
+    from moe_cohort.send.profiles import FixedHead
     from moe_cohort.send.profiles import make_predictor
     from moe_cohort.send.settings import Settings
 
     predictor = make_predictor(Settings(encoder="static"))
-    predictor.follow(FixedHead(head))
+    predictor.follow(FixedHead.from_folder(head))
     predictor.predict(prompts[:8])  # loaded, warm
     book = ServeAdmission(slots, resident_factory=predictor.resident_factory)
     book.replicas_changed({"a": slots, "b": slots})

@@ -194,7 +194,7 @@ class FileRun:
             learning = Learning(load_learner(settings, _refit_every(settings)),
                                 lambda texts: loading.result().features(texts), learned_folder(settings),
                                 ProxyMetrics(), settings.learn_sample_rate, [backend])
-        predictor = None if loading is None else asyncio.wrap_future(_following(loading, learning))
+        predictor = None if loading is None else asyncio.wrap_future(_following(loading, learning, settings))
         before = await _decode_counters(backend)
         try:
             result.stats = await run_batch(self.batch, self.journal, [backend], predictor,
@@ -238,8 +238,12 @@ def _load_predictor(settings: Settings) -> Future | None:
     return loading
 
 
-def _following(loading: Future, learning) -> Future:
-    """`loading`'s predictor, made to follow `learning` (its head, once learned) as soon as it is loaded."""
+def _following(loading: Future, learning, settings: Settings) -> Future:
+    """`loading`'s predictor, made to follow `learning` (its head, once learned), else the head an earlier run
+    saved in the data dir, as soon as it is loaded."""
+    from moe_cohort.send.learning.learning import saved_head
+    from moe_cohort.send.profiles import FixedHead
+
     out: Future = Future()
 
     def done(future: Future) -> None:
@@ -249,6 +253,8 @@ def _following(loading: Future, learning) -> Future:
             predictor = future.result()
             if learning is not None:
                 predictor.follow(learning)
+            elif (head := saved_head(settings)) is not None:
+                predictor.follow(FixedHead(head))  # not learning: the order reads what an earlier run learned
             out.set_result(predictor)
         except BaseException as exc:  # the encoder failed to load: the run fails with its error
             out.set_exception(exc)

@@ -43,10 +43,10 @@ from moe_cohort.send.backend_client import BackendClient
 from moe_cohort.send.gate import AdmissionGate, Profiler
 from moe_cohort.send.handshake import UNREACHABLE, EngineInfo, ask
 from moe_cohort.send.hints import HintRules
-from moe_cohort.send.learning.learning import Learning, learned_folder, load_learner
+from moe_cohort.send.learning.learning import Learning, learned_folder, load_learner, saved_head
 from moe_cohort.send.lifecycle import Lifecycle
 from moe_cohort.send.metrics import ProxyMetrics
-from moe_cohort.send.profiles import Predictor, make_predictor
+from moe_cohort.send.profiles import FixedHead, Predictor, make_predictor
 from moe_cohort.send.protocol import Route, check_size, read_body, read_request
 from moe_cohort.send.replicas import ReplicaSet
 from moe_cohort.send.setting_sources import load_settings
@@ -177,6 +177,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     proxy = Proxy(settings, predictor, learner)
     if proxy.learning is not None:
         predictor.follow(proxy.learning)  # admission reads the learned head, and whether learning is on
+    elif predictor is not None and (head := saved_head(settings)) is not None:
+        predictor.follow(FixedHead(head))  # not learning: admission reads what an earlier run learned
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):

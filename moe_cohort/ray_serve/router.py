@@ -27,24 +27,12 @@ except ImportError as exc:  # without Ray this module imports nothing and says h
 
 from moe_cohort.admission.fairness import MAX_WAIT_S, PASSED_PER_SLOT
 from moe_cohort.admission.wire import Prediction
-from moe_cohort.encoder.profile import load_profile_head
 from moe_cohort.ray_serve.admission import ServeAdmission, call_text, with_profile
 from moe_cohort.send.gate import Profiler
-from moe_cohort.send.profiles import make_predictor
+from moe_cohort.send.profiles import FixedHead, make_predictor
 from moe_cohort.send.settings import DEFAULT_ENCODER, Settings
 
 log = logging.getLogger(__name__)
-
-
-class FixedHead:
-    """A profile head read once from a folder, followed by the predictor as a learned one (send.profiles.Learned)."""
-
-    def __init__(self, folder: str) -> None:
-        self.head = load_profile_head(folder)
-        if self.head is None:
-            raise ValueError(f"head: {folder} holds no expert_profile_head.npz; give a `cohort train` folder or a "
-                             f"proxy's --data-dir/learned after its first refit")
-        self.on = True
 
 
 class ExpertAffinityRouter(RequestRouter):
@@ -56,7 +44,7 @@ class ExpertAffinityRouter(RequestRouter):
         settings = Settings(encoder=encoder, max_queue_ms=max_queue_ms, max_passed=max_passed)
         predictor = make_predictor(settings)
         if predictor is not None and head:
-            predictor.follow(FixedHead(head))
+            predictor.follow(FixedHead.from_folder(head))
         self._predictor, self._forward = predictor, forward_profiles
         self._profiler = None if predictor is None else Profiler(predictor.predict, ready=predictor.ready)
         passed = max_passed or (PASSED_PER_SLOT * slots if slots else None)  # 0: as the proxy's default

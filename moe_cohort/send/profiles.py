@@ -45,6 +45,24 @@ class Learned(Protocol):
     def on(self) -> bool | None: ...  # whether learning is on: False never, None not decided yet
 
 
+class FixedHead:
+    """A profile head that does not change, followed by a predictor as a learned one (Learned): a head an earlier run
+    learned when this one does not learn, or a folder's head given to the Ray Serve router."""
+
+    def __init__(self, head: ProfileHead) -> None:
+        self.head, self.on = head, True
+
+    @classmethod
+    def from_folder(cls, folder: str) -> FixedHead:
+        from moe_cohort.encoder.profile import load_profile_head
+
+        head = load_profile_head(folder)
+        if head is None:
+            raise ValueError(f"head: {folder} holds no expert_profile_head.npz; give a `cohort train` folder or a "
+                             f"proxy's --data-dir/learned after its first refit")
+        return cls(head)
+
+
 def encoder_problem(settings: Settings) -> str | None:
     """What is wrong with the settings' encoder (an absent folder, an unreachable hub model), checked before
     any work; None when it will load. `static` is distilled on first use."""

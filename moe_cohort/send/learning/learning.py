@@ -68,9 +68,9 @@ class Learning:
 
     @property
     def head(self) -> ProfileHead | None:
-        """The latest learned head (None before the first fit, or while learning is not on); one attribute read,
-        safe from any thread."""
-        return self.learner.head if self.on else None
+        """The latest learned head, this run's or the one an earlier run saved (None before the first fit), whether
+        or not learning goes on; one attribute read, safe from any thread."""
+        return self.learner.head
 
     def describe(self) -> dict:
         """What /health shows of the learning."""
@@ -237,6 +237,11 @@ def load_learner(settings, refit_every: int | None = None) -> OnlineLearner:
     earlier run saved in its data folder."""
     config = LearnConfig(capacity=settings.learn_capacity, refit_every=refit_every or settings.learn_refit_every)
     return OnlineLearner.load(learned_folder(settings), config, key=settings.encoder)
+
+
+def saved_head(settings) -> ProfileHead | None:
+    """The head an earlier run learned for the settings' encoder and saved in `--data-dir`/learned; None when none."""
+    return load_learner(settings).head
 
 
 def learned_folder(settings) -> Path:

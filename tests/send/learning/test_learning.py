@@ -118,6 +118,24 @@ def test_a_restart_admits_by_what_was_learned_and_goes_on_learning(encoder, tmp_
     assert _metric(metrics, 'cohort_learned_profiles_total{source="routed_experts"}') == 8  # this process's
 
 
+def test_without_learning_admission_reads_the_head_an_earlier_run_learned(encoder, tmp_path):
+    """--no-learn (and a batch run that does not learn) still admits by the head saved in the data dir."""
+    async def main():
+        async with local_backend(vllm_like) as url:
+            await _serve(url, encoder, tmp_path / "data", 20)  # learns and saves a head
+            app = create_app(Settings(backend_url=url, encoder=encoder, learn=False, data_dir=str(tmp_path / "data")))
+            try:
+                predicted = app.state.proxy.predictor.predict(["about python dicts", "about cooking pasta"])
+                return app.state.proxy.learning, app.state.proxy.predictor.mode(), predicted
+            finally:
+                await app.state.proxy.close()
+
+    learning, mode, predicted = asyncio.run(main())
+    python, cooking = (p.vector.reshape(LAYERS, EXPERTS) for p in predicted)
+    assert learning is None and mode == "learned head"
+    assert set(np.argsort(-python[0])[:2]) == {0, 1} and set(np.argsort(-cooking[0])[:2]) == {4, 5}
+
+
 def test_before_the_first_head_requests_go_first_come_first_served(encoder, tmp_path):
     async def main():
         async with local_backend(vllm_like) as url:
