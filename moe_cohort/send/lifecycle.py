@@ -115,7 +115,7 @@ class Lifecycle:
         stripped unless the client asked for them."""
         if self.learning is None:
             return client_answer(content, self.body)[0]
-        return self.learning.answer(content, self.body, self.text)
+        return self.learning.answered(content, self.body, self.text)
 
     async def open_stream(self):
         """Open the streamed answer on the held slot's replica (raises on a backend error status); the

@@ -89,7 +89,7 @@ class Learning:
             return True
         return False if self._random.random() < self.sample_rate else None
 
-    # The request's events, each entered once by the lifecycle (send/lifecycle.py): sending, answer, left.
+    # The request's events, each entered once by the lifecycle (send/lifecycle.py): sending, answered, left.
 
     def sending(self, body: dict) -> None:
         """A request `body` is about to be forwarded: when sampled and the backend serves the plugin's counts
@@ -106,7 +106,7 @@ class Learning:
         """Ask the backend now whether it serves the plugin's counts (at start-up: the first requests get marked)."""
         await self.counts.probe()
 
-    def answer(self, content: bytes, body: dict, text: str) -> bytes:
+    def answered(self, content: bytes, body: dict, text: str) -> bytes:
         """A whole 200 answer came back for `body` (sent for `text`): learned from when it carries vLLM's routed
         experts and the request is sampled; returned as the client gets it (routed experts stripped unless the
         client asked for them)."""
