@@ -163,7 +163,7 @@ def report(title: str, rows: list[dict]) -> None:
 
 async def bench(args, backend_url: str) -> None:
     # the process's one Settings: concurrency = --batch-size = the backend's max_num_seqs; the admission encoder
-    args.settings = Settings(backend_url=backend_url, batch_max_in_flight=args.batch_size, encoder=args.encoder or "")
+    args.settings = Settings(backends=(backend_url,), batch_max_in_flight=args.batch_size, encoder=args.encoder or "")
     backend = BackendClient.from_settings(args.settings)
     texts = prompt_texts(args.heldout)[: args.prompts]
     fitting = await fitting_prompts(backend, texts, args.max_tokens)

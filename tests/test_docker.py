@@ -121,9 +121,9 @@ def test_compose_starts_the_proxy_in_front_of_defined_replicas():
         assert services[name]["healthcheck"]["test"][0] == "CMD"
     proxy = services["proxy"]
     assert (DOCKER / proxy["build"]["context"] / proxy["build"]["dockerfile"]).resolve() == DOCKER / "Dockerfile.proxy"
-    fronted = [re.fullmatch(r"http://([a-z0-9-]+):8000", url) for url in proxy["environment"]["COHORT_BACKEND_URL"].split(",")]
+    fronted = [re.fullmatch(r"http://([a-z0-9-]+):8000", url) for url in proxy["environment"]["COHORT_BACKENDS"].split(",")]
     assert all(fronted) and sorted(m.group(1) for m in fronted) == replicas  # every replica, each once
-    assert Settings(backend_url=proxy["environment"]["COHORT_BACKEND_URL"],
+    assert Settings(backends=tuple(proxy["environment"]["COHORT_BACKENDS"].split(",")),
                     replica_routing=proxy["environment"]["COHORT_REPLICA_ROUTING"]).replica_routing == "affinity"
     assert sorted(proxy["depends_on"]) == replicas
     assert proxy["ports"] == ["${PROXY_PORT:-8080}:8080"]

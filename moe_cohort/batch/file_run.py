@@ -78,8 +78,8 @@ def problem(settings: Settings, job: FileJob, *, dry_run: bool = False) -> str |
     if job.output.is_dir():
         return (f"--output {job.output} is a folder; give a file path for the results, "
                 f"e.g. {job.output / 'results.jsonl'}")
-    if not settings.backend_url and not dry_run:
-        return "no backend: pass --backend URL (a vLLM server) or set COHORT_BACKEND_URL"
+    if not settings.backends and not dry_run:
+        return "no backend: pass --backend URL (a vLLM server) or set COHORT_BACKENDS"
     if job.runner not in RUNNERS:
         return f"runner {job.runner!r}: choose one of {', '.join(RUNNERS)}"
     found = encoder_problem(settings) or (_ray_problem() if job.runner == "ray" else _one_backend(settings))
@@ -122,8 +122,8 @@ def configured(settings: Settings, job: FileJob) -> tuple[Settings, int | None, 
     from moe_cohort.send.autoconfig import plan_batch
     from moe_cohort.send.handshake import ask_all
 
-    infos = asyncio.run(ask_all(settings.backend_urls, settings))
-    plan = plan_batch(settings, settings.backend_urls, infos)
+    infos = asyncio.run(ask_all(settings.backends, settings))
+    plan = plan_batch(settings, settings.backends, infos)
     learn = plan.learn and job.runner == "local" and settings.encoder.lower() != "none"
     said = plan.line + ("" if learn == plan.learn else " (not with --runner ray)")
     settings = replace(settings, max_in_flight=plan.max_in_flight, forward_profiles=plan.forward_profiles, learn=learn)
@@ -187,7 +187,7 @@ class FileRun:
         from moe_cohort.send.metrics import ProxyMetrics
 
         settings = self.settings
-        backend = BackendClient.from_settings(settings)
+        backend = BackendClient.of(settings, settings.backends[0])
         loading = _load_predictor(settings)  # the encoder loads while the first requests go (a sample, in any case)
         learning = None
         if settings.learn:
@@ -275,8 +275,9 @@ async def _decode_counters(backend) -> dict[str, float] | None:
 
 
 def _one_backend(settings: Settings) -> str | None:
-    if "," in settings.backend_url:
-        return (f"--runner local sends to one backend, got several in --backend {settings.backend_url!r}; "
+    if len(settings.backends) > 1:
+        return (f"--runner local sends to one backend, got {len(settings.backends)} in --backend "
+                f"({', '.join(settings.backends)}); "
                 f"pass one, or --runner ray to send to all of them")
     return None
 

@@ -72,7 +72,7 @@ def run_batch_ray(settings: Settings, batch: BatchFile, journal: Journal, predic
     if skip_invalid:
         journal.commit(invalid_records(batch, journal.done))
     config = RunConfig.from_settings(settings, metrics_interval_s=0)
-    urls = list(settings.backend_urls)
+    urls = list(settings.backends)
     pending = [r for r in batch.requests if r.line not in journal.done]
     stats = RunStats(total=len(batch.requests), finished_before=len(batch.requests) - len(pending))
     if not pending:

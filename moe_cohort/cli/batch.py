@@ -29,9 +29,9 @@ from moe_cohort.send.settings import Settings, SettingsError
 # the settings `cohort batch run` takes as flags, in its own words where a batch gives them another sense
 # (defaults live in Settings and COHORT_* variables)
 _FLAGS = flag_table(
-    ("backend_url", "default_policy", "encoder", "max_in_flight", "batch_max_retries", "request_timeout_s",
+    ("backends", "default_policy", "encoder", "max_in_flight", "batch_max_retries", "request_timeout_s",
      "backend_api_key", "max_body_bytes", "data_dir", "learn", "forward_profiles"),
-    {"backend_url": "vLLM server, e.g. http://127.0.0.1:8000 (--runner ray: every replica, the flag repeated or a "
+    {"backends": "vLLM server, e.g. http://127.0.0.1:8000 (--runner ray: every replica, the flag repeated or a "
                     "comma list)",
      "default_policy": "routing policy for lines without vllm_xargs.moe_routing, e.g. xshare;m=32",
      "encoder": f"orders the requests by their predicted experts: {ENCODER_CHOICES}; 'none' keeps the file order",

@@ -25,7 +25,7 @@ from moe_cohort.send.setting_sources import CONFIG_VARIABLE, load_settings, sett
 from moe_cohort.send.settings import Settings, SettingsError
 
 # the settings `cohort serve` takes as flags, in the order of their sections
-SETTINGS = ("backend_url", "replica_routing", "model_dir", "host", "port", "api_keys", "max_in_flight", "default_policy",
+SETTINGS = ("backends", "replica_routing", "model_dir", "host", "port", "api_keys", "max_in_flight", "default_policy",
             "forward_profiles", "encoder", "learn", "data_dir")
 _FLAGS = flag_table(SETTINGS)
 EPILOG = ("Every setting, these and the rest (limits, timeouts, fairness bounds, learning's tuning, the Batch "
@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
 
     problem = (encoder_problem(settings) or _port_problem(settings.host, settings.port, "port")
                or _data_dir_problem(settings.data_dir))
-    if not problem and settings.backend_port and not settings.backend_url:
+    if not problem and settings.backend_port and not settings.backends:
         problem = _port_problem("127.0.0.1", settings.backend_port, "backend_port")
     if problem:
         return _fail(problem)
@@ -59,8 +59,8 @@ def run(args: argparse.Namespace) -> int:
     # (its own process group) running
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     server = None
-    if settings.backend_url:
-        for url in settings.backend_urls:  # each replica
+    if settings.backends:
+        for url in settings.backends:  # each replica
             wait_for_backend(url, settings.backend_wait_s, settings.backend_api_key)
     else:
         server, settings = _start_embedded(settings, explicit_in_flight=args.max_in_flight is not None)
@@ -155,7 +155,7 @@ def _start_embedded(settings: Settings, *, explicit_in_flight: bool):
     if stay_off_worker_cpus(server):  # its worker busy-polls its cores; the proxy would wait behind it
         print(f"proxy runs on CPUs {sorted(os.sched_getaffinity(0))}, beside vLLM's worker "
               f"on {sorted(server.worker_cpus())}")
-    return server, settings.replace(backend_url=server.url)
+    return server, settings.replace(backends=(server.url,))
 
 
 def _serve(settings: Settings) -> int:
@@ -169,11 +169,11 @@ def _serve(settings: Settings) -> int:
     from moe_cohort.send.profiles import limit_threads
 
     where = f"http://{settings.host}:{settings.port}"
-    replicas = f", replica routing {settings.replica_routing}" if len(settings.backend_urls) > 1 else ""
+    replicas = f", replica routing {settings.replica_routing}" if len(settings.backends) > 1 else ""
 
     def ready() -> None:  # in the server's thread, as before it served: the encoder's libraries are loaded now
         limit_threads(settings.encoder_threads)
-        print(f"moe-cohort proxy ready on {where}/v1 -> {settings.backend_url} (policy {settings.default_policy}"
+        print(f"moe-cohort proxy ready on {where}/v1 -> {', '.join(settings.backends)} (policy {settings.default_policy}"
               f"{replicas}); point an OpenAI client at base_url={where}/v1. Ctrl-C stops.", flush=True)
         print(app.app.state.proxy.configuration, flush=True)
 

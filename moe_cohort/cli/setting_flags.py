@@ -59,8 +59,13 @@ def add_setting_flags(parser, flags: FlagTable, groups: Mapping[str, object] | N
 
 def flag_overrides(args, flags: FlagTable) -> dict[str, object]:
     """The Settings overrides that the parsed `args` carry for `flags` (None where not given). A repeated flag
-    gives a tuple setting its values, and a text setting its values joined by commas (--backend A --backend B)."""
+    gives a tuple setting its values, each a value or a comma list (--backend A --backend B, --backend A,B), and a
+    text setting its values joined by commas."""
     tuples = {f.name for f in fields(Settings) if str(f.type).startswith("tuple")}
     values = {dest: getattr(args, dest) for dest, _, _ in flags.values()}
-    return {dest: (tuple(v) if dest in tuples else ",".join(v)) if isinstance(v, list) else v
+    return {dest: (_items(v) if dest in tuples else ",".join(v)) if isinstance(v, list) else v
             for dest, v in values.items()}
+
+
+def _items(values: list[str]) -> tuple[str, ...]:
+    return tuple(item.strip() for value in values for item in value.split(","))  # an empty one is refused later

@@ -66,8 +66,7 @@ class Proxy:
     def __init__(self, settings: Settings, predictor: Predictor | None, learner: OnlineLearner | None = None) -> None:
         self.settings, self.predictor = settings, predictor
         self.metrics = ProxyMetrics()
-        clients = [BackendClient(url, timeout_s=settings.request_timeout_s, connect_timeout_s=settings.connect_timeout_s,
-                                 api_key=settings.backend_api_key) for url in settings.backend_urls]
+        clients = [BackendClient.of(settings, url) for url in settings.backends]
         self.learning = None if learner is None or predictor is None else Learning(
             learner, predictor.features, learned_folder(settings), self.metrics, settings.learn_sample_rate, clients,
             on=None)
@@ -111,8 +110,8 @@ class Proxy:
         self.replicas.router.max_passed = self.settings.max_passed or passed_bound(self.plans)
         self._decide_learning()
         if self.batch_jobs is not None:
-            self.batch_jobs.configure(plan_batch(self.settings, self.settings.backend_urls, self.engines))
-        return describe(self.settings.backend_urls, self.plans, self.learning_plan)
+            self.batch_jobs.configure(plan_batch(self.settings, self.settings.backends, self.engines))
+        return describe(self.settings.backends, self.plans, self.learning_plan)
 
     def _decide_learning(self) -> None:
         """Whether to learn is decided once (send/autoconfig.py: a setting, else the first replica's answer)."""
@@ -169,8 +168,8 @@ class Proxy:
 def create_app(settings: Settings | None = None) -> FastAPI:
     """The ASGI app."""
     settings = settings or load_settings()
-    if not settings.backend_urls:
-        raise ValueError("settings.backend_url is empty; pass --backend URL (or run `cohort serve` without it "
+    if not settings.backends:
+        raise ValueError("settings.backends is empty; pass --backend URL (or run `cohort serve` without it "
                          "to start the embedded vLLM backend)")
     learner = load_learner(settings) if settings.learn is not False and settings.encoder.lower() != "none" else None
     predictor = make_predictor(settings, threads=settings.encoder_threads)

@@ -41,4 +41,4 @@ def admission_health(proxy) -> dict:
     if proxy.learning is not None and proxy.learning.on:
         admission["learning"] = proxy.learning.describe()
     return {"admission": admission,
-            "configuration": health(proxy.settings.backend_urls, proxy.plans, proxy.learning_plan)}
+            "configuration": health(proxy.settings.backends, proxy.plans, proxy.learning_plan)}

@@ -54,9 +54,9 @@ class BackendClient:
         self._loop: asyncio.AbstractEventLoop | None = None
 
     @classmethod
-    def from_settings(cls, settings) -> "BackendClient":
-        """The client of `settings.backend_url` with its timeouts (send.settings.Settings)."""
-        return cls(settings.backend_url, timeout_s=settings.request_timeout_s,
+    def of(cls, settings, url: str) -> "BackendClient":
+        """The client of the backend at `url` with the settings' timeouts and key (send.settings.Settings)."""
+        return cls(url, timeout_s=settings.request_timeout_s,
                    connect_timeout_s=settings.connect_timeout_s, api_key=settings.backend_api_key)
 
     async def close(self) -> None:

@@ -8,7 +8,7 @@ Variables are `COHORT_<FIELD>` upper-cased (`COHORT_MAX_QUEUE_MS=5000`, `COHORT_
 (docs/configuration.md lists them all):
 
     # cohort.yaml (or the same keys in cohort.toml)
-    backend_url: http://127.0.0.1:8000
+    backends: [http://127.0.0.1:8000]
     port: 9000
     default_policy: "xshare;m=24"
     api_keys: [alice-key, bob-key]
@@ -74,7 +74,8 @@ def load_settings(overrides: Mapping[str, object] | None = None, environ: Mappin
                             detail=exc.detail) from None
 
 
-RENAMED = {"batch_concurrency": "batch_max_in_flight", "routing": "replica_routing"}  # an old name -> its setting now, named in the error
+# an old name -> its setting now, named in the error
+RENAMED = {"batch_concurrency": "batch_max_in_flight", "routing": "replica_routing", "backend_url": "backends"}
 
 
 def unknown_setting(what: str, name: str, names, *, more: int = 0, spell=lambda name: name) -> str:

@@ -48,7 +48,7 @@ def _bad(name: str, detail: str) -> SettingsError:
 # (what the section sets, its fields). Every field is in exactly one section.
 SECTIONS: dict[str, tuple[str, tuple[str, ...]]] = {
     "backend": ("the vLLM server(s) the proxy fronts",
-                ("backend_url", "replica_routing", "model_dir", "backend_api_key", "request_timeout_s", "connect_timeout_s",
+                ("backends", "replica_routing", "model_dir", "backend_api_key", "request_timeout_s", "connect_timeout_s",
                  "backend_wait_s", "backend_port")),
     "server": ("where the proxy listens and what it accepts",
                ("host", "port", "max_body_bytes", "max_header_bytes", "max_headers", "head_timeout_s", "keepalive_s",
@@ -83,7 +83,7 @@ LEARN_MEANING = ("learn the profile head online from the engine's routing of ans
 
 def _setting(default, meaning: str, *, flag: str | None = None, many: bool = False):
     """A Settings field: its default, what it sets (the help of its flag and its line in docs/configuration.md),
-    its flag where it is not the field's name (`--backend` for backend_url), and `many`: a text setting that
+    its flag where it is not the field's name (`--backend` for backends), and `many`: a text setting that
     takes several values, the flag repeated or a comma list."""
     return dataclasses.field(default=default, metadata={"meaning": meaning, "flag": flag, "many": many})
 
@@ -91,9 +91,9 @@ def _setting(default, meaning: str, *, flag: str | None = None, many: bool = Fal
 @dataclass(frozen=True)
 class Settings:
     # -- backend
-    backend_url: str = _setting("", "vLLM server to front, e.g. http://127.0.0.1:8000; several replicas: the flag "
-                                    "repeated, or a comma list, each with max_in_flight slots (default: start a tiny "
-                                    "one)", flag="--backend", many=True)
+    backends: tuple[str, ...] = _setting((), "vLLM servers to front, e.g. http://127.0.0.1:8000; several replicas: "
+                                             "the flag repeated, or a comma list, each with max_in_flight slots "
+                                             "(default: start a tiny one)", flag="--backend")
     replica_routing: str = _setting("affinity", "which replica takes which request: affinity (a freed slot takes the "
                                         "request that best fits that replica's residents), least-loaded or "
                                         "round-robin")
@@ -206,10 +206,10 @@ class Settings:
             parse_policy(self.default_policy)
         except PolicyError as exc:
             raise _bad("default_policy", f"{self.default_policy!r}: {exc}") from None
-        bad_urls = [u for u in self.backend_url.split(",") if not _is_http_url(u.strip())]  # replicas: comma-separated
-        if self.backend_url.strip() and bad_urls:
-            raise _bad("backend_url", f"must be an http:// or https:// URL such as http://127.0.0.1:8000 "
-                                      f"(replicas: comma-separated), got {bad_urls[0]!r}")
+        bad_urls = [u for u in self.backends if not _is_http_url(u)]
+        if bad_urls:
+            raise _bad("backends", f"must be http:// or https:// URLs such as http://127.0.0.1:8000 "
+                                   f"(replicas: comma-separated), got {bad_urls[0]!r}")
         from moe_cohort.send.hints import canonical_policies
 
         try:  # canonical, once: "XShare; m=24" is matched as "xshare;m=24"
@@ -249,11 +249,6 @@ class Settings:
                 raise _bad(name, f"must be a finite number >= 0, got {value}")
 
     @property
-    def backend_urls(self) -> tuple[str, ...]:
-        """The backend replicas: `backend_url` split at commas (one URL: one replica; empty: none)."""
-        return tuple(u.strip() for u in self.backend_url.split(",") if u.strip())
-
-    @property
     def max_in_flight_for_batches(self) -> int:
         """Batch requests at the backend at once: batch_max_in_flight, else max_in_flight, else vLLM's default 256."""
         return self.batch_max_in_flight or self.max_in_flight or 256
@@ -270,7 +265,7 @@ class Settings:
 
 def flag_of(name: str) -> str:
     """The one flag of the setting `name` in every command that takes it: `--` and the field's name with dashes,
-    unless the field names another (`--backend` for backend_url)."""
+    unless the field names another (`--backend` for backends)."""
     return Settings.__dataclass_fields__[name].metadata["flag"] or "--" + name.replace("_", "-")
 
 

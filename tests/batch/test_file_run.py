@@ -25,7 +25,7 @@ def test_a_file_runs_through_a_backend_once_and_a_rerun_sends_nothing(tmp_path):
     src = _file(tmp_path, [_line(i) for i in range(5)])
     job = FileJob(src, tmp_path / "out.jsonl")
     with EchoBackend() as backend:
-        settings = Settings(backend_url=backend.url, encoder="none", data_dir=str(tmp_path / "d"))
+        settings = Settings(backends=(backend.url,), encoder="none", data_dir=str(tmp_path / "d"))
         first = run_file(settings, job)
         sent = len(backend.bodies)
         again = run_file(settings, job)
@@ -39,7 +39,7 @@ def test_what_stops_a_run_says_what_to_fix(tmp_path):
     with pytest.raises(BatchRunError, match="no backend: pass --backend URL"):
         run_file(Settings(encoder="none"), FileJob(src, tmp_path / "out.jsonl"))
     with pytest.raises(InvalidLines) as caught:
-        run_file(Settings(backend_url="http://127.0.0.1:9", encoder="none"), FileJob(src, tmp_path / "out.jsonl"))
+        run_file(Settings(backends=("http://127.0.0.1:9",), encoder="none"), FileJob(src, tmp_path / "out.jsonl"))
     assert len(caught.value.errors) == 1 and caught.value.code == 2 and not (tmp_path / "out.jsonl").exists()
     with pytest.raises(BatchRunError, match="is a folder; give a file path"):
-        run_file(Settings(backend_url="http://127.0.0.1:9", encoder="none"), FileJob(src, tmp_path))
+        run_file(Settings(backends=("http://127.0.0.1:9",), encoder="none"), FileJob(src, tmp_path))

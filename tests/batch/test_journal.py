@@ -21,7 +21,7 @@ def test_batch_output_lines_escape_unicode_line_separators(tmp_path):
     lines.append(json.dumps({"custom_id": "bad\u0085id", "method": "POST", "url": "/v1/chat/completions",
                              "body": {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}},
                             ensure_ascii=False))
-    with EchoBackend() as backend, ProxyThread(Settings(backend_url=backend.url, port=free_port(), encoder="none",
+    with EchoBackend() as backend, ProxyThread(Settings(backends=(backend.url,), port=free_port(), encoder="none",
                                                          data_dir=str(tmp_path))) as proxy:
         client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="unused", max_retries=0)
         upload = client.files.create(file=("in.jsonl", ("\n".join(lines) + "\n").encode()), purpose="batch")

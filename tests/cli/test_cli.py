@@ -40,7 +40,7 @@ def parsers():
 ])
 def test_verbose_is_taken_after_the_leaf_subcommand_too(monkeypatch, tmp_path, capsys, argv, level):
     monkeypatch.chdir(tmp_path)
-    monkeypatch.delenv("COHORT_BACKEND_URL", raising=False)
+    monkeypatch.delenv("COHORT_BACKENDS", raising=False)
     levels = []
     monkeypatch.setattr(logging, "basicConfig", lambda **kwargs: levels.append(kwargs["level"]))
     main(argv)  # the batch and eval runs stop at their missing backend or traces: the level was set before

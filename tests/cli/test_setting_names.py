@@ -23,7 +23,7 @@ UNITS = ("_ms", "_s", "_steps", "_bytes")
 SAME_CONCEPT = {
     ("cohort replay", "--max-queue-steps"): "max_queue_ms",  # the fairness bound in engine steps
     ("cohort replay", "--replica-routing"): "replica_routing",
-    ("cohort compare", "--backend"): "backend_url",  # the vLLM server the proxy fronts
+    ("cohort compare", "--backend"): "backends",  # the vLLM server the proxy fronts
     ("cohort compare", "--api-key"): "api_keys",  # one of the proxy's keys
     ("cohort plan", "--max-seq-len"): "encoder_max_seq_len",
     ("cohort train", "--max-seq-len"): "encoder_max_seq_len",
@@ -123,9 +123,9 @@ def _batch_settings(argv, environ=None):
 
 def test_batch_run_takes_max_in_flight_and_backend_as_serve_does():
     settings = _batch_settings(["--backend", "http://127.0.0.1:8000", "--max-in-flight", "16"])
-    assert (settings.backend_url, settings.max_in_flight, settings.max_in_flight_for_batches) == ("http://127.0.0.1:8000", 16, 16)
+    assert (settings.backends, settings.max_in_flight, settings.max_in_flight_for_batches) == (("http://127.0.0.1:8000",), 16, 16)
     repeated = _batch_settings(["--backend", "http://a:1", "--backend", "http://b:2"])
-    assert repeated.backend_urls == ("http://a:1", "http://b:2")
-    assert _batch_settings(["--backend", "http://a:1,http://b:2"]).backend_urls == ("http://a:1", "http://b:2")
-    from_env = _batch_settings([], {"COHORT_MAX_IN_FLIGHT": "8", "COHORT_BACKEND_URL": "http://a:1, http://b:2"})
-    assert (from_env.max_in_flight, from_env.backend_urls) == (8, ("http://a:1", "http://b:2"))
+    assert repeated.backends == ("http://a:1", "http://b:2")
+    assert _batch_settings(["--backend", "http://a:1,http://b:2"]).backends == ("http://a:1", "http://b:2")
+    from_env = _batch_settings([], {"COHORT_MAX_IN_FLIGHT": "8", "COHORT_BACKENDS": "http://a:1, http://b:2"})
+    assert (from_env.max_in_flight, from_env.backends) == (8, ("http://a:1", "http://b:2"))

@@ -208,7 +208,7 @@ async def ok(request):
 async def proxy_client(handler, **settings):
     """An httpx client of the in-process proxy, in front of a local server answering with `handler`."""
     async with local_backend(handler) as url:
-        base = {"backend_url": url, "encoder": "none", **settings}
+        base = {"backends": (url,), "encoder": "none", **settings}
         app = create_app(Settings(**base))
         try:
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy") as c:

@@ -124,7 +124,7 @@ def test_clients_that_leave_while_queued_or_generating_take_their_requests_with_
 
     async def main():
         with BackendThread(engine) as backend:
-            settings = Settings(backend_url=backend.url, port=free_port(), encoder="none",
+            settings = Settings(backends=(backend.url,), port=free_port(), encoder="none",
                                 max_in_flight=SLOTS * len(CASES))
             app = create_app(settings)
             with ProxyThread(settings, app):
@@ -159,7 +159,7 @@ def test_clients_that_leave_while_their_requests_are_predicted_never_reach_the_e
 
     async def main():
         with BackendThread(engine) as backend:
-            settings = Settings(backend_url=backend.url, port=free_port(), encoder="none", max_in_flight=SLOTS,
+            settings = Settings(backends=(backend.url,), port=free_port(), encoder="none", max_in_flight=SLOTS,
                                 forward_profiles=True, profile_deadline_ms=10_000)
             app = create_app(settings)
             with ProxyThread(settings, app):

@@ -24,7 +24,7 @@ HTTP = httpx.Client(timeout=30, limits=httpx.Limits(keepalive_expiry=2))  # unde
 
 @pytest.fixture(scope="module")
 def proxy(vllm_server):
-    settings = Settings(backend_url=vllm_server.url, port=free_port(), max_in_flight=16, encoder="none", keepalive_s=5)
+    settings = Settings(backends=(vllm_server.url,), port=free_port(), max_in_flight=16, encoder="none", keepalive_s=5)
     with ProxyThread(settings) as p:
         yield p
 

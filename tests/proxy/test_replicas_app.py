@@ -60,7 +60,7 @@ def free_url() -> tuple[int, str]:
 @contextlib.asynccontextmanager
 async def proxy_of(urls: list[str], **settings):
     """(openai.AsyncOpenAI, httpx client, app) of the in-process proxy in front of `urls`."""
-    app = create_app(Settings(backend_url=",".join(urls), encoder="none", **settings))
+    app = create_app(Settings(backends=tuple(urls), encoder="none", **settings))
     try:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy") as http:
             yield openai.AsyncOpenAI(base_url="http://proxy/v1", api_key="k", max_retries=0, http_client=http), http, app
@@ -205,7 +205,7 @@ def test_two_vllm_replicas_answer_every_request_and_both_serve(two_vllm_servers)
 
     servers = two_vllm_servers
     before = [_requests_served(s.url) for s in servers]
-    settings = Settings(backend_url=",".join(s.url for s in servers), port=free_port(), max_in_flight=4,
+    settings = Settings(backends=tuple(s.url for s in servers), port=free_port(), max_in_flight=4,
                         encoder="none", replica_routing="affinity")
     with ProxyThread(settings) as proxy:
         async def main():
@@ -246,7 +246,7 @@ def test_a_replica_killed_with_requests_in_flight_loses_none_of_them(tiny_moe_di
 
     with start(tiny_moe_dir, max_num_seqs=4, max_model_len=1024) as a, \
             start(tiny_moe_dir, max_num_seqs=4, max_model_len=1024) as b:
-        settings = Settings(backend_url=f"{a.url},{b.url}", port=free_port(), max_in_flight=4, encoder="none",
+        settings = Settings(backends=(a.url, b.url), port=free_port(), max_in_flight=4, encoder="none",
                             replica_routing="least-loaded")
         served_before = _requests_served(a.url)
         with ProxyThread(settings) as proxy, caplog.at_level("WARNING", logger="moe_cohort.send.replicas"):
@@ -286,10 +286,10 @@ def test_serve_takes_backend_repeated_and_routing():
     args = parser.parse_args(["--backend", "http://127.0.0.1:8001", "--backend", "http://127.0.0.1:8002",
                               "--replica-routing", "least-loaded", "--max-in-flight", "8"])
     settings = load_settings(flag_overrides(args, cli._FLAGS), environ={}, flags=cli._FLAGS)
-    assert settings.backend_urls == ("http://127.0.0.1:8001", "http://127.0.0.1:8002")
+    assert settings.backends == ("http://127.0.0.1:8001", "http://127.0.0.1:8002")
     assert (settings.replica_routing, settings.max_in_flight) == ("least-loaded", 8)
-    env = load_settings(environ={"COHORT_BACKEND_URL": "http://a:1, http://b:2", "COHORT_REPLICA_ROUTING": "round-robin"})
-    assert env.backend_urls == ("http://a:1", "http://b:2") and env.replica_routing == "round-robin"
+    env = load_settings(environ={"COHORT_BACKENDS": "http://a:1, http://b:2", "COHORT_REPLICA_ROUTING": "round-robin"})
+    assert env.backends == ("http://a:1", "http://b:2") and env.replica_routing == "round-robin"
     with pytest.raises(SettingsError, match=r"--replica-routing \(env COHORT_REPLICA_ROUTING\) must be one of round-robin, "
                                             r"least-loaded, affinity, got 'nearest'"):
         load_settings(flag_overrides(parser.parse_args(["--replica-routing", "nearest"]), cli._FLAGS), environ={},
@@ -315,7 +315,7 @@ def test_the_running_proxy_checks_its_replicas_in_the_background(monkeypatch):
     async def main():
         down_port, down = free_url()
         async with local_backend(replica("a", [])) as a:
-            settings = Settings(backend_url=f"{a},{down}", port=free_port(), encoder="none")
+            settings = Settings(backends=(a, down), port=free_port(), encoder="none")
             with ProxyThread(settings) as running:
                 healthy = running.server.config.app.state.proxy.replicas.router.healthy
                 await until(lambda: healthy.tolist() == [True, False])

@@ -62,7 +62,7 @@ def _bytes_read(message: str) -> int:
 
 @pytest.fixture
 def proxy(tmp_path):
-    settings = Settings(backend_url="http://127.0.0.1:9", port=free_port(), encoder="none", data_dir=str(tmp_path),
+    settings = Settings(backends=("http://127.0.0.1:9",), port=free_port(), encoder="none", data_dir=str(tmp_path),
                         max_body_bytes=4 * CHUNK, max_file_bytes=4 * CHUNK)
     with ProxyThread(settings) as p:
         yield p
@@ -107,7 +107,7 @@ def test_unexpected_exception_is_a_500_in_the_openai_shape_with_the_request_id(c
         raise RuntimeError("a bug")
 
     async def main():
-        app = create_app(Settings(backend_url="http://127.0.0.1:9", encoder="none"))
+        app = create_app(Settings(backends=("http://127.0.0.1:9",), encoder="none"))
         app.add_api_route("/boom", boom)  # a route with a bug: nothing handles its exception
         try:
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy") as c:

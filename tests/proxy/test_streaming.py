@@ -78,7 +78,7 @@ def test_stream_chunks_are_relayed_as_they_arrive():
 
     async def main():
         async with local_backend(backend) as url:
-            settings = Settings(backend_url=url, port=free_port(), encoder="none")
+            settings = Settings(backends=(url,), port=free_port(), encoder="none")
             with ProxyThread(settings) as proxy:  # a real server: httpx.ASGITransport buffers whole bodies
                 async with httpx.AsyncClient(base_url=proxy.url, timeout=10) as c:
                     async with c.stream("POST", "/v1/chat/completions", json={**CHAT, "stream": True}) as resp:
@@ -116,7 +116,7 @@ def test_each_request_is_counted_once_by_how_it_ended_queued_streams_included():
 
     async def main():
         async with local_backend(backend) as url:
-            settings = Settings(backend_url=url, port=free_port(), encoder="none", max_in_flight=1, keepalive_s=0.02)
+            settings = Settings(backends=(url,), port=free_port(), encoder="none", max_in_flight=1, keepalive_s=0.02)
             with ProxyThread(settings) as proxy:  # a real server: a client that leaves closes its connection
                 async with httpx.AsyncClient(base_url=proxy.url, timeout=10) as c:
                     whole = asyncio.create_task(c.post("/v1/chat/completions", json=CHAT))

@@ -104,7 +104,7 @@ def upload(key):
 
 
 def test_keys_of_one_tenant_share_its_files(tmp_path):
-    app = create_app(Settings(backend_url="http://127.0.0.1:9", encoder="none", data_dir=str(tmp_path),
+    app = create_app(Settings(backends=("http://127.0.0.1:9",), encoder="none", data_dir=str(tmp_path),
                               api_keys=("k-old=team-a", "k-new=team-a", "k-other")))
     (made,) = call(app, upload("k-old"))
     new, other = call(app, ("GET", f"/v1/files/{made.json()['id']}", bearer("k-new")),
@@ -129,7 +129,7 @@ def test_records_from_before_owners_belong_to_the_open_proxy(tmp_path):
         db.execute("INSERT INTO files VALUES ('file-old', 'old.jsonl', 'batch', 3, 0, ?)", (str(tmp_path / "old"),))
     (tmp_path / "files").mkdir()
     (tmp_path / "old").write_bytes(b"{}\n")
-    base = Settings(backend_url="http://127.0.0.1:9", encoder="none", data_dir=str(tmp_path))
+    base = Settings(backends=("http://127.0.0.1:9",), encoder="none", data_dir=str(tmp_path))
     (keyed,) = call(create_app(base.replace(api_keys=("k",))), ("GET", "/v1/files/file-old", bearer("k")))
     (open_,) = call(create_app(base), ("GET", "/v1/files", {}))
     assert keyed.status_code == 404
@@ -163,7 +163,7 @@ def test_bad_key_lists_are_refused_at_start_up(keys, message):
 
 
 def test_protect_metrics_needs_a_key_for_metrics_and_hides_the_backend_from_health(tmp_path):
-    base = Settings(backend_url="http://127.0.0.1:9", encoder="none", data_dir=str(tmp_path), api_keys=("k",))
+    base = Settings(backends=("http://127.0.0.1:9",), encoder="none", data_dir=str(tmp_path), api_keys=("k",))
     open_metrics, open_health = call(create_app(base), ("GET", "/metrics", {}), ("GET", "/health", {}))
     assert open_metrics.status_code == 200 and "cohort_requests" in open_metrics.text
     assert open_health.json()["replicas"][0]["backend"] == "http://127.0.0.1:9"
@@ -179,7 +179,7 @@ def test_protect_metrics_needs_a_key_for_metrics_and_hides_the_backend_from_heal
 
 
 def test_unauthenticated_paths_do_not_reach_the_metrics(tmp_path):
-    app = create_app(Settings(backend_url="http://127.0.0.1:9", encoder="none", data_dir=str(tmp_path), api_keys=("k",)))
+    app = create_app(Settings(backends=("http://127.0.0.1:9",), encoder="none", data_dir=str(tmp_path), api_keys=("k",)))
     *_, metrics = call(app, *[("GET", f"/v1/files/file-secret{i}", {}) for i in range(3)], ("GET", "/metrics", {}))
     assert "file-secret" not in metrics.text
 

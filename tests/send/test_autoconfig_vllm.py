@@ -29,7 +29,7 @@ def _until(condition, timeout_s: float = 60.0) -> None:
 
 def test_in_front_of_vllm_with_our_scheduler_it_forwards_profiles_and_learns(tiny_moe_dir, tmp_path):
     with start(tiny_moe_dir, max_num_seqs=4, extra_args=SCHEDULER) as server:
-        settings = Settings(backend_url=server.url, port=free_port(), data_dir=str(tmp_path))  # no other setting
+        settings = Settings(backends=(server.url,), port=free_port(), data_dir=str(tmp_path))  # no other setting
         with ProxyThread(settings) as proxy:
             state = proxy.server.config.app.state.proxy
             plan = state.plans[0]
@@ -41,7 +41,7 @@ def test_in_front_of_vllm_with_our_scheduler_it_forwards_profiles_and_learns(tin
 
 
 def test_in_front_of_vllm_with_its_own_scheduler_it_admits_itself_on_its_slots(vllm_server, tmp_path):
-    settings = Settings(backend_url=vllm_server.url, port=free_port(), data_dir=str(tmp_path))
+    settings = Settings(backends=(vllm_server.url,), port=free_port(), data_dir=str(tmp_path))
     with ProxyThread(settings) as proxy:
         state = proxy.server.config.app.state.proxy
         plan = state.plans[0]
@@ -58,7 +58,7 @@ def test_behind_a_vllm_that_takes_a_key_every_backend_request_carries_it(tiny_mo
     from moe_cohort.cli import main
 
     with start(tiny_moe_dir, max_num_seqs=4, extra_args=[*SCHEDULER, "--api-key", "backend-secret"]) as server:
-        settings = Settings(backend_url=server.url, port=free_port(), data_dir=str(tmp_path / "serve"),
+        settings = Settings(backends=(server.url,), port=free_port(), data_dir=str(tmp_path / "serve"),
                             backend_api_key="backend-secret")
         with ProxyThread(settings) as proxy:
             state = proxy.server.config.app.state.proxy

@@ -83,7 +83,7 @@ def proxy_run(encoder: str, calls):
 
     async def main():
         async with local_backend(backend) as url:
-            app = create_app(Settings(backend_url=url, encoder=encoder, forward_profiles=True, learn=False,
+            app = create_app(Settings(backends=(url,), encoder=encoder, forward_profiles=True, learn=False,
                                       profile_deadline_ms=60_000))  # every request carries its key, however slow
             try:
                 async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy") as h:

@@ -174,7 +174,7 @@ async def _health(app, headers=None) -> dict:
 def test_replicas_that_disagree_each_get_what_they_support(tmp_path):
     async def main():
         async with local_backend(engine(info(max_num_seqs=8))) as ours, local_backend(engine(None, metrics_text())) as plain:
-            app = create_app(Settings(backend_url=f"{ours},{plain}", encoder="none", data_dir=str(tmp_path)))
+            app = create_app(Settings(backends=(ours, plain), encoder="none", data_dir=str(tmp_path)))
             async with app.router.lifespan_context(app):
                 proxy = app.state.proxy
                 return proxy.replicas.router.capacity.tolist(), proxy.gate.profile_first, await _health(app)
@@ -196,7 +196,7 @@ def test_a_replica_is_asked_again_when_it_answers_and_learning_is_decided_then(t
 
     async def main():
         async with local_backend(changing) as url:
-            app = create_app(Settings(backend_url=url, data_dir=str(tmp_path)))  # the default encoder, learning auto
+            app = create_app(Settings(backends=(url,), data_dir=str(tmp_path)))  # the default encoder, learning auto
             async with app.router.lifespan_context(app):
                 proxy = app.state.proxy
                 first = (proxy.replicas.router.capacity.tolist(), proxy.learning.on, proxy.predictor.mode())
@@ -215,7 +215,7 @@ def test_a_replica_is_asked_again_when_it_answers_and_learning_is_decided_then(t
 def test_learning_on_is_first_come_first_served_until_its_first_head(tmp_path):
     async def main():
         async with local_backend(engine(info(max_num_seqs=4, expert_aware=False))) as url:
-            app = create_app(Settings(backend_url=url, data_dir=str(tmp_path)))
+            app = create_app(Settings(backends=(url,), data_dir=str(tmp_path)))
             async with app.router.lifespan_context(app):
                 proxy = app.state.proxy
                 return proxy.learning.on, proxy.predictor.ready(), proxy.predictor.mode(), await _health(app)
@@ -227,7 +227,7 @@ def test_learning_on_is_first_come_first_served_until_its_first_head(tmp_path):
 def test_a_keyed_proxy_protecting_its_metrics_shows_callers_without_a_key_only_its_status(tmp_path):
     async def main():
         async with local_backend(engine(info())) as url:
-            app = create_app(Settings(backend_url=url, encoder="none", api_keys=("k",), protect_metrics=True,
+            app = create_app(Settings(backends=(url,), encoder="none", api_keys=("k",), protect_metrics=True,
                                       data_dir=str(tmp_path)))
             async with app.router.lifespan_context(app):
                 return await _health(app), await _health(app, {"authorization": "Bearer k"})

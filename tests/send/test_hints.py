@@ -17,7 +17,7 @@ FORGED = {"moe_profile": [1, 2, 3, 4, 5, 6, 7, 8], "moe_record": True, "moe_rout
 
 
 def _hints_proxy(backend, tmp_path, **settings):
-    return ProxyThread(Settings(backend_url=backend.url, port=free_port(), encoder="none", data_dir=str(tmp_path),
+    return ProxyThread(Settings(backends=(backend.url,), port=free_port(), encoder="none", data_dir=str(tmp_path),
                                 **settings))
 
 
@@ -134,7 +134,7 @@ def test_allowed_policies_from_the_config_file(tmp_path):
     args = parser.parse_args(["--config", str(tmp_path / "c.yaml"), "--backend", "http://a", "--backend", "http://b"])
     settings = load_settings(flag_overrides(args, cli._FLAGS), environ={}, config=args.config)
     assert settings.allowed_policies == ("oea", "xshare;m=8;k0=1")
-    assert settings.backend_urls == ("http://a", "http://b")
+    assert settings.backends == ("http://a", "http://b")
 
 
 def test_a_bad_allowed_policy_names_the_setting():

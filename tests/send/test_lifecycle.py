@@ -209,7 +209,7 @@ def test_non_streaming_clients_that_leave_free_their_slots_and_close_the_backend
 
     async def main():
         async with local_backend(backend) as url:
-            settings = Settings(backend_url=url, port=free_port(), encoder="none", max_in_flight=1)
+            settings = Settings(backends=(url,), port=free_port(), encoder="none", max_in_flight=1)
             with ProxyThread(settings) as proxy:
                 async with httpx.AsyncClient(base_url=proxy.url, timeout=10) as c:
                     async def gauge(name):

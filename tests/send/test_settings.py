@@ -27,8 +27,8 @@ def test_settings_left_to_the_engines_handshake_are_none_until_given(tmp_path):
                                      r"replica's max_num_seqs, got -1"),
     ({"COHORT_ENCODER_THREADS": "0"}, r"encoder_threads \(env COHORT_ENCODER_THREADS\) must be >= 1, got 0"),
     ({"COHORT_LOG_PROMPTS": "maybe"}, "expected bool"),
-    ({"COHORT_BACKEND_URL": "http://127.0.0.1:8000,ftp://x"}, r"got 'ftp://x'"),
-    ({"COHORT_BACKEND_URL": "notaurl"}, r"backend_url \(env COHORT_BACKEND_URL\) must be an http:// or https:// URL "
+    ({"COHORT_BACKENDS": "http://127.0.0.1:8000,ftp://x"}, r"got 'ftp://x'"),
+    ({"COHORT_BACKENDS": "notaurl"}, r"backends \(env COHORT_BACKENDS\) must be http:// or https:// URLs "
                                         r"such as http://127.0.0.1:8000 \(replicas: comma-separated\), got 'notaurl'"),
     ({"COHORT_MAX_QUEUE_MS": "-1"}, r"max_queue_ms \(env COHORT_MAX_QUEUE_MS\) must be a finite number >= 0, got -1.0"),
     ({"COHORT_BACKEND_WAIT_S": "nan"}, r"backend_wait_s \(env COHORT_BACKEND_WAIT_S\) must be a finite number >= 0"),
@@ -84,7 +84,7 @@ def test_an_unknown_config_key_is_one_short_line_with_its_nearest_setting(tmp_pa
         load_settings(environ={}, config="c.yaml")
     message = str(caught.value)
     assert message == said and len(message) < 150 and "\n" not in message
-    assert "backend_url" not in message  # the nearest setting only, not the list of all
+    assert "backends" not in message  # the nearest setting only, not the list of all
 
 
 def test_a_misspelt_cohort_variable_is_one_warning_naming_the_setting_and_other_variables_are_left_alone(caplog):

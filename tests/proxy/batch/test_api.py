@@ -28,7 +28,7 @@ def jsonl(lines):
 
 
 def settings(vllm_server, data_dir, **kw):
-    base = dict(backend_url=vllm_server.url, port=free_port(), encoder="none", batch_max_in_flight=4,
+    base = dict(backends=(vllm_server.url,), port=free_port(), encoder="none", batch_max_in_flight=4,
                 data_dir=str(data_dir))
     return Settings(**{**base, **kw})
 
@@ -188,7 +188,7 @@ def test_restart_resumes_a_running_batch(vllm_server, tmp_path):
 
 
 def test_batch_routes_need_the_proxy_key_and_answer_in_openai_shape(tmp_path):
-    app = create_app(Settings(backend_url="http://vllm.test", encoder="none", api_keys=("k",), data_dir=str(tmp_path)))
+    app = create_app(Settings(backends=("http://vllm.test",), encoder="none", api_keys=("k",), data_dir=str(tmp_path)))
     key = {"Authorization": "Bearer k"}
 
     async def main():
@@ -209,7 +209,7 @@ def test_batch_routes_need_the_proxy_key_and_answer_in_openai_shape(tmp_path):
 
 
 def test_files_list_pages_and_delete_refuses_a_file_a_running_batch_reads(tmp_path):
-    app = create_app(Settings(backend_url="http://127.0.0.1:9", encoder="none", data_dir=str(tmp_path)))
+    app = create_app(Settings(backends=("http://127.0.0.1:9",), encoder="none", data_dir=str(tmp_path)))
 
     async def main():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy") as http:
@@ -271,7 +271,7 @@ async def chunks(parts):
     ("PUT", "/v1/files", None, 405, "Method Not Allowed"),
 ])
 def test_wrong_fields_and_methods_are_openai_errors_naming_them(tmp_path, method, path, body, status, message):
-    app = create_app(Settings(backend_url="http://127.0.0.1:9", encoder="none", data_dir=str(tmp_path)))
+    app = create_app(Settings(backends=("http://127.0.0.1:9",), encoder="none", data_dir=str(tmp_path)))
 
     async def main():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy") as c:

@@ -44,7 +44,7 @@ def add_batch(jobs: BatchJobs, n: int, batch_id: str = "batch_1", **record) -> s
 
 
 def make_jobs(tmp_path, url: str, clock: Clock) -> tuple[BatchJobs, BackendClient]:
-    settings = Settings(backend_url=url, encoder="none", data_dir=str(tmp_path), batch_max_in_flight=1)  # one at a time
+    settings = Settings(backends=(url,), encoder="none", data_dir=str(tmp_path), batch_max_in_flight=1)  # one at a time
     backend = BackendClient(url)
     return BatchJobs(settings, [backend], None, clock=clock), backend
 

@@ -113,7 +113,7 @@ def test_a_small_batch_of_one_tenant_finishes_while_another_tenants_long_batch_r
 
     async def main():
         async with local_backend(backend) as url:
-            settings = Settings(backend_url=url, port=free_port(), encoder="none", data_dir=str(tmp_path),
+            settings = Settings(backends=(url,), port=free_port(), encoder="none", data_dir=str(tmp_path),
                                 batch_max_in_flight=2, api_keys=("sk-alice=alice", "sk-bob=bob"))
             with ProxyThread(settings) as proxy:
                 alice, bob = (openai.AsyncOpenAI(base_url=proxy.url + "/v1", api_key=key, max_retries=0)

@@ -34,7 +34,7 @@ def test_backend_timeout_is_504_in_openai_shape():
 
 def test_unreachable_backend_is_502_with_the_address():
     async def main():
-        app = create_app(Settings(backend_url="http://127.0.0.1:9", encoder="none"))
+        app = create_app(Settings(backends=("http://127.0.0.1:9",), encoder="none"))
         try:
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy") as c:
                 return await c.post("/v1/chat/completions", json=CHAT), await c.get("/health")

@@ -11,7 +11,7 @@ DOCS_ROUTES = ["/openapi.json", "/docs", "/redoc", "/docs/oauth2-redirect"]
 
 
 def _docs_proxy(tmp_path, **settings):
-    return ProxyThread(Settings(backend_url="http://127.0.0.1:9", port=free_port(), encoder="none",
+    return ProxyThread(Settings(backends=("http://127.0.0.1:9",), port=free_port(), encoder="none",
                                 data_dir=str(tmp_path), **settings))
 
 

@@ -72,7 +72,7 @@ def assert_431(received: bytes, words: str) -> None:
 @pytest.fixture
 def keyed_proxy(tmp_path):
     """The proxy under uvicorn with its default head limits and a key: a head that passes gets a 401."""
-    settings = Settings(backend_url="http://127.0.0.1:9", port=free_port(), encoder="none", data_dir=str(tmp_path),
+    settings = Settings(backends=("http://127.0.0.1:9",), port=free_port(), encoder="none", data_dir=str(tmp_path),
                         api_keys=("sekrit",))
     with ProxyThread(settings) as p:
         yield int(p.url.rsplit(":", 1)[1])
@@ -131,7 +131,7 @@ def test_heads_within_the_limits_pass_and_bodies_do_not_count(keyed_proxy):
 
 
 def test_the_limits_are_settings(tmp_path):
-    settings = Settings(backend_url="http://127.0.0.1:9", port=free_port(), encoder="none", data_dir=str(tmp_path),
+    settings = Settings(backends=("http://127.0.0.1:9",), port=free_port(), encoder="none", data_dir=str(tmp_path),
                         max_headers=5, max_header_bytes=2048)
     with ProxyThread(settings) as p:
         port = int(p.url.rsplit(":", 1)[1])
@@ -154,7 +154,7 @@ def test_bad_limits_are_refused(env, message):
 def test_under_h11_a_head_is_refused_by_the_protocol_or_by_the_app(tmp_path):
     """Where httptools is missing (uvicorn's h11): an unfinished head over the limit is a 431 from the
     protocol; a complete one that h11 took in one piece, a 431 from the app's middleware (with a request id)."""
-    settings = Settings(backend_url="http://127.0.0.1:9", port=free_port(), encoder="none", data_dir=str(tmp_path))
+    settings = Settings(backends=("http://127.0.0.1:9",), port=free_port(), encoder="none", data_dir=str(tmp_path))
     config = uvicorn.Config(create_app(settings), host="127.0.0.1", port=settings.port, log_level="warning",
                             http=h11_protocol(HeadLimits(settings.max_header_bytes, settings.max_headers)),
                             h11_max_incomplete_event_size=settings.max_header_bytes)
@@ -177,7 +177,7 @@ def test_under_h11_a_head_is_refused_by_the_protocol_or_by_the_app(tmp_path):
 
 def _timed_proxy(tmp_path, backend_url: str = "http://127.0.0.1:9") -> ProxyThread:
     """The proxy under uvicorn with a short head timeout (0.5 s)."""
-    return ProxyThread(Settings(backend_url=backend_url, port=free_port(), encoder="none", data_dir=str(tmp_path),
+    return ProxyThread(Settings(backends=(backend_url,), port=free_port(), encoder="none", data_dir=str(tmp_path),
                                 head_timeout_s=0.5))
 
 

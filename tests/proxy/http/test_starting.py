@@ -58,7 +58,7 @@ def test_health_is_503_not_ready_while_the_encoder_is_prepared_then_the_proxy_se
         ready = asyncio.Event()
         try:
             async with local_backend(backend) as url:
-                settings = Settings(backend_url=url, port=free_port(), encoder="static", data_dir=str(tmp_path))
+                settings = Settings(backends=(url,), port=free_port(), encoder="static", data_dir=str(tmp_path))
                 app = Starting(lambda: create_app(settings), on_ready=lambda: loop.call_soon_threadsafe(ready.set))
                 with open(folder.parent / f".{folder.name}.lock", "a") as lock:
                     fcntl.flock(lock, fcntl.LOCK_EX)  # another process distils: the proxy must wait for it

@@ -68,7 +68,7 @@ def _prompt(i: int) -> str:
 
 
 async def _serve(url, encoder, data_dir, requests, **extra):
-    app = create_app(Settings(backend_url=url, encoder=encoder, learn=True, data_dir=str(data_dir), **extra))
+    app = create_app(Settings(backends=(url,), encoder=encoder, learn=True, data_dir=str(data_dir), **extra))
     proxy = app.state.proxy
     try:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy") as client:
@@ -123,7 +123,7 @@ def test_without_learning_admission_reads_the_head_an_earlier_run_learned(encode
     async def main():
         async with local_backend(vllm_like) as url:
             await _serve(url, encoder, tmp_path / "data", 20)  # learns and saves a head
-            app = create_app(Settings(backend_url=url, encoder=encoder, learn=False, data_dir=str(tmp_path / "data")))
+            app = create_app(Settings(backends=(url,), encoder=encoder, learn=False, data_dir=str(tmp_path / "data")))
             try:
                 predicted = app.state.proxy.predictor.predict(["about python dicts", "about cooking pasta"])
                 return app.state.proxy.learning, app.state.proxy.predictor.mode(), predicted
@@ -161,7 +161,7 @@ def test_a_client_that_asked_gets_the_routed_experts_and_bad_ones_are_counted_no
 
     async def main():
         async with local_backend(garbled) as url:
-            app = create_app(Settings(backend_url=url, encoder=encoder, learn=True, data_dir=str(tmp_path / "d")))
+            app = create_app(Settings(backends=(url,), encoder=encoder, learn=True, data_dir=str(tmp_path / "d")))
             try:
                 async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy") as c:
                     chat = {"model": "tiny", "messages": [{"role": "user", "content": "a python question"}]}
@@ -182,7 +182,7 @@ def test_a_client_that_asked_gets_the_routed_experts_and_bad_ones_are_counted_no
 
 def test_learning_needs_an_encoder():
     with pytest.raises(SettingsError, match="learn.*needs an encoder"):
-        Settings(backend_url="http://x:1", encoder="none", learn=True)
+        Settings(backends=("http://x:1",), encoder="none", learn=True)
 
 
 def _plugin_backend(seen_tokens: list):
@@ -220,7 +220,7 @@ def test_the_proxy_learns_from_the_plugins_counts_of_streamed_and_whole_answers(
 
     async def main():
         async with local_backend(_plugin_backend(seen)) as url:
-            app = create_app(Settings(backend_url=url, encoder=encoder, learn=True, data_dir=str(tmp_path / "d")))
+            app = create_app(Settings(backends=(url,), encoder=encoder, learn=True, data_dir=str(tmp_path / "d")))
             proxy = app.state.proxy
             try:
                 async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy") as c:
@@ -253,7 +253,7 @@ def test_once_the_reservoir_is_full_the_proxy_marks_only_what_it_keeps_and_a_sam
 
     async def main():
         async with local_backend(_plugin_backend(seen)) as url:
-            app = create_app(Settings(backend_url=url, encoder=encoder, learn=True, learn_capacity=16,
+            app = create_app(Settings(backends=(url,), encoder=encoder, learn=True, learn_capacity=16,
                                       learn_sample_rate=0.25, data_dir=str(tmp_path / "d")))
             learning = app.state.proxy.learning
             async with app.router.lifespan_context(app):  # asks the backend first: every request is offered
@@ -284,7 +284,7 @@ def test_a_proxy_that_starts_asks_the_backend_first_and_marks_its_first_request(
 
     async def main():
         async with local_backend(_plugin_backend(seen)) as url:
-            app = create_app(Settings(backend_url=url, encoder=encoder, learn=True, data_dir=str(tmp_path / "d")))
+            app = create_app(Settings(backends=(url,), encoder=encoder, learn=True, data_dir=str(tmp_path / "d")))
             async with app.router.lifespan_context(app):  # what uvicorn runs at start-up
                 async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy") as c:
                     chat = {"model": "tiny", "messages": [{"role": "user", "content": _prompt(1)}]}
