@@ -52,12 +52,10 @@ from moe_cohort.batch.order import make_order, simulated_order
 from moe_cohort.batch.run import run_batch
 from moe_cohort.encoder.plans import chunk
 from moe_cohort.send.backend_client import BackendClient
-from moe_cohort.send.backend_metrics import metric_sum
-from moe_cohort.send.expert_loads import ExpertLoads, parse_expert_loads
+from moe_cohort.send.engine_counters import DecodeCounters, parse_counters
 from moe_cohort.send.profiles import Predictor, make_predictor
 from moe_cohort.send.settings import Settings
 
-TOKENS_KEY = "cohort_moe_routed_tokens"
 
 
 def shuffled(texts: list[str]) -> list[str]:
@@ -93,18 +91,15 @@ def write_batch_file(path: Path, texts: list[str], max_tokens: int) -> None:
             f.write(json.dumps({"custom_id": f"p{i}", "method": "POST", "url": "/v1/completions", "body": body}) + "\n")
 
 
-async def counters(backend: BackendClient) -> dict:
-    """Decode-phase counters: whole pure-decode batches (ExpertLoads) and decode tokens / layer-forwards."""
-    text = (await backend.request("GET", "/metrics")).text
-    return {"decode": parse_expert_loads(text, "decode"),
-            "tokens": metric_sum(text, TOKENS_KEY + "_total", phase="decode"),
-            "token_forwards": metric_sum(text, "cohort_moe_layer_forwards_total", phase="decode")}
+async def counters(backend: BackendClient) -> DecodeCounters:
+    """The plugin's decode counters on the backend now (send/engine_counters.py)."""
+    return parse_counters((await backend.request("GET", "/metrics")).text)
 
 
-def delta(after: dict, before: dict, layers: int) -> dict:
-    d: ExpertLoads = after["decode"] - before["decode"]
-    steps = (after["token_forwards"] - before["token_forwards"]) / layers  # forwards with decode tokens
-    return {"decode": d, "tok_per_step": (after["tokens"] - before["tokens"]) / max(steps, 1)}
+def delta(after: DecodeCounters, before: DecodeCounters, layers: int) -> dict:
+    """What ran between two readings, and its decode tokens per forward (0 when none)."""
+    d = after - before
+    return {"decode": d, "tok_per_step": d.tokens_per_forward(layers) or 0.0}
 
 
 async def run_runner(name: str, batch_file: Path, predictor, backend: BackendClient, args, workdir: Path) -> dict:
@@ -150,15 +145,17 @@ def report(title: str, rows: list[dict]) -> None:
     for r in rows:
         d = r["decode"]
         print(f"{r['name']:>9} {r['wall']:>7.1f} {r['ok']:>5} {r['failed']:>4} {r['tok_per_step']:>8.1f} "
-              f"{d.per_forward or 0:>25.2f} {d.after:>12,.0f} {d.forwards:>11,.0f}")
+              f"{d.experts_per_layer_step or 0:>25.2f} {d.batch_after:>12,.0f} {d.batch_layer_steps:>11,.0f}")
     planned = rows[-1]
     for base in rows[:-1]:
         p, b = planned["decode"], base["decode"]
-        if p.per_forward and b.per_forward:
-            print(f"{planned['name']} vs {base['name']}: {1 - p.per_forward / b.per_forward:.1%} fewer distinct experts per "
-                  f"decode step ({p.per_forward:.2f} vs {b.per_forward:.2f}, at {planned['tok_per_step']:.1f} vs "
-                  f"{base['tok_per_step']:.1f} tok/step), {1 - p.after / b.after:.1%} fewer decode expert loads "
-                  f"({p.after:,.0f} vs {b.after:,.0f}); wall {planned['wall']:.1f} s vs {base['wall']:.1f} s")
+        pe, be = p.experts_per_layer_step, b.experts_per_layer_step
+        if pe and be:
+            print(f"{planned['name']} vs {base['name']}: {1 - pe / be:.1%} fewer distinct experts per "
+                  f"decode step ({pe:.2f} vs {be:.2f}, at {planned['tok_per_step']:.1f} vs "
+                  f"{base['tok_per_step']:.1f} tok/step), {1 - p.batch_after / b.batch_after:.1%} fewer decode expert "
+                  f"loads ({p.batch_after:,.0f} vs {b.batch_after:,.0f}); wall {planned['wall']:.1f} s vs "
+                  f"{base['wall']:.1f} s")
 
 
 async def bench(args, backend_url: str) -> None:

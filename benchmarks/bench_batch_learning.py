@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import subprocess
@@ -33,9 +34,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.bench_learning_e2e import TRAINED, counters, offline_encoder, trained_model
+from benchmarks.bench_learning_e2e import TRAINED, offline_encoder, trained_model
 from benchmarks.heldout import prompt_texts
-from moe_cohort.send.backend_metrics import decode_rates
+from moe_cohort.send.engine_counters import DecodeCounters, read_counters
 
 
 def batch_file(path: Path, prompts: list[str], max_tokens: int) -> Path:
@@ -47,6 +48,12 @@ def batch_file(path: Path, prompts: list[str], max_tokens: int) -> Path:
     return path
 
 
+def rates(ran: DecodeCounters, layers: int) -> tuple[float, float]:
+    """(decode expert loads per generated token, decode tokens per forward) of what ran; NaN where nothing did."""
+    per_token, per_step = ran.loads_per_token, ran.tokens_per_forward(layers)
+    return (math.nan if per_token is None else per_token, math.nan if per_step is None else per_step)
+
+
 def run(name: str, flags: list[str], src: Path, work: Path, backend: str, slots: int, layers: int) -> dict:
     """One `cohort batch run`; its decode counters per quarter of the file and over all of it."""
     out = work / f"{name.replace(' ', '-').replace(',', '')}.jsonl"
@@ -54,21 +61,21 @@ def run(name: str, flags: list[str], src: Path, work: Path, backend: str, slots:
     marks = [total * k // 4 for k in (1, 2, 3, 4)]
     cmd = [sys.executable, "-m", "moe_cohort.cli", "batch", "run", "--input", str(src), "--output", str(out),
            "--backend", backend, "--max-in-flight", str(slots), "--no-progress", *flags]
-    snaps, start = [counters(backend)], time.perf_counter()
+    snaps, start = [read_counters(backend)], time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     while proc.poll() is None:
         done = sum(1 for _ in out.open()) if out.exists() else 0
         if len(snaps) < 4 and done >= marks[len(snaps) - 1]:
-            snaps.append(counters(backend))
+            snaps.append(read_counters(backend))
         time.sleep(0.2)
     wall = time.perf_counter() - start
     err = proc.stderr.read()
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{err}")
     time.sleep(1.5)  # the worker publishes its counters at most once a second
-    snaps += [counters(backend)] * (5 - len(snaps))
-    quarters = [decode_rates(a, b, layers) for a, b in zip(snaps, snaps[1:])]
-    whole = decode_rates(snaps[0], snaps[-1], layers)
+    snaps += [read_counters(backend)] * (5 - len(snaps))
+    quarters = [rates(b - a, layers) for a, b in zip(snaps, snaps[1:])]
+    whole = rates(snaps[-1] - snaps[0], layers)
     learned = next((line for line in err.splitlines() if line.startswith("learned:")), "")
     print(f"{name:>26}: " + "  ".join(f"{q[0]:.3f}/{q[1]:.1f}" for q in quarters)
           + f"  | all {whole[0]:.3f}/{whole[1]:.2f}  wall {wall:5.1f} s  {learned}", flush=True)

@@ -47,7 +47,7 @@ from benchmarks.bench_out_of_box import SCHEDULER, finish
 from benchmarks.bench_proxy import split_cpus, start_proxy
 from benchmarks.heldout import TRACES, data_path, prompt_texts
 from moe_cohort.embedded.backend import default_model_dir, ensure_trained_model
-from moe_cohort.send.backend_metrics import decode_counters, decode_rates
+from moe_cohort.send.engine_counters import read_counters
 from moe_cohort.traces.split import split_requests
 
 MAX_CHARS = 1500  # longer prompts are cut (the tiny model's context is 1024 tokens)
@@ -81,15 +81,16 @@ def answered_once(lines: list[str], total: int) -> bool:
 def measured(name: str, backend: str, layers: int, send) -> dict:
     """`send()` -> (wall without start-up or None, output lines, total lines, its log), with the engine's counters
     read around it."""
-    before, start, cpu = decode_counters(backend), time.perf_counter(), _children_cpu_s()
+    before, start, cpu = read_counters(backend), time.perf_counter(), _children_cpu_s()
     after_start, lines, total, log = send()
     wall, cpu = time.perf_counter() - start, _children_cpu_s() - cpu
     time.sleep(1.5)  # the worker publishes its counters at most once a second
-    loads, per_forward = decode_rates(before, decode_counters(backend), layers)
-    row = {"run": name, "loads_per_token": loads, "tokens_per_forward": per_forward, "wall_s": wall,
+    ran = read_counters(backend) - before
+    loads, tokens_per_forward = ran.loads_per_token, ran.tokens_per_forward(layers)
+    row = {"run": name, "loads_per_token": loads, "tokens_per_forward": tokens_per_forward, "wall_s": wall,
            "wall_after_start_s": after_start, "cpu_s": cpu, "once": answered_once(lines, total)}
-    print(f"{name:>18}: {loads:6.3f} decode loads per generated token, {per_forward:5.2f} tokens per forward, wall "
-          f"{wall:6.1f} s ({after_start or float('nan'):6.1f} s from the first request), our CPU {cpu:5.1f} s, every "
+    print(f"{name:>18}: {loads:6.3f} decode loads per generated token, {tokens_per_forward:5.2f} tokens per forward, "
+          f"wall {wall:6.1f} s ({after_start or float('nan'):6.1f} s from the first request), our CPU {cpu:5.1f} s, every "
           f"line once: {row['once']}", flush=True)
     row["log"] = log
     return row

@@ -56,8 +56,7 @@ from benchmarks import bench_proxy
 from benchmarks.bench_proxy import split_cpus, start_proxy
 from benchmarks.heldout import prompt_texts
 from moe_cohort.embedded.backend import default_model_dir, ensure_trained_model
-from moe_cohort.send.backend_metrics import decode_counters as counters  # bench_batch_learning imports it here
-from moe_cohort.send.backend_metrics import decode_rates, metric_sum, scrape
+from moe_cohort.send.engine_counters import metric_sum, read_counters, read_metrics
 from moe_cohort.traces.split import split_requests
 
 TRAINED = default_model_dir()  # where `cohort serve` keeps it
@@ -94,11 +93,12 @@ async def send(url: str, prompts: list[str], clients: int, max_tokens: int) -> d
 
 def waiting(backend: str, proxy: str) -> tuple[float, float]:
     """Requests waiting now: in vLLM's queue (vllm:num_requests_waiting) and in the proxy (cohort_waiting)."""
-    return metric_sum(scrape(backend), "vllm:num_requests_waiting"), metric_sum(scrape(proxy), "cohort_waiting")
+    return (metric_sum(read_metrics(backend), "vllm:num_requests_waiting"),
+            metric_sum(read_metrics(proxy), "cohort_waiting"))
 
 
 def measure(name: str, backend: str, proxy: str, prompts: list[str], args, layers: int) -> dict:
-    before = counters(backend)
+    before = read_counters(backend)
     samples: list[tuple[float, float]] = []
     done = threading.Event()
 
@@ -113,7 +113,8 @@ def measure(name: str, backend: str, proxy: str, prompts: list[str], args, layer
     done.set()
     sampler.join()
     time.sleep(1.5)  # the worker publishes its counters at most once a second while busy
-    loads_per_token, tokens_per_forward = decode_rates(before, counters(backend), layers)
+    ran = read_counters(backend) - before
+    loads_per_token, tokens_per_forward = ran.loads_per_token, ran.tokens_per_forward(layers)
     engine_pool, proxy_pool = np.mean(samples, axis=0) if samples else (float("nan"), float("nan"))
     row = {"run": name, "requests": len(prompts), "loads_per_token": loads_per_token,
            "tokens_per_forward": tokens_per_forward, "wall_s": wall, "failed": failed, "failures": sent["failures"],

@@ -34,7 +34,7 @@ import numpy as np
 from benchmarks import bench_proxy
 from benchmarks.bench_out_of_box import SCHEDULER, add_served_arguments, finish, learn_through, served_setup
 from benchmarks.bench_proxy import start_proxy
-from moe_cohort.send.backend_metrics import decode_counters, decode_rates
+from moe_cohort.send.engine_counters import read_counters
 
 POLICIES = "topk,xshare;m=16;k0=1,xshare;m=24;k0=1,moe-spec;budget=16,moe-spec;budget=24"
 
@@ -80,15 +80,16 @@ def run(name: str, backend: str, flags: list[str], held: list[str], args, layers
     """One run of the held-out prompts through a fresh `cohort serve --backend BACKEND *flags`."""
     proc, proxy = start_proxy(backend, *flags, log=logs / f"{name.replace(' ', '-').replace(';', '_')}.log")
     try:
-        before = decode_counters(backend)
+        before = read_counters(backend)
         start = time.perf_counter()
         tokens, failed = asyncio.run(generate(proxy, held, args.clients, args.max_tokens))
         wall = time.perf_counter() - start
         time.sleep(1.5)  # the worker publishes its counters at most once a second while busy
-        loads, per_forward = decode_rates(before, decode_counters(backend), layers)
+        ran = read_counters(backend) - before
+        loads, tokens_per_forward = ran.loads_per_token, ran.tokens_per_forward(layers)
     finally:
         proc.terminate(), proc.wait(60)
-    return {"run": name, "loads_per_token": loads, "tokens_per_forward": per_forward, "wall_s": wall,
+    return {"run": name, "loads_per_token": loads, "tokens_per_forward": tokens_per_forward, "wall_s": wall,
             "failed": failed, "tokens": tokens}
 
 

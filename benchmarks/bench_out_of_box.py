@@ -42,7 +42,7 @@ from benchmarks.bench_proxy import split_cpus, start_proxy
 from benchmarks.heldout import prompt_texts
 from moe_cohort.embedded.backend import default_model_dir, ensure_trained_model
 from moe_cohort.engine.engine_info import SCHEDULER_CLS
-from moe_cohort.send.backend_metrics import decode_counters, decode_rates
+from moe_cohort.send.engine_counters import read_counters
 from moe_cohort.traces.split import split_requests
 
 SCHEDULER = ["--scheduler-cls", SCHEDULER_CLS]
@@ -50,10 +50,11 @@ SCHEDULER = ["--scheduler-cls", SCHEDULER_CLS]
 
 def measure(name: str, backend: str, proxy: str, prompts: list[str], args, layers: int) -> dict:
     """One run of `prompts` through `proxy`: the engine's decode rates over it, latency, wall, failures."""
-    before = decode_counters(backend)
+    before = read_counters(backend)
     sent = asyncio.run(send(proxy, prompts, args.clients, args.max_tokens))
     time.sleep(1.5)  # the worker publishes its counters at most once a second while busy
-    loads, tokens_per_forward = decode_rates(before, decode_counters(backend), layers)
+    ran = read_counters(backend) - before
+    loads, tokens_per_forward = ran.loads_per_token, ran.tokens_per_forward(layers)
     lat = np.array(sent["latencies"] or [float("nan")])
     row = {"run": name, "requests": len(prompts), "loads_per_token": loads, "tokens_per_forward": tokens_per_forward,
            "p50_s": float(np.percentile(lat, 50)), "p99_s": float(np.percentile(lat, 99)), "wall_s": sent["wall_s"],

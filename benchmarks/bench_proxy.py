@@ -64,7 +64,7 @@ import numpy as np
 
 from benchmarks.heldout import prompt_texts
 from moe_cohort.embedded.vllm_server import free_port
-from moe_cohort.send.backend_metrics import metric_sum, scrape
+from moe_cohort.send.engine_counters import DecodeCounters, metric_sum, read_counters, read_metrics
 
 
 async def post(http: aiohttp.ClientSession, url: str, body: dict, own: list[float] | None = None) -> float:
@@ -209,7 +209,7 @@ def learned_encoder(encoder: str, data_dir: Path) -> str:
 
 def learning_cpu(url: str) -> dict[str, float]:
     """The proxy's learning CPU seconds by thread (cohort_learning_cpu_seconds_total) and its requests answered."""
-    text = scrape(url)
+    text = read_metrics(url)
     out = {t: metric_sum(text, "cohort_learning_cpu_seconds_total", thread=t) for t in ("worker", "event_loop")}
     return out | {"requests": metric_sum(text, "cohort_requests_total")}
 
@@ -273,13 +273,12 @@ def compare(backend: str, proxies: dict[str, tuple[str, int]], concurrency: list
                   f"{stats[name][1] - stats['direct'][1]:>8.2f}")
 
 
-def decode_distinct(backend: str) -> tuple[float, float, float]:
-    """(decode expert loads, decode layer-forwards, decode tokens x layers) from the plugin's counters."""
-    text = scrape(backend)
-    names = ("cohort_moe_batch_expert_loads_after_total", "cohort_moe_batch_layer_forwards_total",
-             "cohort_moe_routed_tokens_total")
-    loads, forwards, tokens = (metric_sum(text, name, phase="decode") for name in names)
-    return loads, forwards, tokens
+def decode_line(ran: DecodeCounters, moe_layers: int, detail: str = "") -> str:
+    """Distinct experts per layer per decode step and decode tokens per forward of what ran between two readings,
+    with the counts behind the first (and `detail`) in parentheses."""
+    return (f"{ran.experts_per_layer_step or 0:6.2f} distinct experts per layer per decode forward at "
+            f"{ran.tokens_per_forward(moe_layers) or 0:.1f} tokens per forward ({ran.batch_after:,.0f} loads over "
+            f"{ran.batch_layer_steps:,.0f} layer-forwards{detail})")
 
 
 async def send_prompts(url: str, prompts: list[str], clients: int, max_tokens: int) -> float:
@@ -311,15 +310,13 @@ def admission(backend: str, prompts: list[str], slots: int, max_tokens: int, moe
     for name, backend, extra in runs:
         proc, proxy = start_proxy(backend, *extra)
         try:
-            loads0, fwd0, tok0 = decode_distinct(backend)
+            before = read_counters(backend)
             wall = asyncio.run(send_prompts(proxy, prompts, 64, max_tokens))
-            loads1, fwd1, tok1 = decode_distinct(backend)
+            ran = read_counters(backend) - before
         finally:
             proc.terminate()
             proc.wait(30)
-        per, occupancy = (loads1 - loads0) / max(fwd1 - fwd0, 1), (tok1 - tok0) * moe_layers / max(fwd1 - fwd0, 1)
-        print(f"{name:>8}: {per:6.2f} distinct experts per layer per decode forward at {occupancy:.1f} tokens "
-              f"per forward ({loads1 - loads0:,.0f} loads over {fwd1 - fwd0:,.0f} layer-forwards), wall {wall:.1f} s")
+        print(f"{name:>8}: {decode_line(ran, moe_layers)}, wall {wall:.1f} s")
 
 
 def replicas_run(backends: list[str], prompts: list[str], slots: int, max_tokens: int, moe_layers: int,
@@ -333,17 +330,15 @@ def replicas_run(backends: list[str], prompts: list[str], slots: int, max_tokens
         proc, proxy = start_proxy(",".join(backends), *enc, "--max-in-flight", str(slots), "--replica-routing", routing,
                                   "--no-learn")
         try:
-            before = [decode_distinct(b) for b in backends]
+            before = [read_counters(b) for b in backends]
             wall = asyncio.run(send_prompts(proxy, prompts, 64, max_tokens))
-            after = [decode_distinct(b) for b in backends]
+            ran = [read_counters(b) - r for b, r in zip(backends, before)]
         finally:
             proc.terminate()
             proc.wait(30)
-        loads, fwd, tok = (sum(a[i] - b[i] for a, b in zip(after, before)) for i in range(3))
-        split = "/".join(f"{a[1] - b[1]:,.0f}" for a, b in zip(after, before))
-        print(f"{routing:>12}: {loads / max(fwd, 1):6.2f} distinct experts per layer per decode forward at "
-              f"{tok * moe_layers / max(fwd, 1):.1f} tokens per forward ({loads:,.0f} loads over {fwd:,.0f} "
-              f"layer-forwards, {split} per replica), wall {wall:.1f} s")
+        split = "/".join(f"{r.batch_layer_steps:,.0f}" for r in ran)
+        print(f"{routing:>12}: {decode_line(sum(ran, DecodeCounters()), moe_layers, f', {split} per replica')}, "
+              f"wall {wall:.1f} s")
 
 
 def main() -> None:

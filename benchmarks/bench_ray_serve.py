@@ -33,7 +33,7 @@ from fastapi.responses import JSONResponse
 
 from benchmarks import bench_proxy
 from benchmarks.bench_out_of_box import SCHEDULER, add_served_arguments, learn_through, served_setup
-from moe_cohort.send.backend_metrics import decode_counters, decode_rates
+from moe_cohort.send.engine_counters import DecodeCounters, read_counters
 
 
 def build_app(urls: list[str], kind: str, slots: int, head: str):
@@ -115,10 +115,9 @@ def ingress_cpu(url: str) -> float:
     return httpx.get(url + "/cpu", timeout=30).json()["cpu_s"]
 
 
-def sums(urls: list[str]) -> dict[str, float]:
+def sums(urls: list[str]) -> DecodeCounters:
     """The plugin's decode counters summed over the servers."""
-    readings = [decode_counters(u) for u in urls]
-    return {key: sum(r[key] for r in readings) for key in readings[0]}
+    return sum((read_counters(u) for u in urls), DecodeCounters())
 
 
 def one_run(kind: str, urls: list[str], held: list[str], args, layers: int, head: str, port: int) -> dict:
@@ -134,9 +133,10 @@ def one_run(kind: str, urls: list[str], held: list[str], args, layers: int, head
     wall = time.perf_counter() - start
     cpu = ingress_cpu(url) - cpu
     time.sleep(1.5)  # the worker publishes its counters at most once a second while busy
-    loads, per_forward = decode_rates(before, sums(urls), layers)
+    ran = sums(urls) - before
+    loads, tokens_per_forward = ran.loads_per_token, ran.tokens_per_forward(layers)
     serve.delete("bench")
-    return {"router": kind, "loads_per_token": loads, "tokens_per_forward": per_forward,
+    return {"router": kind, "loads_per_token": loads, "tokens_per_forward": tokens_per_forward,
             "p50_s": float(np.percentile(latencies, 50)), "p99_s": float(np.percentile(latencies, 99)),
             "ingress_cpu_ms_per_request": 1000 * cpu / max(1, len(latencies)), "wall_s": wall, "failed": failed}
 
@@ -185,10 +185,10 @@ def summary(rows: list[dict]) -> list[str]:
         lines.append(f"round {r}: saving {paired[-1][0]:+.1%}, p50 {o['p50_s'] / d['p50_s'] - 1:+.1%}, p99 "
                      f"{paired[-1][1]:+.1%}, router CPU {paired[-1][2]:+.2f} ms per request")
     saving, p99, cpu = np.array(paired).T
-    per_forward = {k: np.mean([row["tokens_per_forward"] for row in rows if row["router"] == k]) for k in ("default", "ours")}
+    tpf = {k: np.mean([row["tokens_per_forward"] for row in rows if row["router"] == k]) for k in ("default", "ours")}
     lines.append(f"over {len(paired)} rounds: saving {saving.mean():+.1%} +- {saving.std():.1%}, p99 {p99.mean():+.1%}, "
                  f"router CPU {cpu.mean():+.2f} +- {cpu.std():.2f} ms per request; tokens per forward default "
-                 f"{per_forward['default']:.2f}, ours {per_forward['ours']:.2f}")
+                 f"{tpf['default']:.2f}, ours {tpf['ours']:.2f}")
     return lines
 
 

@@ -32,7 +32,7 @@ from typing import Callable, Sequence
 from moe_cohort.batch.format import BatchFile, BatchRequest, failure_line, new_id, result_line
 from moe_cohort.batch.journal import Record
 from moe_cohort.batch.order import FileOrder, Order
-from moe_cohort.send.expert_loads import ExpertLoads
+from moe_cohort.send.engine_counters import DecodeCounters
 from moe_cohort.send.settings import Settings
 
 EXPIRED_MESSAGE = "This request could not be executed before the completion window expired."
@@ -44,7 +44,7 @@ class RunConfig:
     max_retries: int = 5
     backoff_s: float = 0.5  # first retry delay; doubles per attempt, up to max_backoff_s
     max_backoff_s: float = 30.0
-    metrics_interval_s: float = 2.0  # how often the backend's expert-load counters are read (0: never)
+    metrics_interval_s: float = 2.0  # how often the backend's decode counters are read (0: never)
     forward_profiles: bool = False  # each request carries its predicted profile (for moe-cohort's scheduler in vLLM)
     api_key: str = ""  # sent to the backend as `Authorization: Bearer` (send/auth.py builds the header)
 
@@ -65,8 +65,7 @@ class RunStats:
     failed: int = 0  # this run (answered with an error, or none after the retries)
     prompt_tokens: int = 0
     completion_tokens: int = 0
-    expert_loads: ExpertLoads | None = None  # backend counters since this run started
-    decode: dict[str, float] | None = None  # the plugin's decode counters over the run (send/backend_metrics.py)
+    decode: DecodeCounters | None = None  # the plugin's decode counters over this run (send/engine_counters.py)
 
     def __post_init__(self) -> None:
         self.started = self.started or self.clock()

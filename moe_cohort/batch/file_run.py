@@ -208,7 +208,7 @@ class FileRun:
             after = await _decode_counters(backend)
             await backend.close()
         if before is not None and after is not None:
-            result.stats.decode = {key: after[key] - before[key] for key in before}
+            result.stats.decode = after - before
 
     def _ray(self, on_progress) -> RunStats:
         from moe_cohort.batch.ray import run_batch_ray
@@ -262,16 +262,12 @@ def _following(loading: Future, learning, settings: Settings) -> Future:
     return out
 
 
-async def _decode_counters(backend) -> dict[str, float] | None:
-    """The plugin's decode counters on the backend now (send/backend_metrics.py: zeros before its first step, or
+async def _decode_counters(backend):
+    """The plugin's decode counters on the backend now (send/engine_counters.py: zeros before its first step, or
     without the plugin); None where /metrics cannot be read."""
-    from moe_cohort.send.backend_metrics import decode_sums
-    from moe_cohort.send.errors import ProxyError
+    from moe_cohort.send.engine_counters import fetch_counters
 
-    try:
-        return decode_sums((await backend.request("GET", "/metrics")).text)
-    except (ProxyError, ValueError):
-        return None
+    return await fetch_counters([backend])
 
 
 def _one_backend(settings: Settings) -> str | None:

@@ -80,15 +80,15 @@ def run_batch_ray(settings: Settings, batch: BatchFile, journal: Journal, predic
     order = simulated_order(pending, make_order(pending, predictor, config.max_in_flight), config.max_in_flight)
     started = _connect(ray)
     try:
-        loads0 = _expert_loads(urls)
+        counters0 = _read_counters(urls)
         rows = block_rows or BLOCK_BATCHES * config.max_in_flight
         with contextlib.closing(_send_blocks(ray, order, urls, config, settings, rows)) as blocks:
             for records in blocks:
                 _commit(journal, records)
                 BatchCore([], config, stats).committed(records)  # counts them into `stats`
                 (on_progress or (lambda s: None))(stats)
-        loads = _expert_loads(urls)
-        stats.expert_loads = None if loads is None or loads0 is None else loads - loads0
+        counters = _read_counters(urls)
+        stats.decode = None if counters is None or counters0 is None else counters - counters0
     finally:
         if started:
             ray.shutdown()
@@ -205,15 +205,15 @@ def _connect(ray) -> bool:
     return True
 
 
-def _expert_loads(urls: list[str]):
-    """The replicas' summed expert-load counters (send/expert_loads.py); None if one has none."""
+def _read_counters(urls: list[str]):
+    """The replicas' summed decode counters (send/engine_counters.py); None if one cannot be read."""
     from moe_cohort.send.backend_client import BackendClient
-    from moe_cohort.send.expert_loads import fetch_expert_loads
+    from moe_cohort.send.engine_counters import fetch_counters
 
     async def read():
         clients = [BackendClient(u, timeout_s=10) for u in urls]
         try:
-            return await fetch_expert_loads(clients)
+            return await fetch_counters(clients)
         finally:
             for c in clients:
                 await c.close()

@@ -51,7 +51,7 @@ from moe_cohort.encoder.plans import chunk, write_plan_file
 from moe_cohort.send.auth import bearer
 from moe_cohort.send.backend_client import BackendClient
 from moe_cohort.send.errors import BackendStatusError, BackendTimeout, BackendUnreachable
-from moe_cohort.send.expert_loads import ExpertLoads, fetch_expert_loads
+from moe_cohort.send.engine_counters import DecodeCounters, fetch_counters
 from moe_cohort.send.gate import AdmissionGate, OneBackend
 from moe_cohort.send.learning.learning import Learning
 from moe_cohort.send.lifecycle import Lifecycle
@@ -154,29 +154,29 @@ class _Sender:
         self.slot_freed = asyncio.Condition()
 
     async def run(self, stop: asyncio.Event) -> RunStats:
-        loads0 = await fetch_expert_loads(self.replicas) if self.core.config.metrics_interval_s > 0 else None
+        counters0 = await fetch_counters(self.replicas) if self.core.config.metrics_interval_s > 0 else None
         try:
             async with asyncio.TaskGroup() as tg:
                 tg.create_task(self._write())
-                unreachable = await self._send_all(stop, loads0)
+                unreachable = await self._send_all(stop, counters0)
                 self.records.put_nowait(None)
         except* (JournalError, OSError) as group:  # disk full, ...: the journal rolled its files back
             raise RunAborted(f"cannot write the results: {_first(group)}") from _first(group)
-        if loads0 is not None:
-            await self._read_loads(loads0)
+        if counters0 is not None:
+            await self._read_counters(counters0)
         if unreachable is not None:
             log.error("stopping the batch run: %s", unreachable)
             raise RunAborted(unreachable)
         return self.core.stats
 
-    async def _send_all(self, stop: asyncio.Event, loads0: ExpertLoads | None) -> str | None:
+    async def _send_all(self, stop: asyncio.Event, counters0: DecodeCounters | None) -> str | None:
         """Send until the core says stop; None, or why the backend is unreachable."""
         unreachable = None
         try:
             async with asyncio.TaskGroup() as tg:
                 helpers = [tg.create_task(raise_when_set(stop))]
-                if loads0 is not None:
-                    helpers.append(tg.create_task(self._watch_loads(loads0)))
+                if counters0 is not None:
+                    helpers.append(tg.create_task(self._watch_counters(counters0)))
                 if self.follow is not None:
                     helpers.append(tg.create_task(self.follow()))
                 async with asyncio.TaskGroup() as senders:
@@ -256,15 +256,16 @@ class _Sender:
             if last:
                 return
 
-    async def _watch_loads(self, start: ExpertLoads) -> None:
+    async def _watch_counters(self, start: DecodeCounters) -> None:
         while True:
             await asyncio.sleep(self.core.config.metrics_interval_s)
-            await self._read_loads(start)
+            await self._read_counters(start)
 
-    async def _read_loads(self, start: ExpertLoads) -> None:
-        now = await fetch_expert_loads(self.replicas)
+    async def _read_counters(self, start: DecodeCounters) -> None:
+        """The replicas' decode counters since `start` into the stats (kept as they were when one cannot be read)."""
+        now = await fetch_counters(self.replicas)
         if now is not None:
-            self.core.stats.expert_loads = now - start
+            self.core.stats.decode = now - start
             self.on_progress(self.core.stats)
 
 

@@ -11,7 +11,7 @@ MAX_LISTED_ERRORS = 20
 
 
 class ProgressBar:
-    """tqdm: requests done (ETA from tqdm), tokens/s, and the backend's live expert loads."""
+    """tqdm: requests done (ETA from tqdm), tokens/s, and the backend's live decode expert loads."""
 
     def __init__(self, total: int, finished: int, *, enabled: bool) -> None:
         from tqdm.auto import tqdm
@@ -23,11 +23,11 @@ class ProgressBar:
     def update(self, stats) -> None:
         self.bar.update(stats.done - self.bar.n)
         postfix = f"{stats.tokens_per_s:.0f} tok/s"
-        loads = stats.expert_loads
-        if loads is not None and loads.per_forward is not None:
-            postfix += f", {loads.per_forward:.1f} experts/layer/decode step"
-            if loads.policy_saving:
-                postfix += f" ({loads.policy_saving:.1%} saved by the policy)"
+        decode = stats.decode
+        if decode is not None and decode.experts_per_layer_step is not None:
+            postfix += f", {decode.experts_per_layer_step:.1f} experts/layer/decode step"
+            if decode.policy_saving:
+                postfix += f" ({decode.policy_saving:.1%} saved by the policy)"
         self.bar.set_postfix_str(postfix, refresh=False)
         self.bar.refresh()
 
@@ -46,19 +46,23 @@ def summary(stats, counts: dict[str, int], paths, layers: int | None, wall_s: fl
         return
     print(f"this run: {stats.succeeded + stats.failed} requests in {stats.elapsed:.1f} s from the first sent "
           f"({wall_s:.1f} s with start-up), {stats.tokens_per_s:.0f} generated tokens/s", file=sys.stderr)
-    decode = stats.decode
-    if decode and decode["tokens"] > 0:
-        from moe_cohort.send.backend_metrics import decode_rates
+    if stats.decode is not None:
+        _decode_summary(stats.decode, layers)
 
-        per_token, per_forward = decode_rates({k: 0.0 for k in decode}, decode, layers)
-        shared = f", {per_forward:.2f} decode tokens per forward" if per_forward else ""
-        print(f"decode: {per_token:.3f} expert loads per generated token{shared} (the engine's counters over this "
-              f"run; compare with --encoder none on the same file for file order)", file=sys.stderr)
-    loads = stats.expert_loads
-    if loads is not None and loads.per_forward is not None:
-        saving = f", routing policy saved {loads.policy_saving:.1%} of them" if loads.policy_saving else ""
-        print(f"backend decode steps: {loads.per_forward:.2f} distinct experts per MoE layer "
-              f"({loads.after:,.0f} expert loads over {loads.forwards:,.0f} layer-steps){saving}", file=sys.stderr)
+
+def _decode_summary(decode, layers: int | None) -> None:
+    """The engine's decode counters over the run (send.engine_counters.DecodeCounters): per generated token, and
+    per decode step of whole batches; a line only for what ran."""
+    if decode.loads_per_token is not None:
+        tokens_per_forward = decode.tokens_per_forward(layers)
+        shared = f", {tokens_per_forward:.2f} decode tokens per forward" if tokens_per_forward else ""
+        print(f"decode: {decode.loads_per_token:.3f} expert loads per generated token{shared} (the engine's counters "
+              f"over this run; compare with --encoder none on the same file for file order)", file=sys.stderr)
+    if decode.experts_per_layer_step is not None:
+        saving = f", routing policy saved {decode.policy_saving:.1%} of them" if decode.policy_saving else ""
+        print(f"backend decode steps: {decode.experts_per_layer_step:.2f} distinct experts per MoE layer "
+              f"({decode.batch_after:,.0f} expert loads over {decode.batch_layer_steps:,.0f} layer-steps){saving}",
+              file=sys.stderr)
 
 
 def learned(learner, folder: Path) -> None:

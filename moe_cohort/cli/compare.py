@@ -13,7 +13,7 @@ the rounds, --learn-requests prompts of the training side go through the proxy, 
 proxy has a profile head. --clients closed-loop clients keep more requests waiting than the engine has
 slots: admission chooses among those.
 
-Each run is measured by the difference of the backend's plugin counters (send/backend_metrics.py):
+Each run is measured by the difference of the backend's plugin counters (send/engine_counters.py):
 decode expert loads per GENERATED token, and decode tokens per forward beside it (fewer tokens per
 forward touch fewer experts by themselves). FCFS and admission alternate on one server, so the
 engine's drift over minutes hits both alike. The counters are server-wide: run it on a backend that
@@ -30,7 +30,6 @@ import argparse
 import asyncio
 import json
 import logging
-import math
 import random
 import statistics
 import sys
@@ -38,8 +37,8 @@ import time
 from dataclasses import dataclass
 
 from moe_cohort.cli.checks import positive_int
-from moe_cohort.send.backend_metrics import (decode_counters, decode_rates, decode_sums, has_plugin_counters,
-                                             scrape)
+from moe_cohort.send.engine_counters import (DecodeCounters, MetricsUnreadable, has_plugin_counters, parse_counters,
+                                             read_counters, read_metrics)
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +57,10 @@ class CompareError(Exception):
     def __init__(self, message: str, code: int = 2) -> None:
         super().__init__(message)
         self.code = code
+
+
+class NoAnswer(Exception):
+    """A GET that got no HTTP answer (refused, reset, timed out); the message names the cause."""
 
 
 @dataclass(frozen=True)
@@ -128,18 +131,12 @@ def run(args: argparse.Namespace) -> int:
     except CompareError as exc:
         print(f"cohort compare: error: {exc}", file=sys.stderr)
         return exc.code
-    if not all(math.isfinite(x) for x in savings(rows)):
-        print(f"cohort compare: error: {target.backend}/metrics counted no decoded token in a run: is it the server "
-              f"the proxy sends to (--backend)?", file=sys.stderr)
-        return 1
     print(_summary(rows))
     return 0
 
 
 def find_target(proxy: str, backend: str | None, api_key: str | None) -> Target:
     """The proxy's backend (from its /health unless given) and served model (its /v1/models' first id)."""
-    import httpx
-
     proxy = proxy.rstrip("/")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     health = proxy_health(proxy, api_key)
@@ -151,34 +148,35 @@ def find_target(proxy: str, backend: str | None, api_key: str | None) -> Target:
             raise CompareError(f"the proxy's /health shows {shown} (with protect_metrics on, only to an --api-key): "
                                f"pass --backend URL, the vLLM server to measure")
     try:
-        models = httpx.get(proxy + "/v1/models", headers=headers, timeout=30).json()["data"]
-        model = models[0]["id"]
-    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as exc:
+        _, text = _get(proxy + "/v1/models", headers)
+    except NoAnswer as exc:
+        raise CompareError(f"{proxy}/v1/models did not answer ({exc})") from None
+    try:
+        model = json.loads(text)["data"][0]["id"]
+    except (ValueError, KeyError, IndexError, TypeError) as exc:
         raise CompareError(f"{proxy}/v1/models names no model ({type(exc).__name__}: {exc})") from None
     return Target(proxy, backend.rstrip("/"), model, api_key)
 
 
 def proxy_health(proxy: str, api_key: str | None = None) -> dict:
     """The proxy's GET /health JSON, waiting while it says it is still starting (503 "not ready")."""
-    import httpx
-
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     deadline = time.monotonic() + NOT_READY_WAIT_S
     while True:
         try:
-            answer = httpx.get(proxy + "/health", headers=headers, timeout=30)
-        except httpx.HTTPError as exc:
-            raise CompareError(f"no proxy answers at {proxy} ({type(exc).__name__}): start `cohort serve` "
-                               f"first, or pass --proxy URL") from None
+            code, text = _get(proxy + "/health", headers)
+        except NoAnswer as exc:
+            raise CompareError(f"no proxy answers at {proxy} ({exc}): start `cohort serve` first, or pass "
+                               f"--proxy URL") from None
         try:
-            body = answer.json()
+            body = json.loads(text)
         except ValueError:
             body = {}
-        if answer.status_code == 200 and isinstance(body, dict):
+        if code == 200 and isinstance(body, dict):
             return body
         status = body.get("status") if isinstance(body, dict) else None
-        if answer.status_code != 503 or status != "not ready" or time.monotonic() > deadline:
-            raise CompareError(f"{proxy}/health answered {answer.status_code} {status or answer.text[:200]!r}")
+        if code != 503 or status != "not ready" or time.monotonic() > deadline:
+            raise CompareError(f"{proxy}/health answered {code} {status or text[:200]!r}")
         time.sleep(1.0)
 
 
@@ -188,7 +186,7 @@ def engine_facts(target: Target) -> int | None:
     (layer-forwards per decode token); None when neither tells. Raises CompareError when the backend's
     /metrics shows no plugin counters, even after that request (a fresh vLLM publishes them once it ran one)."""
     text = _scrape(target.backend)
-    before, layers = decode_sums(text), _info_layers(target.backend)
+    before, layers = parse_counters(text), _info_layers(target.backend)
     if layers is not None and has_plugin_counters(text):
         return layers
     asyncio.run(_send(target, target.backend, ["Say hello."], 1, 4))
@@ -197,10 +195,9 @@ def engine_facts(target: Target) -> int | None:
     if not has_plugin_counters(text):
         raise CompareError(NO_PLUGIN.format(backend=target.backend))
     if layers is None:  # exact only when nothing else ran meanwhile: then a whole number of layers per token
-        after = decode_sums(text)
-        tokens, forwards = after["tokens"] - before["tokens"], after["forwards"] - before["forwards"]
-        if tokens > 0 and forwards > 0 and forwards % tokens == 0:
-            layers = int(forwards // tokens)
+        ran = parse_counters(text) - before
+        if ran.tokens > 0 and ran.layer_forwards > 0 and ran.layer_forwards % ran.tokens == 0:
+            layers = int(ran.layer_forwards // ran.tokens)
     return layers
 
 
@@ -241,12 +238,15 @@ def learn(target: Target, prompts: list[str], clients: int, max_tokens: int, tim
 def measure(target: Target, url: str, prompts: list[str], clients: int, max_tokens: int,
             layers: int | None) -> Run:
     """`prompts` sent to `url` (the backend or the proxy) by `clients` closed-loop clients; the backend's
-    decode counters over it."""
+    decode counters over it. Raises CompareError (exit 1) when they counted no decoded token."""
     before = _read_counters(target.backend)
     wall = asyncio.run(_send(target, url, prompts, clients, max_tokens))
     time.sleep(PUBLISH_S)
-    per_token, per_forward = decode_rates(before, _read_counters(target.backend), layers)
-    return Run(per_token, per_forward, wall, len(prompts))
+    ran = _read_counters(target.backend) - before
+    if ran.loads_per_token is None:
+        raise CompareError(f"{target.backend}/metrics counted no decoded token in a run: is it the server the proxy "
+                           f"sends to (--backend)?", code=1)
+    return Run(ran.loads_per_token, ran.tokens_per_forward(layers), wall, len(prompts))
 
 
 def savings(rows: list[tuple[Run, Run]]) -> list[float]:
@@ -280,18 +280,33 @@ async def _send(target: Target, url: str, prompts: list[str], clients: int, max_
     return time.perf_counter() - start
 
 
+def _get(url: str, headers: dict[str, str] | None = None, timeout_s: float = 30.0) -> tuple[int, str]:
+    """(status, body) of GET `url`, any status, in an event loop of its own; NoAnswer when none came in time."""
+    import aiohttp
+
+    async def get() -> tuple[int, str]:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as http:
+            async with http.get(url, headers=headers or {}) as resp:
+                return resp.status, (await resp.read()).decode("utf-8", errors="replace")
+
+    try:
+        return asyncio.run(get())
+    except (aiohttp.ClientError, OSError, TimeoutError) as exc:  # aiohttp's timeouts are TimeoutErrors
+        raise NoAnswer(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__) from exc
+
+
 def _scrape(backend: str) -> str:
     try:
-        return scrape(backend)
-    except OSError as exc:  # urllib's URLError and HTTPError are OSErrors
-        raise CompareError(f"cannot read {backend}/metrics ({exc}): is --backend the vLLM server?") from None
+        return read_metrics(backend)
+    except MetricsUnreadable as exc:
+        raise CompareError(f"{exc}: is --backend the vLLM server?") from None
 
 
-def _read_counters(backend: str) -> dict[str, float]:
+def _read_counters(backend: str) -> DecodeCounters:
     try:
-        return decode_counters(backend)
-    except OSError as exc:
-        raise CompareError(f"cannot read {backend}/metrics ({exc})", code=1) from None
+        return read_counters(backend)
+    except MetricsUnreadable as exc:
+        raise CompareError(str(exc), code=1) from None
 
 
 def _observed(health: dict) -> int | None:
@@ -304,11 +319,9 @@ def _observed(health: dict) -> int | None:
 
 def _info_layers(backend: str) -> int | None:
     """moe.layers of the engine's handshake; None when it has none (an older plugin, a plain vLLM)."""
-    import httpx
-
     try:
-        layers = httpx.get(backend + INFO_PATH, timeout=10).json()["moe"]["layers"]
-    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        layers = json.loads(_get(backend + INFO_PATH, timeout_s=10)[1])["moe"]["layers"]
+    except (NoAnswer, ValueError, KeyError, TypeError):
         return None
     return layers if isinstance(layers, int) and not isinstance(layers, bool) and layers > 0 else None
 
@@ -320,8 +333,8 @@ def _describe(health: dict) -> str:
 
 
 def _row(name: str, run: Run) -> str:
-    per_forward = f"{run.tokens_per_forward:5.2f}" if run.tokens_per_forward is not None else "  n/a"
-    return (f"{name:>52}: {run.loads_per_token:7.3f} decode expert loads per generated token, {per_forward} decode "
+    tpf = f"{run.tokens_per_forward:5.2f}" if run.tokens_per_forward is not None else "  n/a"
+    return (f"{name:>52}: {run.loads_per_token:7.3f} decode expert loads per generated token, {tpf} decode "
             f"tokens per forward, wall {run.wall_s:6.1f} s ({run.requests} requests)")
 
 
@@ -329,9 +342,9 @@ def _summary(rows: list[tuple[Run, Run]]) -> str:
     s = savings(rows)
     spread = f" +- {statistics.pstdev(s):.1%}" if len(s) > 1 else ""
 
-    def per_forward(side: int) -> str:
+    def tokens_per_forward(side: int) -> str:
         values = [row[side].tokens_per_forward for row in rows]
         return "n/a" if None in values else f"{statistics.fmean(values):.2f}"
     return (f"admission against first come, first served: {statistics.fmean(s):+.1%}{spread} decode expert loads per "
             f"generated token saved (held-out prompts, mean +- std over {len(rows)} round(s)); decode tokens per "
-            f"forward: first come, first served {per_forward(0)}, admission {per_forward(1)}")
+            f"forward: first come, first served {tokens_per_forward(0)}, admission {tokens_per_forward(1)}")

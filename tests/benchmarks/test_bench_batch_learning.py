@@ -1,9 +1,12 @@
-"""benchmarks/bench_batch_learning's batch file (its rates are send.backend_metrics.decode_rates, tested there);
+"""benchmarks/bench_batch_learning's batch file and its rates (the figures are send.engine_counters', tested there);
 benchmarks/bench_refit's timings."""
 
-from benchmarks.bench_batch_learning import batch_file
+import math
+
+from benchmarks.bench_batch_learning import batch_file, rates
 from benchmarks.bench_refit import time_predict, time_refit
 from moe_cohort.batch.format import read_batch_file
+from moe_cohort.send.engine_counters import DecodeCounters
 
 
 def test_the_batch_file_is_a_valid_openai_batch_of_the_prompts(tmp_path):
@@ -11,6 +14,11 @@ def test_the_batch_file_is_a_valid_openai_batch_of_the_prompts(tmp_path):
     parsed = read_batch_file(path, default_policy="topk", max_line_bytes=10_000)
     assert not parsed.errors and [r.text for r in parsed.requests] == ["why?", "how?"]
     assert all(r.body["max_tokens"] == 7 and r.body["ignore_eos"] for r in parsed.requests)
+
+
+def test_a_quarter_in_which_nothing_was_decoded_has_nan_rates():
+    assert rates(DecodeCounters(loads=30, layer_forwards=8, tokens=4), layers=2) == (30 / 4, 4 * 2 / 8)
+    assert all(math.isnan(x) for x in rates(DecodeCounters(), layers=2))
 
 
 def test_a_refit_is_timed():

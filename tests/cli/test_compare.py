@@ -62,6 +62,19 @@ def test_a_backend_without_the_plugin_or_unknown_is_one_line_and_exit_2(health, 
     assert "decode expert loads" not in out  # nothing was measured
 
 
+def test_a_backend_whose_metrics_cannot_be_read_is_named_in_one_line(capsys):
+    backend = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+
+    async def go():
+        async with local_backend(_not_vllm({"status": "ok"})) as url:
+            return await asyncio.to_thread(_compare, ["--proxy", url, "--backend", backend, "--learn-requests", "0"],
+                                           capsys)
+
+    code, out, err = asyncio.run(go())
+    assert code == 2 and len(err.strip().splitlines()) == 1, (out, err)
+    assert f"cannot read {backend}/metrics (" in err and "): is --backend the vLLM server?" in err, err
+
+
 def test_each_round_takes_the_next_held_out_prompts_and_cycles_only_when_they_run_out():
     from moe_cohort.cli.compare import round_prompts
 
@@ -98,8 +111,8 @@ def test_compare_measures_fcfs_and_admission_through_a_real_proxy(vllm_server, t
     assert f"backend {vllm_server.url}" in out and "learning {" in out, out  # found through /health; it learned
     figures = PER_TOKEN.findall(out)
     assert len(figures) == 2, out  # first come, first served, then admission
-    for per_token, per_forward in figures:
-        assert 0 < float(per_token) < math.inf and 0 < float(per_forward) <= 8, out  # 8 clients: <= 8 per forward
+    for per_token, tokens_per_forward in figures:  # 8 clients: at most 8 tokens per forward
+        assert 0 < float(per_token) < math.inf and 0 < float(tokens_per_forward) <= 8, out
     assert "admission against first come, first served:" in out and "per generated token saved" in out
 
 
