@@ -137,10 +137,11 @@ def dry_run(settings: Settings, batch: BatchFile, plan: Path) -> int:
     from moe_cohort.batch.run import write_plan
     from moe_cohort.send.profiles import make_predictor
 
-    slots = settings.max_in_flight_for_batches
-    order = simulated_order(batch.requests, make_order(batch.requests, make_predictor(settings), slots), slots)
-    write_plan(plan, order, slots)
-    return slots
+    max_in_flight = settings.max_in_flight_for_batches
+    order = simulated_order(batch.requests, make_order(batch.requests, make_predictor(settings), max_in_flight),
+                            max_in_flight)
+    write_plan(plan, order, max_in_flight)
+    return max_in_flight
 
 
 class FileRun:

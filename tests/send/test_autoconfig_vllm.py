@@ -27,19 +27,6 @@ def _until(condition, timeout_s: float = 60.0) -> None:
         time.sleep(0.2)
 
 
-def test_in_front_of_vllm_with_our_scheduler_it_forwards_profiles_and_learns(tiny_moe_dir, tmp_path):
-    with start(tiny_moe_dir, max_num_seqs=4, extra_args=SCHEDULER) as server:
-        settings = Settings(backends=(server.url,), port=free_port(), data_dir=str(tmp_path))  # no other setting
-        with ProxyThread(settings) as proxy:
-            state = proxy.server.config.app.state.proxy
-            plan = state.plans[0]
-            assert plan.engine_side and plan.max_in_flight == 256 and state.gate.profile_first
-            assert state.learning.on and state.predictor.mode().startswith("first come, first served")
-            _ask(proxy, 24)
-            _until(lambda: state.learning.learner.head is not None)  # 16 observed: the first learned head
-            assert state.predictor.mode() == "learned head"
-
-
 def test_in_front_of_vllm_with_its_own_scheduler_it_admits_itself_on_its_slots(vllm_server, tmp_path):
     settings = Settings(backends=(vllm_server.url,), port=free_port(), data_dir=str(tmp_path))
     with ProxyThread(settings) as proxy:
@@ -50,9 +37,12 @@ def test_in_front_of_vllm_with_its_own_scheduler_it_admits_itself_on_its_slots(v
         _ask(proxy, 2)
 
 
-def test_behind_a_vllm_that_takes_a_key_every_backend_request_carries_it(tiny_moe_dir, tmp_path, capsys):
-    """vLLM started with --api-key refuses /v1/... without it: the handshake, the expert counts and the requests
-    all go with --backend-api-key, so the proxy and a batch run configure themselves and learn as without a key."""
+def test_in_front_of_vllm_with_our_scheduler_behind_a_key_it_forwards_profiles_and_learns(tiny_moe_dir, tmp_path,
+                                                                                          capsys):
+    """In front of vLLM with our scheduler the proxy forwards at once with profiles and learns its first head. That
+    vLLM is started with --api-key, which refuses /v1/... without it: the handshake, the expert counts and the
+    requests all go with --backend-api-key, so the proxy and a batch run configure themselves and learn as without a
+    key. (One server for both: each vLLM start costs about a minute on 2 cores.)"""
     import json
 
     from moe_cohort.cli import main
@@ -62,9 +52,13 @@ def test_behind_a_vllm_that_takes_a_key_every_backend_request_carries_it(tiny_mo
                             backend_api_key="backend-secret")
         with ProxyThread(settings) as proxy:
             state = proxy.server.config.app.state.proxy
-            assert state.engines[0].expert_aware and state.plans[0].engine_side  # the handshake was answered
+            plan = state.plans[0]
+            assert state.engines[0].expert_aware  # the handshake was answered
+            assert plan.engine_side and plan.max_in_flight == 256 and state.gate.profile_first
+            assert state.learning.on and state.predictor.mode().startswith("first come, first served")
             _ask(proxy, 20)
-            _until(lambda: state.learning.learner.head is not None)  # the counts were taken, with the key
+            _until(lambda: state.learning.learner.head is not None)  # 16 observed, their counts taken with the key
+            assert state.predictor.mode() == "learned head"
         src = tmp_path / "in.jsonl"
         src.write_text("".join(json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions",
                                            "body": {"model": "tiny", "max_tokens": 4, "messages": [
