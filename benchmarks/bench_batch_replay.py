@@ -29,7 +29,11 @@ benchmarks.bench_learning replays them) the batch file is the held-out side of t
 - learned-first n, no refits: the first n of --samples with step 3 off (the head of the switch admits
   to the end), so the effect of learning on shows;
 - offline head: the head fitted on the training side (HeldOut.fit_head, static encoder), admitting by the
-  rule from the first line;
+  rule from the first line: (a) greedy admission, the whole remaining file its pool;
+- plan up front: (b) the order that rule gives if requests finished in the order sent (one out, one in: the
+  runner's simulated_order), made once from the offline head's profiles and sent first come, first served;
+- plan + admission among the next w: (c) the plan's order, the rule choosing each freed slot's line among the
+  plan's next w waiting lines (closed-loop clients, S + w of them: eval.replay), for each w of --windows;
 - reference: the held-out lines' own profiles, by the same rule.
 Printed per model and S: the saving in decode expert loads per generated token against file order, over
 all steps and over the steps with the engine kept full (eval.replay.Replay.loads_per_token and
@@ -64,7 +68,7 @@ from moe_cohort.traces.observed import Observed
 from moe_cohort.train.online import LearnConfig, OnlineLearner
 
 TARGET = (16, 0.85)  # at S = 16, learned-first keeps >= 85% of the offline head's saving
-FILE, OFFLINE = "file order", "offline head"
+FILE, OFFLINE, PLAN = "file order", "offline head", "plan up front"
 METRICS = {"all": lambda r: r.loads_per_token, "full": lambda r: r.loads_per_token_full}
 Embed = Callable[[list[str]], np.ndarray]  # texts -> [N, D]
 
@@ -176,7 +180,8 @@ def no_refits(n: int) -> str:
 
 
 def replay_seed(tokens: DecodeTokens, lengths: np.ndarray, slots: int, seed: int, samples: list[int],
-                fixed: dict[str, np.ndarray], learner: Callable[[], Learner]) -> dict[str, Run]:
+                fixed: dict[str, np.ndarray], learner: Callable[[], Learner], windows: Sequence[int] = ()
+                ) -> dict[str, Run]:
     """Every row's replay at one seed (`learner()`: a fresh learner per replay)."""
     file, perm = seed_orders(len(tokens), seed)
     out = {FILE: Run(fixed_order(file).run(tokens, lengths, slots), None)}
@@ -186,7 +191,33 @@ def replay_seed(tokens: DecodeTokens, lengths: np.ndarray, slots: int, seed: int
         out[no_refits(samples[0])] = learned_first(tokens, lengths, slots, perm, samples[0], learner(), refits=False)
     for name, profiles in fixed.items():
         out[name] = Run(replace(by_profile(profiles), order=file).run(tokens, lengths, slots), None)
+    plan = planned(fixed[OFFLINE], file, slots)  # [N]
+    out[PLAN] = Run(fixed_order(plan).run(tokens, lengths, slots), None)
+    for w in windows:
+        out[mixed(w)] = Run(replace(by_profile(fixed[OFFLINE]), order=plan).run(tokens, lengths, slots,
+                                                                              clients=slots + w), None)
     return out
+
+
+def mixed(window: int) -> str:
+    return f"plan + admission among the next {window}"
+
+
+def planned(profiles: np.ndarray, file: np.ndarray, slots: int) -> np.ndarray:
+    """The order greedy admission by `profiles` [N, P] gives `file` [N] if the requests finish in the order sent:
+    S out, then one finishes and the freed slot admits the next (the batch runner's simulated_order)."""
+    policy = by_profile(profiles)
+    router = policy.router([slots])
+    for key in file:
+        router.add(int(key), policy.vectors[key], 0.0)
+    out, plan = [], []
+    while len(plan) < len(file):
+        admitted = [key for key, _ in router.admit(0.0)]
+        out += admitted
+        plan += admitted
+        if out:
+            router.release(out.pop(0))
+    return np.asarray(plan, np.int64)
 
 
 def summarise(runs: list[dict[str, Run]]) -> dict[str, dict]:
@@ -209,10 +240,11 @@ def summarise(runs: list[dict[str, Run]]) -> dict[str, dict]:
 
 
 def measure_slots(tokens: DecodeTokens, lengths, slots: int, seeds: int, samples: list[int],
-                  fixed: dict[str, np.ndarray], learner: Callable[[], Learner], report=print) -> dict:
+                  fixed: dict[str, np.ndarray], learner: Callable[[], Learner], report=print,
+                  windows: Sequence[int] = ()) -> dict:
     """One S: every row over `seeds` seeds, printed as a table; the target's verdict per sample size at S = 16."""
     with threadpool_limits(limits=1, user_api="blas"):
-        rows = summarise([replay_seed(tokens, lengths(seed), slots, seed, samples, fixed, learner)
+        rows = summarise([replay_seed(tokens, lengths(seed), slots, seed, samples, fixed, learner, windows)
                           for seed in range(seeds)])
     width = max(len(name) for name in rows)
     report(f"S = {slots} ({seeds} seeds): saving in decode loads per generated token against file order")
@@ -240,7 +272,8 @@ def target(rows: dict, samples: list[int], report=print) -> dict:
     return verdicts
 
 
-def measure_model(ts: TraceSet, slots: list[int], samples: list[int], seeds: int, embed: Embed, report=print) -> dict:
+def measure_model(ts: TraceSet, slots: list[int], samples: list[int], seeds: int, embed: Embed, report=print,
+                  windows: Sequence[int] = ()) -> dict:
     """One trace set's held-out side as the batch file: every S's rows (`measure_slots`)."""
     data = HeldOut.of(ts)
     texts = [str(t) for t in ts.texts]
@@ -259,8 +292,8 @@ def measure_model(ts: TraceSet, slots: list[int], samples: list[int], seeds: int
            + (f" (skipped, not below the file's size: {[n for n in samples if n >= m]})" if len(kept) < len(samples)
               else "") + f"; offline head alpha {offline.alpha:g}")
     return {"heldout": m, "decode_mode": tokens.mode, "samples": kept,
-            "by_slots": [measure_slots(tokens, lengths, s, seeds, kept, fixed, lambda: LineLearner(f, observed), report)
-                         for s in slots]}
+            "by_slots": [measure_slots(tokens, lengths, s, seeds, kept, fixed, lambda: LineLearner(f, observed), report,
+                                       windows) for s in slots]}
 
 
 def _ints(text: str) -> list[int]:
@@ -274,6 +307,7 @@ def main() -> None:
     p.add_argument("--samples", default=f"{LearnConfig().first_fit},32,64",
                    help="learned-first's n (>= 2): the head takes over once n requests have finished")
     p.add_argument("--seeds", type=int, default=10)
+    p.add_argument("--windows", default="4,16", help="(c)'s w: admission among the plan's next w waiting lines")
     p.add_argument("--cache", default="/tmp/cohort-bench-cache", help="embedding cache folder (outside the repository)")
     p.add_argument("--json", help="also write the numbers here")
     args = p.parse_args()
@@ -284,7 +318,7 @@ def main() -> None:
     for path in (args.traces.split(",") if args.traces else [str(data_path(m)) for m in MODELS]):
         print(f"\n===== {path} =====", flush=True)
         out[path] = measure_model(load_traces(path), _ints(args.slots), samples, args.seeds,
-                                  lambda texts: embeddings(texts, "static", args.cache))
+                                  lambda texts: embeddings(texts, "static", args.cache), windows=_ints(args.windows))
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
 

@@ -175,3 +175,33 @@ def test_the_file_order_and_the_runners_permutation_differ_per_seed():
     file, perm = seed_orders(50, 3)
     assert sorted(file.tolist()) == sorted(perm.tolist()) == list(range(50))
     assert file.tolist() != perm.tolist() and seed_orders(50, 4)[0].tolist() != file.tolist()
+
+
+def test_the_plan_up_front_is_the_batch_runners_simulated_order(tmp_path):
+    """(b)'s plan: greedy admission by the profiles if requests finish in the order sent, as the runner's
+    simulated_order (batch/order.py) plans a --dry-run; its w-window mix keeps every line once."""
+    import json
+
+    from benchmarks.bench_batch_replay import PLAN, mixed, planned, replay_seed
+    from moe_cohort.admission.resident import ResidentExperts
+    from moe_cohort.admission.wire import Prediction
+    from moe_cohort.batch.format import read_batch_file
+    from moe_cohort.batch.order import make_order, simulated_order
+    from moe_cohort.send.profiles import Predictor
+
+    rng = np.random.default_rng(3)
+    profiles = (rng.random((14, 12)) < 0.3).astype(np.float32)  # [N, L*E] = [14, 2*6]
+    path = tmp_path / "in.jsonl"
+    path.write_text("".join(json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
+                                        "body": {"model": "m", "prompt": f"p{i}"}}) + "\n" for i in range(14)))
+    requests = read_batch_file(path, default_policy="topk", max_line_bytes=10_000).requests
+    predictor = Predictor(lambda texts: [Prediction(profiles[int(t[1:])]) for t in texts],
+                          lambda size: ResidentExperts(1, size), "profile")
+    runner = [r.line - 1 for r in simulated_order(requests, make_order(requests, predictor, 3), 3)]
+    assert planned(profiles, np.arange(14), 3).tolist() == runner
+    traces = random_traces(14, num_experts=6, num_layers=2, max_decode=5)
+    tokens = decode_tokens(traces)
+    lengths = np.full(14, 4)
+    runs = replay_seed(tokens, lengths, 3, 0, [], {OFFLINE: profiles}, lambda: None, windows=[2])
+    for name in (PLAN, mixed(2)):
+        assert sorted(runs[name].replay.order.tolist()) == list(range(14))
