@@ -158,7 +158,7 @@ def test_the_benchmark_measures_every_row_against_file_order(tmp_path, decode):
     for at in got["by_slots"]:
         rows = at["rows"]
         assert list(rows) == [FILE, "learned-first 5", "learned-first 10", "learned-first 5, no refits", OFFLINE,
-                              REFERENCE]
+                              REFERENCE, "plan up front"]
         for metric in ("all", "full"):
             assert rows[FILE][metric]["saving"] == 0.0 and len(rows[OFFLINE][metric]["per_seed"]) == 2
             assert all(np.isfinite(row[metric]["saving"]) for row in rows.values())
