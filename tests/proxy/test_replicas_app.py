@@ -246,7 +246,7 @@ def _killed_loses_none(a, b, caplog):
 
     settings = Settings(backends=(a.url, b.url), port=free_port(), max_in_flight=4, encoder="none",
                         replica_routing="least-loaded")
-    served_before = _requests_served(a.url)
+    served_before, b_before = _requests_served(a.url), _requests_served(b.url)  # the counters run from B's start
     with ProxyThread(settings) as proxy, caplog.at_level("WARNING", logger="moe_cohort.send.replicas"):
         async def ask(client, i):
             return await client.chat.completions.create(
@@ -259,7 +259,7 @@ def _killed_loses_none(a, b, caplog):
             while _metric(b.url, "vllm:num_requests_running") == 0:  # B is generating some of them
                 assert time.monotonic() < deadline, f"B never ran a request; proxy /health: {_health(proxy.url)}"
                 await asyncio.sleep(0.05)
-            answered_by_b = _requests_served(b.url)
+            answered_by_b = _requests_served(b.url) - b_before
             os.killpg(b.process.pid, signal.SIGKILL)  # the guard leads B's process group
             later = [asyncio.create_task(ask(client, 40 + i)) for i in range(40)]
             return answered_by_b, await asyncio.gather(*first, *later)
