@@ -22,6 +22,7 @@ they take on a CPU host (far longer when its cores are shared) is measured in do
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import hashlib
 import json
@@ -254,3 +255,12 @@ def train_loop(model, streams: dict, args: TrainArgs) -> TrainStats:
     stats.cpu_seconds = time.process_time() - c0
     stats.peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return stats
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description="train the tiny MoE of a recipe into a folder (cached by recipe)")
+    parser.add_argument("out_dir", help="the model folder to write")
+    parser.add_argument("--recipe", choices=sorted(RECIPES), default="full")
+    parser.add_argument("--cache-dir", default=None, help="where trained models are cached by recipe")
+    args = parser.parse_args()
+    train_tiny_moe(args.out_dir, RECIPES[args.recipe], cache_dir=args.cache_dir)

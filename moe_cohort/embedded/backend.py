@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
+import sys
 from pathlib import Path
+from typing import Callable
 
 from moe_cohort.embedded.vllm_server import VllmServer, start
 from moe_cohort.engine.engine_info import SCHEDULER_CLS
@@ -39,17 +42,27 @@ def has_model(model_dir: str | Path) -> bool:
     return (Path(model_dir) / "config.json").is_file()
 
 
-def ensure_trained_model(model_dir: str | Path | None = None) -> Path:
+def ensure_trained_model(model_dir: str | Path | None = None, *,
+                         train: Callable[[Path, Path], object] | None = None) -> Path:
     """The folder of the tiny MoE trained on text, trained there first if it holds no model yet (a model
     already there, trained or not, is kept as it is). Training is cached by recipe under cache_root(): a
-    second folder copies the first's model."""
+    second folder copies the first's model. `train(model_dir, cache_dir)`: `train_apart` unless given."""
     model_dir = Path(model_dir) if model_dir else default_model_dir()
     if not has_model(model_dir):
-        from moe_cohort.devtools.train_moe import RECIPES, train_tiny_moe
-
         log.info("training the tiny MoE on text into %s", model_dir)
-        train_tiny_moe(model_dir, RECIPES["full"], cache_dir=cache_root() / "trained-tiny-moe")
+        (train or train_apart)(model_dir, cache_root() / "trained-tiny-moe")
     return model_dir
+
+
+def train_apart(model_dir: Path, cache_dir: Path, recipe: str = "full") -> None:
+    """Train (or copy from the cache) in a child process (`python -m moe_cohort.devtools.train_moe`): torch, and
+    the Triton it loads, never enter the process that serves, which stays light and stops without their noise on
+    its console. The child's output is shown only when it fails."""
+    done = subprocess.run([sys.executable, "-m", "moe_cohort.devtools.train_moe", str(model_dir), "--recipe", recipe,
+                           "--cache-dir", str(cache_dir)], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"training the tiny MoE into {model_dir} failed (exit {done.returncode}):\n"
+                           + "\n".join((done.stdout + done.stderr).splitlines()[-20:]))
 
 
 def ensure_tiny_model(model_dir: str | Path | None = None) -> Path:

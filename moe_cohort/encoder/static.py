@@ -9,7 +9,9 @@ folder: `Embedder(folder)` loads it, and `cohort train --encoder folder` fine-tu
 overlap like any other encoder.
 
 `static_model_dir()` distils once (every vocabulary token through the teacher) into a cache folder and reuses it;
-`--encoder static` anywhere names that folder. It says so (a warning, so a server's console shows
+`--encoder static` anywhere names that folder. The distillation runs in a child process (`python -m
+moe_cohort.encoder.static`): the teacher's torch, and the Triton that torch loads, never enter the process that
+asked, so a server distilling on its first start stays light and stops without their noise on its console. It says so (a warning, so a server's console shows
 it), and processes that start together distil once: the first holds a file lock beside the cache
 folder, the others wait for it and reuse its folder. The cache lives in $COHORT_CACHE_DIR (default
 ~/.cache/moe-cohort), never in the repository.
@@ -17,11 +19,14 @@ folder, the others wait for it and reuse its folder. The cache lives in $COHORT_
 
 from __future__ import annotations
 
+import argparse
 import fcntl
 import json
 import logging
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -43,7 +48,7 @@ def cache_root() -> Path:
 def static_model_dir(source: str, *, dims: int = DEFAULT_DIMS, root: Path | None = None,
                      build: Callable[..., Path] | None = None) -> Path:
     """The folder of the static encoder distilled from the teacher `source` (a resolved folder or hub
-    name; `encoder.embedding.resolve_model`), built once by `build(source, out, dims=dims)` (`distill`).
+    name; `encoder.embedding.resolve_model`), built once by `build(source, out, dims=dims)` (`distill_apart`).
 
     Processes that start together build it once: the builder holds an exclusive lock on a file beside
     the cache folder (fcntl.flock, released when the process ends, however it ends); the others wait
@@ -63,7 +68,7 @@ def static_model_dir(source: str, *, dims: int = DEFAULT_DIMS, root: Path | None
         log.warning("first use of the static encoder: distilling it from %s (PCA %d dims) into %s; this takes "
                     "%s and happens once", source, dims, out, DISTILL_TIME)
         started = time.monotonic()
-        (build or distill)(source, out, dims=dims)
+        (build or distill_apart)(source, out, dims=dims)
         log.info("static encoder ready in %.0f s: %s", time.monotonic() - started, out)
     return out
 
@@ -115,6 +120,16 @@ def distill(source: str, out: Path, *, dims: int = DEFAULT_DIMS) -> Path:
     return _save(SentenceTransformer(modules=[static], device="cpu"), out)
 
 
+def distill_apart(source: str, out: Path, *, dims: int = DEFAULT_DIMS) -> Path:
+    """`distill` in a child process; its output is shown only when it fails (RuntimeError with its last lines)."""
+    done = subprocess.run([sys.executable, "-m", __name__, source, str(out), "--dims", str(dims)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"distilling the static encoder from {source} failed (exit {done.returncode}):\n"
+                           + "\n".join((done.stdout + done.stderr).splitlines()[-20:]))
+    return out
+
+
 def save_static(tokenizer, weights, out: Path) -> Path:
     """Save a StaticEmbedding of a fast `tokenizer` (tokenizers.Tokenizer) and token vectors
     `weights` [V, D] as a sentence-transformers folder `out` (e.g. train.static_student's)."""
@@ -133,3 +148,12 @@ def _save(model, out: Path) -> Path:
         os.replace(tmp, out)
         os.makedirs(tmp)  # TemporaryDirectory removes what it made
     return out
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description="distil a static encoder from a sentence encoder (static_model_dir)")
+    parser.add_argument("source", help="the teacher: a sentence-transformers folder or hub name")
+    parser.add_argument("out", type=Path, help="the folder to write (complete or absent)")
+    parser.add_argument("--dims", type=int, default=DEFAULT_DIMS, help="PCA dimensions")
+    args = parser.parse_args()
+    distill(args.source, args.out, dims=args.dims)

@@ -1,6 +1,10 @@
 """embedded/backend.py: where the embedded backend's model lives, and that a model folder given is served as it is."""
 
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 from moe_cohort.embedded import backend as embedded
 
@@ -16,23 +20,33 @@ def test_the_cache_folder_follows_cohort_cache_dir_then_xdg_cache_home(monkeypat
 
 
 def test_a_folder_with_a_model_is_served_as_it_is_and_an_empty_one_is_trained(monkeypatch, tmp_path):
-    from moe_cohort.devtools import train_moe
-
     trained = []
 
-    def train(out_dir, args, cache_dir=None):  # the recipe's own training is tested in tests/devtools
-        trained.append((Path(out_dir), args, Path(cache_dir)))
+    def train(out_dir, cache_dir):  # the recipe's own training is tested in tests/devtools, the child below
+        trained.append((out_dir, cache_dir))
         Path(out_dir).mkdir(parents=True, exist_ok=True)
         (Path(out_dir) / "config.json").write_text("{}")
-        return Path(out_dir)
 
-    monkeypatch.setattr(train_moe, "train_tiny_moe", train)
     monkeypatch.setenv("COHORT_CACHE_DIR", str(tmp_path / "cache"))
     given = tmp_path / "mine"
     given.mkdir()
     (given / "config.json").write_text('{"model_type": "qwen3_moe"}')
-    assert embedded.ensure_trained_model(given) == given and trained == []
-    assert embedded.ensure_trained_model(tmp_path / "new") == tmp_path / "new"
-    assert trained == [(tmp_path / "new", train_moe.RECIPES["full"], tmp_path / "cache" / "trained-tiny-moe")]
-    assert embedded.ensure_trained_model(None) == tmp_path / "cache" / "trained-tiny-moe-model"
-    assert len(trained) == 2 and embedded.ensure_trained_model(None) and len(trained) == 2  # once
+    assert embedded.ensure_trained_model(given, train=train) == given and trained == []
+    assert embedded.ensure_trained_model(tmp_path / "new", train=train) == tmp_path / "new"
+    assert trained == [(tmp_path / "new", tmp_path / "cache" / "trained-tiny-moe")]
+    assert embedded.ensure_trained_model(None, train=train) == tmp_path / "cache" / "trained-tiny-moe-model"
+    assert len(trained) == 2 and embedded.ensure_trained_model(None, train=train) and len(trained) == 2  # once
+
+
+@pytest.mark.integration
+def test_training_runs_in_a_child_that_leaves_torch_out_of_the_caller(tmp_path):
+    """The serving process asks for the model; torch (and the Triton it loads, whose shutdown prints noise)
+    is imported only by the child that trains (the small "ci" recipe here)."""
+    code = ("import sys, pathlib; from moe_cohort.embedded.backend import train_apart; "
+            "train_apart(pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2]), recipe='ci'); "
+            "print(sorted(m for m in ('torch', 'triton', 'transformers') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "m"), str(tmp_path / "cache")],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]" and "nanobind" not in done.stderr
+    assert embedded.has_model(tmp_path / "m")

@@ -33,7 +33,7 @@ def test_distilled_once_and_reused(static_dir, minilm_dir):
 def test_the_name_static_is_the_cached_distillation_of_the_packaged_model(tmp_path, monkeypatch):
     made = []
     monkeypatch.setenv("COHORT_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr("moe_cohort.encoder.static.distill", lambda source, out, dims: made.append((source, dims)) or out)
+    monkeypatch.setattr("moe_cohort.encoder.static.distill_apart", lambda source, out, dims: made.append((source, dims)) or out)
     path = resolve_model("static")
     assert path.startswith(str(tmp_path)) and made == [(resolve_model(None), 256)]
 
