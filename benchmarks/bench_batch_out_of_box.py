@@ -159,7 +159,9 @@ def rounds(backend: str, src: Path, work: Path, args, layers: int) -> list[dict]
         warm = work / f"data-r{r}-warm"
         shutil.copytree(cold, warm)
         rows.append({**measured(f"warm r{r}", backend, layers,
-                                cli_run(src, work / f"warm-r{r}.jsonl", backend, ["--data-dir", str(warm), *args.flags])),
+                                cli_run(src, work / f"warm-r{r}.jsonl", backend,
+                                        ["--data-dir", str(warm), *(args.flags if args.warm_flags is None else
+                                                                    args.warm_flags)])),
                      "kind": "warm", "round": r})
         if args.api:
             rows.append({**measured(f"API file order r{r}", backend, layers,
@@ -205,6 +207,8 @@ def main() -> None:
     p.add_argument("--plain-vllm", action="store_true", help="vLLM's own scheduler (the plugin still loaded)")
     p.add_argument("--flags", type=str.split, default=[], help="flags for the cold and warm runs, in one string "
                    "(e.g. '--max-in-flight 16'); none: the bare command")
+    p.add_argument("--warm-flags", type=str.split, default=None, help="the warm runs' flags instead (e.g. "
+                   "'--no-learn': ordered by the head the cold run learned, learning nothing more)")
     args = p.parse_args()
     from moe_cohort.embedded.vllm_server import start
 
