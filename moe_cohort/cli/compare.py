@@ -19,9 +19,10 @@ forward touch fewer experts by themselves). FCFS and admission alternate on one 
 engine's drift over minutes hits both alike. The counters are server-wide: run it on a backend that
 nothing else uses.
 
-Longer than the house's other modules on purpose: one command read top to bottom: finding the proxy's backend and model, the learning
-phase, the rounds, the closed-loop clients and the printed rows share one Target and one Run, and
-split apart they would be imported by nothing else.
+Longer than the house's other modules on purpose: one command read top to bottom. Finding the proxy's
+backend and model, the learning phase, the rounds, the closed-loop clients, the reads of the backend
+(over aiohttp) and the printed rows share one Target and one Run; split apart they would be imported by
+nothing else.
 """
 
 from __future__ import annotations
