@@ -92,10 +92,23 @@ class _NoProcessOutsideIntegration(subprocess.Popen):
         super().__init__(args, *a, **kw)
 
 
+class _FitHere:
+    """Outside integration tests, the learner's process (send/learning/behind_serving.py) is this process: the
+    same fit, called here (tests/send/learning/test_learning.py runs the process itself)."""
+
+    def call(self, args, kwargs):
+        from moe_cohort.train.profile_head import fit_head_features
+
+        return fit_head_features(*args, **kwargs)
+
+
 @pytest.fixture(autouse=True)
 def _processes_only_in_integration_tests(request, monkeypatch):
     if request.node.get_closest_marker("integration") is None:
+        from moe_cohort.send.learning import behind_serving
+
         monkeypatch.setattr(subprocess, "Popen", _NoProcessOutsideIntegration)
+        monkeypatch.setattr(behind_serving, "_apart", _FitHere)
 
 
 def write_trace_dir(path, ts: TraceSet, *, decode: bool = False):

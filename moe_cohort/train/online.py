@@ -31,7 +31,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -41,6 +41,8 @@ from moe_cohort.traces.observed import Observed
 from moe_cohort.train.profile_head import DEFAULT_ALPHAS, fit_head_features
 
 log = logging.getLogger(__name__)
+
+Fit = Callable[..., ProfileHead]  # (f [n, F], profiles [n, L, E], top_k, alphas, *, ngram_dim) -> the head
 
 SEARCH_EVERY = 4  # once the reservoir is full, every 4th refit searches the penalty (the others reuse the last)
 RENEWED_GROWING, RENEWED_FULL = 4, 2  # a refit waits for 1/4 of the last fit's rows to be new (1/2 once full)
@@ -198,13 +200,13 @@ class OnlineLearner:
         share = RENEWED_FULL if r.size >= r.capacity else RENEWED_GROWING
         return r.stored - self.stored_at_fit >= max(cfg.refit_every, self.fitted_on // share)
 
-    def refit(self) -> ProfileHead:
-        """Fit a head on the reservoir and swap it in."""
+    def refit(self, fit: Fit = fit_head_features) -> ProfileHead:
+        """Fit a head on the reservoir with `fit` (train.profile_head.fit_head_features, or a call of it that runs
+        elsewhere: the proxy's runs in a process of its own) and swap it in."""
         f, y = self.reservoir.arrays()  # [n, F], [n, L*E]
         layers, experts, top_k = self.shape
         start = time.perf_counter()
-        head = fit_head_features(f, y.reshape(len(y), layers, experts), top_k, self._alphas(),
-                                 ngram_dim=self.config.ngram_dim)
+        head = fit(f, y.reshape(len(y), layers, experts), top_k, self._alphas(), ngram_dim=self.config.ngram_dim)
         self.head, self.fitted_on, self.fitted_at = head, len(f), time.time()
         self.stored_at_fit, self.refits = self.reservoir.stored, self.refits + 1
         log.info("online profile head: refitted on %d of %d observations in %.2f s (alpha %g)",

@@ -1,23 +1,105 @@
-"""Work that must not slow serving down (the online learner's refits, a batch's re-predictions): a thread at the
-lowest CPU priority, BLAS on one thread while it computes."""
+"""Work that must not slow serving down: a refit of the profile head runs in a process of its own at the lowest
+CPU priority; the rest of learning (observing, a batch's re-predictions) on a worker thread, BLAS on one thread.
+
+Why a process, not a low-priority thread: a thread holds the GIL while it computes, and a thread that the OS keeps
+off the CPU (nice 19 on a machine that vLLM keeps busy) holds it for as long as it waits there, so the serving
+event loop waits with it (a priority inversion: the loop stalls for as long as the refit waits for a core). A
+process of its own shares no GIL with the event loop, and its nice 19 only ever delays the refit.
+"""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import os
+import pickle
+import subprocess
 import sys
 import threading
 
-from threadpoolctl import ThreadpoolController
+from threadpoolctl import ThreadpoolController, threadpool_limits
+
+from moe_cohort.encoder.profile import ProfileHead
+
+LOWEST = 19  # Linux's nice: the lowest CPU priority
 
 
-def lowest_priority() -> None:
-    """The calling thread runs at the lowest CPU priority (Linux's nice is per thread; a thread pool's
-    initializer): on a machine it shares with vLLM, a refit must not take the CPU that vLLM's API server
-    needs to start the next request."""
-    with contextlib.suppress(OSError, AttributeError):  # not Linux: the default priority
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+class LearnerProcessError(RuntimeError):
+    """The learner's process ended (killed, or out of memory); the next fit starts a new one."""
+
+
+def fit_apart(*args, **kwargs) -> ProfileHead:
+    """train.profile_head.fit_head_features(*args, **kwargs) in the learner's process, the calling thread waiting
+    on its pipe (without the GIL). A process that ended is replaced at the next call (this one raises
+    LearnerProcessError); an error of the fit itself is raised here."""
+    try:
+        return _apart().call(args, kwargs)
+    except LearnerProcessError:
+        _apart.cache_clear()
+        raise
+
+
+def start_apart() -> None:
+    """Start the learner's process now (its imports take a second of a core, at its priority), so that the first
+    fit does not wait for them."""
+    _apart()
+
+
+class _Apart:
+    """`python -m moe_cohort.send.learning.behind_serving`: fits sent on its stdin, answered on its stdout (pickles,
+    over pipes only this process holds), one at a time. It ends when its stdin closes (this process ended)."""
+
+    def __init__(self) -> None:
+        self.process = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self.lock = threading.Lock()
+        atexit.register(self.close)
+
+    def call(self, args: tuple, kwargs: dict):
+        with self.lock:
+            try:
+                pickle.dump((args, kwargs), self.process.stdin, protocol=pickle.HIGHEST_PROTOCOL)
+                self.process.stdin.flush()
+                ok, value = pickle.load(self.process.stdout)
+            except (OSError, EOFError, pickle.UnpicklingError) as exc:
+                self.close()
+                raise LearnerProcessError(f"the learner's process ended (exit status {self.process.poll()})") from exc
+        if not ok:
+            raise value
+        return value
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.process.stdin.close()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(5)
+
+
+@functools.lru_cache(maxsize=1)
+def _apart() -> _Apart:
+    """One learner process per serving process, shared by every learner in it."""
+    return _Apart()
+
+
+def _serve(stdin, stdout) -> None:
+    """The learner process: the lowest CPU priority, BLAS on one thread (its helpers would busy-wait on the cores
+    vLLM needs), then each fit sent, until its stdin closes."""
+    with contextlib.suppress(OSError, AttributeError):  # not Linux/Unix: the default priority
+        os.setpriority(os.PRIO_PROCESS, 0, LOWEST)
+    from moe_cohort.train.profile_head import fit_head_features  # loads numpy and scipy's BLAS
+
+    threadpool_limits(limits=1, user_api="blas")  # for the process's life (not a `with` block)
+    while True:
+        try:
+            args, kwargs = pickle.load(stdin)
+        except EOFError:
+            return
+        try:
+            answer = (True, fit_head_features(*args, **kwargs))
+        except Exception as exc:  # the caller raises it
+            answer = (False, exc)
+        pickle.dump(answer, stdout, protocol=pickle.HIGHEST_PROTOCOL)
+        stdout.flush()
 
 
 def one_blas_thread() -> contextlib.AbstractContextManager:
@@ -30,3 +112,7 @@ def one_blas_thread() -> contextlib.AbstractContextManager:
 @functools.lru_cache(maxsize=1)
 def _blas(modules: int) -> ThreadpoolController:
     return ThreadpoolController()  # inspects the loaded libraries (`modules`: how many Python modules were loaded)
+
+
+if __name__ == "__main__":
+    _serve(sys.stdin.buffer, sys.stdout.buffer)

@@ -3,9 +3,10 @@
 Learning (on where a replica serves its expert counts, send/autoconfig.py; `--learn` / `--no-learn` decide
 otherwise) pairs each observed request's head features (kept from its prediction on arrival, or computed on
 the worker; never the text) with the expert counts the engine reports for it (send/learning/observed_counts.py),
-keeps them in a train.online.OnlineLearner, refits the head on a worker thread behind serving when enough new
-ones arrived, swaps it in (admission reads `Learning.head` per prediction) and saves reservoir and head under
-`--data-dir`/learned after a refit at most once a minute and when it stops, so a restart keeps what was learned.
+keeps them in a train.online.OnlineLearner on a worker thread, refits the head when enough new ones arrived (in a
+process of its own at the lowest CPU priority: send/learning/behind_serving.py), swaps it in (admission reads
+`Learning.head` per prediction) and saves reservoir and head under `--data-dir`/learned after a refit at most once
+a minute and when it stops, so a restart keeps what was learned.
 
 Which requests are observed: those the reservoir will keep (every one until it is full, then capacity / seen
 of them: train.online.Reservoir), plus `learn_sample_rate` of the others, which feed the live fit only. So
@@ -27,7 +28,7 @@ import numpy as np
 
 from moe_cohort.encoder.profile import ProfileHead
 from moe_cohort.send.backend_client import BackendClient
-from moe_cohort.send.learning.behind_serving import lowest_priority, one_blas_thread
+from moe_cohort.send.learning.behind_serving import fit_apart, one_blas_thread, start_apart
 from moe_cohort.send.learning.observed_counts import (ROUTED_EXPERTS, ObservedCounts, client_answer, marked,
                                                       one_routed_choice, routed_counts)
 from moe_cohort.send.metrics import ProxyMetrics
@@ -58,13 +59,17 @@ class Learning:
         self._pending: list[Pending] = []
         self._busy = False
         self._lock = threading.Lock()
-        self._executor = ThreadPoolExecutor(1, "cohort-learn", initializer=lowest_priority)
+        self._executor = ThreadPoolExecutor(1, "cohort-learn")  # its refits in a process of their own (fit_apart)
         self._random = random.Random(0)
         _show(learner, metrics)
+        if on is not False:
+            start_apart()
 
     def decide(self, on: bool) -> None:
         """Learn from now on, or never (send/autoconfig.py decides from the engines' handshake)."""
         self.on = on
+        if on:
+            start_apart()
 
     @property
     def head(self) -> ProfileHead | None:
@@ -182,7 +187,7 @@ class Learning:
                 continue
             self.metrics.learned_profiles.labels(source).inc()
             if self.learner.due():  # checked per observation: the schedule does not depend on how they were batched
-                self.learner.refit()
+                self.learner.refit(fit_apart)
                 self.metrics.learned_refits.inc()
                 self.learner.save_when_due(self.folder, time.monotonic())  # and at close
 
@@ -202,7 +207,7 @@ class Learning:
 
     def _fit_and_save(self) -> None:
         if self.learner.reservoir.size >= 2 and self.learner.reservoir.stored != self.learner.stored_at_fit:
-            self.learner.refit()
+            self.learner.refit(fit_apart)
             self.metrics.learned_refits.inc()
         if self.learner.observed:
             self.learner.save(self.folder)

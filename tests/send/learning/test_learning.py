@@ -381,9 +381,10 @@ def test_a_newer_head_predicts_texts_seen_lately_from_their_kept_features(encode
         predictor.predict(["a text not seen lately"])
 
 
-def test_the_learner_works_behind_serving_at_the_lowest_priority_on_one_blas_thread(tmp_path):
-    """Its refits and a batch's re-predictions run on the learning worker: Linux nice 19 (a refit must not take
-    the CPU vLLM's API server needs to start the next request), BLAS on one thread (no spinning helpers)."""
+def test_the_learning_worker_keeps_the_serving_priority_on_one_blas_thread(tmp_path):
+    """Observations and a batch's re-predictions run on the learning worker, a thread of the serving process: at the
+    serving threads' priority (a thread the OS keeps off the CPU would hold the GIL meanwhile, and the event loop
+    would wait for it), BLAS on one thread (no spinning helpers)."""
     import os
     import threading
 
@@ -398,13 +399,40 @@ def test_the_learner_works_behind_serving_at_the_lowest_priority_on_one_blas_thr
         return os.getpriority(os.PRIO_PROCESS, threading.get_native_id()), blas
 
     learning = Learning(OnlineLearner(), lambda texts: (np.zeros((len(texts), 1)), [None] * len(texts)),
-                        tmp_path, ProxyMetrics())
+                        tmp_path, ProxyMetrics(), on=False)
     try:
         nice, blas = asyncio.run(learning.in_background(where))
     finally:
         learning.close()
-    assert nice == 19 and blas == {1}, (nice, blas)
-    assert where()[0] < 19  # the serving threads keep theirs
+    assert nice == where()[0] and blas == {1}, (nice, blas)
+
+
+@pytest.mark.integration  # starts the learner's process
+def test_a_refit_runs_in_a_process_of_its_own_at_the_lowest_priority():
+    """fit_apart: the same head as fitting here (the reference), fitted in another process at nice 19, which
+    shares no GIL with the serving event loop; one that died is replaced at the next fit."""
+    import os
+
+    from moe_cohort.send.learning import behind_serving
+    from moe_cohort.train.profile_head import fit_head_features
+
+    rng = np.random.default_rng(0)
+    f, y = rng.normal(size=(40, 24)).astype(np.float32), rng.random((40, 2, 8))  # [N, F], [N, L, E]
+    apart = behind_serving.fit_apart(f, y, 2, (0.1, 10.0), ngram_dim=0)
+    here = fit_head_features(f, y, 2, (0.1, 10.0), ngram_dim=0)
+    assert apart.alpha == here.alpha
+    np.testing.assert_array_equal(apart.from_features(f), here.from_features(f))
+    child = behind_serving._apart().process
+    assert child.pid != os.getpid() and os.getpriority(os.PRIO_PROCESS, child.pid) == behind_serving.LOWEST
+    with pytest.raises(ValueError):  # the fit's own error comes back
+        behind_serving.fit_apart(f, y[:3], 2, (1.0,), ngram_dim=0)
+    child.kill()
+    child.wait()
+    with pytest.raises(behind_serving.LearnerProcessError):
+        behind_serving.fit_apart(f, y, 2, (0.1,), ngram_dim=0)
+    again = behind_serving.fit_apart(f, y, 2, (0.1, 10.0), ngram_dim=0)
+    assert behind_serving._apart().process.pid != child.pid
+    np.testing.assert_array_equal(again.from_features(f), here.from_features(f))
 
 
 def test_the_worker_limits_blas_without_inspecting_the_libraries_each_time(monkeypatch):
@@ -430,3 +458,32 @@ def test_the_worker_limits_blas_without_inspecting_the_libraries_each_time(monke
         pass
     assert len(made) == 2
     behind_serving._blas.cache_clear()
+
+
+def test_the_learning_worker_refits_through_the_learner_process(tmp_path, monkeypatch):
+    """Every refit of the proxy's learner goes to the learner's process (behind_serving.fit_apart), never runs on
+    the worker thread itself: the fits that come in are the ones the schedule asks for."""
+    from moe_cohort.send.learning import behind_serving
+    from moe_cohort.send.learning.learning import Learning
+    from moe_cohort.send.metrics import ProxyMetrics
+    from moe_cohort.traces.observed import Observed
+    from moe_cohort.train.online import LearnConfig, OnlineLearner
+    from moe_cohort.train.profile_head import fit_head_features
+
+    fits = []
+
+    class Recording:
+        def call(self, args, kwargs):
+            fits.append(len(args[0]))
+            return fit_head_features(*args, **kwargs)
+
+    monkeypatch.setattr(behind_serving, "_apart", Recording)
+    rng = np.random.default_rng(0)
+    learning = Learning(OnlineLearner(LearnConfig(first_fit=4, refit_every=4, ngram_dim=0)),
+                        lambda texts: (rng.normal(size=(len(texts), 6)).astype(np.float32), [None] * len(texts)),
+                        tmp_path, ProxyMetrics())
+    for i in range(8):
+        counts = rng.integers(0, 5, (2, 8))  # [L, E]
+        learning.add(f"prompt {i}", Observed(counts, counts, 4, 4), "plugin", True)
+    learning.close()
+    assert fits == [4, 8] and learning.head is not None  # the first head at 4 rows, the next 4 rows later
