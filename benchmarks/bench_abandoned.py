@@ -3,13 +3,17 @@
     python -m benchmarks.bench_abandoned [--trials 10] [--clients 32] [--max-tokens 400] [--leave-after 0.5]
 
 The trained tiny MoE on vLLM CPU (the plugin and our scheduler, max_num_seqs 16, eager), nothing pinned. Per
-trial, through each path in turn (vLLM called directly, a bare `cohort serve --backend URL`, a first come, first
-served one with `--encoder none`): --clients non-streaming completions of --max-tokens tokens each (`ignore_eos`)
-sent at once, each on a raw socket that its client closes --leave-after seconds later without reading an answer
-(what a client timeout does). vLLM's own counters are read every POLL_S from the moment the last client left.
+trial, through each path of --paths in turn (vLLM called directly; a bare `cohort serve --backend URL`, which learns
+from the engine's counts; the same with `--no-learn`; a first come, first served one, `--encoder none`): --clients
+non-streaming completions of --max-tokens tokens each (`ignore_eos`) sent at once, each on a raw socket that its
+client closes --leave-after seconds later without reading an answer (what a client timeout does). vLLM's own
+counters are read every POLL_S from the moment the last client left.
 
 Per path: the tokens vLLM generated in the 3 s after the last client left (vllm:generation_tokens_total), the
-seconds until it ran nothing, and the trials under --under tokens; the target is every trial under it.
+seconds until it ran nothing, the trials under --under tokens (the target: every one), and through a proxy the
+worst lag of its event loop during the trial (cohort_event_loop_lag_seconds: the largest bucket bound passed). The
+proxies' logs (their access lines: a 499 per client that left, with the time the proxy took to see it) stay in
+the folder printed at the end.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import time
 from pathlib import Path
 
 import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.bench_out_of_box import SCHEDULER
 from benchmarks.bench_proxy import start_proxy
@@ -30,7 +35,8 @@ from moe_cohort.embedded.backend import default_model_dir, ensure_trained_model
 from moe_cohort.send.engine_counters import metric_sum
 
 POLL_S, AFTER_S = 0.1, 3.0
-PATHS = {"bare proxy": [], "FCFS proxy": ["--encoder", "none"]}
+DIRECT = "vLLM direct"
+PATHS = {"bare proxy": [], "no learning": ["--no-learn"], "FCFS proxy": ["--encoder", "none"]}
 
 
 async def read_engine(session: aiohttp.ClientSession, vllm: str) -> tuple[float, float]:
@@ -39,6 +45,20 @@ async def read_engine(session: aiohttp.ClientSession, vllm: str) -> tuple[float,
         text = await response.text()
     busy = metric_sum(text, "vllm:num_requests_running") + metric_sum(text, "vllm:num_requests_waiting")
     return metric_sum(text, "vllm:generation_tokens_total"), busy
+
+
+async def loop_lag(session: aiohttp.ClientSession, proxy: str) -> dict[float, float]:
+    """The proxy's event-loop lag histogram (cohort_event_loop_lag_seconds): samples at or under each bound."""
+    async with session.get(proxy + "/metrics") as response:
+        text = await response.text()
+    return {float(s.labels["le"]): s.value for f in text_string_to_metric_families(text)
+            if f.name == "cohort_event_loop_lag_seconds" for s in f.samples if s.name.endswith("_bucket")}
+
+
+def worst_lag(before: dict[float, float], after: dict[float, float]) -> float:
+    """The largest bound that a lag sampled between two readings passed (0 when none passed the first)."""
+    new = {bound: after[bound] - before.get(bound, 0) for bound in after}  # samples at or under each bound
+    return max((bound for bound, n in new.items() if n < new[float("inf")]), default=0.0)
 
 
 async def send_then_leave(url: str, body: bytes, leave_after_s: float) -> None:
@@ -67,6 +87,7 @@ async def trial(url: str, vllm: str, args) -> dict:
                        "ignore_eos": True}).encode()
     async with aiohttp.ClientSession() as session:
         await idle(session, vllm)
+        lag = await loop_lag(session, url) if url != vllm else {}
         await asyncio.gather(*(send_then_leave(url, body, args.leave_after) for _ in range(args.clients)))
         left = time.monotonic()
         at_leave, _ = await read_engine(session, vllm)
@@ -77,7 +98,8 @@ async def trial(url: str, vllm: str, args) -> dict:
             if busy == 0 and idle_after is None:
                 idle_after = now - left
             await asyncio.sleep(POLL_S)
-    return {"generated": generated, "idle_after_s": idle_after}
+        lag_s = worst_lag(lag, await loop_lag(session, url)) if url != vllm else None
+    return {"generated": generated, "idle_after_s": idle_after, "loop_lag_s": lag_s}
 
 
 def report(name: str, rows: list[dict], under: int) -> str:
@@ -86,15 +108,18 @@ def report(name: str, rows: list[dict], under: int) -> str:
     shown = ", ".join(f"{g:.0f}" for g in generated)
     idles = ", ".join("never" if s is None else f"{s:.1f}" for s in idle)
     ok = sum(g < under for g in generated)
-    return f"{name:>11}: {ok}/{len(rows)} trials under {under} tokens; generated after leaving: {shown}; idle after (s): {idles}"
+    lags = "" if rows[0]["loop_lag_s"] is None else "; the proxy's event loop late by over (s): " + ", ".join(
+        f"{r['loop_lag_s']:g}" for r in rows)
+    return (f"{name:>11}: {ok}/{len(rows)} trials under {under} tokens; generated after leaving: {shown}; "
+            f"idle after (s): {idles}{lags}")
 
 
 def trials(vllm: str, args) -> dict[str, list[dict]]:
     """--trials rounds, each path in turn: vLLM direct and the proxies of PATHS in front of `vllm`."""
     data = Path(tempfile.mkdtemp(prefix="bench-abandoned-"))
-    proxies = {name: start_proxy(vllm, *flags, "--data-dir", str(data / str(i)))
-               for i, (name, flags) in enumerate(PATHS.items())}
-    urls = {"vLLM direct": vllm, **{name: url for name, (_, url) in proxies.items()}}
+    proxies = {name: start_proxy(vllm, *PATHS[name], "--data-dir", str(data / str(i)), log=data / f"{i}.log")
+               for i, name in enumerate(args.paths) if name in PATHS}
+    urls = {**({DIRECT: vllm} if DIRECT in args.paths else {}), **{name: url for name, (_, url) in proxies.items()}}
     rows: dict[str, list[dict]] = {name: [] for name in urls}
     try:
         for t in range(args.trials):
@@ -105,6 +130,7 @@ def trials(vllm: str, args) -> dict[str, list[dict]]:
         for proc, _ in proxies.values():
             proc.terminate()
             proc.wait(30)
+    print(f"proxy logs: {data}")
     return rows
 
 
@@ -116,6 +142,8 @@ def main() -> None:
     p.add_argument("--leave-after", type=float, default=0.5, help="seconds each client waits before it hangs up")
     p.add_argument("--under", type=int, default=200, help="the most tokens a trial may generate after they left")
     p.add_argument("--model-dir", default=str(default_model_dir()))
+    p.add_argument("--paths", type=lambda s: s.split(","), default=[DIRECT, *PATHS],
+                   help=f"a comma list of: {DIRECT}, {', '.join(PATHS)}")
     p.add_argument("--backend", help="a running vLLM server's URL (default: start the tiny MoE's)")
     args = p.parse_args()
     if args.backend:

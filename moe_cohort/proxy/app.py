@@ -45,7 +45,7 @@ from moe_cohort.send.handshake import UNREACHABLE, EngineInfo, ask
 from moe_cohort.send.hints import HintRules
 from moe_cohort.send.learning.learning import Learning, learned_folder, load_learner, saved_head
 from moe_cohort.send.lifecycle import Lifecycle
-from moe_cohort.send.metrics import ProxyMetrics
+from moe_cohort.send.metrics import ProxyMetrics, watch_loop_lag
 from moe_cohort.send.profiles import FixedHead, Predictor, make_predictor
 from moe_cohort.send.protocol import Route, check_size, read_body, read_request
 from moe_cohort.send.replicas import ReplicaSet
@@ -192,9 +192,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         # vLLM's API server does the same after startup.
         gc.collect()
         gc.freeze()
-        watcher = asyncio.get_running_loop().create_task(proxy.watch_replicas())
+        loop = asyncio.get_running_loop()
+        watchers = [loop.create_task(proxy.watch_replicas()), loop.create_task(watch_loop_lag(proxy.metrics.loop_lag))]
         yield
-        watcher.cancel()
+        for watcher in watchers:
+            watcher.cancel()
         await batch_jobs.close()
         await proxy.close()
 

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+LAG_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+LAG_EVERY_S = 0.1  # how often the event loop's lag is sampled
 OWN_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1)
 
 
@@ -45,5 +50,17 @@ class ProxyMetrics:
                                       "when predicted): the head's, and the mean profile's (what learning nothing "
                                       "scores)", ["predictor"], registry=r)
 
+        self.loop_lag = Histogram("cohort_event_loop_lag_seconds", f"How late the event loop ran a timer, sampled "
+                                  f"every {LAG_EVERY_S:g} s: a time in which it served no request", buckets=LAG_BUCKETS,
+                                  registry=r)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+async def watch_loop_lag(lag: Histogram, every_s: float = LAG_EVERY_S) -> None:
+    """Until cancelled: every `every_s`, how much later than asked the event loop woke this task, into `lag`."""
+    while True:
+        asked = time.perf_counter() + every_s
+        await asyncio.sleep(every_s)
+        lag.observe(max(0.0, time.perf_counter() - asked))
