@@ -186,8 +186,13 @@ class FileRun:
         from moe_cohort.send.backend_client import BackendClient
         from moe_cohort.send.learning.learning import Learning, learned_folder, load_learner
         from moe_cohort.send.metrics import ProxyMetrics
+        from moe_cohort.send.profiles import limit_threads
 
         settings = self.settings
+        # The run shares the machine with the engine: BLAS on `encoder_threads` (1) for the whole process, set
+        # once (a pool of BLAS threads spins on the cores vLLM needs after each call, and its API server falls
+        # behind; limiting each call and restoring after wakes the pool again at every restore)
+        limit_threads(settings.encoder_threads)
         backend = BackendClient.of(settings, settings.backends[0])
         loading = _load_predictor(settings)  # the encoder loads while the first requests go (a sample, in any case)
         learning = None
@@ -231,12 +236,19 @@ def _load_predictor(settings: Settings) -> Future | None:
     """The settings' predictor, loading on a thread; None with --encoder none."""
     if settings.encoder.lower() == "none":
         return None
-    from moe_cohort.send.profiles import make_predictor
-
     pool = ThreadPoolExecutor(1, "cohort-encoder-load")
-    loading = pool.submit(make_predictor, settings)
+    loading = pool.submit(_loaded, settings)
     pool.shutdown(wait=False)  # the load goes on; the thread ends with it
     return loading
+
+
+def _loaded(settings: Settings):
+    """The settings' predictor, and this process's threads limited again (`limit_threads`: the libraries it loaded)."""
+    from moe_cohort.send.profiles import limit_threads, make_predictor
+
+    predictor = make_predictor(settings)
+    limit_threads(settings.encoder_threads)
+    return predictor
 
 
 def _following(loading: Future, learning, settings: Settings) -> Future:

@@ -16,6 +16,7 @@ command finishes the rest, and a head learned before the kill orders it from its
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -65,6 +66,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # a run shares the machine with the engine: BLAS on one thread, set before numpy loads OpenBLAS, whose pool of
+    # threads would spin on the engine's cores after each call (the caller's setting wins)
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     from moe_cohort.batch.file_run import BatchRunError, FileJob, FileRun, InvalidLines, configured, problem, read_file
 
     started = time.monotonic()

@@ -43,3 +43,19 @@ def test_what_stops_a_run_says_what_to_fix(tmp_path):
     assert len(caught.value.errors) == 1 and caught.value.code == 2 and not (tmp_path / "out.jsonl").exists()
     with pytest.raises(BatchRunError, match="is a folder; give a file path"):
         run_file(Settings(backends=("http://127.0.0.1:9",), encoder="none"), FileJob(src, tmp_path))
+
+
+def test_a_local_run_keeps_blas_on_one_thread_for_the_whole_process(tmp_path):
+    """A batch run shares the machine with the engine: its process runs BLAS on one thread (encoder_threads), set
+    once for the process, not per call (a pool of BLAS threads spins on the engine's cores after each call)."""
+    from threadpoolctl import threadpool_info, threadpool_limits
+
+    def blas_threads() -> set[int]:
+        return {lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas"}
+
+    src = _file(tmp_path, [_line(i) for i in range(2)])
+    with threadpool_limits(limits=2, user_api="blas"), EchoBackend() as backend:  # restored after the test
+        assert blas_threads() == {2}
+        run_file(Settings(backends=(backend.url,), encoder="none", data_dir=str(tmp_path / "d")),
+                 FileJob(src, tmp_path / "out.jsonl"))
+        assert blas_threads() == {1}
