@@ -189,9 +189,8 @@ class FileRun:
         from moe_cohort.send.profiles import limit_threads
 
         settings = self.settings
-        # The run shares the machine with the engine: BLAS on `encoder_threads` (1) for the whole process, set
-        # once (a pool of BLAS threads spins on the cores vLLM needs after each call, and its API server falls
-        # behind; limiting each call and restoring after wakes the pool again at every restore)
+        # the run shares the machine with the engine: BLAS on `encoder_threads` (1) for the whole process, as
+        # `cohort serve` does (a pool of BLAS threads busy-waits after each call on the cores vLLM needs)
         limit_threads(settings.encoder_threads)
         backend = BackendClient.of(settings, settings.backends[0])
         loading = _load_predictor(settings)  # the encoder loads while the first requests go (a sample, in any case)

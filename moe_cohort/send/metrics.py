@@ -49,7 +49,6 @@ class ProxyMetrics:
                                       "its prediction covers, over the latest observed requests (none seen by a head "
                                       "when predicted): the head's, and the mean profile's (what learning nothing "
                                       "scores)", ["predictor"], registry=r)
-
         self.loop_lag = Histogram("cohort_event_loop_lag_seconds", f"How late the event loop ran a timer, sampled "
                                   f"every {LAG_EVERY_S:g} s: a time in which it served no request", buckets=LAG_BUCKETS,
                                   registry=r)
