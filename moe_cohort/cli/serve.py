@@ -138,7 +138,7 @@ def _start_embedded(settings: Settings, *, explicit_in_flight: bool):
     (max_num_seqs) are the given max_in_flight, else 16; the proxy takes its own from the engine's handshake."""
     from moe_cohort.embedded.backend import TRAIN_MINUTES, default_model_dir, ensure_trained_model, has_model, \
         start_embedded_backend
-    from moe_cohort.embedded.vllm_server import stay_off_worker_cpus
+    from moe_cohort.embedded.placement import move_process, split_cpus
 
     given = explicit_in_flight or settings.max_in_flight != Settings.max_in_flight  # a flag, variable or file
     max_num_seqs = settings.max_in_flight if given else 16
@@ -150,12 +150,19 @@ def _start_embedded(settings: Settings, *, explicit_in_flight: bool):
     print(f"no --backend given: starting a local vLLM CPU server on the tiny MoE in {path} (with the moe-cohort "
           f"plugin and its expert-aware scheduler, max_num_seqs {max_num_seqs}; this can take a few minutes)...",
           flush=True)
-    server = start_embedded_backend(path, max_num_seqs=max_num_seqs, port=settings.backend_port or None)
+    placement = split_cpus()  # no process of ours beside one of vLLM's (embedded/placement.py)
+    if placement:
+        move_process(placement.ours)  # before anything of ours starts: the learner and encoder threads inherit it
+    server = start_embedded_backend(path, max_num_seqs=max_num_seqs, port=settings.backend_port or None,
+                                    cpus=placement and placement.engine)
     print(f"vLLM backend ready at {server.url} (model '{server.served_model_name}', log {server.log_path})")
-    if stay_off_worker_cpus(server):  # its worker busy-polls its cores; the proxy would wait behind it
-        print(f"proxy runs on CPUs {sorted(os.sched_getaffinity(0))}, beside vLLM's worker "
-              f"on {sorted(server.worker_cpus())}")
+    if placement:
+        print(f"vLLM runs on CPUs {_cpus(placement.engine)}, the proxy on {_cpus(placement.ours)}")
     return server, settings.replace(backends=(server.url,))
+
+
+def _cpus(cpus) -> str:
+    return ",".join(map(str, sorted(cpus)))
 
 
 def _serve(settings: Settings) -> int:

@@ -78,8 +78,8 @@ def ensure_tiny_model(model_dir: str | Path | None = None) -> Path:
 
 
 def start_embedded_backend(model_dir: str | Path, *, max_num_seqs: int = 16, port: int | None = None,
-                           expert_aware: bool = True) -> VllmServer:
+                           expert_aware: bool = True, cpus: frozenset[int] | None = None) -> VllmServer:
     """Start vLLM on the model in `model_dir` with the plugin and, with `expert_aware`, the expert-aware
-    scheduler; wait until it answers /health."""
+    scheduler, on `cpus` (None: wherever the OS puts it); wait until it answers /health."""
     extra = ["--scheduler-cls", SCHEDULER_CLS] if expert_aware else []
-    return start(model_dir, port=port, max_num_seqs=max_num_seqs, extra_args=extra)
+    return start(model_dir, port=port, max_num_seqs=max_num_seqs, extra_args=extra, cpus=cpus)

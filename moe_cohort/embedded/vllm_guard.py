@@ -1,5 +1,6 @@
-"""`python -m moe_cohort.embedded.vllm_guard PARENT_PID COMMAND...`: run COMMAND (the vLLM API server) so
-that it, and every process it starts, dies with the process PARENT_PID, however that one ends.
+"""`python -m moe_cohort.embedded.vllm_guard PARENT_PID [--cpus LIST] COMMAND...`: run COMMAND (the vLLM API
+server) so that it, and every process it starts, dies with the process PARENT_PID, however that one ends,
+and, with `--cpus 0-2,5`, runs on those CPUs only (the processes it starts inherit them).
 
 vLLM's API server starts an engine core, which starts its workers (multiprocessing, fork or spawn);
 none of them notices when the process that started the API server dies, so without the guard a
@@ -49,10 +50,15 @@ def kill_the_rest() -> None:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) < 2 or not argv[0].isdigit():
-        print("usage: python -m moe_cohort.embedded.vllm_guard PARENT_PID COMMAND...", file=sys.stderr)
+    if len(argv) < 2 or not argv[0].isdigit() or (argv[1] == "--cpus" and len(argv) < 4):
+        print("usage: python -m moe_cohort.embedded.vllm_guard PARENT_PID [--cpus LIST] COMMAND...", file=sys.stderr)
         return 2
     parent, command = int(argv[0]), argv[1:]
+    if command[0] == "--cpus":
+        from moe_cohort.embedded.placement import cpu_list  # standard library only, as this module
+
+        os.sched_setaffinity(0, cpu_list(command[1]))  # one thread here: the whole guard, and what it starts
+        command = command[2:]
     signal.signal(PARENT_DIED, kill_group)
     parent_death.die_with_parent(PARENT_DIED)
     if os.getppid() != parent:  # it died before we asked

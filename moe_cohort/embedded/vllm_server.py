@@ -49,6 +49,7 @@ class VllmServer:
     url: str
     log_path: Path
     served_model_name: str
+    cpus: frozenset[int] | None = None  # where every process of the server runs; None: wherever the OS puts them
     _log_file: object = field(default=None, repr=False)
 
     def is_running(self) -> bool:
@@ -94,20 +95,6 @@ class VllmServer:
             self._log_file.close()
             self._log_file = None
 
-    def worker_cpus(self) -> set[int]:
-        """The CPUs vLLM pinned its CPU worker processes to; empty when it pinned none (GPU builds)."""
-        pinned: set[int] = set()
-        for pid in group_members(self.process.pid):
-            try:
-                if not Path(f"/proc/{pid}/comm").read_text().startswith("VLLM::Worker"):
-                    continue
-                allowed = _cpu_list(Path(f"/proc/{pid}/status").read_text())
-            except OSError:
-                continue
-            if allowed != os.sched_getaffinity(0):
-                pinned |= allowed
-        return pinned
-
     def __enter__(self) -> "VllmServer":
         return self
 
@@ -129,12 +116,14 @@ def start(
     log_path: str | Path | None = None,
     wait: bool = True,
     timeout: float = 240.0,
+    cpus: set[int] | frozenset[int] | None = None,
 ) -> VllmServer:
     """Launch a vLLM server on `model_dir` at http://host:port (a free port when `port` is None).
 
     `enforce_eager` is on by default: routing policies are Python decisions taken per step, which
     CUDA graphs would freeze on GPU (on CPU the plugin also works compiled). With `wait`, block
-    until the server answers /health (see `VllmServer.wait_until_ready`).
+    until the server answers /health (see `VllmServer.wait_until_ready`). With `cpus`, the server and every
+    process it starts run on those CPUs only (embedded/placement.py says why).
     """
     port = port or free_port(host)
     if log_path is None:
@@ -151,11 +140,13 @@ def start(
     env = {"VLLM_PLUGINS": PLUGINS, **os.environ, **DEFAULT_ENV, **(extra_env or {})}
     log_file = open(log_path, "ab")
     log.info("starting vLLM: %s (log %s)", " ".join(cmd), log_path)
-    guard = [sys.executable, "-m", "moe_cohort.embedded.vllm_guard", str(os.getpid())]  # vLLM dies with this process
+    guard = [sys.executable, "-m", "moe_cohort.embedded.vllm_guard", str(os.getpid()),  # vLLM dies with this process
+             *(["--cpus", ",".join(map(str, sorted(cpus)))] if cpus else [])]
     process = subprocess.Popen([*guard, *cmd], env=env, stdout=log_file, stderr=subprocess.STDOUT,
                                stdin=subprocess.DEVNULL, start_new_session=True)
     server = VllmServer(process=process, url=f"http://{host}:{port}", log_path=log_path,
-                        served_model_name=served_model_name, _log_file=log_file)
+                        served_model_name=served_model_name, cpus=frozenset(cpus) if cpus else None,
+                        _log_file=log_file)
     if wait:
         try:
             server.wait_until_ready(timeout)
@@ -163,23 +154,6 @@ def start(
             server.stop()
             raise
     return server
-
-
-def stay_off_worker_cpus(server: VllmServer) -> set[int] | None:
-    """Move the calling process off the CPUs of `server`'s CPU worker; the CPUs it ran on before,
-    or None when nothing changed (no pinned worker, or no CPU left besides the worker's).
-
-    vLLM's CPU worker busy-polls its input queue on the cores it is pinned to; a process queued
-    behind it there (a client, the proxy) waits tens of milliseconds for every wake-up. On small
-    machines that serializes requests that were sent together.
-    """
-    before = os.sched_getaffinity(0)
-    rest = before - server.worker_cpus()
-    if not rest or rest == before:
-        return None
-    os.sched_setaffinity(0, rest)
-    log.info("moved pid %d to CPUs %s, off the vLLM worker's", os.getpid(), sorted(rest))
-    return before
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -195,16 +169,6 @@ def _http_ok(url: str) -> bool:
             return resp.status == 200
     except (urllib.error.URLError, OSError):
         return False
-
-
-def _cpu_list(status: str) -> set[int]:
-    """The CPUs of a /proc/<pid>/status text's Cpus_allowed_list ("0-3,6")."""
-    line = next(x for x in status.splitlines() if x.startswith("Cpus_allowed_list:"))
-    cpus = set()
-    for part in line.split(":", 1)[1].strip().split(","):
-        lo, _, hi = part.partition("-")
-        cpus.update(range(int(lo), int(hi or lo) + 1))
-    return cpus
 
 
 def group_members(pgid: int) -> list[int]:

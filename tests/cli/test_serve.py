@@ -254,6 +254,7 @@ def test_kill_9_of_serve_takes_its_embedded_vllm_with_it(tiny_moe_dir, tmp_path)
         family = psutil.Process(proc.pid).children(recursive=True)  # before the kill: orphans change parents
         names = [p.name() for p in family]
         assert _engine_core_and_worker(names), names
+        _assert_placed(proc.pid, family)
         proc.kill()
         proc.wait(30)
         _, alive = psutil.wait_procs(family, timeout=60)
@@ -290,6 +291,22 @@ def test_a_guard_killed_outright_takes_the_engine_core_and_workers_with_it(tiny_
                 p.kill()
         server.stop()
     assert left == [], f"left running after the guard was killed outright: {left}"
+
+
+def _assert_placed(proxy_pid: int, family) -> None:
+    """vLLM's processes on the engine's CPUs, the proxy on its own, no CPU shared (embedded/placement.py)."""
+    from moe_cohort.embedded.placement import split_cpus
+    from moe_cohort.embedded.vllm_server import group_members
+
+    placement = split_cpus()
+    if placement is None:
+        return  # one core: nothing to place
+    guard = next(p for p in family if "moe_cohort.embedded.vllm_guard" in " ".join(p.cmdline()))
+    vllm = group_members(guard.pid)
+    assert len(vllm) >= 4, vllm  # the guard, the API server, the engine core, a worker
+    for pid in vllm:
+        assert os.sched_getaffinity(pid) <= placement.engine, pid
+    assert os.sched_getaffinity(proxy_pid) == placement.ours
 
 
 def _engine_core_and_worker(names: list[str]) -> bool:

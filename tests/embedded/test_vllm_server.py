@@ -1,5 +1,5 @@
 """moe_cohort.embedded.vllm_server: a vLLM server that cannot start is reported with its log, and nothing is left
-running; the CPUs of vLLM's CPU worker, and moving a process off them."""
+running; a server given CPUs runs all its processes there."""
 
 import importlib.util
 import os
@@ -7,7 +7,8 @@ import os
 import psutil
 import pytest
 
-from moe_cohort.embedded.vllm_server import ServerError, _cpu_list, free_port, start, stay_off_worker_cpus
+from moe_cohort.embedded.placement import split_cpus
+from moe_cohort.embedded.vllm_server import ServerError, free_port, group_members, start
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
 
@@ -24,18 +25,13 @@ def test_a_server_that_cannot_start_raises_with_its_log(tmp_path):
     assert not leftovers
 
 
-def test_cpu_list_of_a_proc_status_text():
-    assert _cpu_list("Name:\tpython\nCpus_allowed_list:\t0-3,6\nMems_allowed:\t1\n") == {0, 1, 2, 3, 6}
-
-
-def test_worker_cpus_and_staying_off_them(vllm_server):
-    cpus = os.sched_getaffinity(0)
-    if len(cpus) < 2:
-        pytest.skip("one CPU: vLLM pins its worker to the only one")
-    pinned = vllm_server.worker_cpus()
-    assert pinned and pinned < cpus  # vLLM's auto binding keeps a CPU for the other processes
-    try:
-        assert stay_off_worker_cpus(vllm_server) == cpus and os.sched_getaffinity(0) == cpus - pinned
-        assert stay_off_worker_cpus(vllm_server) is None  # already off them
-    finally:
-        os.sched_setaffinity(0, cpus)
+def test_the_api_server_its_engine_core_and_its_workers_all_run_on_the_cpus_given(vllm_server):
+    if split_cpus() is None:
+        pytest.skip("one core: nothing to place")
+    assert vllm_server.cpus == split_cpus().engine  # as conftest starts it, like the embedded `cohort serve`
+    members = {pid: psutil.Process(pid) for pid in group_members(vllm_server.process.pid)}
+    names = {p.name() for p in members.values()}
+    assert any(n.startswith("VLLM::EngineCor") for n in names) and any(n.startswith("VLLM::Worker") for n in names)
+    for pid, process in members.items():
+        for thread in process.threads():
+            assert os.sched_getaffinity(thread.id) <= vllm_server.cpus, (process.name(), thread.id)

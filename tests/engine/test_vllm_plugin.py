@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 import torch
 
+from moe_cohort.embedded.placement import move_process, split_cpus
 from moe_cohort.engine.policy import parse_policy
 
 pytestmark = [pytest.mark.integration,
@@ -58,14 +59,17 @@ def server(model_dir, trace_dir, tmp_path_factory):
            "COHORT_MOE_METRICS": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
     # float32: recorded routing is compared with a float32 transformers forward pass;
     # block size 32: short prompts fill whole KV blocks, so the prefix-cache test can hit the cache.
+    placement = split_cpus()  # as the embedded `cohort serve`: requests sent together reach vLLM together
     handle = vllm_server.start(model_dir, extra_env=env, max_model_len=1024, max_num_seqs=16,
+                               cpus=placement and placement.engine,
                                extra_args=["--dtype", "float32", "--block-size", "32",
                                            "--enable-prompt-tokens-details"],
                                log_path=tmp_path_factory.mktemp("logs") / "vllm.log")
-    previous = vllm_server.stay_off_worker_cpus(handle)  # so requests sent together reach vLLM together
+    previous = os.sched_getaffinity(0)
+    if placement:
+        move_process(placement.ours)
     yield handle
-    if previous:
-        os.sched_setaffinity(0, previous)
+    move_process(previous)
     handle.stop()
     assert not vllm_server.group_members(handle.process.pid)  # engine core and worker went with the API server
 
