@@ -44,9 +44,10 @@ log = logging.getLogger(__name__)
 
 
 def profile_of(request, num_experts: int) -> np.ndarray | None:
-    """The request's decoded profile, or None when it sent none (or a malformed one, logged)."""
+    """The request's decoded profile, or None when it sent none (no key, or null: a table of requests, such as a Ray
+    Dataset's, fills a key some rows lack with null) or a malformed one (logged)."""
     extra = getattr(getattr(request, "sampling_params", None), "extra_args", None) or {}
-    if PROFILE_KEY not in extra:
+    if extra.get(PROFILE_KEY) is None:
         return None
     profile = decode_profile(extra[PROFILE_KEY], num_experts)
     if profile is None:

@@ -111,6 +111,21 @@ def test_malformed_profiles_keep_first_come_first_served():
     assert q.pop_request() is bad
 
 
+def test_a_null_profile_is_no_profile_and_no_warning(caplog):
+    """A Ray Dataset fills a key some rows lack with null: such a request is one without a profile."""
+    from moe_cohort.engine.expert_queue import profile_of
+
+    with caplog.at_level("WARNING"):
+        assert profile_of(req(raw=None), E) is None
+        nulled = req()
+        nulled.sampling_params.extra_args = {"moe_profile": None}
+        assert profile_of(nulled, E) is None
+    assert not caplog.records
+    with caplog.at_level("WARNING"):
+        assert profile_of(req(raw=[1, 999]), E) is None
+    assert "moe_profile must be a list" in caplog.text
+
+
 def test_fairness_bound_puts_the_oldest_overdue_request_first():
     now = [8.0]
     running = [req(one_hot(0))]

@@ -1,0 +1,213 @@
+"""Expert-aware batches in Ray Data LLM: rows that fit go through the engine together, each with its profile.
+
+    from ray.data.llm import vLLMEngineProcessorConfig
+    from moe_cohort.batch.ray_llm import ExpertAware
+
+    aware = ExpertAware.load(data_dir="~/.local/share/moe-cohort")  # the static encoder, the head learned there
+    ds = aware.order(ds)                                            # predicted, ordered, each row's profile
+    processor = aware.build_processor(config, preprocess=preprocess, postprocess=postprocess)
+    out = processor(ds).materialize()
+    aware.learn()                                                   # the engine's counts fit the head, saved
+
+What each step keeps:
+- `order` predicts every row's expert profile from its text (`messages` or `prompt`, as the proxy reads a
+  body) and sends the Dataset in the batch runner's order (batch/order.py: admission by predicted experts,
+  max_num_seqs at a time, first in first out), keeping every row and column; it adds `moe_row` (the row's
+  place in the Dataset as given) and `moe_profile` (its compact profile, [] when none was predicted).
+- `build_processor` is Ray's `build_processor` with the engine set up for admission by experts: our scheduler
+  (`scheduler_cls`) and plugin (`VLLM_PLUGINS`), unless the config names others; `max_pending_requests` at
+  PENDING_PER_SLOT x max_num_seqs, so that vLLM's waiting queue holds rows for our scheduler to choose from
+  (Ray's default keeps about a tenth of max_num_seqs waiting); the user's preprocess output gets the row's
+  profile in `sampling_params.extra_args` (where our scheduler reads it) and, while learning, a `moe_observe`
+  token under which the plugin counts the request's experts. The processor's outputs are the plain ones.
+- `learn` fits the profile head on the counts the engine took of this run's rows (collected in a Ray actor by
+  the engine stage: batch/ray_llm_engine.py) and saves it in the data dir, where the next `load` finds it.
+  With no head yet, a run orders by embeddings (the nearest to the rows out), and learns.
+
+One engine or several (`concurrency`): Ray Data sends each bundle of consecutive rows whole to one engine, so
+rows the order put together run on the same engine. Nothing here needs the proxy.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from moe_cohort.admission.wire import OBSERVE_KEY, PROFILE_KEY
+from moe_cohort.batch.order import make_order, simulated_order
+from moe_cohort.encoder.text import RequestTextError, request_text
+from moe_cohort.send.profiles import Predictor
+
+log = logging.getLogger(__name__)
+
+SCHEDULER_CLS = "moe_cohort.engine.scheduler.ExpertAwareScheduler"
+PLUGIN = "moe_cohort"
+PENDING_PER_SLOT = 4  # rows inside vLLM per slot: the running ones and a waiting queue three times as deep
+ROW, PROFILE = "moe_row", "moe_profile"  # the columns `order` adds
+ENV_BOX = "COHORT_RAY_OBSERVATIONS"  # the named actor the engine stage hands the counts to
+ENGINE_STAGE = "vLLMEngineStage"
+
+
+@dataclass(frozen=True)
+class _Line:
+    """A row as batch/order.py sees a request: its place and its text."""
+
+    line: int
+    text: str
+
+
+def row_text(row: dict) -> str:
+    """What the encoder reads of a row: its chat `messages` or its `prompt`, as the proxy reads a request body;
+    "" for a row without either (it goes first come, first served)."""
+    try:
+        return request_text(row)
+    except RequestTextError:
+        return ""
+
+
+def plan(texts: Sequence[str], predictor: Predictor | None, max_num_seqs: int) -> tuple[list[int], list[list[int]]]:
+    """(the rows' sending order, each row's compact profile ([] when none)): the batch runner's admission by
+    predicted experts with `max_num_seqs` rows out, finishing first in first out; the given order without a
+    predictor."""
+    lines = [_Line(i, t) for i, t in enumerate(texts)]
+    order = make_order(lines, predictor, max_num_seqs)
+    sent = simulated_order(lines, order, max_num_seqs)
+    return [x.line for x in sent], [order.compact(i) or [] for i in range(len(lines))]
+
+
+def with_expert_args(sampling_params: dict | None, profile: Sequence[int], token: str | None) -> dict:
+    """`sampling_params` with the row's profile (when it has one) and observe token (when learning) in its
+    `extra_args`, the caller's own extra args kept."""
+    params = dict(sampling_params or {})
+    extra = dict(params.get("extra_args") or {})
+    if len(profile):
+        extra[PROFILE_KEY] = [int(c) for c in profile]  # Arrow hands lists back as numpy arrays
+    if token:
+        extra[OBSERVE_KEY] = token
+    if extra:
+        params["extra_args"] = extra
+    return params
+
+
+@dataclass
+class ExpertAware:
+    """Ordering, engine set-up and learning for one Ray Data LLM run (see the module doc)."""
+
+    predictor: Predictor | None
+    max_num_seqs: int = 16
+    learner: Any = None  # train.online.OnlineLearner, or None: not learning
+    folder: Any = None  # where `learn` saves (the data dir's learned/)
+    run: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    texts: dict[int, str] = field(default_factory=dict)  # by moe_row: what `learn` featurizes
+    _box: Any = None
+
+    @classmethod
+    def load(cls, data_dir: str | None = None, encoder: str = "static", *, learn: bool = True,
+             max_num_seqs: int = 16) -> ExpertAware:
+        """The settings' encoder (`encoder`: as `cohort batch run --encoder`) with the head learned in `data_dir`
+        (the proxy's and the batch runner's), learning into it unless `learn` is False."""
+        from moe_cohort.send.learning.learning import learned_folder, load_learner
+        from moe_cohort.send.profiles import FixedHead, make_predictor
+        from moe_cohort.send.setting_sources import load_settings
+
+        overrides = {"encoder": encoder, **({"data_dir": data_dir} if data_dir else {})}
+        settings = load_settings(overrides)
+        predictor = make_predictor(settings)
+        learner = load_learner(settings)
+        if predictor is not None and learner.head is not None:
+            predictor.follow(FixedHead(learner.head))
+        return cls(predictor, max_num_seqs, learner if learn and predictor is not None else None,
+                   learned_folder(settings))
+
+    def order(self, ds, text: Callable[[dict], str] = row_text):
+        """`ds` in the order of admission by predicted experts, with `moe_row` and `moe_profile` added; the
+        returned Dataset keeps that order through the processor's stages (`preserve_order`)."""
+        import ray.data
+
+        rows = list(ds.iter_rows())
+        texts = [text(r) for r in rows]
+        order, profiles = plan(texts, self.predictor, self.max_num_seqs)
+        self.texts = dict(enumerate(texts))
+        ordered = [{**rows[i], ROW: i, PROFILE: profiles[i]} for i in order]
+        log.info("ordered %d rows (%d with a profile)", len(rows), sum(bool(p) for p in profiles))
+        out = ray.data.from_items(ordered, override_num_blocks=max(1, math.ceil(len(ordered) / self.max_num_seqs)))
+        out.context.execution_options.preserve_order = True  # stages hand the engine its rows in this order
+        return out
+
+    def configure(self, config):
+        """A copy of the vLLMEngineProcessorConfig `config` set up for admission by experts (module doc)."""
+        engine = {"scheduler_cls": SCHEDULER_CLS, **(config.engine_kwargs or {})}
+        self.max_num_seqs = int(engine.get("max_num_seqs") or self.max_num_seqs)
+        runtime = dict(config.runtime_env or {})
+        env = dict(runtime.get("env_vars") or {})
+        plugins = [p for p in env.get("VLLM_PLUGINS", PLUGIN).split(",") if p]
+        env["VLLM_PLUGINS"] = ",".join(plugins if PLUGIN in plugins else [*plugins, PLUGIN])
+        if self.learner is not None:
+            env[ENV_BOX] = self._observations()
+        pending = config.max_pending_requests or PENDING_PER_SLOT * self.max_num_seqs
+        return config.model_copy(update={"engine_kwargs": engine, "runtime_env": {**runtime, "env_vars": env},
+                                         "max_pending_requests": pending})
+
+    def build_processor(self, config, preprocess: Callable[[dict], dict] | None = None,
+                        postprocess: Callable[[dict], dict] | None = None, **kwargs):
+        """Ray's `build_processor(self.configure(config), ...)`, each row's preprocess output given its expert args,
+        and (while learning) the engine stage that hands the engine's counts to `learn`."""
+        from ray.data.llm import build_processor
+
+        run, learning = self.run, self.learner is not None
+
+        def expert_preprocess(row: dict) -> dict:
+            out = dict(preprocess(row) if preprocess else row)
+            token = f"{run}-{row[ROW]}" if learning and ROW in row else None
+            out["sampling_params"] = with_expert_args(out.get("sampling_params"), row.get(PROFILE, ()), token)
+            return out
+
+        processor = build_processor(self.configure(config), preprocess=expert_preprocess, postprocess=postprocess,
+                                    **kwargs)
+        if learning:
+            from moe_cohort.batch.ray_llm_engine import ObservingEngineUDF
+
+            processor.get_stage_by_name(ENGINE_STAGE).fn = ObservingEngineUDF
+        return processor
+
+    def learn(self) -> int:
+        """Fit the head on the engine's counts of this run's rows and save it in the data dir; how many rows it
+        learned from (0 when not learning, or nothing came back)."""
+        if self.learner is None or self._box is None:
+            return 0
+        import ray
+
+        from moe_cohort.send.learning.behind_serving import fit_apart
+        from moe_cohort.traces.observed import BadObservation, Observed
+
+        taken: dict[str, dict] = ray.get(self._box.take.remote())
+        rows, observed = [], []
+        for token, wire in taken.items():
+            row = int(token.rsplit("-", 1)[1])
+            try:
+                observed.append(Observed.from_wire(wire))
+            except BadObservation as exc:
+                log.warning("row %d: not learning from its counts: %s", row, exc)
+                continue
+            rows.append(row)
+        if not rows:
+            return 0
+        features, predicted = self.predictor.features([self.texts.get(r, "") for r in rows])  # [n, F]
+        self.learner.observe(features, observed, predicted)
+        if self.learner.reservoir.size >= 2:
+            self.learner.refit(fit_apart)
+        self.learner.save(self.folder)
+        log.info("learned from %d rows; head saved in %s", len(rows), self.folder)
+        return len(rows)
+
+    def _observations(self) -> str:
+        """The name of this run's observation box (a Ray actor, started here once)."""
+        from moe_cohort.batch.ray_llm_engine import ObservationBox
+
+        name = f"moe-cohort-observations-{self.run}"
+        if self._box is None:
+            self._box = ObservationBox.options(name=name, lifetime=None).remote()
+        return name
