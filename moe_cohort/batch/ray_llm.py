@@ -170,7 +170,10 @@ class ExpertAware:
         if learning:
             from moe_cohort.batch.ray_llm_engine import ObservingEngineUDF
 
-            processor.get_stage_by_name(ENGINE_STAGE).fn = ObservingEngineUDF
+            # a copy, not an assignment: assigning re-runs the stage's validation, which resolved (and removed)
+            # its placement group once already, and would ask for a GPU
+            stage = processor.get_stage_by_name(ENGINE_STAGE)
+            processor.stages[ENGINE_STAGE] = stage.model_copy(update={"fn": ObservingEngineUDF})
         return processor
 
     def learn(self) -> int:
