@@ -16,6 +16,10 @@ from tests.send.learning.test_learning import encoder  # noqa: F401 (a fixture)
 
 needs_ray_llm = pytest.mark.skipif(importlib.util.find_spec("ray") is None or importlib.util.find_spec("vllm") is None,
                                    reason="Ray Data LLM needs ray and vLLM (bash scripts/setup.sh dev)")
+if importlib.util.find_spec("ray") is not None and importlib.util.find_spec("vllm") is not None:
+    # here, not in a test: Ray subclasses subprocess.Popen when it is imported, and a quick test's Popen is
+    # conftest's guard
+    from ray.data.llm import vLLMEngineProcessorConfig
 
 
 def _predictor(vectors):
@@ -55,8 +59,6 @@ def test_expert_args_join_the_users_sampling_parameters():
 
 @needs_ray_llm
 def test_the_engine_is_set_up_for_admission_by_experts_and_the_users_choices_win():
-    from ray.data.llm import vLLMEngineProcessorConfig
-
     aware = ExpertAware(predictor=None)
     plain = vLLMEngineProcessorConfig(model_source="/m", engine_kwargs={"max_num_seqs": 8},
                                       runtime_env={"env_vars": {"VLLM_PLUGINS": "other", "X": "1"}})
@@ -78,7 +80,6 @@ def _prompt(i: int) -> str:
 
 def _run(aware, model_dir, n: int) -> list[dict]:
     import ray.data
-    from ray.data.llm import vLLMEngineProcessorConfig
 
     config = vLLMEngineProcessorConfig(
         model_source=str(model_dir), engine_kwargs={"max_num_seqs": 4, "enforce_eager": True, "max_model_len": 512},
