@@ -1,0 +1,155 @@
+"""End to end through Ray Data LLM and vLLM CPU: the plain vLLM processor against ours (batch/ray_llm.py).
+
+    python -m benchmarks.bench_ray_llm [--lines 600] [--rounds 2] [--max-tokens 64] [--slots 16] [--model-dir DIR]
+        [--concurrency 1] [--json FILE]
+
+The trained tiny MoE (`cohort serve`'s embedded default; give a widened copy for wall time on experts of real
+size), eager, max_num_seqs = --slots, one engine per --concurrency, each on a Ray placement bundle of one CPU, in a
+local Ray of this machine's CPUs. The rows: --lines chat prompts no model here saw (bench_batch_out_of_box's
+held-out mix), shuffled, --max-tokens each (`ignore_eos`), through the chat template and tokenizer stages.
+
+Each round, one after the other (the engine drifts over minutes; interleaved rounds do not):
+- plain: `build_processor(vLLMEngineProcessorConfig(...))` with vLLM's own scheduler, the Dataset in its order
+  (our plugin loaded, to count);
+- cold: `ExpertAware.load` on a FRESH data dir (no head: ordered by embeddings, no profile sent), learning; its
+  `learn()` fits and saves the head;
+- warm: `ExpertAware.load` on the data dir the cold run left (its head orders and profiles every row), not learning.
+Per run: decode expert loads per GENERATED token and decode tokens per forward, from the plugin's counters (each run
+points COHORT_METRICS_DIR at a folder of its own through the runtime env; the engine's worker writes its totals
+there, `cohort-<pid>.prom`, and this process sums them once the run is over), the wall time of the whole run
+(engine start-up included), the CPU seconds of this process (ordering, predicting, learning), and whether every row
+was answered once. Savings are taken against the same round's plain run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks.bench_batch_out_of_box import MAX_CHARS, heldout_prompts
+from moe_cohort.batch.ray_llm import PLUGIN, ExpertAware
+from moe_cohort.embedded.backend import default_model_dir, ensure_trained_model
+from moe_cohort.send.engine_counters import DecodeCounters, parse_counters
+
+
+def counters(folder: Path) -> DecodeCounters:
+    """The plugin's decode counters summed over the engines that wrote into `folder`."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from moe_cohort.engine.metrics import SnapshotCollector
+
+    registry = CollectorRegistry()
+    registry.register(SnapshotCollector(folder))
+    return parse_counters(generate_latest(registry).decode())
+
+
+def config(args, model: Path, metrics: Path):
+    from ray.data.llm import vLLMEngineProcessorConfig
+
+    return vLLMEngineProcessorConfig(
+        model_source=str(model), engine_kwargs={"max_num_seqs": args.slots, "enforce_eager": True, "max_model_len": 1024},
+        runtime_env={"env_vars": {"VLLM_PLUGINS": PLUGIN, "VLLM_CPU_KVCACHE_SPACE": "1",
+                                  "COHORT_METRICS_DIR": str(metrics)}},
+        placement_group_config={"bundles": [{"CPU": 1}]}, concurrency=(args.concurrency, args.concurrency),
+        batch_size=args.slots, detokenize_stage=False)
+
+
+def one_run(name: str, rows: list[dict], args, model: Path, layers: int, work: Path, aware: ExpertAware | None) -> dict:
+    import ray.data
+    from ray.data.llm import build_processor
+
+    metrics = Path(tempfile.mkdtemp(prefix=f"{name}-metrics-", dir=work))
+    started, cpu = time.perf_counter(), time.process_time()
+
+    def preprocess(row: dict) -> dict:
+        return {"messages": [{"role": "user", "content": row["text"]}],
+                "sampling_params": {"max_tokens": args.max_tokens, "ignore_eos": True}}
+
+    def postprocess(row: dict) -> dict:
+        return {"id": row["id"], "tokens": row["num_generated_tokens"]}
+
+    ds = ray.data.from_items(rows)
+    if aware is None:
+        processor = build_processor(config(args, model, metrics), preprocess=preprocess, postprocess=postprocess)
+    else:
+        ds = aware.order(ds)
+        processor = aware.build_processor(config(args, model, metrics), preprocess=preprocess, postprocess=postprocess)
+    out = processor(ds).take_all()
+    learned = aware.learn() if aware is not None else 0
+    wall, cpu = time.perf_counter() - started, time.process_time() - cpu
+    time.sleep(1.0)  # the engine's last totals, written when it went idle
+    ran = counters(metrics)
+    ids = sorted(r["id"] for r in out)
+    row = {"run": name, "loads_per_token": ran.loads_per_token, "tokens_per_forward": ran.tokens_per_forward(layers),
+           "wall_s": wall, "cpu_s": cpu, "answered_once": ids == list(range(len(rows))),
+           "tokens": int(sum(r["tokens"] for r in out)), "learned": learned}
+    print(f"{name:>9}: {row['loads_per_token']:6.3f} decode loads per generated token, {row['tokens_per_forward']:5.2f} "
+          f"tokens per forward, wall {wall:6.1f} s, our CPU {cpu:5.1f} s, {row['tokens']} tokens, every row once: "
+          f"{row['answered_once']}{f', learned from {learned} rows' if learned else ''}", flush=True)
+    return row
+
+
+def summary(rows: list[dict]) -> list[str]:
+    lines = []
+    plain = {r["round"]: r for r in rows if r["kind"] == "plain"}
+    for kind in ("cold", "warm"):
+        mine = [r for r in rows if r["kind"] == kind]
+        saving = np.array([1 - r["loads_per_token"] / plain[r["round"]]["loads_per_token"] for r in mine])
+        tpf = [r["tokens_per_forward"] for r in mine]
+        wall = [r["wall_s"] / plain[r["round"]]["wall_s"] - 1 for r in mine]
+        lines.append(f"{kind}: {saving.mean():+.1%} +- {saving.std():.1%} ({', '.join(f'{s:+.1%}' for s in saving)}) "
+                     f"fewer decode loads per generated token than plain; tokens per forward {np.mean(tpf):.2f} against "
+                     f"{np.mean([r['tokens_per_forward'] for r in plain.values()]):.2f}; wall "
+                     f"{', '.join(f'{w:+.1%}' for w in wall)}; our CPU {np.mean([r['cpu_s'] for r in mine]):.1f} s "
+                     f"against {np.mean([r['cpu_s'] for r in plain.values()]):.1f} s; every row once: "
+                     f"{all(r['answered_once'] for r in rows)}")
+    return lines
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--lines", type=int, default=600)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--slots", type=int, default=16, help="vLLM's max_num_seqs")
+    p.add_argument("--concurrency", type=int, default=1, help="engines (Ray Data LLM's concurrency)")
+    p.add_argument("--model-dir", default=str(default_model_dir()))
+    p.add_argument("--json", help="also write the rows here")
+    args = p.parse_args()
+    import ray
+
+    model = ensure_trained_model(Path(args.model_dir))
+    layers = json.loads((model / "config.json").read_text())["num_hidden_layers"]
+    prompts = [t[:MAX_CHARS] for t in heldout_prompts(args.lines)]
+    random.Random(0).shuffle(prompts)
+    rows = [{"id": i, "text": t} for i, t in enumerate(prompts)]
+    work = Path(tempfile.mkdtemp(prefix="bench-ray-llm-"))
+    print(f"{len(rows)} held-out chat rows, {args.max_tokens} tokens each, max_num_seqs {args.slots}, "
+          f"{args.concurrency} engine(s); model {model}; work {work}", flush=True)
+    ray.init(num_cpus=len(os.sched_getaffinity(0)), include_dashboard=False, log_to_driver=False)
+    out = []
+    try:
+        for r in range(args.rounds):
+            data = work / f"data-r{r}"
+            out.append({**one_run(f"plain r{r}", rows, args, model, layers, work, None), "kind": "plain", "round": r})
+            cold = ExpertAware.load(data_dir=str(data), max_num_seqs=args.slots)
+            out.append({**one_run(f"cold r{r}", rows, args, model, layers, work, cold), "kind": "cold", "round": r})
+            warm = ExpertAware.load(data_dir=str(data), max_num_seqs=args.slots, learn=False)
+            out.append({**one_run(f"warm r{r}", rows, args, model, layers, work, warm), "kind": "warm", "round": r})
+    finally:
+        ray.shutdown()
+    print("\n".join(summary(out)))
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()
