@@ -5,7 +5,8 @@
 
 The trained tiny MoE (`cohort serve`'s embedded default; give a widened copy for wall time on experts of real
 size), eager, max_num_seqs = --slots, one engine per --concurrency, each on a Ray placement bundle of one CPU, in a
-local Ray of this machine's CPUs. The rows: --lines chat prompts no model here saw (bench_batch_out_of_box's
+local Ray of this machine's CPUs (the chat template and tokenizer stages at a quarter of a CPU each, so that
+a 2-core machine holds them beside the engine). The rows: --lines chat prompts no model here saw (bench_batch_out_of_box's
 held-out mix), shuffled, --max-tokens each (`ignore_eos`), through the chat template and tokenizer stages.
 
 Each round, one after the other (the engine drifts over minutes; interleaved rounds do not):
@@ -38,6 +39,8 @@ from moe_cohort.batch.ray_llm import PLUGIN, ExpertAware
 from moe_cohort.embedded.backend import default_model_dir, ensure_trained_model
 from moe_cohort.send.engine_counters import DecodeCounters, parse_counters
 
+STAGE_CPUS = 0.25
+
 
 def counters(folder: Path) -> DecodeCounters:
     """The plugin's decode counters summed over the engines that wrote into `folder`."""
@@ -51,14 +54,16 @@ def counters(folder: Path) -> DecodeCounters:
 
 
 def config(args, model: Path, metrics: Path):
-    from ray.data.llm import vLLMEngineProcessorConfig
+    from ray.data.llm import ChatTemplateStageConfig, TokenizerStageConfig, vLLMEngineProcessorConfig
 
+    light = {"num_cpus": STAGE_CPUS}  # the template and tokenizer actors must leave the engine its CPU
     return vLLMEngineProcessorConfig(
         model_source=str(model), engine_kwargs={"max_num_seqs": args.slots, "enforce_eager": True, "max_model_len": 1024},
         runtime_env={"env_vars": {"VLLM_PLUGINS": PLUGIN, "VLLM_CPU_KVCACHE_SPACE": "1",
                                   "COHORT_METRICS_DIR": str(metrics)}},
         placement_group_config={"bundles": [{"CPU": 1}]}, concurrency=(args.concurrency, args.concurrency),
-        batch_size=args.slots, detokenize_stage=False)
+        batch_size=args.slots, chat_template_stage=ChatTemplateStageConfig(**light),
+        tokenize_stage=TokenizerStageConfig(**light), detokenize_stage=False)
 
 
 def one_run(name: str, rows: list[dict], args, model: Path, layers: int, work: Path, aware: ExpertAware | None) -> dict:
