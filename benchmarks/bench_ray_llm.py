@@ -5,8 +5,8 @@
 
 The trained tiny MoE (`cohort serve`'s embedded default; give a widened copy for wall time on experts of real
 size), eager, max_num_seqs = --slots, one engine per --concurrency, each on a Ray placement bundle of one CPU, in a
-local Ray of this machine's CPUs (the chat template and tokenizer stages at a quarter of a CPU each, so that
-a 2-core machine holds them beside the engine). The rows: --lines chat prompts no model here saw (bench_batch_out_of_box's
+local Ray of this machine's CPUs (the pre- and postprocessing, chat template and tokenizer stages at a quarter of a
+CPU each, so that a 2-core machine holds them beside the engine). The rows: --lines chat prompts no model here saw (bench_batch_out_of_box's
 held-out mix), shuffled, --max-tokens each (`ignore_eos`), through the chat template and tokenizer stages.
 
 Each round, one after the other (the engine drifts over minutes; interleaved rounds do not):
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import tempfile
@@ -56,7 +57,7 @@ def counters(folder: Path) -> DecodeCounters:
 def config(args, model: Path, metrics: Path):
     from ray.data.llm import ChatTemplateStageConfig, TokenizerStageConfig, vLLMEngineProcessorConfig
 
-    light = {"num_cpus": STAGE_CPUS}  # the template and tokenizer actors must leave the engine its CPU
+    light = {"num_cpus": STAGE_CPUS}  # the template and tokenizer stages must leave the engine its CPU
     return vLLMEngineProcessorConfig(
         model_source=str(model), engine_kwargs={"max_num_seqs": args.slots, "enforce_eager": True, "max_model_len": 1024},
         runtime_env={"env_vars": {"VLLM_PLUGINS": PLUGIN, "VLLM_CPU_KVCACHE_SPACE": "1",
@@ -80,12 +81,13 @@ def one_run(name: str, rows: list[dict], args, model: Path, layers: int, work: P
     def postprocess(row: dict) -> dict:
         return {"id": row["id"], "tokens": row["num_generated_tokens"]}
 
-    ds = ray.data.from_items(rows)
-    if aware is None:
-        processor = build_processor(config(args, model, metrics), preprocess=preprocess, postprocess=postprocess)
-    else:
+    ds = ray.data.from_items(rows, override_num_blocks=math.ceil(len(rows) / args.slots))  # as `order` cuts them
+    light = {"num_cpus": STAGE_CPUS}
+    build = build_processor if aware is None else aware.build_processor
+    if aware is not None:
         ds = aware.order(ds)
-        processor = aware.build_processor(config(args, model, metrics), preprocess=preprocess, postprocess=postprocess)
+    processor = build(config(args, model, metrics), preprocess=preprocess, postprocess=postprocess,
+                      preprocess_map_kwargs=light, postprocess_map_kwargs=light)
     out = processor(ds).take_all()
     learned = aware.learn() if aware is not None else 0
     wall, cpu = time.perf_counter() - started, time.process_time() - cpu
