@@ -7,7 +7,7 @@ The trained tiny MoE (`cohort serve`'s embedded default; give a widened copy for
 size), eager, max_num_seqs = --slots, one engine per --concurrency, each on a Ray placement bundle of one CPU, in a
 local Ray of this machine's CPUs (the pre- and postprocessing, chat template and tokenizer stages at a quarter of a
 CPU each, so that a 2-core machine holds them beside the engine). The rows: --lines chat prompts no model here saw (bench_batch_out_of_box's
-held-out mix), shuffled, --max-tokens each (`ignore_eos`), through the chat template and tokenizer stages.
+held-out mix, cut to MAX_CHARS), shuffled, --max-tokens each (`ignore_eos`), through the chat template and tokenizer stages.
 
 Each round, one after the other (the engine drifts over minutes; interleaved rounds do not):
 - plain: `build_processor(vLLMEngineProcessorConfig(...))` with vLLM's own scheduler, the Dataset in its order
@@ -35,12 +35,14 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.bench_batch_out_of_box import MAX_CHARS, heldout_prompts
+from benchmarks.bench_batch_out_of_box import heldout_prompts
 from moe_cohort.batch.ray_llm import PLUGIN, ExpertAware
 from moe_cohort.embedded.backend import default_model_dir, ensure_trained_model
 from moe_cohort.send.engine_counters import DecodeCounters, parse_counters
 
 STAGE_CPUS = 0.25
+MAX_CHARS = 680  # prompts cut to at most about 512 tokens, as the batch benchmark truncates them (Ray Data LLM's
+# tokenizer stage does not truncate, and vLLM refuses a prompt over max_model_len)
 
 
 def counters(folder: Path) -> DecodeCounters:
