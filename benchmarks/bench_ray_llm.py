@@ -85,9 +85,7 @@ def one_run(name: str, rows: list[dict], args, model: Path, layers: int, work: P
 
     ds = ray.data.from_items(rows, override_num_blocks=math.ceil(len(rows) / args.slots))  # as `order` cuts them
     light = {"num_cpus": STAGE_CPUS}
-    build = build_processor if aware is None else aware.build_processor
-    if aware is not None:
-        ds = aware.order(ds)
+    build = build_processor if aware is None else aware.build_processor  # ours orders ds first
     processor = build(config(args, model, metrics), preprocess=preprocess, postprocess=postprocess,
                       preprocess_map_kwargs=light, postprocess_map_kwargs=light)
     out = processor(ds).take_all()

@@ -4,13 +4,12 @@
     from moe_cohort.batch.ray_llm import ExpertAware
 
     aware = ExpertAware.load(data_dir="~/.local/share/moe-cohort")  # the static encoder, the head learned there
-    ds = aware.order(ds)                                            # predicted, ordered, each row's profile
     processor = aware.build_processor(config, preprocess=preprocess, postprocess=postprocess)
-    out = processor(ds).materialize()
+    out = processor(ds).materialize()                              # ds ordered first, each row's profile sent
     aware.learn()                                                   # the engine's counts fit the head, saved
 
 What each step keeps:
-- `order` predicts every row's expert profile from its text (`messages` or `prompt`, as the proxy reads a
+- `order` (which the processor applies to the Dataset it is given) predicts every row's expert profile from its text (`messages` or `prompt`, as the proxy reads a
   body) and sends the Dataset in the batch runner's order (batch/order.py: admission by predicted experts,
   max_num_seqs at a time, first in first out), keeping every row and column; it adds `moe_row` (the row's
   place in the Dataset as given) and `moe_profile` (its compact profile, [] when none was predicted).
@@ -19,7 +18,8 @@ What each step keeps:
   PENDING_PER_SLOT x max_num_seqs, so that vLLM's waiting queue holds rows for our scheduler to choose from
   (Ray's default keeps about a tenth of max_num_seqs waiting); the user's preprocess output gets the row's
   profile in `sampling_params.extra_args` (where our scheduler reads it) and, while learning, a `moe_observe`
-  token under which the plugin counts the request's experts. The processor's outputs are the plain ones.
+  token under which the plugin counts the request's experts. Called with a Dataset, the processor orders it
+  (`order`, for the config's max_num_seqs) and runs Ray's; its outputs are the plain ones.
 - `learn` fits the profile head on the counts the engine took of this run's rows (collected in a Ray actor by
   the engine stage: batch/ray_llm_engine.py) and saves it in the data dir, where the next `load` finds it.
   With no head yet, a run orders by embeddings (the nearest to the rows out), and learns.
@@ -92,6 +92,19 @@ def with_expert_args(sampling_params: dict | None, profile: Sequence[int], token
     return params
 
 
+class OrderingProcessor:
+    """A Ray Data LLM processor that orders the Dataset it is given (`ExpertAware.order`) before it runs."""
+
+    def __init__(self, processor, aware: ExpertAware) -> None:
+        self.processor, self.aware = processor, aware
+
+    def __call__(self, ds):
+        return self.processor(self.aware.order(ds))
+
+    def __getattr__(self, name: str):
+        return getattr(self.processor, name)
+
+
 @dataclass
 class ExpertAware:
     """Ordering, engine set-up and learning for one Ray Data LLM run (see the module doc)."""
@@ -154,7 +167,8 @@ class ExpertAware:
     def build_processor(self, config, preprocess: Callable[[dict], dict] | None = None,
                         postprocess: Callable[[dict], dict] | None = None, **kwargs):
         """Ray's `build_processor(self.configure(config), ...)`, each row's preprocess output given its expert args,
-        and (while learning) the engine stage that hands the engine's counts to `learn`."""
+        (while learning) the engine stage that hands the engine's counts to `learn`, and the Dataset it is called
+        with ordered first."""
         from ray.data.llm import build_processor
 
         run, learning = self.run, self.learner is not None
@@ -174,7 +188,7 @@ class ExpertAware:
             # its placement group once already, and would ask for a GPU
             stage = processor.get_stage_by_name(ENGINE_STAGE)
             processor.stages[ENGINE_STAGE] = stage.model_copy(update={"fn": ObservingEngineUDF})
-        return processor
+        return OrderingProcessor(processor, self)
 
     def learn(self) -> int:
         """Fit the head on the engine's counts of this run's rows and save it in the data dir; how many rows it

@@ -85,7 +85,7 @@ def _run(aware, model_dir, n: int) -> list[dict]:
         model_source=str(model_dir), engine_kwargs={"max_num_seqs": 4, "enforce_eager": True, "max_model_len": 512},
         runtime_env={"env_vars": {"VLLM_CPU_KVCACHE_SPACE": "1"}}, placement_group_config={"bundles": [{"CPU": 1}]},
         concurrency=1, batch_size=8, chat_template_stage=False, tokenize_stage=False, detokenize_stage=False)
-    ds = aware.order(ray.data.from_items([{"id": i, "text": _prompt(i)} for i in range(n)]))
+    ds = ray.data.from_items([{"id": i, "text": _prompt(i)} for i in range(n)])
     processor = aware.build_processor(
         config, preprocess=lambda row: {"prompt": row["text"], "sampling_params": {"max_tokens": 4, "ignore_eos": True}},
         postprocess=lambda row: {"id": row["id"], "tokens": row["num_generated_tokens"], "params": row["params"]})
