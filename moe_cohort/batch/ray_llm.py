@@ -137,7 +137,8 @@ class ExpertAware:
 
     def order(self, ds, text: Callable[[dict], str] = row_text):
         """`ds` in the order of admission by predicted experts, with `moe_row` and `moe_profile` added; the
-        returned Dataset keeps that order through the processor's stages (`preserve_order`)."""
+        returned Dataset keeps that order through the processor's stages (`preserve_order`). The rows are read
+        into this process once: a plan of the whole Dataset needs all of them."""
         import ray.data
 
         rows = list(ds.iter_rows())
