@@ -25,6 +25,8 @@ OTHER_VARIABLES = {
                                "served (default 2 x top_k)",
     "COHORT_DIE_WITH_PARENT": "set by `cohort serve` for its embedded vLLM: each of its processes dies with its parent",
     "COHORT_METRICS_DIR": "set by vLLM's plugin for vLLM's own processes: where they write their metrics",
+    "COHORT_RAY_OBSERVATIONS": "set by `ExpertAware` for Ray Data LLM's engine stage: the Ray actor it hands the "
+                               "engine's expert counts to",
 }
 
 
