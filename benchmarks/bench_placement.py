@@ -76,13 +76,9 @@ def run(name: str, backend: str, url: str, vllm: list[int], proxy: int | None, p
 def summary(rows: list[dict], rounds: int) -> list[str]:
     lines = []
     for name in PLACEMENTS:
-        mine = {r["run"].split(" r")[0]: [] for r in rows if r["run"].startswith(name)}
-        for r in rows:
-            if r["run"].startswith(name):
-                mine[r["run"].split(" r")[0]].append(r)
-        saving = np.array([1 - b["loads_per_token"] / f["loads_per_token"]
-                           for b, f in zip(mine[f"{name} bare"], mine[f"{name} fcfs"])])
-        mean = lambda run, key: np.mean([r[key] for r in mine[f"{name} {run}"]])  # noqa: E731
+        runs = lambda path: [r for r in rows if r["placement"] == name and r["path"] == path]  # noqa: E731
+        mean = lambda path, key: np.mean([r[key] for r in runs(path)])  # noqa: E731
+        saving = np.array([1 - b["loads_per_token"] / f["loads_per_token"] for b, f in zip(runs("bare"), runs("fcfs"))])
         lines.append(f"{name}: bare against FCFS {saving.mean():+.1%} +- {saving.std():.1%} ({rounds} rounds); tokens "
                      f"per forward direct {mean('direct', 'tokens_per_forward'):.2f}, FCFS {mean('fcfs', 'tokens_per_forward'):.2f}, "
                      f"bare {mean('bare', 'tokens_per_forward'):.2f}; tokens/s direct {mean('direct', 'tokens_per_s'):.1f}, "
@@ -114,9 +110,10 @@ def main() -> None:
             for r in range(args.rounds):
                 for name in PLACEMENTS:
                     place(name, allowed, server.process.pid, [fcfs.pid, bare.pid])
-                    rows.append(run(f"{name} direct r{r}", server.url, server.url, vllm, None, held, args, layers))
-                    rows.append(run(f"{name} fcfs r{r}", server.url, fcfs_url, vllm, fcfs.pid, held, args, layers))
-                    rows.append(run(f"{name} bare r{r}", server.url, bare_url, vllm, bare.pid, held, args, layers))
+                    for path, url, proxy in (("direct", server.url, None), ("fcfs", fcfs_url, fcfs.pid),
+                                             ("bare", bare_url, bare.pid)):
+                        rows.append({**run(f"{name} {path} r{r}", server.url, url, vllm, proxy, held, args, layers),
+                                     "placement": name, "path": path})
         finally:
             for proc in (fcfs, bare):
                 proc.terminate(), proc.wait(60)
