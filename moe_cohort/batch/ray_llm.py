@@ -9,10 +9,11 @@
     aware.learn()                                                   # the engine's counts fit the head, saved
 
 What each step keeps:
-- `order` (which the processor applies to the Dataset it is given) predicts every row's expert profile from its text (`messages` or `prompt`, as the proxy reads a
-  body) and sends the Dataset in the batch runner's order (batch/order.py: admission by predicted experts,
-  max_num_seqs at a time, first in first out), keeping every row and column; it adds `moe_row` (the row's
-  place in the Dataset as given) and `moe_profile` (its compact profile, [] when none was predicted).
+- `order` (which the processor applies to the Dataset it is given) predicts every row's expert profile from its
+  text (`messages` or `prompt`, as the proxy reads a body) and sends the Dataset in the batch runner's order
+  (batch/order.py: admission by predicted experts, max_num_seqs at a time, first in first out), keeping every row
+  and column; it adds `moe_row` (the row's place in the Dataset as given) and `moe_profile` (its compact profile,
+  [] when none was predicted).
 - `build_processor` is Ray's `build_processor` with the engine set up for admission by experts: our scheduler
   (`scheduler_cls`) and plugin (`VLLM_PLUGINS`), unless the config names others; `max_pending_requests` at
   PENDING_PER_SLOT x max_num_seqs, so that vLLM's waiting queue holds rows for our scheduler to choose from
@@ -47,7 +48,6 @@ SCHEDULER_CLS = "moe_cohort.engine.scheduler.ExpertAwareScheduler"
 PLUGIN = "moe_cohort"
 PENDING_PER_SLOT = 4  # rows inside vLLM per slot: the running ones and a waiting queue three times as deep
 ROW, PROFILE = "moe_row", "moe_profile"  # the columns `order` adds
-ENV_BOX = "COHORT_RAY_OBSERVATIONS"  # the named actor the engine stage hands the counts to
 ENGINE_STAGE = "vLLMEngineStage"
 
 
@@ -160,6 +160,8 @@ class ExpertAware:
         plugins = [p for p in env.get("VLLM_PLUGINS", PLUGIN).split(",") if p]
         env["VLLM_PLUGINS"] = ",".join(plugins if PLUGIN in plugins else [*plugins, PLUGIN])
         if self.learner is not None:
+            from moe_cohort.batch.ray_llm_engine import ENV_BOX
+
             env[ENV_BOX] = self._observations()
         pending = config.max_pending_requests or PENDING_PER_SLOT * self.max_num_seqs
         return config.model_copy(update={"engine_kwargs": engine, "runtime_env": {**runtime, "env_vars": env},

@@ -19,10 +19,10 @@ import ray
 from ray.llm._internal.batch.stages.vllm_engine_stage import vLLMEngineStageUDF
 
 from moe_cohort.admission.wire import OBSERVE_KEY
-from moe_cohort.batch.ray_llm import ENV_BOX
 
 log = logging.getLogger(__name__)
 
+ENV_BOX = "COHORT_RAY_OBSERVATIONS"  # the Ray actor the engine stage hands the counts to (set by batch/ray_llm.py)
 TAKE_TRIES, TAKE_WAIT_S = 20, 0.05  # the plugin finishes a request's counts one engine step after its answer
 
 
