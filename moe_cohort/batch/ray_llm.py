@@ -23,7 +23,10 @@ What each step keeps:
   (`order`, for the config's max_num_seqs) and runs Ray's; its outputs are the plain ones.
 - `learn` fits the profile head on the counts the engine took of this run's rows (collected in a Ray actor by
   the engine stage: batch/ray_llm_engine.py) and saves it in the data dir, where the next `load` finds it.
-  With no head yet, a run orders by embeddings (the nearest to the rows out), and learns.
+- With no head yet, a learning run learns first, as `cohort batch run` does cold (batch/follow.py): it sends a
+  sample drawn from across the Dataset and the rows that keep the engine fed behind it (`learn_first_split`), fits a head
+  on the sample's counts as soon as they are in, and sends the rest in admission order by that head, each with
+  its profile, in the same execution (one engine start). Without learning, it orders by embeddings.
 
 One engine or several (`concurrency`): Ray Data sends each bundle of consecutive rows whole to one engine, so
 rows the order put together run on the same engine. Nothing here needs the proxy.
@@ -33,11 +36,15 @@ from __future__ import annotations
 
 import logging
 import math
+import random
+import threading
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from moe_cohort.admission.wire import OBSERVE_KEY, PROFILE_KEY
+from moe_cohort.batch.follow import SAMPLE_POLL_S, sample_size
 from moe_cohort.batch.order import make_order, simulated_order
 from moe_cohort.encoder.text import RequestTextError, request_text
 from moe_cohort.send.profiles import Predictor
@@ -78,6 +85,16 @@ def plan(texts: Sequence[str], predictor: Predictor | None, max_num_seqs: int) -
     return [x.line for x in sent], [order.compact(i) or [] for i in range(len(lines))]
 
 
+def learn_first_split(n: int, sample: int, engine_rows: int, batch: int) -> tuple[list[int], list[int]]:
+    """(the rows of `n` a learn-first run sends before its hand-over, the rest): `sample` rows and `engine_rows`
+    more (what the engine holds, so that it stays fed while the head is fitted), in whole batches of `batch` (a
+    stage waits for a whole batch), drawn from across the Dataset (a seeded permutation)."""
+    lead = math.ceil((sample + engine_rows) / batch) * batch
+    spread = list(range(n))
+    random.Random(n).shuffle(spread)
+    return spread[:lead], spread[lead:]
+
+
 def with_expert_args(sampling_params: dict | None, profile: Sequence[int], token: str | None) -> dict:
     """`sampling_params` with the row's profile (when it has one) and observe token (when learning) in its
     `extra_args`, the caller's own extra args kept."""
@@ -105,6 +122,11 @@ class OrderingProcessor:
         return getattr(self.processor, name)
 
 
+def _batch_size(stage) -> int | None:
+    """A stage config's own batch size (a config object or its dict; True/False: none, the processor's)."""
+    return stage.get("batch_size") if isinstance(stage, dict) else getattr(stage, "batch_size", None)
+
+
 @dataclass
 class ExpertAware:
     """Ordering, engine set-up and learning for one Ray Data LLM run (see the module doc)."""
@@ -115,7 +137,10 @@ class ExpertAware:
     folder: Any = None  # where `learn` saves (the data dir's learned/)
     run: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     texts: dict[int, str] = field(default_factory=dict)  # by moe_row: what `learn` featurizes
+    batch: int = 1  # rows the processor's stages take at a time (the lcm of their batch sizes)
+    learned: int = 0  # rows of this run learned from so far
     _box: Any = None
+    _handing_over: threading.Thread | None = None
 
     @classmethod
     def load(cls, data_dir: str | None = None, encoder: str = "static", *, learn: bool = True,
@@ -136,25 +161,74 @@ class ExpertAware:
                    learned_folder(settings))
 
     def order(self, ds, text: Callable[[dict], str] = row_text):
-        """`ds` in the order of admission by predicted experts, with `moe_row` and `moe_profile` added; the
-        returned Dataset keeps that order through the processor's stages (`preserve_order`). The rows are read
-        into this process once: a plan of the whole Dataset needs all of them."""
+        """`ds` in the order of admission by predicted experts, with `moe_row` and `moe_profile` added (a learn-first
+        run: its first rows, then the rest in the order its head gives: module doc); the returned Dataset keeps that
+        order through the processor's stages (`preserve_order`). The rows are read into this process once: a plan
+        of the whole Dataset needs all of them."""
         import ray.data
 
         rows = list(ds.iter_rows())
         texts = [text(r) for r in rows]
-        order, profiles = plan(texts, self.predictor, self.max_num_seqs)
         self.texts = dict(enumerate(texts))
-        ordered = [{**rows[i], ROW: i, PROFILE: profiles[i]} for i in order]
-        log.info("ordered %d rows (%d with a profile)", len(rows), sum(bool(p) for p in profiles))
-        out = ray.data.from_items(ordered, override_num_blocks=max(1, math.ceil(len(ordered) / self.max_num_seqs)))
+        first = self._learn_first(len(rows))
+        if first is not None:
+            from moe_cohort.batch.ray_llm_engine import LearnFirstSource
+
+            rows = [{**r, ROW: i, PROFILE: []} for i, r in enumerate(rows)]
+            source = LearnFirstSource(rows, first, self._observations(), self.max_num_seqs, PROFILE)
+            out = ray.data.read_datasource(source, override_num_blocks=1, num_cpus=0)  # it waits for the hand-over
+            log.info("learning first from %d of %d rows, then ordering the rest", len(first), len(rows))
+        else:
+            order, profiles = plan(texts, self.predictor, self.max_num_seqs)
+            ordered = [{**rows[i], ROW: i, PROFILE: profiles[i]} for i in order]
+            log.info("ordered %d rows (%d with a profile)", len(rows), sum(bool(p) for p in profiles))
+            out = ray.data.from_items(ordered,
+                                      override_num_blocks=max(1, math.ceil(len(ordered) / self.max_num_seqs)))
         out.context.execution_options.preserve_order = True  # stages hand the engine its rows in this order
         return out
+
+    def _learn_first(self, n: int) -> list[int] | None:
+        """A learning run that cannot predict profiles yet, of more rows than it sends first: those first rows
+        (`learn_first_split`), with the hand-over started; else None."""
+        if self.learner is None or self.predictor is None or self.predictor.kind == "profile":
+            return None
+        sample = sample_size(self.learner.config.first_fit, n)
+        first, rest = learn_first_split(n, sample, PENDING_PER_SLOT * self.max_num_seqs, self.batch)
+        if not rest:
+            return None
+        self._observations()
+        self._handing_over = threading.Thread(target=self._hand_over, args=(rest, sample, len(first)),
+                                              name="moe-cohort-hand-over", daemon=True)
+        self._handing_over.start()
+        return first
+
+    def _hand_over(self, rest: list[int], sample: int, sent: int) -> None:
+        """Once `sample` rows are counted (or all `sent` first rows finished): fit a head on their counts and hand
+        the box `rest` in admission order by it, each with its profile. Whatever fails, the box gets `rest` (in
+        the order given, without profiles): the source waits for it."""
+        import ray
+
+        order, profiles = rest, [[] for _ in rest]
+        try:
+            while True:
+                counted, finished = ray.get(self._box.counts.remote())
+                if counted >= sample or finished >= sent:
+                    break
+                time.sleep(SAMPLE_POLL_S)
+            self._fit(ray.get(self._box.take.remote()))
+            planned, predicted = plan([self.texts[i] for i in rest], self.predictor, self.max_num_seqs)
+            order, profiles = [rest[i] for i in planned], [predicted[i] for i in planned]
+            log.info("a head learned from %d rows orders the other %d", self.learned, len(rest))
+        except Exception:  # noqa: BLE001 (the run goes on without the order)
+            log.exception("cannot order the rest of the rows by a learned head; they go in the order drawn")
+        self._box.hand_over.remote(order, [list(map(int, p)) for p in profiles])
 
     def configure(self, config):
         """A copy of the vLLMEngineProcessorConfig `config` set up for admission by experts (module doc)."""
         engine = {"scheduler_cls": SCHEDULER_CLS, **(config.engine_kwargs or {})}
         self.max_num_seqs = int(engine.get("max_num_seqs") or self.max_num_seqs)
+        stages = [getattr(config, name) for name in type(config).model_fields if name.endswith("_stage")]
+        self.batch = math.lcm(config.batch_size, *filter(None, map(_batch_size, stages)))
         runtime = dict(config.runtime_env or {})
         env = dict(runtime.get("env_vars") or {})
         plugins = [p for p in env.get("VLLM_PLUGINS", PLUGIN).split(",") if p]
@@ -195,15 +269,26 @@ class ExpertAware:
 
     def learn(self) -> int:
         """Fit the head on the engine's counts of this run's rows and save it in the data dir; how many rows it
-        learned from (0 when not learning, or nothing came back)."""
+        learned from in this run (0 when not learning, or nothing came back)."""
         if self.learner is None or self._box is None:
             return 0
         import ray
 
+        if self._handing_over is not None:
+            self._handing_over.join()
+        self._fit(ray.get(self._box.take.remote()))
+        if self.learned:
+            self.learner.save(self.folder)
+            log.info("learned from %d rows; head saved in %s", self.learned, self.folder)
+        return self.learned
+
+    def _fit(self, taken: dict[str, dict]) -> None:
+        """Observe the engine's counts `taken` (by observe token) and refit the head on everything observed; the
+        predictor predicts with it from now on."""
         from moe_cohort.send.learning.behind_serving import fit_apart
+        from moe_cohort.send.profiles import FixedHead
         from moe_cohort.traces.observed import BadObservation, Observed
 
-        taken: dict[str, dict] = ray.get(self._box.take.remote())
         rows, observed = [], []
         for token, wire in taken.items():
             row = int(token.rsplit("-", 1)[1])
@@ -214,14 +299,13 @@ class ExpertAware:
                 continue
             rows.append(row)
         if not rows:
-            return 0
+            return
         features, predicted = self.predictor.features([self.texts.get(r, "") for r in rows])  # [n, F]
         self.learner.observe(features, observed, predicted)
+        self.learned += len(rows)
         if self.learner.reservoir.size >= 2:
             self.learner.refit(fit_apart)
-        self.learner.save(self.folder)
-        log.info("learned from %d rows; head saved in %s", len(rows), self.folder)
-        return len(rows)
+            self.predictor.follow(FixedHead(self.learner.head))
 
     def _observations(self) -> str:
         """The name of this run's observation box (a Ray actor, started here once)."""

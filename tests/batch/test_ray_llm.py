@@ -9,7 +9,8 @@ import pytest
 
 from moe_cohort.admission.resident import ResidentExperts
 from moe_cohort.admission.wire import Prediction
-from moe_cohort.batch.ray_llm import PENDING_PER_SLOT, SCHEDULER_CLS, ExpertAware, plan, row_text, with_expert_args
+from moe_cohort.batch.ray_llm import (PENDING_PER_SLOT, SCHEDULER_CLS, ExpertAware, learn_first_split, plan, row_text,
+                                      with_expert_args)
 from moe_cohort.send.profiles import Predictor
 from tests.batch.test_order import brute_force_order
 from tests.send.learning.test_learning import encoder  # noqa: F401 (a fixture)
@@ -41,6 +42,16 @@ def test_without_a_predictor_the_rows_keep_their_order_and_carry_no_profile():
     assert plan(["a", "b", "c"], None, 2) == ([0, 1, 2], [[], [], []])
 
 
+def test_a_learn_first_run_sends_its_sample_and_an_engine_full_first_in_whole_batches():
+    for n, sample, engine_rows, batch in [(100, 16, 64, 16), (100, 12, 16, 8), (50, 12, 16, 24), (20, 5, 16, 32)]:
+        first, rest = learn_first_split(n, sample, engine_rows, batch)
+        assert sorted(first + rest) == list(range(n))
+        assert len(first) == min(n, -(-(sample + engine_rows) // batch) * batch)
+        assert (first, rest) == learn_first_split(n, sample, engine_rows, batch)  # seeded
+    first, _ = learn_first_split(400, 16, 64, 16)
+    assert max(first) > 300 and min(first) < 100  # drawn from across the Dataset, not its head
+
+
 def test_a_rows_text_is_what_the_proxy_reads_of_a_body():
     assert row_text({"messages": [{"role": "user", "content": "hello there"}]}) == "hello there"
     assert row_text({"prompt": "a prompt"}) == "a prompt"
@@ -66,12 +77,15 @@ def test_the_engine_is_set_up_for_admission_by_experts_and_the_users_choices_win
     assert config.engine_kwargs["scheduler_cls"] == SCHEDULER_CLS and config.engine_kwargs["max_num_seqs"] == 8
     assert config.runtime_env["env_vars"] == {"VLLM_PLUGINS": "other,moe_cohort", "X": "1"}
     assert config.max_pending_requests == PENDING_PER_SLOT * 8 and aware.max_num_seqs == 8
+    assert aware.batch == plain.batch_size  # Ray's default batch, its stages taking as many
     assert "scheduler_cls" not in plain.engine_kwargs and plain.max_pending_requests is None  # a copy
     theirs = vLLMEngineProcessorConfig(model_source="/m", engine_kwargs={"scheduler_cls": "my.Scheduler"},
                                        max_pending_requests=5, runtime_env={"env_vars": {"VLLM_PLUGINS": "moe_cohort"}})
     config = aware.configure(theirs)
     assert config.engine_kwargs["scheduler_cls"] == "my.Scheduler" and config.max_pending_requests == 5
     assert config.runtime_env["env_vars"]["VLLM_PLUGINS"] == "moe_cohort"
+    aware.configure(vLLMEngineProcessorConfig(model_source="/m", batch_size=8, tokenize_stage={"batch_size": 12}))
+    assert aware.batch == 24  # whole batches of every stage
 
 
 def _prompt(i: int) -> str:
@@ -95,17 +109,21 @@ def _run(aware, model_dir, n: int) -> list[dict]:
 @needs_ray_llm
 @pytest.mark.integration
 def test_a_cold_run_learns_the_head_that_orders_and_profiles_the_next(tiny_moe_dir, encoder, tmp_path):  # noqa: F811
-    """Cold: no head, no profile sent, every row answered once and counted by the engine, a head fitted and saved.
-    Warm, on the same data dir: every row's profile reaches vLLM in its sampling parameters."""
+    """Cold: no head; the first rows (a sample and an engine-full) go without a profile, the rest each with the
+    profile the head learned from the sample's counts predicts, in the same run; every row answered once and
+    counted by the engine, the head saved. Warm, on the same data dir: every row's profile reaches vLLM."""
     import ray
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         cold = ExpertAware.load(data_dir=str(tmp_path / "data"), encoder=encoder)
-        out = _run(cold, tiny_moe_dir, 16)
-        assert sorted(r["id"] for r in out) == list(range(16)) and {r["tokens"] for r in out} == {4}
-        assert not any("moe_profile" in r["params"] for r in out) and all("moe_observe" in r["params"] for r in out)
-        assert cold.learn() == 16 and cold.learner.head is not None
+        out = _run(cold, tiny_moe_dir, 48)
+        assert sorted(r["id"] for r in out) == list(range(48)) and {r["tokens"] for r in out} == {4}
+        assert all("moe_observe" in r["params"] for r in out)
+        first, rest = learn_first_split(48, 12, PENDING_PER_SLOT * 4, 8)  # 12 = a quarter of the rows: the sample
+        assert {r["id"] for r in out if "moe_profile" not in r["params"]} == set(first)
+        assert {r["id"] for r in out if "moe_profile" in r["params"]} == set(rest)
+        assert cold.learn() == 48 and cold.learner.head is not None
         assert (tmp_path / "data" / "learned").is_dir()
 
         warm = ExpertAware.load(data_dir=str(tmp_path / "data"), encoder=encoder, learn=False)
