@@ -34,6 +34,7 @@ rows the order put together run on the same engine. Nothing here needs the proxy
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import random
@@ -172,11 +173,11 @@ class ExpertAware:
         self.texts = dict(enumerate(texts))
         first = self._learn_first(len(rows))
         if first is not None:
-            from moe_cohort.batch.ray_llm_engine import LearnFirstSource
+            from moe_cohort.batch.ray_llm_engine import LearnFirstSource, handed_over
 
-            rows = [{**r, ROW: i, PROFILE: []} for i, r in enumerate(rows)]
-            source = LearnFirstSource(rows, first, self._observations(), self.max_num_seqs, PROFILE)
-            out = ray.data.read_datasource(source, override_num_blocks=1, num_cpus=0)  # it waits for the hand-over
+            rest = functools.partial(handed_over, self._observations())
+            source = LearnFirstSource([{**r, ROW: i} for i, r in enumerate(rows)], first, rest, PROFILE)
+            out = ray.data.read_datasource(source, override_num_blocks=2, num_cpus=0)  # the second waits
             log.info("learning first from %d of %d rows, then ordering the rest", len(first), len(rows))
         else:
             order, profiles = plan(texts, self.predictor, self.max_num_seqs)

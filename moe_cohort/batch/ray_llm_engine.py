@@ -7,9 +7,9 @@ of its request fetched from the engine once it finished (`cohort_take_observed`,
 fetches them over HTTP: engine/observed_endpoint.py) and put in `ObservationBox`, a Ray actor the driver reads.
 Every such row is counted there as finished, counts or not. The row's output is the plain stage's.
 
-`LearnFirstSource` is a Dataset source of one read task: it yields its first rows (a sample from across the
-Dataset and the rows that keep the engine fed behind it), then waits until the driver hands the box the order of
-the rest (predicted by the head learned from the sample's counts: batch/ray_llm.py), and yields the rest in it.
+`LearnFirstSource` is a Dataset source of two read tasks: the first rows (a sample from across the Dataset and the
+rows that keep the engine fed behind it), then the rest, once the driver hands the box their order (by the head
+learned from the sample's counts: batch/ray_llm.py).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import logging
 import os
 import time
 import uuid
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import pyarrow as pa
 import ray
@@ -92,45 +92,45 @@ class ObservingEngineUDF(vLLMEngineStageUDF):
         return self._observation_box
 
 
-def blocks(rows: Sequence[dict], first: Sequence[int], rest: Iterator[tuple[list[int], list[list[int]]]],
-           size: int, profile: str) -> Iterator[list[dict]]:
-    """`rows` by index: those in `first` as they are, then, once `rest` yields (the order of the others and their
-    profiles), those with their profile in column `profile`; `size` rows at a time."""
-    for k in range(0, len(first), size):
-        yield [rows[i] for i in first[k: k + size]]
-    order, profiles = next(rest)
-    for k in range(0, len(order), size):
-        yield [{**rows[i], profile: p} for i, p in zip(order[k: k + size], profiles[k: k + size])]
-
-
-def handed_over(box_name: str) -> Iterator[tuple[list[int], list[list[int]]]]:
-    """The order of the rest once the driver handed it to the box named `box_name` (polled)."""
+def handed_over(box_name: str) -> tuple[list[int], list[list[int]]]:
+    """The order of the rest and their profiles, once the driver handed them to the box named `box_name` (polled)."""
     box = ray.get_actor(box_name)
     while (rest := ray.get(box.handed_over.remote())) is None:
         time.sleep(REST_POLL_S)
-    yield rest
+    return rest
+
+
+def table(rows: Sequence[dict], order: Sequence[int], profiles: Sequence[Sequence[int]], column: str) -> pa.Table:
+    """`rows` in `order`, each with its profile in the list column `column` (typed: [] and [..] alike)."""
+    part = pa.Table.from_pylist([{k: v for k, v in rows[i].items() if k != column} for i in order])
+    return part.append_column(column, pa.array([[int(c) for c in p] for p in profiles], type=pa.list_(pa.int64())))
 
 
 class LearnFirstSource(Datasource):
-    """`rows` (dicts, each with its list column `profile`) as one read task: `first`, then the rest in the order
-    the box named `box_name` is handed, `block_rows` rows a block."""
+    """`rows` (dicts) as two read tasks, in this order: the rows in `first` without a profile, at once; then the
+    others in the order `rest()` gives (blocking until the driver's hand-over: `handed_over`) with theirs, in
+    column `column`. Ray Data hands a read task's output on when the task ends, so the first rows reach the
+    engine while the second task waits."""
 
-    def __init__(self, rows: Sequence[dict], first: Sequence[int], box_name: str, block_rows: int,
-                 profile: str) -> None:
-        self.rows, self.first, self.box_name = list(rows), list(first), box_name
-        self.block_rows, self.profile = block_rows, profile
+    def __init__(self, rows: Sequence[dict], first: Sequence[int], rest: Callable[[], tuple[list[int], list[list[int]]]],
+                 column: str) -> None:
+        self.rows, self.first, self.rest, self.column = list(rows), list(first), rest, column
 
     def estimate_inmemory_data_size(self) -> int | None:
         return None
 
     def get_read_tasks(self, parallelism: int, per_task_row_limit: int | None = None,
                        data_context=None) -> list[ReadTask]:
-        rows, first, box_name, size, profile = self.rows, self.first, self.box_name, self.block_rows, self.profile
+        rows, first, rest, column = self.rows, self.first, self.rest, self.column
 
-        def read() -> Iterator[pa.Table]:
-            for part in blocks(rows, first, handed_over(box_name), size, profile):
-                profiles = pa.array([r[profile] for r in part], type=pa.list_(pa.int64()))  # [] and [..] alike
-                table = pa.Table.from_pylist([{k: v for k, v in r.items() if k != profile} for r in part])
-                yield table.append_column(profile, profiles)
+        def first_rows() -> Iterator[pa.Table]:
+            yield table(rows, first, [[]] * len(first), column)
 
-        return [ReadTask(read, BlockMetadata(num_rows=len(rows), size_bytes=None, exec_stats=None))]
+        def other_rows() -> Iterator[pa.Table]:
+            yield table(rows, *rest(), column)
+
+        return [ReadTask(first_rows, _metadata(len(first))), ReadTask(other_rows, _metadata(len(rows) - len(first)))]
+
+
+def _metadata(rows: int) -> BlockMetadata:
+    return BlockMetadata(num_rows=rows, size_bytes=None, exec_stats=None)
