@@ -1,19 +1,20 @@
 """End to end through Ray Data LLM and vLLM CPU: the plain vLLM processor against ours (batch/ray_llm.py).
 
     python -m benchmarks.bench_ray_llm [--lines 600] [--rounds 2] [--max-tokens 64] [--slots 16] [--model-dir DIR]
-        [--concurrency 1] [--json FILE]
+        [--concurrency 1] [--ray-cpus N] [--json FILE]
 
 The trained tiny MoE (`cohort serve`'s embedded default; give a widened copy for wall time on experts of real
 size), eager, max_num_seqs = --slots, one engine per --concurrency, each on a Ray placement bundle of one CPU, in a
-local Ray of this machine's CPUs (the pre- and postprocessing, chat template and tokenizer stages at a quarter of a
+local Ray of this machine's CPUs (--ray-cpus: as many logical CPUs, so that two engines and the stages fit on
+fewer cores; the pre- and postprocessing, chat template and tokenizer stages at a quarter of a
 CPU each, so that a 2-core machine holds them beside the engine). The rows: --lines chat prompts no model here saw (bench_batch_out_of_box's
 held-out mix, cut to MAX_CHARS), shuffled, --max-tokens each (`ignore_eos`), through the chat template and tokenizer stages.
 
 Each round, one after the other (the engine drifts over minutes; interleaved rounds do not):
 - plain: `build_processor(vLLMEngineProcessorConfig(...))` with vLLM's own scheduler, the Dataset in its order
   (our plugin loaded, to count);
-- cold: `ExpertAware.load` on a FRESH data dir (no head: ordered by embeddings, no profile sent), learning; its
-  `learn()` fits and saves the head;
+- cold: `ExpertAware.load` on a FRESH data dir (no head: a sample and an engine-full first, then the rest ordered and
+  profiled by the head learned from the sample's counts), learning; its `learn()` fits and saves the head;
 - warm: `ExpertAware.load` on the data dir the cold run left (its head orders and profiles every row), not learning.
 Per run: decode expert loads per GENERATED token and decode tokens per forward, from the plugin's counters (each run
 points COHORT_METRICS_DIR at a folder of its own through the runtime env; the engine's worker writes its totals
@@ -127,6 +128,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--slots", type=int, default=16, help="vLLM's max_num_seqs")
     p.add_argument("--concurrency", type=int, default=1, help="engines (Ray Data LLM's concurrency)")
+    p.add_argument("--ray-cpus", type=int, help="logical CPUs of the local Ray (default: this machine's)")
     p.add_argument("--model-dir", default=str(default_model_dir()))
     p.add_argument("--json", help="also write the rows here")
     args = p.parse_args()
@@ -140,7 +142,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="bench-ray-llm-"))
     print(f"{len(rows)} held-out chat rows, {args.max_tokens} tokens each, max_num_seqs {args.slots}, "
           f"{args.concurrency} engine(s); model {model}; work {work}", flush=True)
-    ray.init(num_cpus=len(os.sched_getaffinity(0)), include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=args.ray_cpus or len(os.sched_getaffinity(0)), include_dashboard=False, log_to_driver=False)
     out = []
     try:
         for r in range(args.rounds):

@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from moe_cohort.admission.wire import OBSERVE_KEY, PROFILE_KEY
-from moe_cohort.batch.follow import SAMPLE_POLL_S, sample_size
+from moe_cohort.batch.follow import BATCH_REFIT_EVERY, SAMPLE_POLL_S, sample_size
 from moe_cohort.batch.order import make_order, simulated_order
 from moe_cohort.encoder.text import RequestTextError, request_text
 from moe_cohort.send.profiles import Predictor
@@ -175,9 +175,11 @@ class ExpertAware:
         if first is not None:
             from moe_cohort.batch.ray_llm_engine import LearnFirstSource, handed_over
 
+            parts = self._parts(len(rows) - len(first))
             rest = functools.partial(handed_over, self._observations())
-            source = LearnFirstSource([{**r, ROW: i} for i, r in enumerate(rows)], first, rest, PROFILE)
-            out = ray.data.read_datasource(source, override_num_blocks=2, num_cpus=0)  # the second waits
+            source = LearnFirstSource([{**r, ROW: i} for i, r in enumerate(rows)], first, rest, parts, PROFILE)
+            # one task at a time, each waiting for its part
+            out = ray.data.read_datasource(source, override_num_blocks=1 + len(parts), num_cpus=0, concurrency=1)
             log.info("learning first from %d of %d rows, then ordering the rest", len(first), len(rows))
         else:
             order, profiles = plan(texts, self.predictor, self.max_num_seqs)
@@ -203,26 +205,38 @@ class ExpertAware:
         self._handing_over.start()
         return first
 
+    def _parts(self, rest: int) -> list[int]:
+        """The sizes of the parts a learn-first run hands the rest over in: an engine-full each (in whole batches),
+        so that the engine stays fed while the next head is fitted."""
+        size = math.ceil(PENDING_PER_SLOT * self.max_num_seqs / self.batch) * self.batch
+        return [min(size, rest - k) for k in range(0, rest, size)]
+
     def _hand_over(self, rest: list[int], sample: int, sent: int) -> None:
-        """Once `sample` rows are counted (or all `sent` first rows finished): fit a head on their counts and hand
-        the box `rest` in admission order by it, each with its profile. Whatever fails, the box gets `rest` (in
-        the order given, without profiles): the source waits for it."""
+        """Once `sample` rows are counted (or all `sent` first rows finished), and again after every
+        BATCH_REFIT_EVERY more (or once all rows sent so far finished): refit the head on every count so far and
+        hand the box the next part of `rest`, the rows its admission order by that head sends first, each with
+        its profile (batch/follow.py's schedule, in parts). Whatever fails, the box gets the remaining parts
+        (in the order given, without profiles): the source waits for them."""
         import ray
 
-        order, profiles = rest, [[] for _ in rest]
+        parts = self._parts(len(rest))
+        remaining, next_part = list(rest), 0
         try:
-            while True:
-                counted, finished = ray.get(self._box.counts.remote())
-                if counted >= sample or finished >= sent:
-                    break
-                time.sleep(SAMPLE_POLL_S)
-            self._fit(ray.get(self._box.take.remote()))
-            planned, predicted = plan([self.texts[i] for i in rest], self.predictor, self.max_num_seqs)
-            order, profiles = [rest[i] for i in planned], [predicted[i] for i in planned]
-            log.info("a head learned from %d rows orders the other %d", self.learned, len(rest))
+            for k, size in enumerate(parts):
+                need, out = (sample if k == 0 else BATCH_REFIT_EVERY), sent + sum(parts[:k])
+                while (counts := ray.get(self._box.counts.remote()))[0] < need and counts[1] < out:
+                    time.sleep(SAMPLE_POLL_S)
+                self._fit(ray.get(self._box.take.remote()))
+                planned, predicted = plan([self.texts[i] for i in remaining], self.predictor, self.max_num_seqs)
+                self._box.hand_over.remote(k, [remaining[i] for i in planned[:size]],
+                                           [list(map(int, predicted[i])) for i in planned[:size]])
+                remaining, next_part = [remaining[i] for i in planned[size:]], k + 1
+                log.info("part %d: %d rows ordered by a head learned from %d", k, size, self.learned)
         except Exception:  # noqa: BLE001 (the run goes on without the order)
             log.exception("cannot order the rest of the rows by a learned head; they go in the order drawn")
-        self._box.hand_over.remote(order, [list(map(int, p)) for p in profiles])
+            for k in range(next_part, len(parts)):
+                self._box.hand_over.remote(k, remaining[:parts[k]], [[] for _ in remaining[:parts[k]]])
+                remaining = remaining[parts[k]:]
 
     def configure(self, config):
         """A copy of the vLLMEngineProcessorConfig `config` set up for admission by experts (module doc)."""

@@ -7,9 +7,9 @@ of its request fetched from the engine once it finished (`cohort_take_observed`,
 fetches them over HTTP: engine/observed_endpoint.py) and put in `ObservationBox`, a Ray actor the driver reads.
 Every such row is counted there as finished, counts or not. The row's output is the plain stage's.
 
-`LearnFirstSource` is a Dataset source of two read tasks: the first rows (a sample from across the Dataset and the
-rows that keep the engine fed behind it), then the rest, once the driver hands the box their order (by the head
-learned from the sample's counts: batch/ray_llm.py).
+`LearnFirstSource` is a Dataset source of read tasks that run one after the other: the first rows (a sample from
+across the Dataset and the rows that keep the engine fed behind it), then the rest in parts, each once the driver
+hands the box its rows (ordered by the latest head learned from the engine's counts: batch/ray_llm.py).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ class ObservationBox:
     def __init__(self) -> None:
         self.observed: dict[str, dict] = {}
         self.finished = 0  # rows with a token that finished, counted or not
-        self.rest: tuple[list[int], list[list[int]]] | None = None  # a learn-first run's later rows and profiles
+        self.parts: dict[int, tuple[list[int], list[list[int]]]] = {}  # a learn-first run's later rows, profiles
 
     def put(self, found: dict[str, dict]) -> None:
         """One finished row's counts ({}: none came back)."""
@@ -58,11 +58,11 @@ class ObservationBox:
         taken, self.observed = self.observed, {}
         return taken
 
-    def hand_over(self, rows: list[int], profiles: list[list[int]]) -> None:
-        self.rest = (rows, profiles)
+    def hand_over(self, part: int, rows: list[int], profiles: list[list[int]]) -> None:
+        self.parts[part] = (rows, profiles)
 
-    def handed_over(self) -> tuple[list[int], list[list[int]]] | None:
-        return self.rest
+    def handed_over(self, part: int) -> tuple[list[int], list[list[int]]] | None:
+        return self.parts.get(part)
 
 
 class ObservingEngineUDF(vLLMEngineStageUDF):
@@ -92,10 +92,11 @@ class ObservingEngineUDF(vLLMEngineStageUDF):
         return self._observation_box
 
 
-def handed_over(box_name: str) -> tuple[list[int], list[list[int]]]:
-    """The order of the rest and their profiles, once the driver handed them to the box named `box_name` (polled)."""
+def handed_over(box_name: str, part: int) -> tuple[list[int], list[list[int]]]:
+    """Part `part` of the rest (its rows in order, their profiles), once the driver handed it to the box named
+    `box_name` (polled)."""
     box = ray.get_actor(box_name)
-    while (rest := ray.get(box.handed_over.remote())) is None:
+    while (rest := ray.get(box.handed_over.remote(part))) is None:
         time.sleep(REST_POLL_S)
     return rest
 
@@ -107,14 +108,14 @@ def table(rows: Sequence[dict], order: Sequence[int], profiles: Sequence[Sequenc
 
 
 class LearnFirstSource(Datasource):
-    """`rows` (dicts) as two read tasks, in this order: the rows in `first` without a profile, at once; then the
-    others in the order `rest()` gives (blocking until the driver's hand-over: `handed_over`) with theirs, in
-    column `column`. Ray Data hands a read task's output on when the task ends, so the first rows reach the
-    engine while the second task waits."""
+    """`rows` (dicts) as 1 + len(`parts`) read tasks, in this order: the rows in `first` without a profile, at
+    once; then part k (of `parts[k]` rows) of the others, the rows and profiles `rest(k)` gives (blocking until the driver's
+    hand-over of that part: `handed_over`), the profiles in column `column`. Ray Data hands a read task's output
+    on when the task ends, so each part reaches the engine while the next one waits."""
 
-    def __init__(self, rows: Sequence[dict], first: Sequence[int], rest: Callable[[], tuple[list[int], list[list[int]]]],
-                 column: str) -> None:
-        self.rows, self.first, self.rest, self.column = list(rows), list(first), rest, column
+    def __init__(self, rows: Sequence[dict], first: Sequence[int],
+                 rest: Callable[[int], tuple[list[int], list[list[int]]]], parts: Sequence[int], column: str) -> None:
+        self.rows, self.first, self.rest, self.parts, self.column = list(rows), list(first), rest, list(parts), column
 
     def estimate_inmemory_data_size(self) -> int | None:
         return None
@@ -126,10 +127,11 @@ class LearnFirstSource(Datasource):
         def first_rows() -> Iterator[pa.Table]:
             yield table(rows, first, [[]] * len(first), column)
 
-        def other_rows() -> Iterator[pa.Table]:
-            yield table(rows, *rest(), column)
+        def part(k: int) -> Callable[[], Iterator[pa.Table]]:
+            return lambda: iter([table(rows, *rest(k), column)])
 
-        return [ReadTask(first_rows, _metadata(len(first))), ReadTask(other_rows, _metadata(len(rows) - len(first)))]
+        return [ReadTask(first_rows, _metadata(len(first))),
+                *(ReadTask(part(k), _metadata(n)) for k, n in enumerate(self.parts))]
 
 
 def _metadata(rows: int) -> BlockMetadata:

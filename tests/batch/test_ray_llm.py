@@ -52,6 +52,12 @@ def test_a_learn_first_run_sends_its_sample_and_an_engine_full_first_in_whole_ba
     assert max(first) > 300 and min(first) < 100  # drawn from across the Dataset, not its head
 
 
+def test_a_learn_first_run_hands_the_rest_over_in_engine_fulls_of_whole_batches():
+    aware = ExpertAware(predictor=None, max_num_seqs=4, batch=6)
+    assert aware._parts(40) == [18, 18, 4]  # 4 x 4 rows an engine holds, in batches of 6
+    assert aware._parts(18) == [18] and aware._parts(0) == []
+
+
 def test_a_rows_text_is_what_the_proxy_reads_of_a_body():
     assert row_text({"messages": [{"role": "user", "content": "hello there"}]}) == "hello there"
     assert row_text({"prompt": "a prompt"}) == "a prompt"
@@ -110,20 +116,20 @@ def _run(aware, model_dir, n: int) -> list[dict]:
 @pytest.mark.integration
 def test_a_cold_run_learns_the_head_that_orders_and_profiles_the_next(tiny_moe_dir, encoder, tmp_path):  # noqa: F811
     """Cold: no head; the first rows (a sample and an engine-full) go without a profile, the rest each with the
-    profile the head learned from the sample's counts predicts, in the same run; every row answered once and
+    profile the latest head learned from the engine's counts predicts, in the same run; every row answered once and
     counted by the engine, the head saved. Warm, on the same data dir: every row's profile reaches vLLM."""
     import ray
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         cold = ExpertAware.load(data_dir=str(tmp_path / "data"), encoder=encoder)
-        out = _run(cold, tiny_moe_dir, 48)
-        assert sorted(r["id"] for r in out) == list(range(48)) and {r["tokens"] for r in out} == {4}
+        out = _run(cold, tiny_moe_dir, 64)
+        assert sorted(r["id"] for r in out) == list(range(64)) and {r["tokens"] for r in out} == {4}
         assert all("moe_observe" in r["params"] for r in out)
-        first, rest = learn_first_split(48, 12, PENDING_PER_SLOT * 4, 8)  # 12 = a quarter of the rows: the sample
+        first, rest = learn_first_split(64, 16, PENDING_PER_SLOT * 4, 8)  # the rest in 2 parts: 2 heads
         assert {r["id"] for r in out if "moe_profile" not in r["params"]} == set(first)
         assert {r["id"] for r in out if "moe_profile" in r["params"]} == set(rest)
-        assert cold.learn() == 48 and cold.learner.head is not None
+        assert cold.learn() == 64 and cold.learner.head is not None
         assert (tmp_path / "data" / "learned").is_dir()
 
         warm = ExpertAware.load(data_dir=str(tmp_path / "data"), encoder=encoder, learn=False)

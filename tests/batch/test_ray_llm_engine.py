@@ -11,19 +11,20 @@ if importlib.util.find_spec("ray") is None or importlib.util.find_spec("vllm") i
 from moe_cohort.batch.ray_llm_engine import LearnFirstSource  # noqa: E402
 
 
-def test_the_first_rows_go_without_waiting_for_the_hand_over_and_the_rest_in_its_order_with_its_profiles():
+def test_the_first_rows_go_without_waiting_and_each_later_part_as_handed_over_with_its_profiles():
     rows = [{"id": i, "text": f"t{i}"} for i in range(8)]
+    parts = {0: ([7, 2], [[1, 9], [2]]), 1: ([5], [[]])}
     handed = []
 
-    def rest():
-        handed.append(True)
-        return [7, 2, 5], [[1, 9], [2], []]
+    def rest(k):
+        handed.append(k)
+        return parts[k]
 
-    first_task, rest_task = LearnFirstSource(rows, [4, 0, 6, 3, 1], rest, "p").get_read_tasks(2)
-    first = [t.to_pylist() for t in first_task.read_fn()]
+    tasks = LearnFirstSource(rows, [4, 0, 6, 3, 1], rest, [2, 1], "p").get_read_tasks(3)
+    assert [t.metadata.num_rows for t in tasks] == [5, 2, 1]
+    first = [t.to_pylist() for t in tasks[0].read_fn()]
     assert first == [[{"id": i, "text": f"t{i}", "p": []} for i in [4, 0, 6, 3, 1]]] and not handed
-    later = [t.to_pylist() for t in rest_task.read_fn()]
-    assert handed == [True]
-    assert later == [[{"id": 7, "text": "t7", "p": [1, 9]}, {"id": 2, "text": "t2", "p": [2]},
-                      {"id": 5, "text": "t5", "p": []}]]
-    assert first_task.metadata.num_rows == 5 and rest_task.metadata.num_rows == 3
+    later = [[t.to_pylist() for t in task.read_fn()] for task in tasks[1:]]
+    assert handed == [0, 1]
+    assert later == [[[{"id": 7, "text": "t7", "p": [1, 9]}, {"id": 2, "text": "t2", "p": [2]}]],
+                     [[{"id": 5, "text": "t5", "p": []}]]]
