@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from moe_cohort.admission.wire import OBSERVE_KEY, PROFILE_KEY
-from moe_cohort.batch.follow import BATCH_REFIT_EVERY, SAMPLE_POLL_S, sample_size
+from moe_cohort.batch.follow import SAMPLE_POLL_S, sample_size
 from moe_cohort.batch.order import make_order, simulated_order
 from moe_cohort.encoder.text import RequestTextError, request_text
 from moe_cohort.send.profiles import Predictor
@@ -55,6 +55,7 @@ log = logging.getLogger(__name__)
 SCHEDULER_CLS = "moe_cohort.engine.scheduler.ExpertAwareScheduler"
 PLUGIN = "moe_cohort"
 PENDING_PER_SLOT = 4  # rows inside vLLM per slot: the running ones and a waiting queue three times as deep
+AHEAD_PARTS = 2  # a learn-first run's parts out before it hands over the next: the engine's and one in the stages
 ROW, PROFILE = "moe_row", "moe_profile"  # the columns `order` adds
 ENGINE_STAGE = "vLLMEngineStage"
 
@@ -206,25 +207,36 @@ class ExpertAware:
         return first
 
     def _parts(self, rest: int) -> list[int]:
-        """The sizes of the parts a learn-first run hands the rest over in: an engine-full each (in whole batches),
-        so that the engine stays fed while the next head is fitted."""
-        size = math.ceil(PENDING_PER_SLOT * self.max_num_seqs / self.batch) * self.batch
+        """The sizes of the parts a learn-first run hands the rest over in: `_part_size` each, the last one less."""
+        size = self._part_size()
         return [min(size, rest - k) for k in range(0, rest, size)]
 
+    def _part_size(self) -> int:
+        """An engine-full of rows (PENDING_PER_SLOT x max_num_seqs) in whole batches."""
+        return math.ceil(PENDING_PER_SLOT * self.max_num_seqs / self.batch) * self.batch
+
+    def _next_part_due(self, k: int, out: int, sample: int, counted: int, finished: int) -> bool:
+        """Whether part `k` of the rest is due, `out` rows sent so far, `counted` counts not yet learned from,
+        `finished` rows finished: the first once the sample is counted (or every row out finished); each later
+        one once no more than AHEAD_PARTS parts' rows are out (the engine's and those in Ray Data's stages), so
+        that it is ordered by the latest head and still reaches the engine before it runs dry."""
+        if k == 0:
+            return counted >= sample or finished >= out
+        return finished >= out - AHEAD_PARTS * self._part_size()
+
     def _hand_over(self, rest: list[int], sample: int, sent: int) -> None:
-        """Once `sample` rows are counted (or all `sent` first rows finished), and again after every
-        BATCH_REFIT_EVERY more (or once all rows sent so far finished): refit the head on every count so far and
-        hand the box the next part of `rest`, the rows its admission order by that head sends first, each with
-        its profile (batch/follow.py's schedule, in parts). Whatever fails, the box gets the remaining parts
-        (in the order given, without profiles): the source waits for them."""
+        """When each part of `rest` is due (`_next_part_due`): refit the head on every count so far and hand the
+        box that part, the rows admission by that head sends first, each with its profile (batch/follow.py's
+        learn-first schedule, in parts). Whatever fails, the box gets the remaining parts (in the order given,
+        without profiles): the source waits for them."""
         import ray
 
         parts = self._parts(len(rest))
         remaining, next_part = list(rest), 0
         try:
             for k, size in enumerate(parts):
-                need, out = (sample if k == 0 else BATCH_REFIT_EVERY), sent + sum(parts[:k])
-                while (counts := ray.get(self._box.counts.remote()))[0] < need and counts[1] < out:
+                out = sent + sum(parts[:k])  # rows sent so far
+                while not self._next_part_due(k, out, sample, *ray.get(self._box.counts.remote())):
                     time.sleep(SAMPLE_POLL_S)
                 self._fit(ray.get(self._box.take.remote()))
                 planned, predicted = plan([self.texts[i] for i in remaining], self.predictor, self.max_num_seqs)

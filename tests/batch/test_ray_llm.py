@@ -56,6 +56,11 @@ def test_a_learn_first_run_hands_the_rest_over_in_engine_fulls_of_whole_batches(
     aware = ExpertAware(predictor=None, max_num_seqs=4, batch=6)
     assert aware._parts(40) == [18, 18, 4]  # 4 x 4 rows an engine holds, in batches of 6
     assert aware._parts(18) == [18] and aware._parts(0) == []
+    # the first part once the sample (5) is counted or every row out (30) finished; a later one once no more than
+    # 2 parts' rows are out
+    assert [aware._next_part_due(0, 30, 5, counted, finished) for counted, finished in [(4, 29), (5, 5), (0, 30)]] == \
+        [False, True, True]
+    assert [aware._next_part_due(1, 48, 5, 0, finished) for finished in [11, 12, 40]] == [False, True, True]
 
 
 def test_a_rows_text_is_what_the_proxy_reads_of_a_body():
