@@ -132,10 +132,12 @@ def make_order(requests: Sequence[BatchRequest], predictor: Predictor | None, ma
     return order
 
 
-def simulated_order(requests: Sequence[BatchRequest], order: Order, max_in_flight: int) -> list[BatchRequest]:
-    """The order `order` would send `requests` in if they finished first in, first out (`--dry-run`)."""
+def simulated_order(requests: Sequence[BatchRequest], order: Order, max_in_flight: int,
+                    limit: int | None = None) -> list[BatchRequest]:
+    """The order `order` would send `requests` in if they finished first in, first out (`--dry-run`); the first
+    `limit` of it (None: all)."""
     waiting, out, sent = list(requests), deque(), []
-    while waiting:
+    while waiting and (limit is None or len(sent) < limit):
         if len(out) >= max_in_flight:
             order.finished(out.popleft())
         request = waiting.pop(order.pick(waiting))

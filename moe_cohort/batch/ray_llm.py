@@ -77,13 +77,14 @@ def row_text(row: dict) -> str:
         return ""
 
 
-def plan(texts: Sequence[str], predictor: Predictor | None, max_num_seqs: int) -> tuple[list[int], list[list[int]]]:
-    """(the rows' sending order, each row's compact profile ([] when none)): the batch runner's admission by
-    predicted experts with `max_num_seqs` rows out, finishing first in first out; the given order without a
-    predictor."""
+def plan(texts: Sequence[str], predictor: Predictor | None, max_num_seqs: int,
+         limit: int | None = None) -> tuple[list[int], list[list[int]]]:
+    """(the rows' sending order, its first `limit` rows only when given; each row's compact profile ([] when
+    none)): the batch runner's admission by predicted experts with `max_num_seqs` rows out, finishing first in
+    first out; the given order without a predictor."""
     lines = [_Line(i, t) for i, t in enumerate(texts)]
     order = make_order(lines, predictor, max_num_seqs)
-    sent = simulated_order(lines, order, max_num_seqs)
+    sent = simulated_order(lines, order, max_num_seqs, limit)
     return [x.line for x in sent], [order.compact(i) or [] for i in range(len(lines))]
 
 
@@ -124,6 +125,19 @@ class OrderingProcessor:
         return getattr(self.processor, name)
 
 
+class LatestHead:
+    """An online learner's latest head, for a predictor to follow (send.profiles.Learned)."""
+
+    on = True
+
+    def __init__(self, learner) -> None:
+        self.learner = learner
+
+    @property
+    def head(self):
+        return self.learner.head
+
+
 def _batch_size(stage) -> int | None:
     """A stage config's own batch size (a config object or its dict; True/False: none, the processor's)."""
     return stage.get("batch_size") if isinstance(stage, dict) else getattr(stage, "batch_size", None)
@@ -143,6 +157,7 @@ class ExpertAware:
     learned: int = 0  # rows of this run learned from so far
     _box: Any = None
     _handing_over: threading.Thread | None = None
+    _following: bool = False  # whether the predictor follows a learner's latest head
 
     @classmethod
     def load(cls, data_dir: str | None = None, encoder: str = "static", *, learn: bool = True,
@@ -150,17 +165,18 @@ class ExpertAware:
         """The settings' encoder (`encoder`: as `cohort batch run --encoder`) with the head learned in `data_dir`
         (the proxy's and the batch runner's), learning into it unless `learn` is False."""
         from moe_cohort.send.learning.learning import learned_folder, load_learner
-        from moe_cohort.send.profiles import FixedHead, make_predictor
+        from moe_cohort.send.profiles import make_predictor
         from moe_cohort.send.setting_sources import load_settings
 
         overrides = {"encoder": encoder, **({"data_dir": data_dir} if data_dir else {})}
         settings = load_settings(overrides)
         predictor = make_predictor(settings)
         learner = load_learner(settings)
+        aware = cls(predictor, max_num_seqs, learner if learn and predictor is not None else None,
+                    learned_folder(settings))
         if predictor is not None and learner.head is not None:
-            predictor.follow(FixedHead(learner.head))
-        return cls(predictor, max_num_seqs, learner if learn and predictor is not None else None,
-                   learned_folder(settings))
+            aware._follow(learner)
+        return aware
 
     def order(self, ds, text: Callable[[dict], str] = row_text):
         """`ds` in the order of admission by predicted experts, with `moe_row` and `moe_profile` added (a learn-first
@@ -239,10 +255,11 @@ class ExpertAware:
                 while not self._next_part_due(k, out, sample, *ray.get(self._box.counts.remote())):
                     time.sleep(SAMPLE_POLL_S)
                 self._fit(ray.get(self._box.take.remote()))
-                planned, predicted = plan([self.texts[i] for i in remaining], self.predictor, self.max_num_seqs)
-                self._box.hand_over.remote(k, [remaining[i] for i in planned[:size]],
-                                           [list(map(int, predicted[i])) for i in planned[:size]])
-                remaining, next_part = [remaining[i] for i in planned[size:]], k + 1
+                planned, predicted = plan([self.texts[i] for i in remaining], self.predictor, self.max_num_seqs, size)
+                self._box.hand_over.remote(k, [remaining[i] for i in planned], [list(map(int, predicted[i]))
+                                                                                for i in planned])
+                chosen = set(planned)
+                remaining, next_part = [r for i, r in enumerate(remaining) if i not in chosen], k + 1
                 log.info("part %d: %d rows ordered by a head learned from %d", k, size, self.learned)
         except Exception:  # noqa: BLE001 (the run goes on without the order)
             log.exception("cannot order the rest of the rows by a learned head; they go in the order drawn")
@@ -313,7 +330,6 @@ class ExpertAware:
         """Observe the engine's counts `taken` (by observe token) and refit the head on everything observed; the
         predictor predicts with it from now on."""
         from moe_cohort.send.learning.behind_serving import fit_apart
-        from moe_cohort.send.profiles import FixedHead
         from moe_cohort.traces.observed import BadObservation, Observed
 
         rows, observed = [], []
@@ -332,7 +348,14 @@ class ExpertAware:
         self.learned += len(rows)
         if self.learner.reservoir.size >= 2:
             self.learner.refit(fit_apart)
-            self.predictor.follow(FixedHead(self.learner.head))
+            self._follow(self.learner)
+
+    def _follow(self, learner) -> None:
+        """The predictor predicts with `learner`'s latest head from now on (followed once: from then on the
+        predictor keeps each text's features, which later heads read again)."""
+        if not self._following:
+            self.predictor.follow(LatestHead(learner))
+            self._following = True
 
     def _observations(self) -> str:
         """The name of this run's observation box (a Ray actor, started here once)."""

@@ -35,6 +35,7 @@ def test_the_plan_is_admission_by_predicted_experts_against_brute_force():
         vectors = [rng.random(6) * (rng.random(6) < 0.4) for _ in range(9)]
         order, profiles = plan([f"p{i}" for i in range(9)], _predictor(vectors), max_num_seqs=3)
         assert order == brute_force_order(vectors, 3), trial
+        assert plan([f"p{i}" for i in range(9)], _predictor(vectors), max_num_seqs=3, limit=4)[0] == order[:4]
         assert profiles == [[i * 256 for i in range(8)]] * 9
 
 
