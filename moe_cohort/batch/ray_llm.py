@@ -24,9 +24,10 @@ What each step keeps:
 - `learn` fits the profile head on the counts the engine took of this run's rows (collected in a Ray actor by
   the engine stage: batch/ray_llm_engine.py) and saves it in the data dir, where the next `load` finds it.
 - With no head yet, a learning run learns first, as `cohort batch run` does cold (batch/follow.py): it sends a
-  sample drawn from across the Dataset and the rows that keep the engine fed behind it (`learn_first_split`), fits a head
-  on the sample's counts as soon as they are in, and sends the rest in admission order by that head, each with
-  its profile, in the same execution (one engine start). Without learning, it orders by embeddings.
+  sample drawn from across the Dataset and an engine-full behind it, fits a head on the sample's counts as soon
+  as they are in, and sends the rest in parts, each in admission order by the latest head and with its
+  profiles (batch/ray_llm_first.py), in the same execution (one engine start). Without learning, or with fewer
+  rows than it would send first, it orders by embeddings.
 
 One engine or several (`concurrency`): Ray Data sends each bundle of consecutive rows whole to one engine, so
 rows the order put together run on the same engine. Nothing here needs the proxy.
@@ -37,17 +38,14 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import random
 import threading
-import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
-from moe_cohort.admission.wire import OBSERVE_KEY, PROFILE_KEY
-from moe_cohort.batch.follow import SAMPLE_POLL_S, sample_size
-from moe_cohort.batch.order import make_order, simulated_order
-from moe_cohort.encoder.text import RequestTextError, request_text
+from moe_cohort.batch.follow import sample_size
+from moe_cohort.batch.ray_llm_first import Part, hand_over, learn_first_split, part_sizes
+from moe_cohort.batch.ray_llm_rows import plan, row_text, with_expert_args
 from moe_cohort.send.profiles import Predictor
 
 log = logging.getLogger(__name__)
@@ -55,61 +53,8 @@ log = logging.getLogger(__name__)
 SCHEDULER_CLS = "moe_cohort.engine.scheduler.ExpertAwareScheduler"
 PLUGIN = "moe_cohort"
 PENDING_PER_SLOT = 4  # rows inside vLLM per slot: the running ones and a waiting queue three times as deep
-AHEAD_PARTS = 2  # a learn-first run's parts out before it hands over the next: the engine's and one in the stages
 ROW, PROFILE = "moe_row", "moe_profile"  # the columns `order` adds
 ENGINE_STAGE = "vLLMEngineStage"
-
-
-@dataclass(frozen=True)
-class _Line:
-    """A row as batch/order.py sees a request: its place and its text."""
-
-    line: int
-    text: str
-
-
-def row_text(row: dict) -> str:
-    """What the encoder reads of a row: its chat `messages` or its `prompt`, as the proxy reads a request body;
-    "" for a row without either (it goes first come, first served)."""
-    try:
-        return request_text(row)
-    except RequestTextError:
-        return ""
-
-
-def plan(texts: Sequence[str], predictor: Predictor | None, max_num_seqs: int,
-         limit: int | None = None) -> tuple[list[int], list[list[int]]]:
-    """(the rows' sending order, its first `limit` rows only when given; each row's compact profile ([] when
-    none)): the batch runner's admission by predicted experts with `max_num_seqs` rows out, finishing first in
-    first out; the given order without a predictor."""
-    lines = [_Line(i, t) for i, t in enumerate(texts)]
-    order = make_order(lines, predictor, max_num_seqs)
-    sent = simulated_order(lines, order, max_num_seqs, limit)
-    return [x.line for x in sent], [order.compact(i) or [] for i in range(len(lines))]
-
-
-def learn_first_split(n: int, sample: int, engine_rows: int, batch: int) -> tuple[list[int], list[int]]:
-    """(the rows of `n` a learn-first run sends before its hand-over, the rest): `sample` rows and `engine_rows`
-    more (what the engine holds, so that it stays fed while the head is fitted), in whole batches of `batch` (a
-    stage waits for a whole batch), drawn from across the Dataset (a seeded permutation)."""
-    lead = math.ceil((sample + engine_rows) / batch) * batch
-    spread = list(range(n))
-    random.Random(n).shuffle(spread)
-    return spread[:lead], spread[lead:]
-
-
-def with_expert_args(sampling_params: dict | None, profile: Sequence[int], token: str | None) -> dict:
-    """`sampling_params` with the row's profile (when it has one) and observe token (when learning) in its
-    `extra_args`, the caller's own extra args kept."""
-    params = dict(sampling_params or {})
-    extra = dict(params.get("extra_args") or {})
-    if len(profile):
-        extra[PROFILE_KEY] = [int(c) for c in profile]  # Arrow hands lists back as numpy arrays
-    if token:
-        extra[OBSERVE_KEY] = token
-    if extra:
-        params["extra_args"] = extra
-    return params
 
 
 class OrderingProcessor:
@@ -192,7 +137,7 @@ class ExpertAware:
         if first is not None:
             from moe_cohort.batch.ray_llm_engine import LearnFirstSource, handed_over
 
-            parts = self._parts(len(rows) - len(first))
+            parts = part_sizes(len(rows) - len(first), self._part_size())
             rest = functools.partial(handed_over, self._observations())
             source = LearnFirstSource([{**r, ROW: i} for i, r in enumerate(rows)], first, rest, parts, PROFILE)
             # one task at a time, each waiting for its part
@@ -222,50 +167,21 @@ class ExpertAware:
         self._handing_over.start()
         return first
 
-    def _parts(self, rest: int) -> list[int]:
-        """The sizes of the parts a learn-first run hands the rest over in: `_part_size` each, the last one less."""
-        size = self._part_size()
-        return [min(size, rest - k) for k in range(0, rest, size)]
-
-    def _part_size(self) -> int:
-        """An engine-full of rows (PENDING_PER_SLOT x max_num_seqs) in whole batches."""
-        return math.ceil(PENDING_PER_SLOT * self.max_num_seqs / self.batch) * self.batch
-
-    def _next_part_due(self, k: int, out: int, sample: int, counted: int, finished: int) -> bool:
-        """Whether part `k` of the rest is due, `out` rows sent so far, `counted` counts not yet learned from,
-        `finished` rows finished: the first once the sample is counted (or every row out finished); each later
-        one once no more than AHEAD_PARTS parts' rows are out (the engine's and those in Ray Data's stages), so
-        that it is ordered by the latest head and still reaches the engine before it runs dry."""
-        if k == 0:
-            return counted >= sample or finished >= out
-        return finished >= out - AHEAD_PARTS * self._part_size()
-
     def _hand_over(self, rest: list[int], sample: int, sent: int) -> None:
-        """When each part of `rest` is due (`_next_part_due`): refit the head on every count so far and hand the
-        box that part, the rows admission by that head sends first, each with its profile (batch/follow.py's
-        learn-first schedule, in parts). Whatever fails, the box gets the remaining parts (in the order given,
-        without profiles): the source waits for them."""
+        """batch/ray_llm_first.hand_over for this run: its box, its learner, admission by the latest head."""
         import ray
 
-        parts = self._parts(len(rest))
-        remaining, next_part = list(rest), 0
-        try:
-            for k, size in enumerate(parts):
-                out = sent + sum(parts[:k])  # rows sent so far
-                while not self._next_part_due(k, out, sample, *ray.get(self._box.counts.remote())):
-                    time.sleep(SAMPLE_POLL_S)
-                self._fit(ray.get(self._box.take.remote()))
-                planned, predicted = plan([self.texts[i] for i in remaining], self.predictor, self.max_num_seqs, size)
-                self._box.hand_over.remote(k, [remaining[i] for i in planned], [list(map(int, predicted[i]))
-                                                                                for i in planned])
-                chosen = set(planned)
-                remaining, next_part = [r for i, r in enumerate(remaining) if i not in chosen], k + 1
-                log.info("part %d: %d rows ordered by a head learned from %d", k, size, self.learned)
-        except Exception:  # noqa: BLE001 (the run goes on without the order)
-            log.exception("cannot order the rest of the rows by a learned head; they go in the order drawn")
-            for k in range(next_part, len(parts)):
-                self._box.hand_over.remote(k, remaining[:parts[k]], [[] for _ in remaining[:parts[k]]])
-                remaining = remaining[parts[k]:]
+        def order(remaining: list[int], size: int) -> Part:
+            planned, predicted = plan([self.texts[i] for i in remaining], self.predictor, self.max_num_seqs, size)
+            return [remaining[i] for i in planned], [list(map(int, predicted[i])) for i in planned]
+
+        box = self._box
+        hand_over(lambda: ray.get(box.counts.remote()), lambda *part: box.hand_over.remote(*part), rest,
+                  self._part_size(), sample, sent, lambda: self._fit(ray.get(box.take.remote())), order)
+
+    def _part_size(self) -> int:
+        """An engine-full of rows (PENDING_PER_SLOT x max_num_seqs) in whole batches: the parts of a learn-first run."""
+        return math.ceil(PENDING_PER_SLOT * self.max_num_seqs / self.batch) * self.batch
 
     def configure(self, config):
         """A copy of the vLLMEngineProcessorConfig `config` set up for admission by experts (module doc)."""

@@ -1,18 +1,13 @@
-"""moe_cohort.batch.ray_llm: a Ray Data LLM run ordered by predicted experts, each row's profile in its sampling
-parameters, our scheduler and plugin set, and the engine's counts learned from; against brute force on small
-inputs, and end to end through Ray Data LLM and vLLM CPU on the tiny MoE."""
+"""moe_cohort.batch.ray_llm: the engine set up for admission by experts, and end to end through Ray Data LLM and
+vLLM CPU on the tiny MoE: a cold run learns first and orders and profiles its later rows, a warm one all of them.
+The rows' plan and expert args: test_ray_llm_rows.py; the learn-first schedule: test_ray_llm_first.py."""
 
 import importlib.util
 
-import numpy as np
 import pytest
 
-from moe_cohort.admission.resident import ResidentExperts
-from moe_cohort.admission.wire import Prediction
-from moe_cohort.batch.ray_llm import (PENDING_PER_SLOT, SCHEDULER_CLS, ExpertAware, learn_first_split, plan, row_text,
-                                      with_expert_args)
-from moe_cohort.send.profiles import Predictor
-from tests.batch.test_order import brute_force_order
+from moe_cohort.batch.ray_llm import PENDING_PER_SLOT, SCHEDULER_CLS, ExpertAware
+from moe_cohort.batch.ray_llm_first import learn_first_split
 from tests.send.learning.test_learning import encoder  # noqa: F401 (a fixture)
 
 needs_ray_llm = pytest.mark.skipif(importlib.util.find_spec("ray") is None or importlib.util.find_spec("vllm") is None,
@@ -21,63 +16,6 @@ if importlib.util.find_spec("ray") is not None and importlib.util.find_spec("vll
     # here, not in a test: Ray subclasses subprocess.Popen when it is imported, and a quick test's Popen is
     # conftest's guard
     from ray.data.llm import vLLMEngineProcessorConfig
-
-
-def _predictor(vectors):
-    by_text = {f"p{i}": v for i, v in enumerate(vectors)}
-    return Predictor(lambda texts: [Prediction(by_text[t], [i * 256 for i in range(8)]) for t in texts],
-                     lambda size: ResidentExperts(1, size), "profile")
-
-
-def test_the_plan_is_admission_by_predicted_experts_against_brute_force():
-    rng = np.random.default_rng(3)
-    for trial in range(10):
-        vectors = [rng.random(6) * (rng.random(6) < 0.4) for _ in range(9)]
-        order, profiles = plan([f"p{i}" for i in range(9)], _predictor(vectors), max_num_seqs=3)
-        assert order == brute_force_order(vectors, 3), trial
-        assert plan([f"p{i}" for i in range(9)], _predictor(vectors), max_num_seqs=3, limit=4)[0] == order[:4]
-        assert profiles == [[i * 256 for i in range(8)]] * 9
-
-
-def test_without_a_predictor_the_rows_keep_their_order_and_carry_no_profile():
-    assert plan(["a", "b", "c"], None, 2) == ([0, 1, 2], [[], [], []])
-
-
-def test_a_learn_first_run_sends_its_sample_and_an_engine_full_first_in_whole_batches():
-    for n, sample, engine_rows, batch in [(100, 16, 64, 16), (100, 12, 16, 8), (50, 12, 16, 24), (20, 5, 16, 32)]:
-        first, rest = learn_first_split(n, sample, engine_rows, batch)
-        assert sorted(first + rest) == list(range(n))
-        assert len(first) == min(n, -(-(sample + engine_rows) // batch) * batch)
-        assert (first, rest) == learn_first_split(n, sample, engine_rows, batch)  # seeded
-    first, _ = learn_first_split(400, 16, 64, 16)
-    assert max(first) > 300 and min(first) < 100  # drawn from across the Dataset, not its head
-
-
-def test_a_learn_first_run_hands_the_rest_over_in_engine_fulls_of_whole_batches():
-    aware = ExpertAware(predictor=None, max_num_seqs=4, batch=6)
-    assert aware._parts(40) == [18, 18, 4]  # 4 x 4 rows an engine holds, in batches of 6
-    assert aware._parts(18) == [18] and aware._parts(0) == []
-    # the first part once the sample (5) is counted or every row out (30) finished; a later one once no more than
-    # 2 parts' rows are out
-    assert [aware._next_part_due(0, 30, 5, counted, finished) for counted, finished in [(4, 29), (5, 5), (0, 30)]] == \
-        [False, True, True]
-    assert [aware._next_part_due(1, 48, 5, 0, finished) for finished in [11, 12, 40]] == [False, True, True]
-
-
-def test_a_rows_text_is_what_the_proxy_reads_of_a_body():
-    assert row_text({"messages": [{"role": "user", "content": "hello there"}]}) == "hello there"
-    assert row_text({"prompt": "a prompt"}) == "a prompt"
-    assert row_text({"id": 3}) == ""
-
-
-def test_expert_args_join_the_users_sampling_parameters():
-    params = {"max_tokens": 8, "extra_args": {"mine": 1}}
-    out = with_expert_args(params, np.array([3, 5]), "run-7")
-    assert out == {"max_tokens": 8, "extra_args": {"mine": 1, "moe_profile": [3, 5], "moe_observe": "run-7"}}
-    assert all(type(c) is int for c in out["extra_args"]["moe_profile"])  # Arrow hands lists back as arrays
-    assert params == {"max_tokens": 8, "extra_args": {"mine": 1}}  # the caller's dict untouched
-    assert with_expert_args({"max_tokens": 8}, [], None) == {"max_tokens": 8}  # nothing to add, no extra_args
-    assert with_expert_args(None, [], "t") == {"extra_args": {"moe_observe": "t"}}
 
 
 @needs_ray_llm

@@ -1,0 +1,54 @@
+"""What batch/ray_llm.py reads and writes of a Ray Data LLM row: its text, its place in the admission order, and
+the expert args its sampling parameters carry to our scheduler and plugin."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from moe_cohort.admission.wire import OBSERVE_KEY, PROFILE_KEY
+from moe_cohort.batch.order import make_order, simulated_order
+from moe_cohort.encoder.text import RequestTextError, request_text
+from moe_cohort.send.profiles import Predictor
+
+
+@dataclass(frozen=True)
+class _Line:
+    """A row as batch/order.py sees a request: its place and its text."""
+
+    line: int
+    text: str
+
+
+def row_text(row: dict) -> str:
+    """What the encoder reads of a row: its chat `messages` or its `prompt`, as the proxy reads a request body;
+    "" for a row without either (it goes first come, first served)."""
+    try:
+        return request_text(row)
+    except RequestTextError:
+        return ""
+
+
+def plan(texts: Sequence[str], predictor: Predictor | None, max_num_seqs: int,
+         limit: int | None = None) -> tuple[list[int], list[list[int]]]:
+    """(the rows' sending order, its first `limit` rows only when given; each row's compact profile ([] when
+    none)): the batch runner's admission by predicted experts with `max_num_seqs` rows out, finishing first in
+    first out; the given order without a predictor."""
+    lines = [_Line(i, t) for i, t in enumerate(texts)]
+    order = make_order(lines, predictor, max_num_seqs)
+    sent = simulated_order(lines, order, max_num_seqs, limit)
+    return [x.line for x in sent], [order.compact(i) or [] for i in range(len(lines))]
+
+
+def with_expert_args(sampling_params: dict | None, profile: Sequence[int], token: str | None) -> dict:
+    """`sampling_params` with the row's profile (when it has one) and observe token (when learning) in its
+    `extra_args`, the caller's own extra args kept."""
+    params = dict(sampling_params or {})
+    extra = dict(params.get("extra_args") or {})
+    if len(profile):
+        extra[PROFILE_KEY] = [int(c) for c in profile]  # Arrow hands lists back as numpy arrays
+    if token:
+        extra[OBSERVE_KEY] = token
+    if extra:
+        params["extra_args"] = extra
+    return params
