@@ -55,6 +55,7 @@ PLUGIN = "moe_cohort"
 PENDING_PER_SLOT = 4  # rows inside vLLM per slot: the running ones and a waiting queue three times as deep
 ROW, PROFILE = "moe_row", "moe_profile"  # the columns `order` adds
 ENGINE_STAGE = "vLLMEngineStage"
+HAND_OVER_JOIN_S = 10.0  # how long `learn` waits for a learn-first run's hand-over to end
 
 
 class OrderingProcessor:
@@ -235,7 +236,10 @@ class ExpertAware:
         import ray
 
         if self._handing_over is not None:
-            self._handing_over.join()
+            self._handing_over.join(HAND_OVER_JOIN_S)  # a run that ended has handed every part over long before
+            if self._handing_over.is_alive():
+                log.warning("the run ended before its last rows were sent; nothing learned from it")
+                return 0
         self._fit(ray.get(self._box.take.remote()))
         if self.learned:
             self.learner.save(self.folder)

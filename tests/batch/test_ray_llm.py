@@ -38,6 +38,23 @@ def test_the_engine_is_set_up_for_admission_by_experts_and_the_users_choices_win
     assert aware.batch == 24  # whole batches of every stage
 
 
+@needs_ray_llm
+def test_a_run_that_ended_before_its_last_part_was_sent_learns_nothing(monkeypatch, caplog):
+    import threading
+
+    from moe_cohort.batch import ray_llm
+
+    monkeypatch.setattr(ray_llm, "HAND_OVER_JOIN_S", 0.01)
+    waiting = threading.Event()
+    aware = ExpertAware(predictor=None, learner=object(), _box=object(),
+                        _handing_over=threading.Thread(target=waiting.wait, daemon=True))
+    aware._handing_over.start()
+    try:
+        assert aware.learn() == 0 and "nothing learned" in caplog.text  # the box is not even read
+    finally:
+        waiting.set()
+
+
 def _prompt(i: int) -> str:
     return f"question {i} about {'python lists' if i % 2 else 'cooking rice'}"
 
