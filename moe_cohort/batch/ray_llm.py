@@ -134,51 +134,56 @@ class ExpertAware:
         rows = list(ds.iter_rows())
         texts = [text(r) for r in rows]
         self.texts = dict(enumerate(texts))
-        first = self._learn_first(len(rows))
+        rows = [{**r, ROW: i} for i, r in enumerate(rows)]
+        first = self._learn_first(rows)
         if first is not None:
             from moe_cohort.batch.ray_llm_engine import LearnFirstSource, handed_over
 
             parts = part_sizes(len(rows) - len(first), self._part_size())
             rest = functools.partial(handed_over, self._observations())
-            source = LearnFirstSource([{**r, ROW: i} for i, r in enumerate(rows)], first, rest, parts, PROFILE)
+            source = LearnFirstSource([rows[i] for i in first], rest, parts, PROFILE)
             # one task at a time, each waiting for its part
             out = ray.data.read_datasource(source, override_num_blocks=1 + len(parts), num_cpus=0, concurrency=1)
             log.info("learning first from %d of %d rows, then ordering the rest", len(first), len(rows))
         else:
             order, profiles = plan(texts, self.predictor, self.max_num_seqs)
-            ordered = [{**rows[i], ROW: i, PROFILE: profiles[i]} for i in order]
+            ordered = [{**rows[i], PROFILE: profiles[i]} for i in order]
             log.info("ordered %d rows (%d with a profile)", len(rows), sum(bool(p) for p in profiles))
             out = ray.data.from_items(ordered,
                                       override_num_blocks=max(1, math.ceil(len(ordered) / self.max_num_seqs)))
         out.context.execution_options.preserve_order = True  # stages hand the engine its rows in this order
         return out
 
-    def _learn_first(self, n: int) -> list[int] | None:
-        """A learning run that cannot predict profiles yet, of more rows than it sends first: those first rows
-        (`learn_first_split`), with the hand-over started; else None."""
+    def _learn_first(self, rows: list[dict]) -> list[int] | None:
+        """A learning run that cannot predict profiles yet, of more `rows` than it sends first: those first rows
+        (`learn_first_split`), with the hand-over of the others started; else None."""
         if self.learner is None or self.predictor is None or self.predictor.kind == "profile":
             return None
-        sample = sample_size(self.learner.config.first_fit, n)
-        first, rest = learn_first_split(n, sample, PENDING_PER_SLOT * self.max_num_seqs, self.batch)
+        sample = sample_size(self.learner.config.first_fit, len(rows))
+        first, rest = learn_first_split(len(rows), sample, PENDING_PER_SLOT * self.max_num_seqs, self.batch)
         if not rest:
             return None
         self._observations()
-        self._handing_over = threading.Thread(target=self._hand_over, args=(rest, sample, len(first)),
+        self._handing_over = threading.Thread(target=self._hand_over, args=(rows, rest, sample, len(first)),
                                               name="moe-cohort-hand-over", daemon=True)
         self._handing_over.start()
         return first
 
-    def _hand_over(self, rest: list[int], sample: int, sent: int) -> None:
-        """batch/ray_llm_first.hand_over for this run: its box, its learner, admission by the latest head."""
+    def _hand_over(self, rows: list[dict], rest: list[int], sample: int, sent: int) -> None:
+        """batch/ray_llm_first.hand_over for this run: its box (each part's rows go with it), its learner,
+        admission by the latest head."""
         import ray
 
         def order(remaining: list[int], size: int) -> Part:
             planned, predicted = plan([self.texts[i] for i in remaining], self.predictor, self.max_num_seqs, size)
             return [remaining[i] for i in planned], [list(map(int, predicted[i])) for i in planned]
 
+        def give(k: int, part: list[int], profiles: list[list[int]]) -> None:
+            box.hand_over.remote(k, [rows[i] for i in part], profiles)
+
         box = self._box
-        hand_over(lambda: ray.get(box.counts.remote()), lambda *part: box.hand_over.remote(*part), rest,
-                  self._part_size(), sample, sent, lambda: self._fit(ray.get(box.take.remote())), order)
+        hand_over(lambda: ray.get(box.counts.remote()), give, rest, self._part_size(), sample, sent,
+                  lambda: self._fit(ray.get(box.take.remote())), order)
 
     def _part_size(self) -> int:
         """An engine-full of rows (PENDING_PER_SLOT x max_num_seqs) in whole batches: the parts of a learn-first run."""

@@ -43,7 +43,7 @@ class ObservationBox:
     def __init__(self) -> None:
         self.observed: dict[str, dict] = {}
         self.finished = 0  # rows with a token that finished, counted or not
-        self.parts: dict[int, tuple[list[int], list[list[int]]]] = {}  # a learn-first run's later rows, profiles
+        self.parts: dict[int, tuple[list[dict], list[list[int]]]] = {}  # a learn-first run's later rows, profiles
 
     def put(self, found: dict[str, dict]) -> None:
         """One finished row's counts ({}: none came back)."""
@@ -58,10 +58,10 @@ class ObservationBox:
         taken, self.observed = self.observed, {}
         return taken
 
-    def hand_over(self, part: int, rows: list[int], profiles: list[list[int]]) -> None:
+    def hand_over(self, part: int, rows: list[dict], profiles: list[list[int]]) -> None:
         self.parts[part] = (rows, profiles)
 
-    def handed_over(self, part: int) -> tuple[list[int], list[list[int]]] | None:
+    def handed_over(self, part: int) -> tuple[list[dict], list[list[int]]] | None:
         return self.parts.get(part)
 
 
@@ -92,43 +92,44 @@ class ObservingEngineUDF(vLLMEngineStageUDF):
         return self._observation_box
 
 
-def handed_over(box_name: str, part: int) -> tuple[list[int], list[list[int]]]:
-    """Part `part` of the rest (its rows in order, their profiles), once the driver handed it to the box named
-    `box_name` (polled)."""
+def handed_over(box_name: str, part: int) -> tuple[list[dict], list[list[int]]]:
+    """Part `part` of the rest (its rows in sending order, their profiles), once the driver handed it to the box
+    named `box_name` (polled)."""
     box = ray.get_actor(box_name)
     while (rest := ray.get(box.handed_over.remote(part))) is None:
         time.sleep(REST_POLL_S)
     return rest
 
 
-def table(rows: Sequence[dict], order: Sequence[int], profiles: Sequence[Sequence[int]], column: str) -> pa.Table:
-    """`rows` in `order`, each with its profile in the list column `column` (typed: [] and [..] alike)."""
-    part = pa.Table.from_pylist([{k: v for k, v in rows[i].items() if k != column} for i in order])
+def table(rows: Sequence[dict], profiles: Sequence[Sequence[int]], column: str) -> pa.Table:
+    """`rows`, each with its profile in the list column `column` (typed: [] and [..] alike)."""
+    part = pa.Table.from_pylist([{k: v for k, v in r.items() if k != column} for r in rows])
     return part.append_column(column, pa.array([[int(c) for c in p] for p in profiles], type=pa.list_(pa.int64())))
 
 
 class LearnFirstSource(Datasource):
-    """`rows` (dicts) as 1 + len(`parts`) read tasks, in this order: the rows in `first` without a profile, at
-    once; then part k (of `parts[k]` rows) of the others, the rows and profiles `rest(k)` gives (blocking until the driver's
-    hand-over of that part: `handed_over`), the profiles in column `column`. Ray Data hands a read task's output
-    on when the task ends, so each part reaches the engine while the next one waits."""
+    """A learn-first run's rows as 1 + len(`parts`) read tasks, in this order: the `first` rows without a profile,
+    at once; then part k (of `parts[k]` rows), the rows and profiles `rest(k)` gives (blocking until the driver
+    hands that part over: `handed_over`; a part's rows travel with it, so no task carries the whole Dataset), the
+    profiles in column `column`. Ray Data hands a read task's output on when the task ends, so each part reaches
+    the engine while the next one waits."""
 
-    def __init__(self, rows: Sequence[dict], first: Sequence[int],
-                 rest: Callable[[int], tuple[list[int], list[list[int]]]], parts: Sequence[int], column: str) -> None:
-        self.rows, self.first, self.rest, self.parts, self.column = list(rows), list(first), rest, list(parts), column
+    def __init__(self, first: Sequence[dict], rest: Callable[[int], tuple[list[dict], list[list[int]]]],
+                 parts: Sequence[int], column: str) -> None:
+        self.first, self.rest, self.parts, self.column = list(first), rest, list(parts), column
 
     def estimate_inmemory_data_size(self) -> int | None:
         return None
 
     def get_read_tasks(self, parallelism: int, per_task_row_limit: int | None = None,
                        data_context=None) -> list[ReadTask]:
-        rows, first, rest, column = self.rows, self.first, self.rest, self.column
+        first, rest, column = self.first, self.rest, self.column
 
         def first_rows() -> Iterator[pa.Table]:
-            yield table(rows, first, [[]] * len(first), column)
+            yield table(first, [[]] * len(first), column)
 
         def part(k: int) -> Callable[[], Iterator[pa.Table]]:
-            return lambda: iter([table(rows, *rest(k), column)])
+            return lambda: iter([table(*rest(k), column)])
 
         return [ReadTask(first_rows, _metadata(len(first))),
                 *(ReadTask(part(k), _metadata(n)) for k, n in enumerate(self.parts))]

@@ -13,14 +13,14 @@ from moe_cohort.batch.ray_llm_engine import LearnFirstSource  # noqa: E402
 
 def test_the_first_rows_go_without_waiting_and_each_later_part_as_handed_over_with_its_profiles():
     rows = [{"id": i, "text": f"t{i}"} for i in range(8)]
-    parts = {0: ([7, 2], [[1, 9], [2]]), 1: ([5], [[]])}
+    parts = {0: ([rows[7], rows[2]], [[1, 9], [2]]), 1: ([rows[5]], [[]])}
     handed = []
 
     def rest(k):
         handed.append(k)
         return parts[k]
 
-    tasks = LearnFirstSource(rows, [4, 0, 6, 3, 1], rest, [2, 1], "p").get_read_tasks(3)
+    tasks = LearnFirstSource([rows[i] for i in [4, 0, 6, 3, 1]], rest, [2, 1], "p").get_read_tasks(3)
     assert [t.metadata.num_rows for t in tasks] == [5, 2, 1]
     first = [t.to_pylist() for t in tasks[0].read_fn()]
     assert first == [[{"id": i, "text": f"t{i}", "p": []} for i in [4, 0, 6, 3, 1]]] and not handed
