@@ -57,6 +57,14 @@ def counters(folder: Path) -> DecodeCounters:
     return parse_counters(generate_latest(registry).decode())
 
 
+def ray_cpus(concurrency: int) -> int:
+    """This machine's CPUs, or the logical CPUs one run asks for where that is more: an engine's bundle and its
+    chat template and tokenizer actors per engine, the pre- and postprocessing tasks. With fewer, Ray Data's
+    resource budget holds the preprocessing back behind the engines for good and the run never starts."""
+    asks = concurrency * (1 + 2 * STAGE_CPUS) + 2 * STAGE_CPUS
+    return max(len(os.sched_getaffinity(0)), math.ceil(asks))
+
+
 def config(args, model: Path, metrics: Path):
     from ray.data.llm import ChatTemplateStageConfig, TokenizerStageConfig, vLLMEngineProcessorConfig
 
@@ -128,7 +136,8 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--slots", type=int, default=16, help="vLLM's max_num_seqs")
     p.add_argument("--concurrency", type=int, default=1, help="engines (Ray Data LLM's concurrency)")
-    p.add_argument("--ray-cpus", type=int, help="logical CPUs of the local Ray (default: this machine's)")
+    p.add_argument("--ray-cpus", type=int, help="logical CPUs of the local Ray (default: this machine's, or what the "
+                   "engines and stages ask for where that is more: ray_cpus)")
     p.add_argument("--model-dir", default=str(default_model_dir()))
     p.add_argument("--json", help="also write the rows here")
     args = p.parse_args()
@@ -142,7 +151,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="bench-ray-llm-"))
     print(f"{len(rows)} held-out chat rows, {args.max_tokens} tokens each, max_num_seqs {args.slots}, "
           f"{args.concurrency} engine(s); model {model}; work {work}", flush=True)
-    ray.init(num_cpus=args.ray_cpus or len(os.sched_getaffinity(0)), include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=args.ray_cpus or ray_cpus(args.concurrency), include_dashboard=False, log_to_driver=False)
     out = []
     try:
         for r in range(args.rounds):
