@@ -64,12 +64,16 @@ def hand_over(counts: Callable[[], tuple[int, int]], give: Callable[[int, list[i
             out = sent + sum(parts[:k])
             while not next_part_due(k, out, sample, *counts(), size):
                 time.sleep(SAMPLE_POLL_S)
+            due = time.perf_counter()
             fit()
+            fitted = time.perf_counter()
             rows, profiles = order(remaining, parts[k])
             give(k, rows, profiles)
             chosen = set(rows)
             remaining, next_part = [r for r in remaining if r not in chosen], k + 1
-            log.info("part %d of %d: %d rows", k + 1, len(parts), len(rows))
+            log.info("part %d of %d: %d rows; fit %.2f s, order %.2f s; %d rows of %d still out when given",
+                     k + 1, len(parts), len(rows), fitted - due, time.perf_counter() - fitted,
+                     out - counts()[1], out)
     except Exception:  # noqa: BLE001 (the run goes on without the order)
         log.exception("cannot order the rest of the rows by a learned head; they go in the order drawn")
         for k in range(next_part, len(parts)):
