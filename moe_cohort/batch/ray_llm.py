@@ -182,8 +182,8 @@ class ExpertAware:
             box.hand_over.remote(k, [rows[i] for i in part], profiles)
 
         box = self._box
-        hand_over(lambda: ray.get(box.counts.remote()), give, rest, self._part_size(), sample, sent,
-                  lambda: self._fit(ray.get(box.take.remote())), order)
+        hand_over(lambda counted, finished: ray.get(box.until.remote(counted, finished)), give, rest,
+                  self._part_size(), sample, sent, lambda: self._fit(ray.get(box.take.remote())), order)
 
     def _part_size(self) -> int:
         """An engine-full of rows (PENDING_PER_SLOT x max_num_seqs) in whole batches: the parts of a learn-first run."""

@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import time
 import uuid
 from typing import Any, Callable, Iterator, Sequence
 
@@ -33,36 +32,52 @@ log = logging.getLogger(__name__)
 
 ENV_BOX = "COHORT_RAY_OBSERVATIONS"  # the Ray actor the engine stage hands the counts to (set by batch/ray_llm.py)
 TAKE_TRIES, TAKE_WAIT_S = 20, 0.05  # the plugin finishes a request's counts one engine step after its answer
-REST_POLL_S = 0.05  # how often the source asks the box for the order of the rest
 
 
-@ray.remote(num_cpus=0)
-class ObservationBox:
-    """The engine's counts of a run's rows, by observe token, until the driver takes them."""
+class Observations:
+    """The engine's counts of a run's rows, by observe token, until the driver takes them; a learn-first run's
+    later parts, from the driver's hand-over until the source reads them. Run as an async Ray actor
+    (`ObservationBox`): a caller that waits (`until`, `handed_over`) makes one call that returns when its condition
+    holds, instead of asking again and again."""
 
     def __init__(self) -> None:
         self.observed: dict[str, dict] = {}
         self.finished = 0  # rows with a token that finished, counted or not
         self.parts: dict[int, tuple[list[dict], list[list[int]]]] = {}  # a learn-first run's later rows, profiles
+        self.changed = asyncio.Condition()
 
-    def put(self, found: dict[str, dict]) -> None:
+    async def put(self, found: dict[str, dict]) -> None:
         """One finished row's counts ({}: none came back)."""
-        self.observed.update(found)
-        self.finished += 1
+        async with self.changed:
+            self.observed.update(found)
+            self.finished += 1
+            self.changed.notify_all()
 
-    def counts(self) -> tuple[int, int]:
-        """(rows counted and not yet taken, rows finished)"""
-        return len(self.observed), self.finished
+    async def until(self, counted: int | None, finished: int) -> tuple[int, int]:
+        """(rows counted and not yet taken, rows finished), once at least `counted` rows are counted and not taken
+        (None: never enough) or `finished` rows finished."""
+        async with self.changed:
+            await self.changed.wait_for(
+                lambda: (counted is not None and len(self.observed) >= counted) or self.finished >= finished)
+            return len(self.observed), self.finished
 
-    def take(self) -> dict[str, dict]:
+    async def take(self) -> dict[str, dict]:
         taken, self.observed = self.observed, {}
         return taken
 
-    def hand_over(self, part: int, rows: list[dict], profiles: list[list[int]]) -> None:
-        self.parts[part] = (rows, profiles)
+    async def hand_over(self, part: int, rows: list[dict], profiles: list[list[int]]) -> None:
+        async with self.changed:
+            self.parts[part] = (rows, profiles)
+            self.changed.notify_all()
 
-    def handed_over(self, part: int) -> tuple[list[dict], list[list[int]]] | None:
-        return self.parts.get(part)
+    async def handed_over(self, part: int) -> tuple[list[dict], list[list[int]]]:
+        """Part `part`'s rows and profiles, once the driver handed it over."""
+        async with self.changed:
+            await self.changed.wait_for(lambda: part in self.parts)
+            return self.parts[part]
+
+
+ObservationBox = ray.remote(num_cpus=0)(Observations)
 
 
 class ObservingEngineUDF(vLLMEngineStageUDF):
@@ -94,11 +109,8 @@ class ObservingEngineUDF(vLLMEngineStageUDF):
 
 def handed_over(box_name: str, part: int) -> tuple[list[dict], list[list[int]]]:
     """Part `part` of the rest (its rows in sending order, their profiles), once the driver handed it to the box
-    named `box_name` (polled)."""
-    box = ray.get_actor(box_name)
-    while (rest := ray.get(box.handed_over.remote(part))) is None:
-        time.sleep(REST_POLL_S)
-    return rest
+    named `box_name` (one call, which returns then)."""
+    return ray.get(ray.get_actor(box_name).handed_over.remote(part))
 
 
 def table(rows: Sequence[dict], profiles: Sequence[Sequence[int]], column: str) -> pa.Table:

@@ -1,6 +1,7 @@
 """moe_cohort.batch.ray_llm_engine: the learn-first source's blocks (the end-to-end run through Ray Data LLM and
 vLLM is in tests/batch/test_ray_llm.py)."""
 
+import asyncio
 import importlib.util
 
 import pytest
@@ -28,3 +29,27 @@ def test_the_first_rows_go_without_waiting_and_each_later_part_as_handed_over_wi
     assert handed == [0, 1]
     assert later == [[[{"id": 7, "text": "t7", "p": [1, 9]}, {"id": 2, "text": "t2", "p": [2]}]],
                      [[{"id": 5, "text": "t5", "p": []}]]]
+
+
+def test_the_box_answers_a_wait_once_its_condition_holds():
+    from moe_cohort.batch.ray_llm_engine import Observations
+
+    async def scenario():
+        box = Observations()
+        counted = asyncio.create_task(box.until(2, 10))  # two counts, or ten rows finished
+        finished = asyncio.create_task(box.until(None, 3))  # three rows finished, counts or not
+        part = asyncio.create_task(box.handed_over(0))
+        await box.put({"a": {}})
+        await box.put({})  # finished without counts
+        await asyncio.sleep(0)
+        assert not (counted.done() or finished.done() or part.done())
+        await box.put({"b": {}})
+        assert await counted == (2, 3) and await finished == (2, 3)
+        assert await box.take() == {"a": {}, "b": {}} and await box.until(None, 0) == (0, 3)
+        await asyncio.sleep(0)
+        assert not part.done()
+        await box.hand_over(0, [{"id": 1}], [[4]])
+        assert await part == ([{"id": 1}], [[4]])
+        assert await box.handed_over(0) == ([{"id": 1}], [[4]])  # asked again: at once
+
+    asyncio.run(asyncio.wait_for(scenario(), 5))
