@@ -141,7 +141,7 @@ class ExpertAware:
 
             parts = part_sizes(len(rows) - len(first), self._part_size())
             rest = functools.partial(handed_over, self._observations())
-            source = LearnFirstSource([rows[i] for i in first], rest, parts, PROFILE, self.max_num_seqs)
+            source = LearnFirstSource([rows[i] for i in first], rest, parts, PROFILE)
             # one task at a time, each waiting for its part
             out = ray.data.read_datasource(source, override_num_blocks=1 + len(parts), num_cpus=0, concurrency=1)
             log.info("learning first from %d of %d rows, then ordering the rest", len(first), len(rows))

@@ -124,30 +124,26 @@ class LearnFirstSource(Datasource):
     at once; then part k (of `parts[k]` rows), the rows and profiles `rest(k)` gives (blocking until the driver
     hands that part over: `handed_over`; a part's rows travel with it, so no task carries the whole Dataset), the
     profiles in column `column`. Ray Data hands a read task's output on when the task ends, so each part reaches
-    the engine while the next one waits. Each task yields blocks of `block_rows` rows: the engine stage works
-    through one block's batches one after another, so the engine gets several blocks at once to fill its slots
-    and its queue, as it does from a Dataset cut into blocks of a batch."""
+    the engine while the next one waits."""
 
     def __init__(self, first: Sequence[dict], rest: Callable[[int], tuple[list[dict], list[list[int]]]],
-                 parts: Sequence[int], column: str, block_rows: int) -> None:
+                 parts: Sequence[int], column: str) -> None:
         self.first, self.rest, self.parts, self.column = list(first), rest, list(parts), column
-        self.block_rows = block_rows
 
     def estimate_inmemory_data_size(self) -> int | None:
         return None
 
     def get_read_tasks(self, parallelism: int, per_task_row_limit: int | None = None,
                        data_context=None) -> list[ReadTask]:
-        first, rest, column, size = self.first, self.rest, self.column, self.block_rows
+        first, rest, column = self.first, self.rest, self.column
 
-        def blocks(rows: list[dict], profiles: Sequence[Sequence[int]]) -> Iterator[pa.Table]:
-            for i in range(0, len(rows), size):
-                yield table(rows[i:i + size], profiles[i:i + size], column)
+        def first_rows() -> Iterator[pa.Table]:
+            yield table(first, [[]] * len(first), column)
 
         def part(k: int) -> Callable[[], Iterator[pa.Table]]:
-            return lambda: blocks(*rest(k))
+            return lambda: iter([table(*rest(k), column)])
 
-        return [ReadTask(lambda: blocks(first, [[]] * len(first)), _metadata(len(first))),
+        return [ReadTask(first_rows, _metadata(len(first))),
                 *(ReadTask(part(k), _metadata(n)) for k, n in enumerate(self.parts))]
 
 

@@ -21,11 +21,10 @@ def test_the_first_rows_go_without_waiting_and_each_later_part_as_handed_over_wi
         handed.append(k)
         return parts[k]
 
-    tasks = LearnFirstSource([rows[i] for i in [4, 0, 6, 3, 1]], rest, [2, 1], "p", 2).get_read_tasks(3)
+    tasks = LearnFirstSource([rows[i] for i in [4, 0, 6, 3, 1]], rest, [2, 1], "p").get_read_tasks(3)
     assert [t.metadata.num_rows for t in tasks] == [5, 2, 1]
-    first = [t.to_pylist() for t in tasks[0].read_fn()]  # in blocks of 2 rows
-    assert first == [[{"id": i, "text": f"t{i}", "p": []} for i in ids] for ids in [[4, 0], [6, 3], [1]]]
-    assert not handed
+    first = [t.to_pylist() for t in tasks[0].read_fn()]
+    assert first == [[{"id": i, "text": f"t{i}", "p": []} for i in [4, 0, 6, 3, 1]]] and not handed
     later = [[t.to_pylist() for t in task.read_fn()] for task in tasks[1:]]
     assert handed == [0, 1]
     assert later == [[[{"id": 7, "text": "t7", "p": [1, 9]}, {"id": 2, "text": "t2", "p": [2]}]],
