@@ -20,7 +20,8 @@ Per run: decode expert loads per GENERATED token and decode tokens per forward, 
 points COHORT_METRICS_DIR at a folder of its own through the runtime env; the engine's worker writes its totals
 there, `cohort-<pid>.prom`, and this process sums them once the run is over), the wall time of the whole run
 (engine start-up included) and when its first and last answers came out (start-up against answering), the CPU
-seconds of this process (ordering, predicting, learning), and whether every row was answered once. Savings are taken against the same round's plain run.
+seconds of this process (ordering, predicting, learning), and whether every row was answered once. Savings are
+taken against the same round's plain run.
 """
 
 from __future__ import annotations
@@ -112,8 +113,8 @@ def one_run(name: str, rows: list[dict], args, model: Path, layers: int, work: P
            "answered_once": ids == list(range(len(rows))),
            "tokens": int(sum(r["tokens"] for r in out)), "learned": learned}
     print(f"{name:>9}: {row['loads_per_token']:6.3f} decode loads per generated token, {row['tokens_per_forward']:5.2f} "
-          f"tokens per forward, wall {wall:6.1f} s (the first answer after {first_s:5.1f} s, the last {last_s - first_s:5.1f} s "
-          f"later), our CPU {cpu:5.1f} s, {row['tokens']} tokens, every row once: "
+          f"tokens per forward, wall {wall:6.1f} s (the first answer after {first_s:5.1f} s, the last "
+          f"{last_s - first_s:5.1f} s later), our CPU {cpu:5.1f} s, {row['tokens']} tokens, every row once: "
           f"{row['answered_once']}{f', learned from {learned} rows' if learned else ''}", flush=True)
     return row
 
@@ -133,9 +134,10 @@ def summary(rows: list[dict]) -> list[str]:
         lines.append(f"{kind}: {saving.mean():+.1%} +- {saving.std():.1%} ({', '.join(f'{s:+.1%}' for s in saving)}) "
                      f"fewer decode loads per generated token than plain; tokens per forward {np.mean(tpf):.2f} against "
                      f"{np.mean([r['tokens_per_forward'] for r in plain.values()]):.2f}; wall "
-                     f"{', '.join(f'{w:+.1%}' for w in wall)} (first answer after {_mean(mine, 'first_answer_s'):.1f} s "
-                     f"against {_mean(plain.values(), 'first_answer_s'):.1f} s, answering {_mean(mine, 'answers_s'):.1f} s "
-                     f"against {_mean(plain.values(), 'answers_s'):.1f} s); our CPU {np.mean([r['cpu_s'] for r in mine]):.1f} s "
+                     f"{', '.join(f'{w:+.1%}' for w in wall)} (first answer after "
+                     f"{_mean(mine, 'first_answer_s'):.1f} s against {_mean(plain.values(), 'first_answer_s'):.1f} s, "
+                     f"answering {_mean(mine, 'answers_s'):.1f} s against {_mean(plain.values(), 'answers_s'):.1f} s); "
+                     f"our CPU {np.mean([r['cpu_s'] for r in mine]):.1f} s "
                      f"against {np.mean([r['cpu_s'] for r in plain.values()]):.1f} s; every row once: "
                      f"{all(r['answered_once'] for r in rows)}")
     return lines
