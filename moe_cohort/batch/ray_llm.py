@@ -21,8 +21,9 @@ What each step keeps:
   profile in `sampling_params.extra_args` (where our scheduler reads it) and, while learning, a `moe_observe`
   token under which the plugin counts the request's experts. Called with a Dataset, the processor orders it
   (`order`, for the config's max_num_seqs) and runs Ray's; its outputs are the plain ones.
-- `learn` fits the profile head on the counts the engine took of this run's rows (collected in a Ray actor by
-  the engine stage: batch/ray_llm_engine.py) and saves it in the data dir, where the next `load` finds it.
+- `learn` fits the profile head on the counts the engine took of this run's rows (handed by the engine stage,
+  batch/ray_llm_engine.py, to a Ray actor, batch/ray_llm_box.py) and saves it in the data dir, where the next
+  `load` finds it.
 - With no head yet, a learning run learns first, as `cohort batch run` does cold (batch/follow.py): it sends a
   sample drawn from across the Dataset and an engine-full behind it, fits a head on the sample's counts as soon
   as they are in, and sends the rest in parts, each in admission order by the latest head and with its
@@ -137,7 +138,8 @@ class ExpertAware:
         rows = [{**r, ROW: i} for i, r in enumerate(rows)]
         first = self._learn_first(rows)
         if first is not None:
-            from moe_cohort.batch.ray_llm_engine import LearnFirstSource, handed_over
+            from moe_cohort.batch.ray_llm_box import handed_over
+            from moe_cohort.batch.ray_llm_source import LearnFirstSource
 
             parts = part_sizes(len(rows) - len(first), self._part_size())
             rest = functools.partial(handed_over, self._observations())
@@ -200,7 +202,7 @@ class ExpertAware:
         plugins = [p for p in env.get("VLLM_PLUGINS", PLUGIN).split(",") if p]
         env["VLLM_PLUGINS"] = ",".join(plugins if PLUGIN in plugins else [*plugins, PLUGIN])
         if self.learner is not None:
-            from moe_cohort.batch.ray_llm_engine import ENV_BOX
+            from moe_cohort.batch.ray_llm_box import ENV_BOX
 
             env[ENV_BOX] = self._observations()
         pending = config.max_pending_requests or PENDING_PER_SLOT * self.max_num_seqs
@@ -284,7 +286,7 @@ class ExpertAware:
 
     def _observations(self) -> str:
         """The name of this run's observation box (a Ray actor, started here once)."""
-        from moe_cohort.batch.ray_llm_engine import ObservationBox
+        from moe_cohort.batch.ray_llm_box import ObservationBox
 
         name = f"moe-cohort-observations-{self.run}"
         if self._box is None:

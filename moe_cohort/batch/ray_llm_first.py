@@ -3,7 +3,7 @@ the latest head (batch/follow.py's schedule for `cohort batch run`, in the parts
 
 `learn_first_split` draws the rows sent before any head: a sample from across the Dataset and an engine-full behind
 it. `hand_over` runs on a driver thread beside the execution: when each part is due (`due_at`) it refits
-the head on every count the engine took so far and gives the observation box (batch/ray_llm_engine.py) the rows
+the head on every count the engine took so far and gives the observation box (batch/ray_llm_box.py) the rows
 admission by that head sends first, with their profiles; the Dataset's read task for that part waits for them.
 Nothing here imports Ray: batch/ray_llm.py passes the box's calls in.
 """
