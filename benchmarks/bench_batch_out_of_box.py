@@ -16,6 +16,9 @@ Each round, on the same server, one after the other (the engine drifts over minu
 - file order: `cohort batch run --encoder none` (nothing predicted or learned: the file's order);
 - cold: the bare command with a FRESH --data-dir (no head: a sample first, then the rest ordered);
 - warm: the bare command again on the data dir the cold run left (the head it learned orders from the first line).
+  Its head has seen every line of this file answered: a re-run, ordered by profiles it memorised;
+- with --new-lines N, a second file of N other held-out lines, in file order and then warm on a copy of the data dir
+  the cold run left: the head's saving on lines it never saw (what a cold run's head can reach at best).
 With --api, then the same file through the Batch API of a bare `cohort serve --backend URL` (the official openai
 client: files.create, batches.create, poll, download): file order (`--encoder none`) and cold, per round.
 
@@ -163,6 +166,17 @@ def rounds(backend: str, src: Path, work: Path, args, layers: int) -> list[dict]
                                         ["--data-dir", str(warm), *(args.flags if args.warm_flags is None else
                                                                     args.warm_flags)])),
                      "kind": "warm", "round": r})
+        if args.new_lines:
+            rows.append({**measured(f"new file order r{r}", backend, layers,
+                                    cli_run(args.new_src, work / f"new-file-r{r}.jsonl", backend, ["--encoder", "none"])),
+                         "kind": "new-file", "round": r})
+            new = work / f"data-r{r}-new"
+            shutil.copytree(cold, new)
+            rows.append({**measured(f"new warm r{r}", backend, layers,
+                                    cli_run(args.new_src, work / f"new-warm-r{r}.jsonl", backend,
+                                            ["--data-dir", str(new), *(args.flags if args.warm_flags is None else
+                                                                       args.warm_flags)])),
+                         "kind": "new-warm", "round": r})
         if args.api:
             rows.append({**measured(f"API file order r{r}", backend, layers,
                                     api_run(src, backend, ["--encoder", "none", "--data-dir", str(work / f"api-f{r}")],
@@ -175,7 +189,7 @@ def rounds(backend: str, src: Path, work: Path, args, layers: int) -> list[dict]
 
 def summary(rows: list[dict]) -> list[str]:
     out = []
-    for kind, base in (("cold", "file"), ("warm", "file"), ("api-cold", "api-file")):
+    for kind, base in (("cold", "file"), ("warm", "file"), ("new-warm", "new-file"), ("api-cold", "api-file")):
         ours = [r for r in rows if r["kind"] == kind]
         if not ours:
             continue
@@ -201,6 +215,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--slots", type=int, default=16, help="vLLM's max_num_seqs")
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--new-lines", type=int, default=0, help="also a second file of this many other held-out lines, "
+                   "ordered by the head the cold run learned (its saving on lines it never saw)")
     p.add_argument("--api", action="store_true", help="also through the Batch API of a bare cohort serve")
     p.add_argument("--json", help="also write the rows here")
     p.add_argument("--shared", action="store_true", help="pin nothing: vLLM and the runs share every core")
@@ -215,7 +231,9 @@ def main() -> None:
     model = ensure_trained_model(Path(args.model_dir))
     layers = json.loads((model / "config.json").read_text())["num_hidden_layers"]
     work = Path(tempfile.mkdtemp(prefix="bench-batch-out-of-box-"))
-    src = batch_file(work / "in.jsonl", heldout_prompts(args.lines), args.max_tokens)
+    prompts = heldout_prompts(args.lines + args.new_lines)
+    src = batch_file(work / "in.jsonl", prompts[: args.lines], args.max_tokens)
+    args.new_src = batch_file(work / "new.jsonl", prompts[args.lines:], args.max_tokens) if args.new_lines else None
     backend_cpus, bench_proxy.PROXY_CPUS = split_cpus()
     if args.shared:
         backend_cpus, bench_proxy.PROXY_CPUS = os.sched_getaffinity(0), None
