@@ -66,7 +66,20 @@ def vllm_server(tiny_moe_dir):
     # embedded `cohort serve`'s placement (the tests stay where they are: training tests want every core)
     placement = split_cpus()
     with start(tiny_moe_dir, max_num_seqs=16, max_model_len=4096, cpus=placement and placement.engine) as server:
+        _first_forward_of_one_token(server.url)
         yield server
+
+
+def _first_forward_of_one_token(url: str) -> None:
+    """A fresh server's first request, a one-token prompt: on an AMX CPU vLLM's attention killed the worker with
+    SIGILL on it, and every later request failed, until our plugin asked Linux for AMX state (engine/amx.py)."""
+    import json
+    import urllib.request
+
+    body = json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 1}).encode()
+    request = urllib.request.Request(url + "/v1/completions", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as resp:  # HTTPError 500 when the engine died
+        assert json.loads(resp.read())["usage"]["prompt_tokens"] == 1
 
 
 # Fixtures that start vLLM, build a model or load an encoder: a test using one (directly or through another

@@ -54,6 +54,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from moe_cohort.engine.amx import allow_amx
 from moe_cohort.engine.parent_death import follow_parent
 from moe_cohort.engine.policy import ENV_POLICY, Policy, PolicyError, parse_policy
 
@@ -173,6 +174,7 @@ def register() -> None:
     import vllm
 
     follow_parent()  # under embedded/vllm_guard: this vLLM process dies with the one that started it
+    allow_amx()  # before the first forward (engine/amx.py says why)
     config = PluginConfig.from_env()
     check_vllm_version(vllm.__version__, allow_untested=_env_flag(os.environ, ENV_ALLOW, False))
     _use_vllm_logging()
