@@ -1,7 +1,7 @@
 """End to end through Ray Data LLM and vLLM CPU: the plain vLLM processor against ours (batch/ray_llm.py).
 
     python -m benchmarks.bench_ray_llm [--lines 600] [--rounds 2] [--max-tokens 64] [--slots 16] [--model-dir DIR]
-        [--concurrency 1] [--ray-cpus N] [--json FILE]
+        [--concurrency 1] [--ray-cpus N] [--new-lines N] [--json FILE]
 
 The trained tiny MoE (`cohort serve`'s embedded default; give a widened copy for wall time on experts of real
 size), eager, max_num_seqs = --slots, one engine per --concurrency, each on a Ray placement bundle of one CPU, in a
@@ -15,7 +15,10 @@ Each round, one after the other (the engine drifts over minutes; interleaved rou
   (our plugin loaded, to count);
 - cold: `ExpertAware.load` on a FRESH data dir (no head: a sample and an engine-full first, then the rest ordered and
   profiled by the head learned from the sample's counts), learning; its `learn()` fits and saves the head;
-- warm: `ExpertAware.load` on the data dir the cold run left (its head orders and profiles every row), not learning.
+- warm: `ExpertAware.load` on the data dir the cold run left (its head orders and profiles every row), not learning:
+  a re-run of rows its head has seen answered;
+- with --new-lines N, N other held-out rows plain and then warm on that data dir: the head's saving on rows it never
+  saw.
 Per run: decode expert loads per GENERATED token and decode tokens per forward, from the plugin's counters (each run
 points COHORT_METRICS_DIR at a folder of its own through the runtime env; the engine's worker writes its totals
 there, `cohort-<pid>.prom`, and this process sums them once the run is over), the wall time of the whole run
@@ -125,9 +128,11 @@ def _mean(rows, key: str) -> float:
 
 def summary(rows: list[dict]) -> list[str]:
     lines = []
-    plain = {r["round"]: r for r in rows if r["kind"] == "plain"}
-    for kind in ("cold", "warm"):
+    for kind, base in (("cold", "plain"), ("warm", "plain"), ("new-warm", "new-plain")):
+        plain = {r["round"]: r for r in rows if r["kind"] == base}
         mine = [r for r in rows if r["kind"] == kind]
+        if not mine:
+            continue
         saving = np.array([1 - r["loads_per_token"] / plain[r["round"]]["loads_per_token"] for r in mine])
         tpf = [r["tokens_per_forward"] for r in mine]
         wall = [r["wall_s"] / plain[r["round"]]["wall_s"] - 1 for r in mine]
@@ -143,6 +148,12 @@ def summary(rows: list[dict]) -> list[str]:
     return lines
 
 
+def _shuffled(texts: list[str]) -> list[str]:
+    texts = list(texts)
+    random.Random(0).shuffle(texts)
+    return texts
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--lines", type=int, default=600)
@@ -153,15 +164,17 @@ def main() -> None:
     p.add_argument("--ray-cpus", type=int, help="logical CPUs of the local Ray (default: this machine's, or what the "
                    "engines and stages ask for where that is more: ray_cpus)")
     p.add_argument("--model-dir", default=str(default_model_dir()))
+    p.add_argument("--new-lines", type=int, default=0, help="also this many other held-out rows, plain and ordered by "
+                   "the head the cold run learned (its saving on rows it never saw)")
     p.add_argument("--json", help="also write the rows here")
     args = p.parse_args()
     import ray
 
     model = ensure_trained_model(Path(args.model_dir))
     layers = json.loads((model / "config.json").read_text())["num_hidden_layers"]
-    prompts = [t[:MAX_CHARS] for t in heldout_prompts(args.lines)]
-    random.Random(0).shuffle(prompts)
-    rows = [{"id": i, "text": t} for i, t in enumerate(prompts)]
+    prompts = [t[:MAX_CHARS] for t in heldout_prompts(args.lines + args.new_lines)]
+    rows = [{"id": i, "text": t} for i, t in enumerate(_shuffled(prompts[: args.lines]))]
+    new_rows = [{"id": i, "text": t} for i, t in enumerate(_shuffled(prompts[args.lines:]))]
     work = Path(tempfile.mkdtemp(prefix="bench-ray-llm-"))
     print(f"{len(rows)} held-out chat rows, {args.max_tokens} tokens each, max_num_seqs {args.slots}, "
           f"{args.concurrency} engine(s); model {model}; work {work}", flush=True)
@@ -175,6 +188,12 @@ def main() -> None:
             out.append({**one_run(f"cold r{r}", rows, args, model, layers, work, cold), "kind": "cold", "round": r})
             warm = ExpertAware.load(data_dir=str(data), max_num_seqs=args.slots, learn=False)
             out.append({**one_run(f"warm r{r}", rows, args, model, layers, work, warm), "kind": "warm", "round": r})
+            if new_rows:
+                out.append({**one_run(f"new plain r{r}", new_rows, args, model, layers, work, None), "kind": "new-plain",
+                            "round": r})
+                new = ExpertAware.load(data_dir=str(data), max_num_seqs=args.slots, learn=False)
+                out.append({**one_run(f"new warm r{r}", new_rows, args, model, layers, work, new), "kind": "new-warm",
+                            "round": r})
     finally:
         ray.shutdown()
     print("\n".join(summary(out)))
