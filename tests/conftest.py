@@ -71,8 +71,8 @@ def vllm_server(tiny_moe_dir):
 
 
 def _first_forward_of_one_token(url: str) -> None:
-    """A fresh server's first request, a one-token prompt: on an AMX CPU vLLM's attention killed the worker with
-    SIGILL on it, and every later request failed, until our plugin asked Linux for AMX state (engine/amx.py)."""
+    """A fresh server's first request is a one-token prompt: on an AMX CPU vLLM's attention kills the worker with
+    SIGILL on it, and every test on this server fails, unless our plugin asked Linux for AMX state (engine/amx.py)."""
     import json
     import urllib.request
 

@@ -2,10 +2,10 @@
 
 On x86-64 Linux a process must ask the kernel for AMX state (`arch_prctl(ARCH_REQ_XCOMP_PERM,
 XFEATURE_XTILEDATA)`) before it runs an AMX instruction, or it dies of SIGILL. vLLM CPU's attention kernel
-(`cpu_attention_with_kv_cache`) runs AMX instructions on a CPU that has them without asking; it runs after
-something else in the worker asked on most forwards, but a server whose first request is a one-token prompt loses
-its worker to SIGILL, and every later request fails with EngineDeadError. Asking at plugin registration, before
-the first forward, keeps it alive. The permission holds for the whole process, its later threads included.
+(`cpu_attention_with_kv_cache`) runs AMX instructions on a CPU that has them without asking. A first forward of
+several tokens has other kernels ask before it; a server whose first request is a one-token prompt loses its
+worker to SIGILL, and every later request fails with EngineDeadError. Asking at plugin registration, before the
+first forward, keeps it alive. The permission holds for the whole process, its later threads included.
 """
 
 from __future__ import annotations
