@@ -16,11 +16,11 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Iterable, Sequence
 
 import numpy as np
 
-from moe_cohort.traces.observed import Observed, count_experts
+from moe_cohort.traces.observed import Observed
 
 log = logging.getLogger(__name__)
 
@@ -43,19 +43,39 @@ class ExpertCounts:
 
     def add(self, req_id: str, token: str, position: int, num_prompt: int, ids: np.ndarray) -> None:
         """ids [n, L, k]: the experts of the request's tokens at positions [position, position + n)."""
-        live = self._live.get(req_id)
-        if live is None:
-            live = self._live[req_id] = _Live(token, np.zeros((2, self.num_layers, self.num_experts), np.int64))
-        skip = max(0, live.until - position)  # recomputed after a preemption: counted already
-        if skip >= len(ids):
+        self.add_step([(req_id, token, position, num_prompt, 0, len(ids))], ids)
+
+    def add_step(self, spans: Sequence[tuple[str, str, int, int, int, int]], ids: np.ndarray) -> None:
+        """One forward's observed requests at once: each span (req_id, token, position, num_prompt, start, end) says
+        that rows [start, end) of ids [n, L, k] are that request's tokens at positions [position, ...). One
+        bincount for the whole step, whatever the number of requests."""
+        slot = np.full(len(ids), -1, np.int64)  # [n]: 2 x span + (0 prompt, 1 generated); -1 not counted
+        lives: list[_Live | None] = []
+        for i, (req_id, token, position, num_prompt, start, end) in enumerate(spans):
+            live = self._live.get(req_id)
+            if live is None:
+                live = self._live[req_id] = _Live(token, np.zeros((2, self.num_layers, self.num_experts), np.int64))
+            skip = max(0, live.until - position)  # recomputed after a preemption: counted already
+            if skip >= end - start:
+                lives.append(None)
+                continue
+            first, position = start + skip, position + skip
+            split = first + min(max(num_prompt - position, 0), end - first)  # rows [first, split) are prompt tokens
+            slot[first:split], slot[split:end] = 2 * i, 2 * i + 1
+            live.tokens[0] += split - first
+            live.tokens[1] += end - split
+            live.until = position + end - first
+            lives.append(live)
+        counted = slot >= 0
+        if not counted.any():
             return
-        ids, position = ids[skip:], position + skip
-        split = min(max(num_prompt - position, 0), len(ids))  # rows [0, split) are prompt tokens
-        for part, rows in ((0, ids[:split]), (1, ids[split:])):
-            if len(rows):
-                live.counts[part] += count_experts(rows, self.num_experts)  # [L, E]
-                live.tokens[part] += len(rows)
-        live.until = position + len(ids)
+        layers, experts = self.num_layers, self.num_experts
+        cell = (slot[counted, None, None] * layers + np.arange(layers)[None, :, None]) * experts + ids[counted]  # [m, L, k]
+        counts = np.bincount(cell.ravel(), minlength=2 * len(spans) * layers * experts)
+        counts = counts.reshape(len(spans), 2, layers, experts)
+        for live, c in zip(lives, counts):
+            if live is not None:
+                live.counts += c
 
     def finish(self, req_id: str) -> None:
         """The request left the engine: its counts wait under its token."""

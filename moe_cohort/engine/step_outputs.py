@@ -76,10 +76,8 @@ class StepOutputs:
         ids = np.stack(_host(self._counted), axis=1)  # [n, L, k]
         if self.counts is None:
             self.counts = ExpertCounts(len(self.layers), next(iter(self.layers.values())).num_experts)
-        for span in step.spans:
-            if span.options.observe:
-                self.counts.add(span.req_id, span.options.observe, span.position, span.num_prompt_tokens,
-                                ids[span.start:span.end])
+        self.counts.add_step([(span.req_id, span.options.observe, span.position, span.num_prompt_tokens, span.start,
+                               span.end) for span in step.spans if span.options.observe], ids)
 
     def take_observed(self, tokens: Sequence[str]) -> dict[str, dict]:
         """The finished observed requests' counts under `tokens` (engine.expert_counts), handed over once."""

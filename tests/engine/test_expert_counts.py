@@ -58,3 +58,35 @@ def test_finished_counts_nobody_takes_are_bounded_oldest_first():
         counts.add(f"r{i}", f"t{i}", 0, 1, rows)
         counts.finish(f"r{i}")
     assert set(counts.take(["t0", "t1", "t2"])) == {"t1", "t2"}
+
+
+def test_a_step_of_many_requests_counts_each_as_if_alone():
+    """Several requests per forward (prefill chunks beside decode rows, one recomputed after a preemption, one
+    whose rows were all counted before), counted in one call per step, against each request's own rows."""
+    rng = np.random.default_rng(3)
+    prompt = {"a": 5, "b": 2, "c": 3}
+    tokens = {r: _ids(rng, 12) for r in prompt}  # every position's experts, per request
+    steps = [  # per forward: (request, first position, rows)
+        [("a", 0, 3), ("b", 0, 2)],
+        [("a", 3, 3), ("b", 2, 1), ("c", 0, 4)],
+        [("b", 0, 4), ("c", 4, 1)],  # b preempted and recomputed from 0 with one more token
+        [("a", 6, 1), ("b", 4, 1), ("c", 0, 2)],  # c's rows were all counted before: nothing new
+        [("a", 7, 1), ("c", 5, 1)],
+    ]
+    counts = ExpertCounts(LAYERS, EXPERTS)
+    for step in steps:
+        ids, spans = [], []
+        for req, position, n in step:
+            spans.append((req, f"t-{req}", position, prompt[req], len(ids), len(ids) + n))
+            ids.extend(tokens[req][position:position + n])
+        counts.add_step(spans, np.stack(ids))
+    for req in prompt:
+        counts.finish(req)
+    seen = {"a": 8, "b": 5, "c": 6}  # positions counted, each once
+    got = counts.take([f"t-{r}" for r in prompt])
+    for req, n in seen.items():
+        observed = Observed.from_wire(got[f"t-{req}"])
+        p = prompt[req]
+        assert np.array_equal(observed.prompt, _brute(tokens[req][:p])), req
+        assert np.array_equal(observed.decode, _brute(tokens[req][p:n])), req
+        assert (observed.prompt_tokens, observed.decode_tokens) == (p, n - p), req
