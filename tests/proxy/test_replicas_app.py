@@ -183,8 +183,8 @@ def test_batch_work_takes_background_slots_on_both_replicas(tmp_path):
 # --- two real vLLM CPU servers --------------------------------------------------------------------------
 
 def _requests_served(url: str) -> float:
-    """vLLM's count of finished requests (its Prometheus /metrics)."""
-    text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
+    """vLLM's count of finished requests (its Prometheus /metrics; a server busy on these 2 cores may take long)."""
+    text = urllib.request.urlopen(url + "/metrics", timeout=120).read().decode()
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith("vllm:request_success_total{"))
 
@@ -224,8 +224,12 @@ def _both_serve(servers):
 
 
 def _metric(url: str, name: str) -> float:
-    """The sum of one of vLLM's Prometheus counters or gauges over its labels."""
-    text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
+    """The sum of one of vLLM's Prometheus counters or gauges over its labels; 0 when the server, busy generating on
+    these 2 cores beside the other, did not answer /metrics within 10 s (the caller polls again)."""
+    try:
+        text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
+    except TimeoutError:
+        return 0.0
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
 
 
@@ -257,7 +261,7 @@ def _killed_loses_none(a, b, caplog):
             client = openai.AsyncOpenAI(base_url=proxy.url + "/v1", api_key="unused", max_retries=0, timeout=300)
             first = [asyncio.create_task(ask(client, i)) for i in range(40)]
             deadline = time.monotonic() + 120  # a guard against hanging, not a timing
-            while _metric(b.url, "vllm:num_requests_running") == 0:  # B is generating some of them
+            while await asyncio.to_thread(_metric, b.url, "vllm:num_requests_running") == 0:  # B generates some
                 assert time.monotonic() < deadline, f"B never ran a request; proxy /health: {_health(proxy.url)}"
                 await asyncio.sleep(0.05)
             answered_by_b = _requests_served(b.url) - b_before
