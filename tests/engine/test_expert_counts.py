@@ -90,3 +90,38 @@ def test_a_step_of_many_requests_counts_each_as_if_alone():
         assert np.array_equal(observed.prompt, _brute(tokens[req][:p])), req
         assert np.array_equal(observed.decode, _brute(tokens[req][p:n])), req
         assert (observed.prompt_tokens, observed.decode_tokens) == (p, n - p), req
+
+
+def test_requests_that_come_and_go_over_many_steps_are_each_counted_as_if_alone():
+    """40 requests arriving and finishing over 60 forwards (more live at once than the table's first rows, rows of
+    finished requests reused by new ones, prefill chunks, recomputes), against a count of each request's own
+    positions, each position once."""
+    rng = np.random.default_rng(4)
+    tokens = {f"r{i}": _ids(rng, 30) for i in range(40)}
+    prompt = {r: int(rng.integers(1, 10)) for r in tokens}
+    reached = dict.fromkeys(tokens, 0)  # positions the engine has computed, per request
+    waiting, live, counts = list(tokens), [], ExpertCounts(LAYERS, EXPERTS)
+    for _ in range(60):
+        live += [waiting.pop(0) for _ in range(min(int(rng.integers(0, 4)), len(waiting)))]
+        ids, spans = [], []
+        for req in live:
+            position = 0 if rng.random() < 0.05 else reached[req]  # preempted: recomputed from the start
+            n = min(int(rng.integers(1, 5)) if position < prompt[req] else 1, 30 - position)
+            spans.append((req, f"t-{req}", position, prompt[req], len(ids), len(ids) + n))
+            ids.extend(tokens[req][position:position + n])
+            reached[req] = max(reached[req], position + n)
+        if spans:
+            counts.add_step(spans, np.stack(ids))
+        for req in [r for r in live if rng.random() < 0.1 or reached[r] == 30]:
+            live.remove(req)
+            counts.finish(req)
+    for req in live:
+        counts.finish(req)
+    got = counts.take([f"t-{r}" for r in tokens])
+    assert len(got) == sum(reached[r] > 0 for r in tokens) > 20
+    for req, n in reached.items():
+        if n:
+            observed, p = Observed.from_wire(got[f"t-{req}"]), min(prompt[req], n)
+            assert np.array_equal(observed.prompt, _brute(tokens[req][:p])), req
+            assert np.array_equal(observed.decode, _brute(tokens[req][p:n])), req
+            assert (observed.prompt_tokens, observed.decode_tokens) == (p, n - p), req
