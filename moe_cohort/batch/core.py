@@ -40,7 +40,7 @@ EXPIRED_MESSAGE = "This request could not be executed before the completion wind
 
 @dataclass(frozen=True)
 class RunConfig:
-    max_in_flight: int = 16  # requests at the backend at once (its max_num_seqs and a short queue)
+    max_in_flight: int = 16  # requests at the backend at once (its max_num_seqs and a queue as deep)
     max_retries: int = 5
     backoff_s: float = 0.5  # first retry delay; doubles per attempt, up to max_backoff_s
     max_backoff_s: float = 30.0

@@ -4,8 +4,8 @@
 
 The whole file is validated first (nothing is sent if a line is bad, unless --skip-invalid). Then the
 run asks each backend what it is, as `cohort serve` does (send/handshake.py, send/autoconfig.py), and says
-what it chose: as many requests out as the engine's max_num_seqs plus a short queue (vLLM refills a freed slot
-at once), and learning on where the engine serves its expert counts. Flags win. With no profile head yet (a fresh --data-dir) it sends a sample drawn from
+what it chose: as many requests out as twice the engine's max_num_seqs (its slots, and a queue as deep that vLLM
+refills freed slots from at once), and learning on where the engine serves its expert counts. Flags win. With no profile head yet (a fresh --data-dir) it sends a sample drawn from
 across the file first, learns the head from the engine's counts of those answers, then predicts the rest and
 sends it in admission order: each freed slot goes to the waiting request that best fits those out now, the
 whole remaining file being the pool (--encoder none keeps file order). Results and failures are appended as
@@ -36,8 +36,8 @@ _FLAGS = flag_table(
                     "comma list)",
      "default_policy": "routing policy for lines without vllm_xargs.moe_routing, e.g. xshare;m=32",
      "encoder": f"orders the requests by their predicted experts: {ENCODER_CHOICES}; 'none' keeps the file order",
-     "max_in_flight": "lines at each backend at once (default: from its vLLM: its max_num_seqs plus a short queue, "
-                      "that vLLM refills a freed slot from)",
+     "max_in_flight": "lines at each backend at once (default: from its vLLM: its max_num_seqs plus a queue as deep, "
+                      "that vLLM refills freed slots from)",
      "max_body_bytes": "longest input line (one request) accepted",
      "data_dir": "with --learn: where the learned head is kept (its learned/ folder; the same as cohort serve's)",
      "learn": "learn the profile head from the engine's routing of this batch's answers as it runs (the expert "

@@ -17,8 +17,9 @@ Rules (a setting the user gave wins over each of them):
   `--encoder none`, or when no replica counts experts. Setting: learn.
 - Batches (`plan_batch`: `cohort batch run`, the Batch API). A batch knows every line from the start, so its
   runner chooses each line from the whole file, in the proxy, whatever the engine's scheduler: it keeps
-  max_num_seqs requests at the replica plus a short queue (a quarter more, at least 2), so that vLLM refills
-  a freed slot at once, first come, first served from that queue. No profile is forwarded unless asked: the
+  max_num_seqs requests at the replica plus a queue as deep (`batch_fed`), so that vLLM refills freed slots at
+  once, first come, first served from that queue, even when a whole engine-full finishes at the same step. No
+  profile is forwarded unless asked: the
   engine's choice among a few queued lines saved nothing more and cost engine time per step
   (docs/results.md). Setting: batch_max_in_flight, else max_in_flight; forward_profiles.
 
@@ -37,7 +38,7 @@ from moe_cohort.send.settings import Settings
 
 UNKNOWN_SLOTS = 256  # vLLM's default max_num_seqs
 ENGINE_SIDE_SLOTS = 256  # at least this many requests forwarded to an engine that admits by itself
-BATCH_QUEUE_SHARE, BATCH_QUEUE_MIN = 4, 2  # a batch's queue at an engine that admits by itself: S / 4, at least 2
+QUEUE_SHARE, QUEUE_MIN = 4, 2  # online requests' queue at an engine that admits by itself: S / 4, at least 2
 TURN_ON_SCHEDULER = f"start vLLM with --scheduler-cls {SCHEDULER_CLS} to run admission inside it"
 INSTALL_PLUGIN = ("install moe-cohort in vLLM's environment (its plugin tells the proxy max_num_seqs and serves the "
                   "expert counts learning reads), or give --max-in-flight = vLLM's --max-num-seqs")
@@ -86,7 +87,7 @@ def plan_batch_replica(settings: Settings, info: EngineInfo) -> ReplicaPlan:
     """How to send a batch's lines to one replica that answered the handshake with `info` (the module docstring)."""
     given = settings.batch_max_in_flight or settings.max_in_flight
     seqs = info.max_num_seqs
-    slots = given or (fed(seqs) if seqs else UNKNOWN_SLOTS)
+    slots = given or (batch_fed(seqs) if seqs else UNKNOWN_SLOTS)
     forward = bool(settings.forward_profiles)
     said = " (--max-in-flight)" if given else f" ({seqs} for its max_num_seqs and a queue of {slots - seqs})" \
         if seqs else UNKNOWN_SEQS
@@ -98,8 +99,16 @@ def plan_batch_replica(settings: Settings, info: EngineInfo) -> ReplicaPlan:
 
 def fed(max_num_seqs: int) -> int:
     """Requests at an engine of `max_num_seqs` slots that keep it fed: its slots, and a short queue of its own
-    (a quarter more, at least BATCH_QUEUE_MIN) that vLLM refills a freed slot from at once."""
-    return max_num_seqs + max(BATCH_QUEUE_MIN, max_num_seqs // BATCH_QUEUE_SHARE)
+    (a quarter more, at least QUEUE_MIN) that vLLM refills a freed slot from at once."""
+    return max_num_seqs + max(QUEUE_MIN, max_num_seqs // QUEUE_SHARE)
+
+
+def batch_fed(max_num_seqs: int) -> int:
+    """A batch's lines at an engine of `max_num_seqs` slots: its slots and a queue as deep. Lines of one length
+    (as a batch's often are) admitted together finish at the same step; vLLM then refills every slot from its own
+    queue while their answers travel back and the next lines come in, instead of running empty until they do
+    (which, on a machine where vLLM's busy-waiting processes share the cores with its API server, takes seconds)."""
+    return 2 * max_num_seqs
 
 
 def fed_at(infos: Sequence[EngineInfo]) -> int:

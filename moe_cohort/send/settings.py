@@ -185,7 +185,7 @@ class Settings:
     max_file_bytes: int = _setting(200 * 1024 * 1024, "largest file uploaded to /v1/files (Batch API input)")
     batch_max_in_flight: int = _setting(0, "the Batch API's requests at each replica at once, within the slots online "
                                          "requests leave free (default: max_in_flight, else the replica's "
-                                         "max_num_seqs plus a short queue); `cohort batch run` has the replicas to "
+                                         "max_num_seqs plus a queue as deep); `cohort batch run` has the replicas to "
                                          "itself: max_in_flight")
     batch_max_retries: int = _setting(5, "retries per batch request for 429, 5xx and timeouts (exponential "
                                          "backoff)", flag="--max-retries")

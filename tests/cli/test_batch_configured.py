@@ -22,15 +22,15 @@ LINES = 40
 
 
 @pytest.mark.parametrize("settings, infos, slots, forward, learn", [
-    ({}, [AWARE], 20, False, True),  # max_num_seqs + a quarter queued, chosen in the proxy; learning on counts
-    ({}, [OURS], 20, False, False),  # vLLM's scheduler, no counts: the same slots, nothing learned
+    ({}, [AWARE], 32, False, True),  # max_num_seqs + a queue as deep, chosen in the proxy; learning on counts
+    ({}, [OURS], 32, False, False),  # vLLM's scheduler, no counts: the same slots, nothing learned
     ({}, [PLAIN_VLLM], 256, False, False),  # nothing known: vLLM's default
-    ({}, [EngineInfo(AWARE.source, 2, None, True, True)], 4, False, True),  # a queue of 2 at least
-    ({}, [AWARE, EngineInfo(AWARE.source, 8, None, True, True)], 10, False, True),  # the smallest replica's
+    ({}, [EngineInfo(AWARE.source, 1, None, True, True)], 2, False, True),  # one slot, one queued
+    ({}, [AWARE, EngineInfo(AWARE.source, 8, None, True, True)], 16, False, True),  # the smallest replica's
     ({"batch_max_in_flight": 8}, [AWARE], 8, False, True),  # flags win
     ({"max_in_flight": 12}, [AWARE], 12, False, True),
-    ({"forward_profiles": True, "learn": False}, [AWARE], 20, True, False),
-    ({"encoder": "none"}, [AWARE], 20, False, False),
+    ({"forward_profiles": True, "learn": False}, [AWARE], 32, True, False),
+    ({"encoder": "none"}, [AWARE], 32, False, False),
 ])
 def test_a_batch_is_planned_by_what_its_engines_said_and_flags_win(settings, infos, slots, forward, learn):
     plan = plan_batch(Settings(**settings), ["http://a"] * len(infos), infos)
@@ -85,9 +85,9 @@ def test_where_vllm_counts_experts_it_keeps_a_short_queue_and_learns(encoder, tm
     bodies = []
     handler, out = _engine(info(max_num_seqs=4), "", bodies, counting=True)
     err = _run(tmp_path, capsys, handler, "--encoder", encoder)
-    assert "chosen from the whole file in the proxy, 6 at a time (4 for its max_num_seqs and a queue of 2)" in err
+    assert "chosen from the whole file in the proxy, 8 at a time (4 for its max_num_seqs and a queue of 4)" in err
     assert "learning on: vLLM serves its expert counts" in err
-    assert out["most"] == 6  # 4 slots + a queue of 2 (the least)
+    assert out["most"] == 8  # 4 slots + a queue as deep
     assert sum(OBSERVE_KEY in b.get("vllm_xargs", {}) for b in bodies) == LINES  # each counted (the reservoir keeps all)
     assert not any(PROFILE_KEY in b.get("vllm_xargs", {}) for b in bodies)  # no profile unless asked
     assert "learned: 40 observed requests" in err
@@ -116,9 +116,9 @@ def test_vllms_own_scheduler_without_counts_gets_max_num_seqs_in_the_proxy(encod
     bodies = []
     handler, out = _engine(info(max_num_seqs=4, expert_aware=False, observed=False), "", bodies, counting=False)
     err = _run(tmp_path, capsys, handler, "--encoder", encoder)
-    assert "6 at a time (4 for its max_num_seqs and a queue of 2)" in err
+    assert "8 at a time (4 for its max_num_seqs and a queue of 4)" in err
     assert "learning off: vLLM does not serve its expert counts" in err
-    assert out["most"] == 6 and not _marked_or_profiled(bodies)
+    assert out["most"] == 8 and not _marked_or_profiled(bodies)
 
 
 def test_flags_win_over_the_handshake(encoder, tmp_path, capsys):

@@ -68,5 +68,5 @@ def test_in_front_of_vllm_with_our_scheduler_behind_a_key_it_forwards_profiles_a
                      server.url, "--backend-api-key", "backend-secret", "--data-dir", str(tmp_path / "batch"),
                      "--no-progress"])
     err = capsys.readouterr().err
-    assert code == 0 and "6 at a time (4 for its max_num_seqs and a queue of 2)" in err and "learning on" in err, err
+    assert code == 0 and "8 at a time (4 for its max_num_seqs and a queue of 4)" in err and "learning on" in err, err
     assert "done: 8 succeeded" in err and "learned: 8 observed requests" in err
