@@ -40,10 +40,6 @@ class ExpertCounts:
         self._until = np.zeros(0, np.int64)  # [R]: positions below this are counted
         self._done: OrderedDict[str, Observed] = OrderedDict()
 
-    def add(self, req_id: str, token: str, position: int, num_prompt: int, ids: np.ndarray) -> None:
-        """ids [n, L, k]: the experts of the request's tokens at positions [position, position + n)."""
-        self.add_step([(req_id, token, position, num_prompt, 0, len(ids))], ids)
-
     def add_step(self, spans: Sequence[tuple[str, str, int, int, int, int]], ids: np.ndarray) -> None:
         """One forward's observed requests at once: each span (req_id, token, position, num_prompt, start, end) says
         that rows [start, end) of ids [n, L, k] are that request's tokens at positions [position, ...); a request

@@ -21,14 +21,18 @@ def _brute(rows):
     return out
 
 
+def _add(counts, req_id, token, position, num_prompt, ids):  # one request's rows [n, L, k] as a forward's only span
+    counts.add_step([(req_id, token, position, num_prompt, 0, len(ids))], ids)
+
+
 def test_chunked_prefill_and_decode_steps_count_prompt_and_generated_tokens_apart():
     rng = np.random.default_rng(0)
     rows = _ids(rng, 12)  # 7 prompt tokens, 5 generated ones through the model
     counts = ExpertCounts(LAYERS, EXPERTS)
-    counts.add("r", "tok", 0, 7, rows[0:4])  # a prefill chunk
-    counts.add("r", "tok", 4, 7, rows[4:8])  # the rest of the prompt and the first generated token
+    _add(counts, "r", "tok", 0, 7, rows[0:4])  # a prefill chunk
+    _add(counts, "r", "tok", 4, 7, rows[4:8])  # the rest of the prompt and the first generated token
     for p in range(8, 12):
-        counts.add("r", "tok", p, 7, rows[p:p + 1])
+        _add(counts, "r", "tok", p, 7, rows[p:p + 1])
     assert counts.take(["tok"]) == {}  # not finished yet
     counts.finish("r")
     got = Observed.from_wire(counts.take(["tok", "unknown"])["tok"])
@@ -42,9 +46,9 @@ def test_a_recompute_after_preemption_is_not_counted_twice():
     rng = np.random.default_rng(1)
     rows = _ids(rng, 9)
     counts = ExpertCounts(LAYERS, EXPERTS)
-    counts.add("r", "t", 0, 4, rows[:6])
-    counts.add("r", "t", 0, 4, rows[:7])  # preempted, recomputed from position 0 with one more token
-    counts.add("r", "t", 7, 4, rows[7:9])
+    _add(counts, "r", "t", 0, 4, rows[:6])
+    _add(counts, "r", "t", 0, 4, rows[:7])  # preempted, recomputed from position 0 with one more token
+    _add(counts, "r", "t", 7, 4, rows[7:9])
     counts.finish("r")
     got = Observed.from_wire(counts.take(["t"])["t"])
     np.testing.assert_array_equal(got.prompt + got.decode, _brute(rows))
@@ -55,7 +59,7 @@ def test_finished_counts_nobody_takes_are_bounded_oldest_first():
     counts = ExpertCounts(LAYERS, EXPERTS, keep=2)
     rows = _ids(np.random.default_rng(2), 1)
     for i in range(3):
-        counts.add(f"r{i}", f"t{i}", 0, 1, rows)
+        _add(counts, f"r{i}", f"t{i}", 0, 1, rows)
         counts.finish(f"r{i}")
     assert set(counts.take(["t0", "t1", "t2"])) == {"t1", "t2"}
 
