@@ -17,6 +17,7 @@ import pickle
 import subprocess
 import sys
 import threading
+from typing import BinaryIO
 
 from threadpoolctl import ThreadpoolController, threadpool_limits
 
@@ -33,10 +34,11 @@ def fit_apart(*args, **kwargs) -> ProfileHead:
     """train.profile_head.fit_head_features(*args, **kwargs) in the learner's process, the calling thread waiting
     on its pipe (without the GIL). A process that ended is replaced at the next call (this one raises
     LearnerProcessError); an error of the fit itself is raised here."""
+    apart = _apart()
     try:
-        return _apart().call(args, kwargs)
+        return apart.call(args, kwargs)
     except LearnerProcessError:
-        _apart.cache_clear()
+        _forget(apart)
         raise
 
 
@@ -44,6 +46,14 @@ def start_apart() -> None:
     """Start the learner's process now (its imports take a second of a core, at its priority), so that the first
     fit does not wait for them."""
     _apart()
+
+
+def stop_apart() -> None:
+    """Kill the learner's process, if one runs: a fit waiting on it raises LearnerProcessError, the next starts a
+    new one (a refit that does not end must not hold a closing proxy or run forever)."""
+    apart = _current
+    if apart is not None:
+        apart.process.kill()
 
 
 class _Apart:
@@ -75,13 +85,37 @@ class _Apart:
             self.process.wait(5)
 
 
-@functools.lru_cache(maxsize=1)
+_current: _Apart | None = None
+_starting = threading.Lock()
+
+
 def _apart() -> _Apart:
     """One learner process per serving process, shared by every learner in it."""
-    return _Apart()
+    global _current
+    with _starting:
+        if _current is None:
+            _current = _Apart()
+        return _current
 
 
-def _serve(stdin, stdout) -> None:
+def _forget(apart: _Apart) -> None:
+    """`apart` ended: the next fit starts a new process."""
+    global _current
+    with _starting:
+        if _current is apart:
+            _current = None
+
+
+def _answers() -> BinaryIO:
+    """The learner process's answers go out on the pipe its stdout was; stdout itself now writes to stderr, so
+    that whatever a library prints cannot fall into the pickles the serving process reads."""
+    answers = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
+    sys.stdout.flush()
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+    return answers
+
+
+def _serve(stdin: BinaryIO, stdout: BinaryIO) -> None:
     """The learner process: the lowest CPU priority, BLAS on one thread (its helpers would busy-wait on the cores
     vLLM needs), then each fit sent, until its stdin closes."""
     with contextlib.suppress(OSError, AttributeError):  # not Linux/Unix: the default priority
@@ -115,4 +149,4 @@ def _blas(modules: int) -> ThreadpoolController:
 
 
 if __name__ == "__main__":
-    _serve(sys.stdin.buffer, sys.stdout.buffer)
+    _serve(sys.stdin.buffer, _answers())

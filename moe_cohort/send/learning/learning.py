@@ -28,7 +28,7 @@ import numpy as np
 
 from moe_cohort.encoder.profile import ProfileHead
 from moe_cohort.send.backend_client import BackendClient
-from moe_cohort.send.learning.behind_serving import fit_apart, one_blas_thread, start_apart
+from moe_cohort.send.learning.behind_serving import fit_apart, one_blas_thread, start_apart, stop_apart
 from moe_cohort.send.learning.observed_counts import (ROUTED_EXPERTS, ObservedCounts, client_answer, marked,
                                                       one_routed_choice, routed_counts)
 from moe_cohort.send.metrics import ProxyMetrics
@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 PLUGIN = "plugin"  # the source label of our plugin's counts (ROUTED_EXPERTS: vLLM's)
+CLOSE_WAIT_S = 30.0  # how long closing waits for the worker's queue before it stops a refit
 MAX_BACKLOG = 1000  # observations waiting for the worker; more are dropped (counted), never the event loop blocked
 # texts -> ([N, F] what the head reads, each text's profile as predicted on arrival [L*E], None where not at hand)
 Featurize = Callable[[Sequence[str]], tuple[np.ndarray, list[np.ndarray | None]]]
@@ -216,10 +217,22 @@ class Learning:
         """fn(*args) on the learning worker, behind serving (a batch's re-predictions: batch/follow.py)."""
         return await asyncio.get_running_loop().run_in_executor(self._executor, self._on_worker, fn, *args)
 
-    def close(self) -> None:
-        """Finish what is queued, stop the worker, save what was learned since the last refit."""
+    def close(self, timeout_s: float = CLOSE_WAIT_S) -> None:
+        """Finish what is queued, stop the worker, save what was learned since the last refit. A refit still running
+        after `timeout_s` is stopped (its process killed); a worker that still does not end is left, unsaved."""
         self.counts.close()
-        self._executor.shutdown(wait=True)
+        drained = self._executor.submit(lambda: None)  # runs once everything queued before it has
+        self._executor.shutdown(wait=False)
+        try:
+            drained.result(timeout_s)
+        except TimeoutError:
+            log.warning("learning's worker was still busy %.0f s after closing began; stopping its refit", timeout_s)
+            stop_apart()
+            try:
+                drained.result(timeout_s)
+            except TimeoutError:
+                log.error("learning's worker did not end; what it learned since its last save is not saved")
+                return
         if self.learner.observed:
             self.learner.save(self.folder)
 

@@ -487,3 +487,70 @@ def test_the_learning_worker_refits_through_the_learner_process(tmp_path, monkey
         learning.add(f"prompt {i}", Observed(counts, counts, 4, 4), "plugin", True)
     learning.close()
     assert fits == [4, 8] and learning.head is not None  # the first head at 4 rows, the next 4 rows later
+
+
+def test_closing_stops_a_refit_that_does_not_end_and_returns(tmp_path, monkeypatch, caplog):
+    """A refit stuck in the learner's process must not hold a closing proxy: after the wait, close stops the
+    process (the refit's call then fails, as when the process dies) and saves what was learned."""
+    import threading
+
+    from moe_cohort.send.learning import learning as learning_module
+    from moe_cohort.send.learning.behind_serving import LearnerProcessError
+    from moe_cohort.send.learning.learning import Learning
+    from moe_cohort.send.metrics import ProxyMetrics
+    from moe_cohort.traces.observed import Observed
+    from moe_cohort.train.online import LearnConfig, OnlineLearner
+
+    killed, refitting = threading.Event(), threading.Event()
+
+    def stuck_fit(*args, **kwargs):  # the learner process's call, waiting on a process that never answers
+        refitting.set()
+        killed.wait(30)
+        raise LearnerProcessError("the learner's process ended (exit status -9)")
+
+    monkeypatch.setattr(learning_module, "fit_apart", stuck_fit)
+    monkeypatch.setattr(learning_module, "stop_apart", killed.set)
+    rng = np.random.default_rng(0)
+    learning = Learning(OnlineLearner(LearnConfig(first_fit=4, refit_every=4, ngram_dim=0)),
+                        lambda texts: (rng.normal(size=(len(texts), 6)).astype(np.float32), [None] * len(texts)),
+                        tmp_path, ProxyMetrics())
+    for i in range(4):
+        counts = rng.integers(0, 5, (2, 8))  # [L, E]
+        learning.add(f"prompt {i}", Observed(counts, counts, 4, 4), "plugin", True)
+    assert refitting.wait(10)
+    started = time.monotonic()
+    learning.close(timeout_s=0.3)
+    assert killed.is_set() and time.monotonic() - started < 5
+    assert learning.head is None and list(tmp_path.iterdir())  # no head, but the observations are saved
+    assert "stopping its refit" in caplog.text
+
+
+@pytest.mark.integration  # starts the learner's process
+def test_what_the_learner_process_prints_does_not_reach_its_answers(tmp_path):
+    """The learner process answers on the pipe that was its stdout; a library that prints in it (here the fit itself)
+    writes to its stderr instead, and the serving process still reads each answer."""
+    import pickle
+    import subprocess
+
+    from moe_cohort.train.profile_head import fit_head_features
+
+    code = ("import moe_cohort.train.profile_head as p; fit = p.fit_head_features\n"
+            "def noisy(*a, **k):\n    print('a library talks'); return fit(*a, **k)\n"
+            "p.fit_head_features = noisy\n"
+            "from moe_cohort.send.learning import behind_serving as b; b._serve(__import__('sys').stdin.buffer, b._answers())")
+    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE)
+    rng = np.random.default_rng(0)
+    f, y = rng.normal(size=(40, 24)).astype(np.float32), rng.random((40, 2, 8))  # [N, F], [N, L, E]
+    try:
+        for _ in range(2):
+            pickle.dump(((f, y, 2, (0.1, 10.0)), {"ngram_dim": 0}), child.stdin)
+            child.stdin.flush()
+            ok, head = pickle.load(child.stdout)
+            assert ok
+            np.testing.assert_array_equal(head.from_features(f),
+                                          fit_head_features(f, y, 2, (0.1, 10.0), ngram_dim=0).from_features(f))
+    finally:
+        child.stdin.close()  # the learner process ends at the end of its stdin
+        child.wait(30)
+    assert child.stderr.read().decode().count("a library talks") == 2
