@@ -1,10 +1,15 @@
-"""Work that must not slow serving down: a refit of the profile head runs in a process of its own at the lowest
-CPU priority; the rest of learning (observing, a batch's re-predictions) on a worker thread, BLAS on one thread.
+"""Work that must not slow serving down: a refit of the profile head runs in a process of its own that only gets a
+core nothing else wants (Linux's SCHED_IDLE; nice 19 elsewhere); the rest of learning (observing, a batch's
+re-predictions) on a worker thread, BLAS on one thread.
 
 Why a process, not a low-priority thread: a thread holds the GIL while it computes, and a thread that the OS keeps
-off the CPU (nice 19 on a machine that vLLM keeps busy) holds it for as long as it waits there, so the serving
-event loop waits with it (a priority inversion: the loop stalls for as long as the refit waits for a core). A
-process of its own shares no GIL with the event loop, and its nice 19 only ever delays the refit.
+off the CPU (on a machine that vLLM keeps busy) holds it for as long as it waits there, so the serving event loop
+waits with it (a priority inversion: the loop stalls for as long as the refit waits for a core). A process of its
+own shares no GIL with the event loop, and its priority only ever delays the refit.
+
+Why SCHED_IDLE, not only nice 19: a nice-19 process still takes turns on a busy core, and every refit then delays
+the serving process or vLLM's when they wake; a SCHED_IDLE one yields the core at once to any other task that
+wakes (docs/results.md measures what that is worth to an engine on a shared 2-core machine).
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from threadpoolctl import ThreadpoolController, threadpool_limits
 
 from moe_cohort.encoder.profile import ProfileHead
 
-LOWEST = 19  # Linux's nice: the lowest CPU priority
+LOWEST = 19  # the lowest nice, where SCHED_IDLE is not to be had
 
 
 class LearnerProcessError(RuntimeError):
@@ -106,6 +111,15 @@ def _forget(apart: _Apart) -> None:
             _current = None
 
 
+def _lowest_priority() -> None:
+    """This process (its calling thread, and the threads it starts later) runs only where nothing else wants the
+    core: SCHED_IDLE on Linux, else nice 19 where there is nice, else as it was."""
+    with contextlib.suppress(OSError, AttributeError):
+        os.setpriority(os.PRIO_PROCESS, 0, LOWEST)
+    with contextlib.suppress(OSError, AttributeError):
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+
+
 def _answers() -> BinaryIO:
     """The learner process's answers go out on the pipe its stdout was; stdout itself now writes to stderr, so
     that whatever a library prints cannot fall into the pickles the serving process reads."""
@@ -118,8 +132,7 @@ def _answers() -> BinaryIO:
 def _serve(stdin: BinaryIO, stdout: BinaryIO) -> None:
     """The learner process: the lowest CPU priority, BLAS on one thread (its helpers would busy-wait on the cores
     vLLM needs), then each fit sent, until its stdin closes."""
-    with contextlib.suppress(OSError, AttributeError):  # not Linux/Unix: the default priority
-        os.setpriority(os.PRIO_PROCESS, 0, LOWEST)
+    _lowest_priority()
     from moe_cohort.train.profile_head import fit_head_features  # loads numpy and scipy's BLAS
 
     threadpool_limits(limits=1, user_api="blas")  # for the process's life (not a `with` block)

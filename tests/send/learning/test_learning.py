@@ -409,8 +409,9 @@ def test_the_learning_worker_keeps_the_serving_priority_on_one_blas_thread(tmp_p
 
 @pytest.mark.integration  # starts the learner's process
 def test_a_refit_runs_in_a_process_of_its_own_at_the_lowest_priority():
-    """fit_apart: the same head as fitting here (the reference), fitted in another process at nice 19, which
-    shares no GIL with the serving event loop; one that died is replaced at the next fit."""
+    """fit_apart: the same head as fitting here (the reference), fitted in another process that runs only on a core
+    nothing else wants (SCHED_IDLE, and nice 19), which shares no GIL with the serving event loop; one that died is
+    replaced at the next fit."""
     import os
 
     from moe_cohort.send.learning import behind_serving
@@ -424,6 +425,8 @@ def test_a_refit_runs_in_a_process_of_its_own_at_the_lowest_priority():
     np.testing.assert_array_equal(apart.from_features(f), here.from_features(f))
     child = behind_serving._apart().process
     assert child.pid != os.getpid() and os.getpriority(os.PRIO_PROCESS, child.pid) == behind_serving.LOWEST
+    if sys.platform == "linux":
+        assert os.sched_getscheduler(child.pid) == os.SCHED_IDLE
     with pytest.raises(ValueError):  # the fit's own error comes back
         behind_serving.fit_apart(f, y[:3], 2, (1.0,), ngram_dim=0)
     child.kill()
