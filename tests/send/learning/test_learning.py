@@ -529,7 +529,7 @@ def test_closing_stops_a_refit_that_does_not_end_and_returns(tmp_path, monkeypat
 
 
 @pytest.mark.integration  # starts the learner's process
-def test_what_the_learner_process_prints_does_not_reach_its_answers(tmp_path):
+def test_what_the_learner_process_prints_does_not_reach_its_answers():
     """The learner process answers on the pipe that was its stdout; a library that prints in it (here the fit itself)
     writes to its stderr instead, and the serving process still reads each answer."""
     import pickle
