@@ -467,10 +467,6 @@ def test_the_learning_worker_refits_through_the_learner_process(tmp_path, monkey
     """Every refit of the proxy's learner goes to the learner's process (behind_serving.fit_apart), never runs on
     the worker thread itself: the fits that come in are the ones the schedule asks for."""
     from moe_cohort.send.learning import behind_serving
-    from moe_cohort.send.learning.learning import Learning
-    from moe_cohort.send.metrics import ProxyMetrics
-    from moe_cohort.traces.observed import Observed
-    from moe_cohort.train.online import LearnConfig, OnlineLearner
     from moe_cohort.train.profile_head import fit_head_features
 
     fits = []
@@ -481,15 +477,26 @@ def test_the_learning_worker_refits_through_the_learner_process(tmp_path, monkey
             return fit_head_features(*args, **kwargs)
 
     monkeypatch.setattr(behind_serving, "_apart", Recording)
+    learning = _learning_fed(tmp_path, 8)
+    learning.close()
+    assert fits == [4, 8] and learning.head is not None  # the first head at 4 rows, the next 4 rows later
+
+
+def _learning_fed(folder, n: int):
+    """A Learning that fits its first head at 4 observations and refits every 4, fed `n` random ones."""
+    from moe_cohort.send.learning.learning import Learning
+    from moe_cohort.send.metrics import ProxyMetrics
+    from moe_cohort.traces.observed import Observed
+    from moe_cohort.train.online import LearnConfig, OnlineLearner
+
     rng = np.random.default_rng(0)
     learning = Learning(OnlineLearner(LearnConfig(first_fit=4, refit_every=4, ngram_dim=0)),
                         lambda texts: (rng.normal(size=(len(texts), 6)).astype(np.float32), [None] * len(texts)),
-                        tmp_path, ProxyMetrics())
-    for i in range(8):
+                        folder, ProxyMetrics())
+    for i in range(n):
         counts = rng.integers(0, 5, (2, 8))  # [L, E]
         learning.add(f"prompt {i}", Observed(counts, counts, 4, 4), "plugin", True)
-    learning.close()
-    assert fits == [4, 8] and learning.head is not None  # the first head at 4 rows, the next 4 rows later
+    return learning
 
 
 def test_closing_stops_a_refit_that_does_not_end_and_returns(tmp_path, monkeypatch, caplog):
@@ -499,10 +506,6 @@ def test_closing_stops_a_refit_that_does_not_end_and_returns(tmp_path, monkeypat
 
     from moe_cohort.send.learning import learning as learning_module
     from moe_cohort.send.learning.behind_serving import LearnerProcessError
-    from moe_cohort.send.learning.learning import Learning
-    from moe_cohort.send.metrics import ProxyMetrics
-    from moe_cohort.traces.observed import Observed
-    from moe_cohort.train.online import LearnConfig, OnlineLearner
 
     killed, refitting = threading.Event(), threading.Event()
 
@@ -513,13 +516,7 @@ def test_closing_stops_a_refit_that_does_not_end_and_returns(tmp_path, monkeypat
 
     monkeypatch.setattr(learning_module, "fit_apart", stuck_fit)
     monkeypatch.setattr(learning_module, "stop_apart", killed.set)
-    rng = np.random.default_rng(0)
-    learning = Learning(OnlineLearner(LearnConfig(first_fit=4, refit_every=4, ngram_dim=0)),
-                        lambda texts: (rng.normal(size=(len(texts), 6)).astype(np.float32), [None] * len(texts)),
-                        tmp_path, ProxyMetrics())
-    for i in range(4):
-        counts = rng.integers(0, 5, (2, 8))  # [L, E]
-        learning.add(f"prompt {i}", Observed(counts, counts, 4, 4), "plugin", True)
+    learning = _learning_fed(tmp_path, 4)
     assert refitting.wait(10)
     started = time.monotonic()
     learning.close(timeout_s=0.3)
