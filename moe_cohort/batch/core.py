@@ -46,12 +46,14 @@ class RunConfig:
     max_backoff_s: float = 30.0
     metrics_interval_s: float = 2.0  # how often the backend's decode counters are read (0: never)
     forward_profiles: bool = False  # each request carries its predicted profile (for moe-cohort's scheduler in vLLM)
+    probe: bool = False  # order by the engine's routing of each prompt, probed ahead (batch/probe.py)
     api_key: str = ""  # sent to the backend as `Authorization: Bearer` (send/auth.py builds the header)
 
     @classmethod
     def from_settings(cls, settings: Settings, **overrides) -> "RunConfig":
         """The run's configuration from the process's one Settings object (`overrides` win)."""
         return cls(**{"max_in_flight": settings.max_in_flight_for_batches, "forward_profiles": bool(settings.forward_profiles),
+                      "probe": bool(settings.batch_probe),
                       "max_retries": settings.batch_max_retries, "api_key": settings.backend_api_key, **overrides})
 
 

@@ -123,10 +123,11 @@ def configured(settings: Settings, job: FileJob) -> tuple[Settings, int | None, 
     from moe_cohort.send.handshake import ask_all
 
     infos = asyncio.run(ask_all(settings.backends, settings))
-    plan = plan_batch(settings, settings.backends, infos)
-    learn = plan.learn and job.runner == "local" and settings.encoder.lower() != "none"
+    plan = plan_batch(settings, settings.backends, infos, local=job.runner == "local")
+    learn, probe = plan.learn and job.runner == "local" and settings.encoder.lower() != "none", plan.probe
     said = plan.line + ("" if learn == plan.learn else " (not with --runner ray)")
-    settings = replace(settings, max_in_flight=plan.max_in_flight, forward_profiles=plan.forward_profiles, learn=learn)
+    settings = replace(settings, max_in_flight=plan.max_in_flight, forward_profiles=plan.forward_profiles, learn=learn,
+                       batch_probe=probe)
     return settings, plan.layers, said
 
 
@@ -232,8 +233,9 @@ def _refit_every(settings: Settings) -> int | None:
 
 
 def _load_predictor(settings: Settings) -> Future | None:
-    """The settings' predictor, loading on a thread; None with --encoder none."""
-    if settings.encoder.lower() == "none":
+    """The settings' predictor, loading on a thread; None with --encoder none, and for a run that probes and does not
+    learn (nothing reads it)."""
+    if settings.encoder.lower() == "none" or (settings.batch_probe and not settings.learn):
         return None
     pool = ThreadPoolExecutor(1, "cohort-encoder-load")
     loading = pool.submit(_loaded, settings)

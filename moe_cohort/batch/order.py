@@ -1,4 +1,5 @@
-"""Which request of a batch file goes to the backend next: file order, a spread draw, or admission by predicted experts.
+"""Which request of a batch file goes to the backend next: file order, a spread draw, admission by predicted experts, or
+admission by the engine's own routing of each prompt (`ProbedOrder`, fed by batch/probe.py).
 
 A batch run keeps `max_in_flight` requests (the backend's max_num_seqs) at the backend; whenever one
 finishes, the next is chosen from everything still waiting. `ExpertOrder` is the proxy's online
@@ -19,6 +20,7 @@ from typing import Iterable, Protocol, Sequence
 
 import numpy as np
 
+from moe_cohort.admission.resident import ResidentExperts
 from moe_cohort.admission.router import ReplicaRouter, ResidentFactory
 from moe_cohort.admission.wire import Prediction
 from moe_cohort.batch.format import BatchRequest
@@ -119,6 +121,56 @@ class ExpertOrder:
         for line in vectors:
             if line in self.router.pool:
                 self.router.update(line, vectors[line])
+
+
+class ProbedOrder:
+    """Admission by profiles that arrive while the run goes (batch/probe.py: the engine's routing of each prompt),
+    through a ReplicaRouter of one replica of `max_in_flight` slots: a line joins the waiting pool when its profile
+    comes, and a slot that frees takes the pooled line expected to add the fewest experts to the lines out now.
+    Work-conserving: while no pooled line waits, a slot takes the LAST waiting line of the file (the probes go
+    from the first, so they do not race the lines sent without one). A profile that comes for a line already out
+    joins the resident set until that line finishes."""
+
+    def __init__(self, max_in_flight: int, resident_factory: ResidentFactory = lambda size: ResidentExperts(1, size)) -> None:
+        self.router = ReplicaRouter([max_in_flight], "affinity", resident_factory=resident_factory)
+        self.compacts: dict[int, list[int] | None] = {}  # by input line: the profile as forwarded
+        self._chosen: deque[int] = deque()  # lines the router admitted that were not sent yet, in its order
+        self._done: set[int] = set()  # lines finished: a late profile of theirs is dropped
+
+    def predicted(self, predictions: dict[int, Prediction]) -> None:
+        """New profiles by input line: waiting lines join the pool, lines out join the resident set."""
+        for line, p in predictions.items():
+            if line in self._done or line in self.router.pool or line in self._chosen:
+                continue
+            self.compacts[line] = p.compact
+            if line in self.router.placed:
+                self.router.assign(line, p.vector)
+            else:
+                self.router.add(line, p.vector, 0.0)
+
+    def pick(self, waiting: Sequence[BatchRequest]) -> int:
+        if not self._chosen and self.router.waiting():
+            self._chosen.extend(line for line, _ in self.router.admit(0.0))
+        if not self._chosen:
+            return len(waiting) - 1
+        return next(i for i, r in enumerate(waiting) if r.line == self._chosen[0])
+
+    def sent(self, request: BatchRequest) -> None:
+        if self._chosen and self._chosen[0] == request.line:
+            self._chosen.popleft()
+        else:
+            self.router.hold(request.line, 0)
+
+    def finished(self, request: BatchRequest) -> None:
+        self._done.add(request.line)
+        self.router.release(request.line)
+
+    def compact(self, line: int) -> list[int] | None:
+        return self.compacts.get(line)
+
+    def out(self, line: int) -> bool:
+        """Whether the line was chosen or sent already (a probe of it would come too late)."""
+        return line in self.router.placed or line in self._done
 
 
 def make_order(requests: Sequence[BatchRequest], predictor: Predictor | None, max_in_flight: int, *,

@@ -7,7 +7,10 @@ Batch API's jobs and benchmarks/bench_batch.py.
    queue vLLM refills a freed slot from: proxy/autoconfig.plan_batch); a slot that frees goes at once to the
    waiting request that best fits the requests out now (batch/order.py: admission by the predictor's
    expert profiles, predicted once for the whole file, or file order without a predictor), so the backend stays
-   full and its resident set stays alike. While nothing can be predicted yet (the encoder loading, or no head
+   full and its resident set stays alike. With `config.probe` (one backend, no gate) the profiles are the
+   engine's own routing of each prompt (batch/probe.py): the first PROBE_AHEAD lines are probed before any is
+   sent (the engine busy with their prefills, which its prefix cache keeps for the lines themselves), the rest
+   while the run goes; a line goes without a profile only when no probed line waits. While nothing can be predicted yet (the encoder loading, or no head
    while one is learned) the run sends a sample drawn from across the file, learns from its answers, then
    hands over to admission (batch/follow.py); with `learning` (send/learning/learning.py) each later head
    re-predicts the requests next in line. With `config.forward_profiles` each request carries its predicted
@@ -46,7 +49,8 @@ from moe_cohort.batch.core import (Abort, Answered, BatchCore, Outcome, Retry, R
 from moe_cohort.batch.follow import follow_heads, order_after, sample_size
 from moe_cohort.batch.format import BatchFile, BatchRequest
 from moe_cohort.batch.journal import Journal, JournalError, Record
-from moe_cohort.batch.order import ExpertOrder, SpreadOrder, make_order
+from moe_cohort.batch.order import DEFAULT_WINDOW, ExpertOrder, ProbedOrder, SpreadOrder, make_order
+from moe_cohort.batch.probe import Probes
 from moe_cohort.encoder.plans import chunk, write_plan_file
 from moe_cohort.send.auth import bearer
 from moe_cohort.send.backend_client import BackendClient
@@ -61,6 +65,9 @@ from moe_cohort.send.profiles import Predictor
 log = logging.getLogger(__name__)
 
 ProgressFn = Callable[[RunStats], None]
+# lines probed before the first is sent: admission chooses among as many as ExpertOrder looks ahead over (the
+# whole of a smaller file), and a file's first lines are not sent unprobed while the probes catch up with them
+PROBE_AHEAD = DEFAULT_WINDOW
 T = TypeVar("T")
 
 
@@ -109,7 +116,12 @@ async def run_batch(batch: BatchFile, journal: Journal, replicas: Sequence[Backe
     core = BatchCore(pending, config, stats, deadline=deadline)
     sender = _Sender(core, journal, replicas, gate, on_progress or (lambda stats: None), clock, seat, learning)
     background = asyncio.to_thread if learning is None else learning.in_background
-    if predictor is not None and not inspect.isawaitable(predictor) and predictor.ready():
+    if config.probe and gate is None:  # the engine's routing of each prompt: the first window's before any line
+        core.order = order = ProbedOrder(config.max_in_flight)
+        probes = Probes(replicas[0], config.max_in_flight, lambda line, p: order.predicted({line: p}), sender.headers)
+        await probes.run(pending[:PROBE_AHEAD], order.out)
+        sender.follow = lambda: probes.run(pending[PROBE_AHEAD:], order.out)
+    elif predictor is not None and not inspect.isawaitable(predictor) and predictor.ready():
         core.order = await asyncio.to_thread(make_order, pending, predictor, config.max_in_flight)
         if learning is not None:
             sender.follow = lambda: follow_heads(lambda: learning.head, predictor.predict, core.order,
@@ -120,7 +132,8 @@ async def run_batch(batch: BatchFile, journal: Journal, replicas: Sequence[Backe
         sender.follow = lambda: order_after(core, predictor if inspect.isawaitable(predictor) else _now(predictor),
                                             learning, sample=sample, run=background)
     log.info("%d requests to send, %d at a time, in %s", len(pending), config.max_in_flight,
-             "file order" if predictor is None else "admission order" if isinstance(core.order, ExpertOrder)
+             "admission order by the engine's routing of each prompt, probed ahead of its turn"
+             if isinstance(core.order, ProbedOrder) else "file order" if predictor is None else "admission order" if isinstance(core.order, ExpertOrder)
              else "a sample drawn from across the file until there are predictions, then admission order")
     if learning is not None:
         await learning.probe()  # the first requests are marked when the backend counts experts

@@ -31,7 +31,7 @@ from moe_cohort.send.settings import Settings, SettingsError
 # (defaults live in Settings and COHORT_* variables)
 _FLAGS = flag_table(
     ("backends", "default_policy", "encoder", "max_in_flight", "batch_max_retries", "request_timeout_s",
-     "backend_api_key", "max_body_bytes", "data_dir", "learn", "forward_profiles"),
+     "backend_api_key", "max_body_bytes", "data_dir", "learn", "forward_profiles", "batch_probe"),
     {"backends": "vLLM server, e.g. http://127.0.0.1:8000 (--runner ray: every replica, the flag repeated or a "
                     "comma list)",
      "default_policy": "routing policy for lines without vllm_xargs.moe_routing, e.g. xshare;m=32",
@@ -44,6 +44,9 @@ _FLAGS = flag_table(
               "counts of moe-cohort's vLLM plugin, or vLLM's routed_experts), re-predicting the requests next in "
               "line with each new head; starts from, and saves to, --data-dir's learned/ (default: on where the "
               "backend serves its expert counts)",
+     "batch_probe": "route each line's prompt through the engine once before its turn (one token, its expert counts "
+                    "from moe-cohort's vLLM plugin) and admit lines by that routing (default: on where the backend "
+                    "serves its expert counts; --encoder none keeps the file order)",
      "forward_profiles": "send each request's predicted profile, for moe-cohort's scheduler in vLLM to choose among "
                          "the few queued lines by (default: off, the runner chooses every line)"})
 

@@ -148,18 +148,36 @@ class BatchPlan:
     max_in_flight: int  # lines out at each replica at once
     forward_profiles: bool  # each line carries its predicted profile (asked for: --forward-profiles)
     learn: bool  # the run learns its head from the engine's counts of its answers
+    probe: bool  # each line's prompt is routed by the engine before its turn, and lines admitted by that routing
     line: str  # what was chosen and why (the run's first line)
     layers: int | None  # the model's MoE layers, when an engine said (decode loads per token in the summary)
 
 
-def plan_batch(settings: Settings, urls: Sequence[str], infos: Sequence[EngineInfo]) -> BatchPlan:
+def plan_batch(settings: Settings, urls: Sequence[str], infos: Sequence[EngineInfo], *, local: bool = False) -> BatchPlan:
     """How to run a batch on replicas that answered the handshake with `infos` (`plan_batch_replica`, and
-    `plan_learning` as the proxy learns)."""
+    `plan_learning` as the proxy learns); `local`: `cohort batch run`'s own runner, which may probe (`plan_probe`).
+    A run that probes learns only when asked: its order does not read the head."""
     plans = [plan_batch_replica(settings, info) for info in infos]
+    probe, probed = plan_probe(settings, infos) if local else (False, "")
     learning = plan_learning(settings, infos)
+    if probe and settings.learn is None and learning.on:
+        learning = LearningPlan(False, "learning off: the engine's routing orders the lines (--learn also learns a "
+                                       "head, for cohort serve)")
     layers = next((info.moe[0] for info in infos if info.moe), None)
-    return BatchPlan(min(p.max_in_flight for p in plans), all(p.engine_side for p in plans), bool(learning.on),
-                     describe(urls, plans, learning), layers)
+    return BatchPlan(min(p.max_in_flight for p in plans), all(p.engine_side for p in plans), bool(learning.on), probe,
+                     describe(urls, plans, learning) + (f" | {probed}" if probed else ""), layers)
+
+
+def plan_probe(settings: Settings, infos: Sequence[EngineInfo]) -> tuple[bool, str]:
+    """Whether a batch run probes each line's prompt through the engine (batch/probe.py), and why."""
+    if settings.encoder.lower() == "none":
+        return False, "file order (--encoder none)"
+    if settings.batch_probe is not None:
+        return settings.batch_probe, f"probing {'on (--probe)' if settings.batch_probe else 'off (--no-probe)'}"
+    if infos and all(i.observed_counts for i in infos):
+        return True, ("each line's prompt routed by the engine before its turn, lines admitted by that routing "
+                      "(--no-probe: by the profile head)")
+    return False, "probing off: vLLM does not serve its expert counts"
 
 
 def describe(urls: Sequence[str], plans: Sequence[ReplicaPlan], learning: LearningPlan) -> str:

@@ -63,7 +63,7 @@ SECTIONS: dict[str, tuple[str, tuple[str, ...]]] = {
     "learning": ("learning the profile head from the engine's routing of answered requests",
                  ("learn", "learn_sample_rate", "learn_capacity", "learn_refit_every")),
     "batches": ("the Batch API and `cohort batch run`",
-                ("data_dir", "max_file_bytes", "batch_max_in_flight", "batch_max_retries")),
+                ("data_dir", "max_file_bytes", "batch_max_in_flight", "batch_max_retries", "batch_probe")),
 }
 # Settings that vLLM's process reads too (moe-cohort's plugin and scheduler), under the same variable: one
 # environment configures the proxy and the engine alike.
@@ -189,6 +189,11 @@ class Settings:
                                          "itself: max_in_flight")
     batch_max_retries: int = _setting(5, "retries per batch request for 429, 5xx and timeouts (exponential "
                                          "backoff)", flag="--max-retries")
+    batch_probe: bool | None = _setting(None, "`cohort batch run`: route each line's prompt through the engine once "
+                                              "before its turn (a one-token request whose expert counts moe-cohort's "
+                                              "vLLM plugin hands back) and order the lines by that routing (default: "
+                                              "on where the backend serves its expert counts and --encoder is not "
+                                              "none)", flag="--probe")
 
     def __post_init__(self) -> None:
         from moe_cohort.engine.policy import PolicyError, parse_policy

@@ -37,6 +37,29 @@ def test_a_batch_is_planned_by_what_its_engines_said_and_flags_win(settings, inf
     assert isinstance(plan, BatchPlan) and (plan.max_in_flight, plan.forward_profiles, plan.learn) == (slots, forward, learn)
 
 
+@pytest.mark.parametrize("settings, infos, probe", [
+    ({}, [AWARE], True),  # the engine serves its expert counts: each prompt probed
+    ({}, [AWARE, EngineInfo(AWARE.source, 8, None, True, True)], True),
+    ({}, [OURS], False),  # no counts to probe with
+    ({}, [AWARE, OURS], False),
+    ({}, [PLAIN_VLLM], False),
+    ({"encoder": "none"}, [AWARE], False),  # the file's order, nothing probed
+    ({"batch_probe": False}, [AWARE], False),  # flags win
+    ({"batch_probe": True}, [OURS], True),
+])
+def test_a_batch_probes_its_prompts_where_the_engine_counts_experts(settings, infos, probe):
+    plan = plan_batch(Settings(**settings), ["http://a"] * len(infos), infos, local=True)
+    assert plan.probe is probe
+    assert not plan_batch(Settings(**settings), ["http://a"] * len(infos), infos).probe  # the Batch API's never
+
+
+@pytest.mark.parametrize("learn, learns", [(None, False), (True, True), (False, False)])
+def test_a_run_that_probes_learns_only_when_asked(learn, learns):
+    plan = plan_batch(Settings(learn=learn), ["http://a"], [AWARE], local=True)
+    assert plan.probe and plan.learn is learns
+    assert ("learning off: the engine's routing orders the lines" in plan.line) is (learn is None)
+
+
 def _engine(info_body, metrics, bodies: list, counting: bool, latency_s: float = 0.02):
     """A stand-in vLLM: the handshake from `info_body` (None: 404) and `metrics`; chats answered after a while
     (so that requests overlap), their bodies and the most at once recorded; expert counts when `counting`."""
@@ -84,7 +107,7 @@ def _run(tmp_path, capsys, handler, *flags, lines: int = LINES) -> str:
 def test_where_vllm_counts_experts_it_keeps_a_short_queue_and_learns(encoder, tmp_path, capsys):
     bodies = []
     handler, out = _engine(info(max_num_seqs=4), "", bodies, counting=True)
-    err = _run(tmp_path, capsys, handler, "--encoder", encoder)
+    err = _run(tmp_path, capsys, handler, "--encoder", encoder, "--no-probe")
     assert "chosen from the whole file in the proxy, 8 at a time (4 for its max_num_seqs and a queue of 4)" in err
     assert "learning on: vLLM serves its expert counts" in err
     assert out["most"] == 8  # 4 slots + a queue as deep
@@ -96,7 +119,7 @@ def test_where_vllm_counts_experts_it_keeps_a_short_queue_and_learns(encoder, tm
 def test_forward_profiles_sends_each_line_its_predicted_profile_once_there_is_a_head(encoder, tmp_path, capsys):
     bodies = []
     handler, out = _engine(info(max_num_seqs=4), "", bodies, counting=True, latency_s=0.1)
-    err = _run(tmp_path, capsys, handler, "--encoder", encoder, "--forward-profiles", lines=80)
+    err = _run(tmp_path, capsys, handler, "--encoder", encoder, "--forward-profiles", "--no-probe", lines=80)
     assert "with predicted profiles (--forward-profiles)" in err
     profiled = [i for i, b in enumerate(bodies) if PROFILE_KEY in b.get("vllm_xargs", {})]
     assert profiled and min(profiled) >= 16 and len(profiled) >= 20  # after the sample (16 observed), profiles
@@ -124,6 +147,6 @@ def test_vllms_own_scheduler_without_counts_gets_max_num_seqs_in_the_proxy(encod
 def test_flags_win_over_the_handshake(encoder, tmp_path, capsys):
     bodies = []
     handler, out = _engine(info(max_num_seqs=4), "", bodies, counting=True)
-    err = _run(tmp_path, capsys, handler, "--encoder", encoder, "--max-in-flight", "3", "--no-learn")
+    err = _run(tmp_path, capsys, handler, "--encoder", encoder, "--max-in-flight", "3", "--no-learn", "--no-probe")
     assert "3 at a time (--max-in-flight)" in err and "learning off (--no-learn)" in err
     assert out["most"] == 3 and not _marked_or_profiled(bodies)

@@ -1,0 +1,94 @@
+"""Each batch line's prompt routed once by the engine before its turn: the profiles `ProbedOrder` admits by.
+
+A probe is a copy of the line's request that asks for one token, not streamed, marked for the expert counts of
+moe-cohort's vLLM plugin (send/learning/observed_counts.py). The engine prefills the prompt; the prompt's
+counts per layer over its tokens are the line's profile [L, E]: the served model's own routing of this text,
+under the line's own routing policy. It predicts the answer's routing far better than a head that reads the
+text (docs/results.md, "Probing"), and costs the engine one prefill, whose full blocks vLLM's prefix cache
+keeps for the line's own request.
+
+Lines are probed in file order, `concurrency` at a time, each once; a line already sent is skipped. A probe
+that fails (an error answer, the backend unreachable, counts that never come) leaves its line without a
+profile: it is sent like any other, and its own request says what is wrong. Chat and completions lines are
+probed; other lines go without.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Callable, Sequence
+
+import numpy as np
+
+from moe_cohort.admission.wire import Prediction
+from moe_cohort.batch.format import BatchRequest
+from moe_cohort.send.backend_client import BackendClient
+from moe_cohort.send.errors import ProxyError
+from moe_cohort.send.learning.observed_counts import ObservedCounts
+from moe_cohort.traces.observed import Observed
+
+log = logging.getLogger(__name__)
+
+PROBED_URLS = ("/v1/chat/completions", "/v1/completions")
+# what a one-token copy of a request leaves out: how much and how it answers, not what its prompt is
+DROPPED = ("stream", "stream_options", "n", "best_of", "logprobs", "top_logprobs", "prompt_logprobs", "echo",
+           "min_tokens", "max_completion_tokens", "response_format", "structured_outputs", "guided_json",
+           "guided_regex", "guided_choice", "guided_grammar")
+COUNTS_WAIT_S = 5.0  # after the last probe, how long its counts are waited for
+
+
+def probe_body(body: dict) -> dict:
+    """The body of a line's probe: the same prompt and routing policy, one token, one choice, not streamed."""
+    return {**{k: v for k, v in body.items() if k not in DROPPED}, "max_tokens": 1}
+
+
+def prompt_profile(counts: Observed) -> np.ndarray:  # -> [L, E] float32
+    """Per layer, the share of the prompt's tokens that picked each expert (rows sum to top_k)."""
+    return (counts.prompt / max(counts.prompt_tokens, 1)).astype(np.float32)
+
+
+class Probes:
+    """Probes the lines of a run on `client`, `concurrency` at a time; `found(line, prediction)` gets each profile."""
+
+    def __init__(self, client: BackendClient, concurrency: int, found: Callable[[int, Prediction], None],
+                 headers: dict[str, str] | None = None) -> None:
+        self.client, self.concurrency, self.headers = client, concurrency, headers or {}
+        self.counts = ObservedCounts([client], self._deliver)
+        self._found = found
+        self.probed = 0  # profiles found
+
+    async def run(self, requests: Sequence[BatchRequest], sent: Callable[[int], bool]) -> None:
+        """Probe `requests` in order, skipping lines `sent` says went already; returns once every profile came
+        (or COUNTS_WAIT_S after the last probe answered)."""
+        free = asyncio.Semaphore(self.concurrency)
+        try:
+            async with asyncio.TaskGroup() as tg:
+                for request in requests:
+                    if request.url not in PROBED_URLS:
+                        continue
+                    await free.acquire()
+                    if sent(request.line):
+                        free.release()
+                        continue
+                    tg.create_task(self._probe(request, free))
+            await self.counts.flush(COUNTS_WAIT_S)
+        finally:
+            self.counts.close()
+        log.info("probed %d of %d lines", self.probed, len(requests))
+
+    async def _probe(self, request: BatchRequest, free: asyncio.Semaphore) -> None:
+        body = probe_body(request.body)
+        self.counts.mark(body, kept=True)
+        try:
+            await self.client.request("POST", request.url, json=body, headers=self.headers)
+        except ProxyError as exc:  # the line goes without a profile; its own request reports the error
+            log.debug("the probe of line %d failed: %s", request.line, exc)
+        else:
+            self.counts.finished(self.client, body, str(request.line))  # the counts come back under the line
+        finally:
+            free.release()
+
+    def _deliver(self, line: str, counts: Observed, kept: bool) -> None:
+        self.probed += 1
+        self._found(int(line), Prediction.of_profile(prompt_profile(counts)))

@@ -1,0 +1,192 @@
+"""Probing each line's prompt through the engine (batch/probe.py) and admitting by that routing (order.ProbedOrder):
+the order against a brute-force replay, work conservation while no profile is known, and whole runs against a
+stand-in vLLM that counts experts as our plugin does (prompt tokens routed by the prompt's topic)."""
+
+import asyncio
+import json
+
+import numpy as np
+import pytest
+
+from moe_cohort.admission.wire import OBSERVE_KEY, Prediction
+from moe_cohort.batch.core import RunConfig
+from moe_cohort.batch.journal import Journal, JournalPaths
+from moe_cohort.batch.order import ProbedOrder, simulated_order
+from moe_cohort.batch.probe import Probes, probe_body, prompt_profile
+from moe_cohort.batch.run import run_batch
+from moe_cohort.send.backend_client import BackendClient
+from moe_cohort.traces.observed import from_routed_experts
+from tests.batch.test_order import brute_force_order, parsed
+from tests.proxy.servers import answer, body_of, local_backend
+
+LAYERS, EXPERTS = 2, 8
+TOPICS = {"python": [0, 1], "cooking": [4, 5], "chess": [2, 3]}  # a prompt's tokens route to these experts
+PROMPT_TOKENS = 4
+
+
+def _routing(prompt: str, generated: int) -> np.ndarray:  # [tokens - 1, L, k]
+    experts = next(e for topic, e in TOPICS.items() if topic in prompt)
+    return np.tile(np.array(experts, np.uint8), (PROMPT_TOKENS + generated - 1, LAYERS, 1))
+
+
+def counting_engine(bodies: list, fail_probes: bool = False, latency_s: float = 0.01):
+    """A stand-in vLLM: completions answered after `latency_s`, the bodies recorded in order of arrival, the expert
+    counts of marked requests handed over at /v1/cohort/observed; `fail_probes`: one-token requests get a 500."""
+    done = {}
+
+    async def handler(request):
+        body = await body_of(request)
+        if request.path == "/v1/cohort/observed":
+            return answer({"observed": {t: done.pop(t) for t in body["tokens"] if t in done}})
+        bodies.append(body)
+        if fail_probes and body.get("max_tokens") == 1:
+            return answer({"error": {"message": "boom"}}, 500)
+        await asyncio.sleep(latency_s)
+        generated = body.get("max_tokens", 2)
+        token = body.get("vllm_xargs", {}).get(OBSERVE_KEY)
+        if token:
+            done[token] = from_routed_experts(_routing(body["prompt"], generated), PROMPT_TOKENS, EXPERTS).to_wire()
+        return answer({"id": "c", "object": "text_completion", "choices": [{"index": 0, "text": "ok"}],
+                       "usage": {"prompt_tokens": PROMPT_TOKENS, "completion_tokens": generated,
+                                 "total_tokens": PROMPT_TOKENS + generated}})
+    return handler
+
+
+def test_a_probe_asks_one_token_of_the_same_prompt_under_the_same_policy():
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 64, "stream": True,
+            "stream_options": {"include_usage": True}, "n": 3, "logprobs": True, "min_tokens": 8,
+            "max_completion_tokens": 64, "vllm_xargs": {"moe_routing": "xshare;m=8"}, "temperature": 0.5}
+    assert probe_body(body) == {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+                                "vllm_xargs": {"moe_routing": "xshare;m=8"}, "temperature": 0.5}
+    assert body["max_tokens"] == 64 and body["stream"]  # the line's own body is left as it is
+
+
+def test_a_prompt_profile_is_each_experts_share_of_the_prompt_tokens():
+    counts = from_routed_experts(_routing("chess", 3), PROMPT_TOKENS, EXPERTS)
+    profile = prompt_profile(counts)  # [L, E]
+    expected = np.zeros((LAYERS, EXPERTS))
+    expected[:, [2, 3]] = 1.0  # every prompt token picked experts 2 and 3
+    np.testing.assert_allclose(profile, expected)
+
+
+def test_with_every_profile_known_probed_admission_matches_brute_force(tmp_path):
+    rng = np.random.default_rng(7)
+    for trial in range(10):
+        vectors = [rng.random(6) * (rng.random(6) < 0.4) for _ in range(9)]
+        requests = parsed(tmp_path, [f"p{i}" for i in range(9)])
+        order = ProbedOrder(3)
+        order.predicted({r.line: Prediction(v.astype(np.float32)) for r, v in zip(requests, vectors)})
+        got = [requests.index(r) for r in simulated_order(requests, order, max_in_flight=3)]
+        assert got == brute_force_order(vectors, 3), trial
+
+
+def test_lines_without_a_profile_go_at_once_from_the_far_end_and_profiled_lines_go_first(tmp_path):
+    requests = parsed(tmp_path, [f"p{i}" for i in range(6)])
+    order, waiting = ProbedOrder(2), list(requests)
+
+    def send():
+        request = waiting.pop(order.pick(waiting))
+        order.sent(request)
+        return request
+
+    first, second = send(), send()  # nothing probed yet: no slot waits for a probe
+    assert (first.text, second.text) == ("p5", "p4")
+    order.predicted({requests[1].line: Prediction(np.array([1.0, 0.0], np.float32))})
+    order.finished(first)
+    assert send().text == "p1"  # a profiled line before any line without one
+    order.finished(second)
+    assert send().text == "p3"  # none profiled waits: the far end again
+
+
+def test_a_profile_that_comes_for_a_line_out_counts_as_resident_until_it_finishes(tmp_path):
+    requests = parsed(tmp_path, ["a", "b", "c"])
+    order, waiting = ProbedOrder(3), list(requests)
+    out = waiting.pop(order.pick(waiting))
+    order.sent(out)
+    assert order.out(out.line) and not order.out(requests[0].line)
+    order.predicted({out.line: Prediction(np.array([1.0, 0.0], np.float32))})
+    assert order.router.placed[out.line][1] is not None  # in the resident set the next choice is scored against
+    order.finished(out)
+    order.predicted({out.line: Prediction(np.array([0.0, 1.0], np.float32))})  # too late: dropped
+    assert out.line not in order.router.pool and order.router.waiting() == 0 and order.out(out.line)
+
+
+def _file(tmp_path, prompts, max_tokens=8):
+    from moe_cohort.batch.format import read_batch_file
+
+    path = tmp_path / "in.jsonl"
+    path.write_text("".join(json.dumps({"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions",
+                                        "body": {"model": "tiny", "prompt": p, "max_tokens": max_tokens}}) + "\n"
+                            for i, p in enumerate(prompts)))
+    return read_batch_file(path, default_policy="topk", max_line_bytes=10_000)
+
+
+def _run(tmp_path, batch, handler, config):
+    paths = JournalPaths.for_output(tmp_path / "out.jsonl")
+
+    async def main():
+        async with local_backend(handler) as url:
+            backend = BackendClient(url, timeout_s=5)
+            journal = Journal.open(paths, batch.journal_meta)
+            try:
+                return await run_batch(batch, journal, [backend], None, config)
+            finally:
+                journal.close()
+                await backend.close()
+
+    stats = asyncio.run(main())
+    return stats, [json.loads(x)["custom_id"] for x in paths.output.read_text().splitlines()]
+
+
+PROBING = RunConfig(max_in_flight=3, metrics_interval_s=0, probe=True)
+
+
+def test_a_probing_run_probes_each_line_once_and_sends_lines_of_one_topic_together(tmp_path):
+    topics = list(TOPICS)
+    prompts = [f"{topics[i % 3]} question {i}" for i in range(48)]  # the topics interleaved in the file
+    bodies = []
+    stats, answered = _run(tmp_path, _file(tmp_path, prompts), counting_engine(bodies), PROBING)
+    assert sorted(answered) == sorted(f"c{i}" for i in range(48)) and stats.failed == 0  # every line once
+    probes = [b["prompt"] for b in bodies if b["max_tokens"] == 1]
+    lines = [b["prompt"] for b in bodies if b["max_tokens"] == 8]
+    assert sorted(probes) == sorted(prompts)  # each once
+    assert all(b["max_tokens"] == 1 for b in bodies[:48])  # a file this small is probed before any line goes
+    assert all(OBSERVE_KEY in b["vllm_xargs"] for b in bodies if b["max_tokens"] == 1)
+    rounds = [{p.split()[0] for p in lines[i:i + 3]} for i in range(0, 45, 3)]  # what filled the 3 slots together (16 of each topic: the last 3 mix)
+    assert all(len(topics) == 1 for topics in rounds), lines  # in file order every round mixes the 3 topics
+
+
+def test_a_failing_probe_leaves_its_line_to_go_without_a_profile(tmp_path):
+    bodies = []
+    prompts = [f"chess question {i}" for i in range(10)]
+    stats, answered = _run(tmp_path, _file(tmp_path, prompts), counting_engine(bodies, fail_probes=True), PROBING)
+    assert sorted(answered) == sorted(f"c{i}" for i in range(10)) and stats.failed == 0 and stats.succeeded == 10
+
+
+@pytest.mark.parametrize("concurrency", [1, 3])
+def test_probes_run_at_most_concurrency_at_once_and_skip_lines_sent(tmp_path, concurrency):
+    batch = _file(tmp_path, [f"python question {i}" for i in range(8)])
+    found, now, most = {}, [0], [0]
+    engine = counting_engine([], latency_s=0.02)
+
+    async def slow(request):
+        if request.path != "/v1/completions":
+            return await engine(request)
+        now[0] += 1
+        most[0] = max(most[0], now[0])
+        try:
+            return await engine(request)
+        finally:
+            now[0] -= 1
+
+    async def main():
+        async with local_backend(slow) as url:
+            backend = BackendClient(url, timeout_s=5)
+            try:
+                probes = Probes(backend, concurrency, lambda line, p: found.setdefault(line, p))
+                await probes.run(batch.requests, sent=lambda line: line in (1, 8))
+            finally:
+                await backend.close()
+    asyncio.run(main())
+    assert most[0] == concurrency
+    assert set(found) == {r.line for r in batch.requests} - {1, 8}
