@@ -16,7 +16,9 @@ Each round, on the same server, one after the other (the engine drifts over minu
 - file order: `cohort batch run --encoder none` (nothing predicted or learned: the file's order);
 - cold: the bare command with a FRESH --data-dir (no head: a sample first, then the rest ordered);
 - warm: the bare command again on the data dir the cold run left (the head it learned orders from the first line).
-  Its head has seen every line of this file answered: a re-run, ordered by profiles it memorised;
+  Its head has seen every line of this file answered: a re-run, ordered by profiles it memorised. Where the run
+  probes each prompt through the engine (the default where vLLM counts experts) it learns only with --learn in
+  --flags: warm is then a second run like the cold one;
 - with --new-lines N, a second file of N other held-out lines, in file order and then warm on a copy of the data dir
   the cold run left: the head's saving on lines it never saw (what a cold run's head can reach at best).
 With --api, then the same file through the Batch API of a bare `cohort serve --backend URL` (the official openai
@@ -160,7 +162,7 @@ def rounds(backend: str, src: Path, work: Path, args, layers: int) -> list[dict]
                                 cli_run(src, work / f"cold-r{r}.jsonl", backend, ["--data-dir", str(cold), *args.flags])),
                      "kind": "cold", "round": r})
         warm = work / f"data-r{r}-warm"
-        shutil.copytree(cold, warm)
+        shutil.copytree(cold, warm) if cold.exists() else warm.mkdir()  # a probing run learns only when asked
         rows.append({**measured(f"warm r{r}", backend, layers,
                                 cli_run(src, work / f"warm-r{r}.jsonl", backend,
                                         ["--data-dir", str(warm), *(args.flags if args.warm_flags is None else
@@ -171,7 +173,7 @@ def rounds(backend: str, src: Path, work: Path, args, layers: int) -> list[dict]
                                     cli_run(args.new_src, work / f"new-file-r{r}.jsonl", backend, ["--encoder", "none"])),
                          "kind": "new-file", "round": r})
             new = work / f"data-r{r}-new"
-            shutil.copytree(cold, new)
+            shutil.copytree(cold, new) if cold.exists() else new.mkdir()
             rows.append({**measured(f"new warm r{r}", backend, layers,
                                     cli_run(args.new_src, work / f"new-warm-r{r}.jsonl", backend,
                                             ["--data-dir", str(new), *(args.flags if args.warm_flags is None else

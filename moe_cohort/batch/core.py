@@ -68,6 +68,7 @@ class RunStats:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     decode: DecodeCounters | None = None  # the plugin's decode counters over this run (send/engine_counters.py)
+    probed: int | None = None  # lines whose prompt the engine routed before their turn (None: the run does not probe)
 
     def __post_init__(self) -> None:
         self.started = self.started or self.clock()

@@ -56,7 +56,6 @@ class Probes:
         self.client, self.concurrency, self.headers = client, concurrency, headers or {}
         self.counts = ObservedCounts([client], self._deliver)
         self._found = found
-        self.probed = 0  # profiles found
 
     async def run(self, requests: Sequence[BatchRequest], sent: Callable[[int], bool]) -> None:
         """Probe `requests` in order, skipping lines `sent` says went already; returns once every profile came
@@ -75,7 +74,6 @@ class Probes:
             await self.counts.flush(COUNTS_WAIT_S)
         finally:
             self.counts.close()
-        log.info("probed %d of %d lines", self.probed, len(requests))
 
     async def _probe(self, request: BatchRequest, free: asyncio.Semaphore) -> None:
         body = probe_body(request.body)
@@ -90,5 +88,4 @@ class Probes:
             free.release()
 
     def _deliver(self, line: str, counts: Observed, kept: bool) -> None:
-        self.probed += 1
         self._found(int(line), Prediction.of_profile(prompt_profile(counts)))

@@ -118,7 +118,13 @@ async def run_batch(batch: BatchFile, journal: Journal, replicas: Sequence[Backe
     background = asyncio.to_thread if learning is None else learning.in_background
     if config.probe and gate is None:  # the engine's routing of each prompt: the first window's before any line
         core.order = order = ProbedOrder(config.max_in_flight)
-        probes = Probes(replicas[0], config.max_in_flight, lambda line, p: order.predicted({line: p}), sender.headers)
+        stats.probed = 0
+
+        def found(line: int, prediction) -> None:
+            stats.probed += 1
+            order.predicted({line: prediction})
+
+        probes = Probes(replicas[0], config.max_in_flight, found, sender.headers)
         await probes.run(pending[:PROBE_AHEAD], order.out)
         sender.follow = lambda: probes.run(pending[PROBE_AHEAD:], order.out)
     elif predictor is not None and not inspect.isawaitable(predictor) and predictor.ready():

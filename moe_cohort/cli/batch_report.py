@@ -46,6 +46,9 @@ def summary(stats, counts: dict[str, int], paths, layers: int | None, wall_s: fl
         return
     print(f"this run: {stats.succeeded + stats.failed} requests in {stats.elapsed:.1f} s from the first sent "
           f"({wall_s:.1f} s with start-up), {stats.tokens_per_s:.0f} generated tokens/s", file=sys.stderr)
+    if stats.probed is not None:
+        print(f"probed: {stats.probed} of {stats.succeeded + stats.failed} lines' prompts routed by the engine before "
+              f"their turn (the rest went without a profile)", file=sys.stderr)
     if stats.decode is not None:
         _decode_summary(stats.decode, layers)
 

@@ -147,6 +147,7 @@ def test_a_probing_run_probes_each_line_once_and_sends_lines_of_one_topic_togeth
     bodies = []
     stats, answered = _run(tmp_path, _file(tmp_path, prompts), counting_engine(bodies), PROBING)
     assert sorted(answered) == sorted(f"c{i}" for i in range(48)) and stats.failed == 0  # every line once
+    assert stats.probed == 48
     probes = [b["prompt"] for b in bodies if b["max_tokens"] == 1]
     lines = [b["prompt"] for b in bodies if b["max_tokens"] == 8]
     assert sorted(probes) == sorted(prompts)  # each once
@@ -161,6 +162,7 @@ def test_a_failing_probe_leaves_its_line_to_go_without_a_profile(tmp_path):
     prompts = [f"chess question {i}" for i in range(10)]
     stats, answered = _run(tmp_path, _file(tmp_path, prompts), counting_engine(bodies, fail_probes=True), PROBING)
     assert sorted(answered) == sorted(f"c{i}" for i in range(10)) and stats.failed == 0 and stats.succeeded == 10
+    assert stats.probed == 0
 
 
 @pytest.mark.parametrize("concurrency", [1, 3])

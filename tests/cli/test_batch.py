@@ -150,6 +150,26 @@ def test_learn_learns_from_the_plugins_counts_and_keeps_the_head_for_the_next_ru
     assert (data / "learned" / "reservoir.npz").exists() and (data / "learned" / "expert_profile_head.npz").exists()
 
 
+def test_where_vllm_counts_experts_a_run_probes_every_prompt_and_answers_each_line_once(vllm_server, encoder,
+                                                                                        tmp_path, capsys):
+    """The real vLLM CPU server with our plugin routes each line's prompt once (a one-token probe) before the line
+    is sent; the lines' answers are the file's, each once, and nothing is learned unless asked."""
+    src = write(tmp_path / "in.jsonl", [request_line(f"p{i}", f"question {i} about {'python' if i % 2 else 'rice'}",
+                                                     url="/v1/completions" if i % 3 else "/v1/chat/completions")
+                                        for i in range(24)])
+    out = tmp_path / "out.jsonl"
+    args = ["batch", "run", "--input", str(src), "--output", str(out), "--backend", vllm_server.url,
+            "--encoder", encoder, "--data-dir", str(tmp_path / "data"), "--max-in-flight", "4", "--no-progress"]
+    assert main(args) == 0
+    err = capsys.readouterr().err
+    assert "each line's prompt routed by the engine before its turn" in err and "learning off" in err, err
+    assert "done: 24 succeeded" in err and "probed: 24 of 24 lines" in err, err
+    final = results(out)
+    assert sorted(r["custom_id"] for r in final) == sorted(f"p{i}" for i in range(24))
+    assert all(r["response"]["body"]["usage"]["completion_tokens"] == 4 for r in final)  # the lines', not the probes'
+    assert not (tmp_path / "data" / "learned").exists()
+
+
 def test_learn_is_refused_where_no_answer_comes_back_to_learn_from(tmp_path, capsys):
     src = write(tmp_path / "in.jsonl", [request_line("a", "hi")])
     code = main(["batch", "run", "--input", str(src), "--output", str(tmp_path / "out.jsonl"), "--dry-run", "--learn",
