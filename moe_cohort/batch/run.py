@@ -126,6 +126,7 @@ async def run_batch(batch: BatchFile, journal: Journal, replicas: Sequence[Backe
 
         probes = Probes(replicas[0], config.max_in_flight, found, sender.headers)
         await probes.run(pending[:PROBE_AHEAD], order.out)
+        stats.probe_s, stats.started = stats.clock() - stats.started, stats.clock()  # `elapsed` from the first sent
         sender.follow = lambda: probes.run(pending[PROBE_AHEAD:], order.out)
     elif predictor is not None and not inspect.isawaitable(predictor) and predictor.ready():
         core.order = await asyncio.to_thread(make_order, pending, predictor, config.max_in_flight)
