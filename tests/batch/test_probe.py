@@ -10,13 +10,12 @@ import pytest
 
 from moe_cohort.admission.wire import OBSERVE_KEY, Prediction
 from moe_cohort.batch.core import RunConfig
-from moe_cohort.batch.journal import Journal, JournalPaths
 from moe_cohort.batch.order import ProbedOrder, simulated_order
 from moe_cohort.batch.probe import Probes, probe_body, prompt_profile
-from moe_cohort.batch.run import run_batch
 from moe_cohort.send.backend_client import BackendClient
 from moe_cohort.traces.observed import from_routed_experts
 from tests.batch.test_order import brute_force_order, parsed
+from tests.batch.test_run import run
 from tests.proxy.servers import answer, body_of, local_backend
 
 LAYERS, EXPERTS = 2, 8
@@ -122,19 +121,7 @@ def _file(tmp_path, prompts, max_tokens=8):
 
 
 def _run(tmp_path, batch, handler, config):
-    paths = JournalPaths.for_output(tmp_path / "out.jsonl")
-
-    async def main():
-        async with local_backend(handler) as url:
-            backend = BackendClient(url, timeout_s=5)
-            journal = Journal.open(paths, batch.journal_meta)
-            try:
-                return await run_batch(batch, journal, [backend], None, config)
-            finally:
-                journal.close()
-                await backend.close()
-
-    stats = asyncio.run(main())
+    stats, paths = run(tmp_path, batch, handler, config)
     return stats, [json.loads(x)["custom_id"] for x in paths.output.read_text().splitlines()]
 
 
