@@ -8,8 +8,8 @@ text (docs/results.md, "Probing"), and costs the engine one prefill, whose full 
 keeps for the line's own request.
 
 Lines are probed in file order, `concurrency` at a time, each once; a line already sent is skipped. A probe
-that fails (an error answer, the backend unreachable, counts that never come) leaves its line without a
-profile: it is sent like any other, and its own request says what is wrong. Chat and completions lines are
+that fails (an error answer, counts that never come) leaves its line without a profile: it is sent like any
+other, and its own request says what is wrong; once one finds the backend unreachable, no more are sent. Chat and completions lines are
 probed; other lines go without.
 """
 
@@ -24,7 +24,7 @@ import numpy as np
 from moe_cohort.admission.wire import Prediction
 from moe_cohort.batch.format import BatchRequest
 from moe_cohort.send.backend_client import BackendClient
-from moe_cohort.send.errors import ProxyError
+from moe_cohort.send.errors import BackendUnreachable, ProxyError
 from moe_cohort.send.learning.observed_counts import ObservedCounts
 from moe_cohort.traces.observed import Observed
 
@@ -56,6 +56,7 @@ class Probes:
         self.client, self.concurrency, self.headers = client, concurrency, headers or {}
         self.counts = ObservedCounts([client], self._deliver)
         self._found = found
+        self.unreachable = False  # a probe found no backend: the others are not sent
 
     async def run(self, requests: Sequence[BatchRequest], sent: Callable[[int], bool]) -> None:
         """Probe `requests` in order, skipping lines `sent` says went already; returns once every profile came
@@ -67,6 +68,9 @@ class Probes:
                     if request.url not in PROBED_URLS:
                         continue
                     await free.acquire()
+                    if self.unreachable:  # the run finds out for itself, and says so
+                        free.release()
+                        break
                     if sent(request.line):
                         free.release()
                         continue
@@ -80,6 +84,9 @@ class Probes:
         self.counts.mark(body, kept=True)
         try:
             await self.client.request("POST", request.url, json=body, headers=self.headers)
+        except BackendUnreachable as exc:  # no probe more: the run's own requests retry, then stop it
+            self.unreachable = True
+            log.debug("the probe of line %d found no backend: %s", request.line, exc)
         except ProxyError as exc:  # the line goes without a profile; its own request reports the error
             log.debug("the probe of line %d failed: %s", request.line, exc)
         else:

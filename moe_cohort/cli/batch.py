@@ -43,7 +43,7 @@ _FLAGS = flag_table(
      "learn": "learn the profile head from the engine's routing of this batch's answers as it runs (the expert "
               "counts of moe-cohort's vLLM plugin, or vLLM's routed_experts), re-predicting the requests next in "
               "line with each new head; starts from, and saves to, --data-dir's learned/ (default: on where the "
-              "backend serves its expert counts)",
+              "backend serves its expert counts and the run does not probe)",
      "batch_probe": "route each line's prompt through the engine once before its turn (one token, its expert counts "
                     "from moe-cohort's vLLM plugin) and admit lines by that routing (default: on where the backend "
                     "serves its expert counts; --encoder none keeps the file order)",

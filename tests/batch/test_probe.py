@@ -179,3 +179,26 @@ def test_probes_run_at_most_concurrency_at_once_and_skip_lines_sent(tmp_path, co
     asyncio.run(main())
     assert most[0] == concurrency
     assert set(found) == {r.line for r in batch.requests} - {1, 8}
+
+
+def test_once_a_probe_finds_no_backend_no_more_are_sent(tmp_path):
+    from moe_cohort.embedded.vllm_server import free_port
+
+    batch = _file(tmp_path, [f"chess question {i}" for i in range(40)])
+    calls = []
+
+    class Counting(BackendClient):
+        async def request(self, method, path, **kwargs):
+            calls.append(path)
+            return await super().request(method, path, **kwargs)
+
+    async def main():
+        client = Counting(f"http://127.0.0.1:{free_port('127.0.0.1')}", connect_timeout_s=1)
+        try:
+            probes = Probes(client, 2, lambda line, p: None)
+            await probes.run(batch.requests, sent=lambda line: False)
+            return probes
+        finally:
+            await client.close()
+    probes = asyncio.run(main())
+    assert probes.unreachable and calls.count("/v1/completions") <= 3  # those already out when the first failed
