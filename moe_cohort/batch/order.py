@@ -131,7 +131,8 @@ class ProbedOrder:
     from the first, so they do not race the lines sent without one). A profile that comes for a line already out
     joins the resident set until that line finishes."""
 
-    def __init__(self, max_in_flight: int, resident_factory: ResidentFactory = lambda size: ResidentExperts(1, size)) -> None:
+    def __init__(self, max_in_flight: int,
+                 resident_factory: ResidentFactory = lambda size: ResidentExperts(1, size)) -> None:
         self.router = ReplicaRouter([max_in_flight], "affinity", resident_factory=resident_factory)
         self.compacts: dict[int, list[int] | None] = {}  # by input line: the profile as forwarded
         self._chosen: deque[int] = deque()  # lines the router admitted that were not sent yet, in its order

@@ -9,8 +9,8 @@ keeps for the line's own request.
 
 Lines are probed in file order, `concurrency` at a time, each once; a line already sent is skipped. A probe
 that fails (an error answer, counts that never come) leaves its line without a profile: it is sent like any
-other, and its own request says what is wrong; once one finds the backend unreachable, no more are sent. Chat and completions lines are
-probed; other lines go without.
+other, and its own request says what is wrong; once one finds the backend unreachable, no more are sent. Chat
+and completions lines are probed; other lines go without.
 """
 
 from __future__ import annotations

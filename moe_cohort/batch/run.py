@@ -10,8 +10,9 @@ Batch API's jobs and benchmarks/bench_batch.py.
    full and its resident set stays alike. With `config.probe` (one backend, no gate) the profiles are the
    engine's own routing of each prompt (batch/probe.py): the first PROBE_AHEAD lines are probed before any is
    sent (the engine busy with their prefills, which its prefix cache keeps for the lines themselves), the rest
-   while the run goes; a line goes without a profile only when no probed line waits. While nothing can be predicted yet (the encoder loading, or no head
-   while one is learned) the run sends a sample drawn from across the file, learns from its answers, then
+   while the run goes; a line goes without a profile only when no probed line waits. Otherwise, while nothing
+   can be predicted yet (the encoder loading, or no head while one is learned) the run sends a sample drawn
+   from across the file, learns from its answers, then
    hands over to admission (batch/follow.py); with `learning` (send/learning/learning.py) each later head
    re-predicts the requests next in line. With `config.forward_profiles` each request carries its predicted
    profile, for moe-cohort's scheduler in vLLM to choose among the queued ones by. With `gate` (the proxy's online
@@ -44,6 +45,7 @@ from typing import Awaitable, Callable, Protocol, Sequence, TypeVar
 
 import numpy as np
 
+from moe_cohort.admission.wire import Prediction
 from moe_cohort.batch.core import (Abort, Answered, BatchCore, Outcome, Retry, RunConfig, RunStats, Send, Stop, TimedOut,
                                    Unreachable, invalid_records)
 from moe_cohort.batch.follow import follow_heads, order_after, sample_size
@@ -120,7 +122,7 @@ async def run_batch(batch: BatchFile, journal: Journal, replicas: Sequence[Backe
         core.order = order = ProbedOrder(config.max_in_flight)
         stats.probed = 0
 
-        def found(line: int, prediction) -> None:
+        def found(line: int, prediction: Prediction) -> None:
             stats.probed += 1
             order.predicted({line: prediction})
 
@@ -139,8 +141,8 @@ async def run_batch(batch: BatchFile, journal: Journal, replicas: Sequence[Backe
         sender.follow = lambda: order_after(core, predictor if inspect.isawaitable(predictor) else _now(predictor),
                                             learning, sample=sample, run=background)
     log.info("%d requests to send, %d at a time, in %s", len(pending), config.max_in_flight,
-             "admission order by the engine's routing of each prompt, probed ahead of its turn"
-             if isinstance(core.order, ProbedOrder) else "file order" if predictor is None else "admission order" if isinstance(core.order, ExpertOrder)
+             "admission order by the engine's routing of each prompt" if isinstance(core.order, ProbedOrder)
+             else "file order" if predictor is None else "admission order" if isinstance(core.order, ExpertOrder)
              else "a sample drawn from across the file until there are predictions, then admission order")
     if learning is not None:
         await learning.probe()  # the first requests are marked when the backend counts experts

@@ -153,7 +153,8 @@ class BatchPlan:
     layers: int | None  # the model's MoE layers, when an engine said (decode loads per token in the summary)
 
 
-def plan_batch(settings: Settings, urls: Sequence[str], infos: Sequence[EngineInfo], *, local: bool = False) -> BatchPlan:
+def plan_batch(settings: Settings, urls: Sequence[str], infos: Sequence[EngineInfo], *,
+               local: bool = False) -> BatchPlan:
     """How to run a batch on replicas that answered the handshake with `infos` (`plan_batch_replica`, and
     `plan_learning` as the proxy learns); `local`: `cohort batch run`'s own runner, which may probe (`plan_probe`).
     A run that probes learns only when asked: its order does not read the head."""

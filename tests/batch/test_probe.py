@@ -140,7 +140,8 @@ def test_a_probing_run_probes_each_line_once_and_sends_lines_of_one_topic_togeth
     assert sorted(probes) == sorted(prompts)  # each once
     assert all(b["max_tokens"] == 1 for b in bodies[:48])  # a file this small is probed before any line goes
     assert all(OBSERVE_KEY in b["vllm_xargs"] for b in bodies if b["max_tokens"] == 1)
-    rounds = [{p.split()[0] for p in lines[i:i + 3]} for i in range(0, 45, 3)]  # what filled the 3 slots together (16 of each topic: the last 3 mix)
+    # what filled the 3 slots together (16 lines of each topic: the last 3 mix)
+    rounds = [{p.split()[0] for p in lines[i:i + 3]} for i in range(0, 45, 3)]
     assert all(len(topics) == 1 for topics in rounds), lines  # in file order every round mixes the 3 topics
 
 
