@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Callable, Sequence
+from typing import Awaitable, Callable, Sequence
 
 import numpy as np
 
 from moe_cohort.admission.wire import Prediction
+from moe_cohort.batch.core import RunStats
 from moe_cohort.batch.format import BatchRequest
+from moe_cohort.batch.order import DEFAULT_WINDOW, ProbedOrder
 from moe_cohort.send.backend_client import BackendClient
 from moe_cohort.send.errors import BackendUnreachable, ProxyError
 from moe_cohort.send.learning.observed_counts import ObservedCounts
@@ -36,6 +38,9 @@ DROPPED = ("stream", "stream_options", "n", "best_of", "logprobs", "top_logprobs
            "min_tokens", "max_completion_tokens", "response_format", "structured_outputs", "guided_json",
            "guided_regex", "guided_choice", "guided_grammar")
 COUNTS_WAIT_S = 5.0  # after the last probe, how long its counts are waited for
+# lines probed before the first is sent: admission chooses among as many as ExpertOrder looks ahead over (the
+# whole of a smaller file), and a file's first lines are not sent unprobed while the probes catch up with them
+PROBE_AHEAD = DEFAULT_WINDOW
 
 
 def probe_body(body: dict) -> dict:
@@ -96,3 +101,21 @@ class Probes:
 
     def _deliver(self, line: str, counts: Observed, kept: bool) -> None:
         self._found(int(line), Prediction.of_profile(prompt_profile(counts)))
+
+
+async def probed_order(pending: Sequence[BatchRequest], client: BackendClient, stats: RunStats, max_in_flight: int,
+                       headers: dict[str, str]) -> tuple[ProbedOrder, Callable[[], Awaitable[None]]]:
+    """A probing run's order, once the first PROBE_AHEAD of the `pending` lines are probed (`max_in_flight` probes at
+    a time: the engine busy with their prefills), and the task that probes the rest while the run goes. `stats`
+    counts the profiles found and the seconds spent before the first line; its `elapsed` starts after them."""
+    order = ProbedOrder(max_in_flight)
+    stats.probed = 0
+
+    def found(line: int, prediction: Prediction) -> None:
+        stats.probed += 1
+        order.predicted({line: prediction})
+
+    probes = Probes(client, max_in_flight, found, headers)
+    await probes.run(pending[:PROBE_AHEAD], order.out)
+    stats.probe_s, stats.started = stats.clock() - stats.started, stats.clock()
+    return order, lambda: probes.run(pending[PROBE_AHEAD:], order.out)

@@ -45,14 +45,13 @@ from typing import Awaitable, Callable, Protocol, Sequence, TypeVar
 
 import numpy as np
 
-from moe_cohort.admission.wire import Prediction
 from moe_cohort.batch.core import (Abort, Answered, BatchCore, Outcome, Retry, RunConfig, RunStats, Send, Stop, TimedOut,
                                    Unreachable, invalid_records)
 from moe_cohort.batch.follow import follow_heads, order_after, sample_size
 from moe_cohort.batch.format import BatchFile, BatchRequest
 from moe_cohort.batch.journal import Journal, JournalError, Record
-from moe_cohort.batch.order import DEFAULT_WINDOW, ExpertOrder, ProbedOrder, SpreadOrder, make_order
-from moe_cohort.batch.probe import Probes
+from moe_cohort.batch.order import ExpertOrder, ProbedOrder, SpreadOrder, make_order
+from moe_cohort.batch.probe import probed_order
 from moe_cohort.encoder.plans import chunk, write_plan_file
 from moe_cohort.send.auth import bearer
 from moe_cohort.send.backend_client import BackendClient
@@ -67,9 +66,6 @@ from moe_cohort.send.profiles import Predictor
 log = logging.getLogger(__name__)
 
 ProgressFn = Callable[[RunStats], None]
-# lines probed before the first is sent: admission chooses among as many as ExpertOrder looks ahead over (the
-# whole of a smaller file), and a file's first lines are not sent unprobed while the probes catch up with them
-PROBE_AHEAD = DEFAULT_WINDOW
 T = TypeVar("T")
 
 
@@ -119,17 +115,8 @@ async def run_batch(batch: BatchFile, journal: Journal, replicas: Sequence[Backe
     sender = _Sender(core, journal, replicas, gate, on_progress or (lambda stats: None), clock, seat, learning)
     background = asyncio.to_thread if learning is None else learning.in_background
     if config.probe and gate is None:  # the engine's routing of each prompt: the first window's before any line
-        core.order = order = ProbedOrder(config.max_in_flight)
-        stats.probed = 0
-
-        def found(line: int, prediction: Prediction) -> None:
-            stats.probed += 1
-            order.predicted({line: prediction})
-
-        probes = Probes(replicas[0], config.max_in_flight, found, sender.headers)
-        await probes.run(pending[:PROBE_AHEAD], order.out)
-        stats.probe_s, stats.started = stats.clock() - stats.started, stats.clock()  # `elapsed` from the first sent
-        sender.follow = lambda: probes.run(pending[PROBE_AHEAD:], order.out)
+        core.order, sender.follow = await probed_order(pending, replicas[0], stats, config.max_in_flight,
+                                                       sender.headers)
     elif predictor is not None and not inspect.isawaitable(predictor) and predictor.ready():
         core.order = await asyncio.to_thread(make_order, pending, predictor, config.max_in_flight)
         if learning is not None:
