@@ -7,7 +7,8 @@ under the line's own routing policy. It predicts the answer's routing far better
 text (docs/results.md, "Probing"), and costs the engine one prefill, whose full blocks vLLM's prefix cache
 keeps for the line's own request.
 
-Lines are probed in file order, `concurrency` at a time, each once; a line already sent is skipped. A probe
+Lines are probed in file order, `concurrency` at a time, each once, while fewer than PROBE_AHEAD probed lines
+wait; a line already sent is skipped. A probe
 that fails (an error answer, counts that never come) leaves its line without a profile: it is sent like any
 other, and its own request says what is wrong; once one finds the backend unreachable, no more are sent. Chat
 and completions lines are probed; other lines go without.
@@ -38,9 +39,12 @@ DROPPED = ("stream", "stream_options", "n", "best_of", "logprobs", "top_logprobs
            "min_tokens", "max_completion_tokens", "response_format", "structured_outputs", "guided_json",
            "guided_regex", "guided_choice", "guided_grammar")
 COUNTS_WAIT_S = 5.0  # after the last probe, how long its counts are waited for
-# lines probed before the first is sent: admission chooses among as many as ExpertOrder looks ahead over (the
-# whole of a smaller file), and a file's first lines are not sent unprobed while the probes catch up with them
+# lines probed before the first is sent, and the most that wait probed later: admission chooses among as many as
+# ExpertOrder looks ahead over (the whole of a smaller file), a file's first lines are not sent unprobed while the
+# probes catch up with them, and on a file of any size the pool (what each choice scans) and the prompts vLLM's
+# prefix cache must keep until their lines go stay bounded
 PROBE_AHEAD = DEFAULT_WINDOW
+ROOM_POLL_S = 0.05  # how often a probe that waits for room asks again
 
 
 def probe_body(body: dict) -> dict:
@@ -63,9 +67,10 @@ class Probes:
         self._found = found
         self.unreachable = False  # a probe found no backend: the others are not sent
 
-    async def run(self, requests: Sequence[BatchRequest], sent: Callable[[int], bool]) -> None:
-        """Probe `requests` in order, skipping lines `sent` says went already; returns once every profile came
-        (or COUNTS_WAIT_S after the last probe answered)."""
+    async def run(self, requests: Sequence[BatchRequest], sent: Callable[[int], bool],
+                  room: Callable[[], bool] = lambda: True) -> None:
+        """Probe `requests` in order, skipping lines `sent` says went already, each once `room()` says so (checked
+        every ROOM_POLL_S); returns once every profile came (or COUNTS_WAIT_S after the last probe answered)."""
         free = asyncio.Semaphore(self.concurrency)
         try:
             async with asyncio.TaskGroup() as tg:
@@ -73,6 +78,8 @@ class Probes:
                     if request.url not in PROBED_URLS:
                         continue
                     await free.acquire()
+                    while not room():
+                        await asyncio.sleep(ROOM_POLL_S)
                     if self.unreachable:  # the run finds out for itself, and says so
                         free.release()
                         break
@@ -118,4 +125,4 @@ async def probed_order(pending: Sequence[BatchRequest], client: BackendClient, s
     probes = Probes(client, max_in_flight, found, headers)
     await probes.run(pending[:PROBE_AHEAD], order.out)
     stats.probe_s, stats.started = stats.clock() - stats.started, stats.clock()
-    return order, lambda: probes.run(pending[PROBE_AHEAD:], order.out)
+    return order, lambda: probes.run(pending[PROBE_AHEAD:], order.out, lambda: order.router.waiting() < PROBE_AHEAD)

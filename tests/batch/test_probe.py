@@ -203,3 +203,26 @@ def test_once_a_probe_finds_no_backend_no_more_are_sent(tmp_path):
             await client.close()
     probes = asyncio.run(main())
     assert probes.unreachable and calls.count("/v1/completions") <= 3  # those already out when the first failed
+
+
+def test_probes_wait_for_room_and_go_on_when_there_is(tmp_path):
+    batch = _file(tmp_path, [f"cooking question {i}" for i in range(6)])
+    bodies, found, opened = [], {}, []
+    engine = counting_engine(bodies)
+
+    async def main():
+        async with local_backend(engine) as url:
+            backend = BackendClient(url, timeout_s=5)
+            try:
+                probes = Probes(backend, 1, lambda line, p: found.setdefault(line, p))
+                task = asyncio.create_task(probes.run(batch.requests, sent=lambda line: False,
+                                                      room=lambda: len(bodies) < 3 or bool(opened)))
+                await asyncio.sleep(0.5)
+                waited = len(bodies)
+                opened.append(True)  # the run sent lines: room again
+                await task
+                return waited
+            finally:
+                await backend.close()
+    assert asyncio.run(main()) == 3  # no probe while there was no room
+    assert len(bodies) == 6 and set(found) == {r.line for r in batch.requests}
