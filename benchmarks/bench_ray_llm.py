@@ -1,7 +1,7 @@
 """End to end through Ray Data LLM and vLLM CPU: the plain vLLM processor against ours (batch/ray_llm.py).
 
     python -m benchmarks.bench_ray_llm [--lines 600] [--rounds 2] [--max-tokens 64] [--slots 16] [--model-dir DIR]
-        [--concurrency 1] [--ray-cpus N] [--new-lines N] [--json FILE]
+        [--concurrency 1] [--ray-cpus N] [--json FILE]
 
 The trained tiny MoE (`cohort serve`'s embedded default; give a widened copy for wall time on experts of real
 size), eager, max_num_seqs = --slots, one engine per --concurrency, each on a Ray placement bundle of one CPU, in a
@@ -13,12 +13,10 @@ held-out mix, cut to MAX_CHARS), shuffled, --max-tokens each (`ignore_eos`), thr
 Each round, one after the other (the engine drifts over minutes; interleaved rounds do not):
 - plain: `build_processor(vLLMEngineProcessorConfig(...))` with vLLM's own scheduler, the Dataset in its order
   (our plugin loaded, to count);
-- cold: `ExpertAware.load` on a FRESH data dir (no head: a sample and an engine-full first, then the rest ordered and
-  profiled by the head learned from the sample's counts), learning; its `learn()` fits and saves the head;
-- warm: `ExpertAware.load` on the data dir the cold run left (its head orders and profiles every row), not learning:
-  a re-run of rows its head has seen answered;
-- with --new-lines N, N other held-out rows plain and then warm on that data dir: the head's saving on rows it never
-  saw.
+- cold: `ExpertAware.load` on a FRESH data dir, as shipped: every row's prompt probed by the engine first, the rows
+  then ordered and profiled by the probes' counts, nothing learned;
+- warm: the same on the data dir the cold run left: a second run (a probing run learns nothing, so it orders as the
+  first did; a new engine starts with an empty prefix cache).
 Per run: decode expert loads per GENERATED token and decode tokens per forward, from the plugin's counters (each run
 points COHORT_METRICS_DIR at a folder of its own through the runtime env; the engine's worker writes its totals
 there, `cohort-<pid>.prom`, and this process sums them once the run is over), the wall time of the whole run
@@ -114,11 +112,14 @@ def one_run(name: str, rows: list[dict], args, model: Path, layers: int, work: P
     row = {"run": name, "loads_per_token": ran.loads_per_token, "tokens_per_forward": ran.tokens_per_forward(layers),
            "wall_s": wall, "first_answer_s": first_s, "answers_s": last_s - first_s, "cpu_s": cpu,
            "answered_once": ids == list(range(len(rows))),
-           "tokens": int(sum(r["tokens"] for r in out)), "learned": learned}
+           "tokens": int(sum(r["tokens"] for r in out)), "learned": learned,
+           "probed": aware.probed if aware is not None else 0}
+    probed = f", {row['probed']} rows ordered by their probes" if row["probed"] else ""
     print(f"{name:>9}: {row['loads_per_token']:6.3f} decode loads per generated token, {row['tokens_per_forward']:5.2f} "
           f"tokens per forward, wall {wall:6.1f} s (the first answer after {first_s:5.1f} s, the last "
           f"{last_s - first_s:5.1f} s later), our CPU {cpu:5.1f} s, {row['tokens']} tokens, every row once: "
-          f"{row['answered_once']}{f', learned from {learned} rows' if learned else ''}", flush=True)
+          f"{row['answered_once']}{f', learned from {learned} rows' if learned else ''}"
+          f"{probed}", flush=True)
     return row
 
 
@@ -128,7 +129,7 @@ def _mean(rows, key: str) -> float:
 
 def summary(rows: list[dict]) -> list[str]:
     lines = []
-    for kind, base in (("cold", "plain"), ("warm", "plain"), ("new-warm", "new-plain")):
+    for kind, base in (("cold", "plain"), ("warm", "plain")):
         plain = {r["round"]: r for r in rows if r["kind"] == base}
         mine = [r for r in rows if r["kind"] == kind]
         if not mine:
@@ -164,17 +165,14 @@ def main() -> None:
     p.add_argument("--ray-cpus", type=int, help="logical CPUs of the local Ray (default: this machine's, or what the "
                    "engines and stages ask for where that is more: ray_cpus)")
     p.add_argument("--model-dir", default=str(default_model_dir()))
-    p.add_argument("--new-lines", type=int, default=0, help="also this many other held-out rows, plain and ordered by "
-                   "the head the cold run learned (its saving on rows it never saw)")
     p.add_argument("--json", help="also write the rows here")
     args = p.parse_args()
     import ray
 
     model = ensure_trained_model(Path(args.model_dir))
     layers = json.loads((model / "config.json").read_text())["num_hidden_layers"]
-    prompts = [t[:MAX_CHARS] for t in heldout_prompts(args.lines + args.new_lines)]
-    rows = [{"id": i, "text": t} for i, t in enumerate(_shuffled(prompts[: args.lines]))]
-    new_rows = [{"id": i, "text": t} for i, t in enumerate(_shuffled(prompts[args.lines:]))]
+    prompts = [t[:MAX_CHARS] for t in heldout_prompts(args.lines)]
+    rows = [{"id": i, "text": t} for i, t in enumerate(_shuffled(prompts))]
     work = Path(tempfile.mkdtemp(prefix="bench-ray-llm-"))
     print(f"{len(rows)} held-out chat rows, {args.max_tokens} tokens each, max_num_seqs {args.slots}, "
           f"{args.concurrency} engine(s); model {model}; work {work}", flush=True)
@@ -186,14 +184,8 @@ def main() -> None:
             out.append({**one_run(f"plain r{r}", rows, args, model, layers, work, None), "kind": "plain", "round": r})
             cold = ExpertAware.load(data_dir=str(data), max_num_seqs=args.slots)
             out.append({**one_run(f"cold r{r}", rows, args, model, layers, work, cold), "kind": "cold", "round": r})
-            warm = ExpertAware.load(data_dir=str(data), max_num_seqs=args.slots, learn=False)
+            warm = ExpertAware.load(data_dir=str(data), max_num_seqs=args.slots)
             out.append({**one_run(f"warm r{r}", rows, args, model, layers, work, warm), "kind": "warm", "round": r})
-            if new_rows:
-                out.append({**one_run(f"new plain r{r}", new_rows, args, model, layers, work, None), "kind": "new-plain",
-                            "round": r})
-                new = ExpertAware.load(data_dir=str(data), max_num_seqs=args.slots, learn=False)
-                out.append({**one_run(f"new warm r{r}", new_rows, args, model, layers, work, new), "kind": "new-warm",
-                            "round": r})
     finally:
         ray.shutdown()
     print("\n".join(summary(out)))

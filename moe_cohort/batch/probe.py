@@ -20,12 +20,11 @@ import asyncio
 import logging
 from typing import Awaitable, Callable, Sequence
 
-import numpy as np
-
 from moe_cohort.admission.wire import Prediction
 from moe_cohort.batch.core import RunStats
 from moe_cohort.batch.format import BatchRequest
 from moe_cohort.batch.order import DEFAULT_WINDOW, ProbedOrder
+from moe_cohort.batch.probe_request import probe_body, prompt_profile
 from moe_cohort.send.backend_client import BackendClient
 from moe_cohort.send.errors import BackendUnreachable, ProxyError
 from moe_cohort.send.learning.observed_counts import ObservedCounts
@@ -34,10 +33,6 @@ from moe_cohort.traces.observed import Observed
 log = logging.getLogger(__name__)
 
 PROBED_URLS = ("/v1/chat/completions", "/v1/completions")
-# what a one-token copy of a request leaves out: how much and how it answers, not what its prompt is
-DROPPED = ("stream", "stream_options", "n", "best_of", "logprobs", "top_logprobs", "prompt_logprobs", "echo",
-           "min_tokens", "max_completion_tokens", "response_format", "structured_outputs", "guided_json",
-           "guided_regex", "guided_choice", "guided_grammar")
 COUNTS_WAIT_S = 5.0  # after the last probe, how long its counts are waited for
 # lines probed before the first is sent, and the most that wait probed later: admission chooses among as many as
 # ExpertOrder looks ahead over (the whole of a smaller file), a file's first lines are not sent unprobed while the
@@ -45,16 +40,6 @@ COUNTS_WAIT_S = 5.0  # after the last probe, how long its counts are waited for
 # prefix cache must keep until their lines go stay bounded
 PROBE_AHEAD = DEFAULT_WINDOW
 ROOM_POLL_S = 0.05  # how often a probe that waits for room asks again
-
-
-def probe_body(body: dict) -> dict:
-    """The body of a line's probe: the same prompt and routing policy, one token, one choice, not streamed."""
-    return {**{k: v for k, v in body.items() if k not in DROPPED}, "max_tokens": 1}
-
-
-def prompt_profile(counts: Observed) -> np.ndarray:  # -> [L, E] float32
-    """Per layer, the share of the prompt's tokens that picked each expert (rows sum to top_k)."""
-    return (counts.prompt / max(counts.prompt_tokens, 1)).astype(np.float32)
 
 
 class Probes:

@@ -3,32 +3,37 @@
     from ray.data.llm import vLLMEngineProcessorConfig
     from moe_cohort.batch.ray_llm import ExpertAware
 
-    aware = ExpertAware.load(data_dir="~/.local/share/moe-cohort")  # the static encoder, the head learned there
+    aware = ExpertAware.load()                       # each row's prompt probed by the engine orders the Dataset
     processor = aware.build_processor(config, preprocess=preprocess, postprocess=postprocess)
-    out = processor(ds).materialize()                              # ds ordered first, each row's profile sent
-    aware.learn()                                                   # the engine's counts fit the head, saved
+    out = processor(ds).materialize()                # the plain processor's outputs, one per row
 
 What each step keeps:
-- `order` (which the processor applies to the Dataset it is given) predicts every row's expert profile from its
-  text (`messages` or `prompt`, as the proxy reads a body) and sends the Dataset in the batch runner's order
-  (batch/order.py: admission by predicted experts, max_num_seqs at a time, first in first out), keeping every row
+- `order` (which the processor applies to the Dataset it is given) sends the Dataset in the batch runner's order
+  (batch/order.py: admission by expert profiles, max_num_seqs at a time, first in first out), keeping every row
   and column; it adds `moe_row` (the row's place in the Dataset as given) and `moe_profile` (its compact profile,
-  [] when none was predicted).
+  [] when none).
+- A probing run (the default) first sends every row as a probe: a copy with the `moe_probe` column true, which
+  asks one token of the same prompt (batch/probe_request.py) under a `moe_observe` token, so that our plugin
+  counts the prompt's experts. The engine stage (batch/ray_llm_engine.py) hands each probe's counts to a Ray
+  actor (batch/ray_llm_box.py); once every probe is answered, a driver thread orders the rows by their prompts'
+  profiles (`probed_plan`) and hands them over in parts, each with its profiles, in the same execution (one
+  engine start). The probes' answers are dropped from the output. The engine's own routing of a prompt predicts
+  its answer's routing far better than a head that reads the text (docs/results.md).
+- Without probing, `order` predicts every row's profile from its text (`messages` or `prompt`, as the proxy reads
+  a body: the static encoder and the head learned in the data dir) and plans the whole Dataset up front.
 - `build_processor` is Ray's `build_processor` with the engine set up for admission by experts: our scheduler
   (`scheduler_cls`) and plugin (`VLLM_PLUGINS`), unless the config names others; `max_pending_requests` at
   PENDING_PER_SLOT x max_num_seqs, so that vLLM's waiting queue holds rows for our scheduler to choose from
   (Ray's default keeps about a tenth of max_num_seqs waiting); the user's preprocess output gets the row's
-  profile in `sampling_params.extra_args` (where our scheduler reads it) and, while learning, a `moe_observe`
-  token under which the plugin counts the request's experts. Called with a Dataset, the processor orders it
-  (`order`, for the config's max_num_seqs) and runs Ray's; its outputs are the plain ones.
-- `learn` fits the profile head on the counts the engine took of this run's rows (handed by the engine stage,
-  batch/ray_llm_engine.py, to a Ray actor, batch/ray_llm_box.py) and saves it in the data dir, where the next
-  `load` finds it.
-- With no head yet, a learning run learns first, as `cohort batch run` does cold (batch/follow.py): it sends a
-  sample drawn from across the Dataset and an engine-full behind it, fits a head on the sample's counts as soon
-  as they are in, and sends the rest in parts, each in admission order by the latest head and with its
-  profiles (batch/ray_llm_first.py), in the same execution (one engine start). Without learning, or with fewer
-  rows than it would send first, it orders by embeddings.
+  profile in `sampling_params.extra_args` (where our scheduler reads it) and, while probing or learning, a
+  `moe_observe` token under which the plugin counts the request's experts. Called with a Dataset, the processor
+  orders it (`order`, for the config's max_num_seqs) and runs Ray's; its outputs are the plain ones.
+- `learn` (with `learn=True`) fits the profile head on the counts the engine took of this run's answers and saves
+  it in the data dir, where the next `load` (and `cohort serve`) finds it. A learning run that does not probe and
+  has no head yet learns first, as `cohort batch run` does cold (batch/follow.py): it sends a sample drawn from
+  across the Dataset and an engine-full behind it, fits a head on the sample's counts as soon as they are in, and
+  sends the rest in parts, each in admission order by the latest head and with its profiles
+  (batch/ray_llm_first.py).
 
 One engine or several (`concurrency`): Ray Data sends each bundle of consecutive rows whole to one engine, so
 rows the order put together run on the same engine. Nothing here needs the proxy.
@@ -46,7 +51,8 @@ from typing import Any, Callable
 
 from moe_cohort.batch.follow import sample_size
 from moe_cohort.batch.ray_llm_first import Part, hand_over, learn_first_split, part_sizes
-from moe_cohort.batch.ray_llm_rows import plan, row_text, with_expert_args
+from moe_cohort.batch.probe_request import probe_body, prompt_profile
+from moe_cohort.batch.ray_llm_rows import plan, probed_plan, row_text, with_expert_args
 from moe_cohort.send.profiles import Predictor
 
 log = logging.getLogger(__name__)
@@ -54,7 +60,7 @@ log = logging.getLogger(__name__)
 SCHEDULER_CLS = "moe_cohort.engine.scheduler.ExpertAwareScheduler"
 PLUGIN = "moe_cohort"
 PENDING_PER_SLOT = 4  # rows inside vLLM per slot: the running ones and a waiting queue three times as deep
-ROW, PROFILE = "moe_row", "moe_profile"  # the columns `order` adds
+ROW, PROFILE, PROBE = "moe_row", "moe_profile", "moe_probe"  # the columns `order` adds
 ENGINE_STAGE = "vLLMEngineStage"
 HAND_OVER_JOIN_S = 10.0  # how long `learn` waits for a learn-first run's hand-over to end
 
@@ -62,11 +68,17 @@ HAND_OVER_JOIN_S = 10.0  # how long `learn` waits for a learn-first run's hand-o
 class OrderingProcessor:
     """A Ray Data LLM processor that orders the Dataset it is given (`ExpertAware.order`) before it runs."""
 
-    def __init__(self, processor, aware: ExpertAware) -> None:
-        self.processor, self.aware = processor, aware
+    def __init__(self, processor, aware: ExpertAware, remote: dict | None = None) -> None:
+        self.processor, self.aware, self.remote = processor, aware, remote or {}
 
     def __call__(self, ds):
-        return self.processor(self.aware.order(ds))
+        out = self.processor(self.aware.order(ds))
+        if not self.aware.probe:
+            return out
+        from moe_cohort.batch.ray_llm_source import without
+
+        # with the postprocessing's resources, so that Ray fuses the two (a task of a whole CPU would wait)
+        return out.map_batches(without, fn_args=(PROBE,), batch_format="pyarrow", **self.remote)
 
     def __getattr__(self, name: str):
         return getattr(self.processor, name)
@@ -83,6 +95,19 @@ class LatestHead:
     @property
     def head(self):
         return self.learner.head
+
+
+def _taken(taken: dict[str, dict]):
+    """(row, its counts) for each of the engine's counts `taken` (by observe token, which ends in the row) that
+    reads as counts; the others are logged and left out."""
+    from moe_cohort.traces.observed import BadObservation, Observed
+
+    for token, wire in taken.items():
+        row = int(token.rsplit("-", 1)[1])
+        try:
+            yield row, Observed.from_wire(wire)
+        except BadObservation as exc:
+            log.warning("row %d: its counts are not used: %s", row, exc)
 
 
 def _batch_size(stage) -> int | None:
@@ -102,25 +127,32 @@ class ExpertAware:
     texts: dict[int, str] = field(default_factory=dict)  # by moe_row: what `learn` featurizes
     batch: int = 1  # rows the processor's stages take at a time (the lcm of their batch sizes)
     learned: int = 0  # rows of this run learned from so far
+    probe: bool = False  # whether every row's prompt is probed first, and the rows ordered by the probes' counts
+    probed: int = 0  # rows of this run ordered by their probe's profile
     _box: Any = None
     _handing_over: threading.Thread | None = None
     _following: bool = False  # whether the predictor follows a learner's latest head
 
     @classmethod
-    def load(cls, data_dir: str | None = None, encoder: str = "static", *, learn: bool = True,
+    def load(cls, data_dir: str | None = None, encoder: str = "static", *, probe: bool = True, learn: bool = False,
              max_num_seqs: int = 16) -> ExpertAware:
-        """The settings' encoder (`encoder`: as `cohort batch run --encoder`) with the head learned in `data_dir`
-        (the proxy's and the batch runner's), learning into it unless `learn` is False."""
+        """A run that probes every row's prompt first and orders by the probes (`probe`; as `cohort batch run`
+        does), or else by the settings' encoder (`encoder`: as `cohort batch run --encoder`; "none": the Dataset's
+        order, no probes) with the head learned in `data_dir` (the proxy's and the batch runner's); learning into
+        that head with `learn`. A probing run that does not learn loads no encoder."""
         from moe_cohort.send.learning.learning import learned_folder, load_learner
         from moe_cohort.send.profiles import make_predictor
         from moe_cohort.send.setting_sources import load_settings
 
         overrides = {"encoder": encoder, **({"data_dir": data_dir} if data_dir else {})}
         settings = load_settings(overrides)
+        probe = probe and settings.encoder.lower() != "none"
+        if probe and not learn:
+            return cls(None, max_num_seqs, folder=learned_folder(settings), probe=True)
         predictor = make_predictor(settings)
         learner = load_learner(settings)
         aware = cls(predictor, max_num_seqs, learner if learn and predictor is not None else None,
-                    learned_folder(settings))
+                    learned_folder(settings), probe=probe)
         if predictor is not None and learner.head is not None:
             aware._follow(learner)
         return aware
@@ -136,16 +168,11 @@ class ExpertAware:
         texts = [text(r) for r in rows]
         self.texts = dict(enumerate(texts))
         rows = [{**r, ROW: i} for i, r in enumerate(rows)]
-        first = self._learn_first(rows)
-        if first is not None:
-            from moe_cohort.batch.ray_llm_box import handed_over
-            from moe_cohort.batch.ray_llm_source import LearnFirstSource
-
-            parts = part_sizes(len(rows) - len(first), self._part_size())
-            rest = functools.partial(handed_over, self._observations())
-            source = LearnFirstSource([rows[i] for i in first], rest, parts, PROFILE)
-            # one task at a time, each waiting for its part
-            out = ray.data.read_datasource(source, override_num_blocks=1 + len(parts), num_cpus=0, concurrency=1)
+        first = None if self.probe else self._learn_first(rows)
+        if self.probe:
+            out = self._probed(rows)
+        elif first is not None:
+            out = self._parts([rows[i] for i in first], len(rows) - len(first))
             log.info("learning first from %d of %d rows, then ordering the rest", len(first), len(rows))
         else:
             order, profiles = plan(texts, self.predictor, self.max_num_seqs)
@@ -155,6 +182,53 @@ class ExpertAware:
                                       override_num_blocks=max(1, math.ceil(len(ordered) / self.max_num_seqs)))
         out.context.execution_options.preserve_order = True  # stages hand the engine its rows in this order
         return out
+
+    def _parts(self, first: list[dict], rest: int):
+        """A Dataset of the `first` rows at once, then `rest` more in parts (`_part_size`), each once the driver
+        hands it to the box: one read task at a time, each waiting for its part."""
+        import ray.data
+
+        from moe_cohort.batch.ray_llm_box import handed_over
+        from moe_cohort.batch.ray_llm_source import LearnFirstSource
+
+        parts = part_sizes(rest, self._part_size())
+        source = LearnFirstSource(first, functools.partial(handed_over, self._observations()), parts, PROFILE,
+                                  self.batch)
+        return ray.data.read_datasource(source, override_num_blocks=1 + len(parts), num_cpus=0, concurrency=1)
+
+    def _probed(self, rows: list[dict]):
+        """A probing run's Dataset: a probe of every row, then the rows in parts as `_order_by_probes` hands them over."""
+        rows = [{**r, PROBE: False} for r in rows]
+        self._observations()
+        self._handing_over = threading.Thread(target=self._order_by_probes, args=(rows,),
+                                              name="moe-cohort-probed-order", daemon=True)
+        self._handing_over.start()
+        log.info("probing the prompts of %d rows, then sending them in the order the engine's routing gives",
+                 len(rows))
+        return self._parts([{**r, PROBE: True} for r in rows], len(rows))
+
+    def _order_by_probes(self, rows: list[dict]) -> None:
+        """Once every probe is answered, the rows in admission order by their prompts' profiles, given to the box in
+        parts, each row with its profile; whatever fails, in the Dataset's order without profiles (the source
+        waits for every part)."""
+        import ray
+
+        order, profiles = list(range(len(rows))), [[] for _ in rows]
+        try:
+            ray.get(self._box.until.remote(None, len(rows)))
+            found = {}
+            for row, counts in _taken(ray.get(self._box.take.remote())):
+                found[row] = prompt_profile(counts)  # [L, E]
+            order, profiles = probed_plan(len(rows), found, self.max_num_seqs)
+            self.probed = len(found)
+            log.info("%d of %d rows ordered by their prompts' routing", len(found), len(rows))
+        except Exception:  # noqa: BLE001 (the run goes on without the order)
+            log.exception("cannot order the rows by their probes; they go in the Dataset's order")
+        at = 0
+        for k, size in enumerate(part_sizes(len(rows), self._part_size())):
+            part = order[at:at + size]
+            self._box.hand_over.remote(k, [rows[i] for i in part], [profiles[i] for i in part])
+            at += size
 
     def _learn_first(self, rows: list[dict]) -> list[int] | None:
         """A learning run that cannot predict profiles yet, of more `rows` than it sends first: those first rows
@@ -201,7 +275,7 @@ class ExpertAware:
         env = dict(runtime.get("env_vars") or {})
         plugins = [p for p in env.get("VLLM_PLUGINS", PLUGIN).split(",") if p]
         env["VLLM_PLUGINS"] = ",".join(plugins if PLUGIN in plugins else [*plugins, PLUGIN])
-        if self.learner is not None:
+        if self.learner is not None or self.probe:
             from moe_cohort.batch.ray_llm_box import ENV_BOX
 
             env[ENV_BOX] = self._observations()
@@ -211,29 +285,37 @@ class ExpertAware:
 
     def build_processor(self, config, preprocess: Callable[[dict], dict] | None = None,
                         postprocess: Callable[[dict], dict] | None = None, **kwargs):
-        """Ray's `build_processor(self.configure(config), ...)`, each row's preprocess output given its expert args,
-        (while learning) the engine stage that hands the engine's counts to `learn`, and the Dataset it is called
-        with ordered first."""
+        """Ray's `build_processor(self.configure(config), ...)`, each row's preprocess output given its expert args
+        (a probe's: one token of the same prompt, counted), (while probing or learning) the engine stage that hands
+        the engine's counts on, and the Dataset it is called with ordered first (and, probing, the probes' answers
+        dropped from its output)."""
         from ray.data.llm import build_processor
 
-        run, learning = self.run, self.learner is not None
+        run, learning, probing = self.run, self.learner is not None, self.probe
 
         def expert_preprocess(row: dict) -> dict:
             out = dict(preprocess(row) if preprocess else row)
+            params = out.get("sampling_params")
+            if row.get(PROBE):
+                out["sampling_params"] = with_expert_args(probe_body(params or {}), (), f"{run}-probe-{row[ROW]}")
+                return out
             token = f"{run}-{row[ROW]}" if learning and ROW in row else None
-            out["sampling_params"] = with_expert_args(out.get("sampling_params"), row.get(PROFILE, ()), token)
+            out["sampling_params"] = with_expert_args(params, row.get(PROFILE, ()), token)
             return out
 
-        processor = build_processor(self.configure(config), preprocess=expert_preprocess, postprocess=postprocess,
-                                    **kwargs)
-        if learning:
+        def probe_postprocess(row: dict) -> dict:  # the probe column kept, for the processor to drop its rows
+            return {**(postprocess(row) if postprocess else row), PROBE: bool(row.get(PROBE))}
+
+        processor = build_processor(self.configure(config), preprocess=expert_preprocess,
+                                    postprocess=probe_postprocess if probing else postprocess, **kwargs)
+        if learning or probing:
             from moe_cohort.batch.ray_llm_engine import ObservingEngineUDF
 
             # a copy, not an assignment: assigning re-runs the stage's validation, which resolved (and removed)
             # its placement group once already, and would ask for a GPU
             stage = processor.get_stage_by_name(ENGINE_STAGE)
             processor.stages[ENGINE_STAGE] = stage.model_copy(update={"fn": ObservingEngineUDF})
-        return OrderingProcessor(processor, self)
+        return OrderingProcessor(processor, self, kwargs.get("postprocess_map_kwargs"))
 
     def learn(self) -> int:
         """Fit the head on the engine's counts of this run's rows and save it in the data dir; how many rows it
@@ -257,19 +339,11 @@ class ExpertAware:
         """Observe the engine's counts `taken` (by observe token) and refit the head on everything observed; the
         predictor predicts with it from now on."""
         from moe_cohort.send.learning.behind_serving import fit_apart
-        from moe_cohort.traces.observed import BadObservation, Observed
 
-        rows, observed = [], []
-        for token, wire in taken.items():
-            row = int(token.rsplit("-", 1)[1])
-            try:
-                observed.append(Observed.from_wire(wire))
-            except BadObservation as exc:
-                log.warning("row %d: not learning from its counts: %s", row, exc)
-                continue
-            rows.append(row)
-        if not rows:
+        pairs = list(_taken(taken))
+        if not pairs:
             return
+        rows, observed = [r for r, _ in pairs], [o for _, o in pairs]
         features, predicted = self.predictor.features([self.texts.get(r, "") for r in rows])  # [n, F]
         self.learner.observe(features, observed, predicted)
         self.learned += len(rows)

@@ -1,13 +1,16 @@
-"""What batch/ray_llm.py reads and writes of a Ray Data LLM row: its text, its place in the admission order, and
-the expert args its sampling parameters carry to our scheduler and plugin."""
+"""What batch/ray_llm.py reads and writes of a Ray Data LLM row: its text, its place in the admission order (by
+predicted profiles, or by the profiles its prompt's probe gave), and the expert args its sampling parameters carry
+to our scheduler and plugin."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
 
-from moe_cohort.admission.wire import OBSERVE_KEY, PROFILE_KEY
-from moe_cohort.batch.order import make_order, simulated_order
+import numpy as np
+
+from moe_cohort.admission.wire import OBSERVE_KEY, PROFILE_KEY, Prediction
+from moe_cohort.batch.order import ProbedOrder, make_order, simulated_order
 from moe_cohort.encoder.text import RequestTextError, request_text
 from moe_cohort.send.profiles import Predictor
 
@@ -38,6 +41,17 @@ def plan(texts: Sequence[str], predictor: Predictor | None, max_num_seqs: int,
     order = make_order(lines, predictor, max_num_seqs)
     sent = simulated_order(lines, order, max_num_seqs, limit)
     return [x.line for x in sent], [order.compact(i) or [] for i in range(len(lines))]
+
+
+def probed_plan(n: int, profiles: Mapping[int, np.ndarray], max_num_seqs: int) -> tuple[list[int], list[list[int]]]:
+    """(the sending order of `n` rows, each row's compact profile ([] when none)): admission by `profiles` (by row,
+    each [L, E]: its prompt's probe) with `max_num_seqs` rows out, finishing first in first out; rows without a
+    profile go last."""
+    lines = [_Line(i, "") for i in range(n)]
+    order = ProbedOrder(max_num_seqs)
+    order.predicted({i: Prediction.of_profile(p) for i, p in profiles.items()})
+    sent = simulated_order(lines, order, max_num_seqs)
+    return [x.line for x in sent], [order.compact(i) or [] for i in range(n)]
 
 
 def with_expert_args(sampling_params: dict | None, profile: Sequence[int], token: str | None) -> dict:

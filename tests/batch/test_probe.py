@@ -11,7 +11,7 @@ import pytest
 from moe_cohort.admission.wire import OBSERVE_KEY, Prediction
 from moe_cohort.batch.core import RunConfig
 from moe_cohort.batch.order import ProbedOrder, simulated_order
-from moe_cohort.batch.probe import Probes, probe_body, prompt_profile
+from moe_cohort.batch.probe import Probes
 from moe_cohort.send.backend_client import BackendClient
 from moe_cohort.traces.observed import from_routed_experts
 from tests.batch.test_order import brute_force_order, parsed
@@ -49,23 +49,6 @@ def counting_engine(bodies: list, fail_probes: bool = False, latency_s: float = 
                        "usage": {"prompt_tokens": PROMPT_TOKENS, "completion_tokens": generated,
                                  "total_tokens": PROMPT_TOKENS + generated}})
     return handler
-
-
-def test_a_probe_asks_one_token_of_the_same_prompt_under_the_same_policy():
-    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 64, "stream": True,
-            "stream_options": {"include_usage": True}, "n": 3, "logprobs": True, "min_tokens": 8,
-            "max_completion_tokens": 64, "vllm_xargs": {"moe_routing": "xshare;m=8"}, "temperature": 0.5}
-    assert probe_body(body) == {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
-                                "vllm_xargs": {"moe_routing": "xshare;m=8"}, "temperature": 0.5}
-    assert body["max_tokens"] == 64 and body["stream"]  # the line's own body is left as it is
-
-
-def test_a_prompt_profile_is_each_experts_share_of_the_prompt_tokens():
-    counts = from_routed_experts(_routing("chess", 3), PROMPT_TOKENS, EXPERTS)
-    profile = prompt_profile(counts)  # [L, E]
-    expected = np.zeros((LAYERS, EXPERTS))
-    expected[:, [2, 3]] = 1.0  # every prompt token picked experts 2 and 3
-    np.testing.assert_allclose(profile, expected)
 
 
 def test_with_every_profile_known_probed_admission_matches_brute_force(tmp_path):

@@ -83,7 +83,7 @@ def test_a_cold_run_learns_the_head_that_orders_and_profiles_the_next(tiny_moe_d
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
-        cold = ExpertAware.load(data_dir=str(tmp_path / "data"), encoder=encoder)
+        cold = ExpertAware.load(data_dir=str(tmp_path / "data"), encoder=encoder, probe=False, learn=True)
         out = _run(cold, tiny_moe_dir, 64)
         assert sorted(r["id"] for r in out) == list(range(64)) and {r["tokens"] for r in out} == {4}
         assert all("moe_observe" in r["params"] for r in out)
@@ -93,10 +93,30 @@ def test_a_cold_run_learns_the_head_that_orders_and_profiles_the_next(tiny_moe_d
         assert cold.learn() == 64 and cold.learner.head is not None
         assert (tmp_path / "data" / "learned").is_dir()
 
-        warm = ExpertAware.load(data_dir=str(tmp_path / "data"), encoder=encoder, learn=False)
+        warm = ExpertAware.load(data_dir=str(tmp_path / "data"), encoder=encoder, probe=False)
         out = _run(warm, tiny_moe_dir, 16)
         assert sorted(r["id"] for r in out) == list(range(16))
         assert all("moe_profile" in r["params"] and "moe_observe" not in r["params"] for r in out)
         assert warm.learn() == 0
+    finally:
+        ray.shutdown()
+
+
+@needs_ray_llm
+@pytest.mark.integration
+def test_a_probing_run_orders_every_row_by_its_prompts_routing_and_answers_each_once(tiny_moe_dir, tmp_path):
+    """Every row's prompt is probed by the engine first (one token, counted by our plugin); the rows then go each
+    with the profile its probe gave, one answer per row, the probes' answers not among the outputs. Nothing is
+    learned, and no encoder is loaded."""
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        aware = ExpertAware.load(data_dir=str(tmp_path / "data"))
+        assert aware.probe and aware.predictor is None and aware.learner is None
+        out = _run(aware, tiny_moe_dir, 24)
+        assert sorted(r["id"] for r in out) == list(range(24)) and {r["tokens"] for r in out} == {4}
+        assert all("moe_profile" in r["params"] and "moe_observe" not in r["params"] for r in out)
+        assert aware.probed == 24 and aware.learn() == 0
     finally:
         ray.shutdown()

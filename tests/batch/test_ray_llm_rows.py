@@ -5,7 +5,8 @@ import numpy as np
 
 from moe_cohort.admission.resident import ResidentExperts
 from moe_cohort.admission.wire import Prediction
-from moe_cohort.batch.ray_llm_rows import plan, row_text, with_expert_args
+from moe_cohort.admission.wire import compact
+from moe_cohort.batch.ray_llm_rows import plan, probed_plan, row_text, with_expert_args
 from moe_cohort.send.profiles import Predictor
 from tests.batch.test_order import brute_force_order
 
@@ -24,6 +25,17 @@ def test_the_plan_is_admission_by_predicted_experts_against_brute_force():
         assert order == brute_force_order(vectors, 3), trial
         assert plan([f"p{i}" for i in range(9)], _predictor(vectors), max_num_seqs=3, limit=4)[0] == order[:4]
         assert profiles == [[i * 256 for i in range(8)]] * 9
+
+
+def test_the_probed_plan_is_admission_by_the_probes_profiles_against_brute_force_the_unprobed_last():
+    rng = np.random.default_rng(5)
+    for trial in range(10):
+        profiles = {i: rng.random((2, 3)) * (rng.random((2, 3)) < 0.4) for i in range(11) if i not in (2, 7)}
+        order, compacts = probed_plan(11, profiles, max_num_seqs=3)
+        probed = sorted(profiles)
+        expected = [probed[i] for i in brute_force_order([profiles[r].ravel() for r in probed], 3)]
+        assert order == expected + [7, 2], trial  # the unprobed go last, from the far end
+        assert compacts == [compact(profiles[i]) if i in profiles else [] for i in range(11)]
 
 
 def test_without_a_predictor_the_rows_keep_their_order_and_carry_no_profile():
