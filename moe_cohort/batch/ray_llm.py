@@ -29,11 +29,7 @@ What each step keeps:
   `moe_observe` token under which the plugin counts the request's experts. Called with a Dataset, the processor
   orders it (`order`, for the config's max_num_seqs) and runs Ray's; its outputs are the plain ones.
 - `learn` (with `learn=True`) fits the profile head on the counts the engine took of this run's answers and saves
-  it in the data dir, where the next `load` (and `cohort serve`) finds it. A learning run that does not probe and
-  has no head yet learns first, as `cohort batch run` does cold (batch/follow.py): it sends a sample drawn from
-  across the Dataset and an engine-full behind it, fits a head on the sample's counts as soon as they are in, and
-  sends the rest in parts, each in admission order by the latest head and with its profiles
-  (batch/ray_llm_first.py).
+  it in the data dir, where the next `load` without probes (and `cohort serve`) finds it.
 
 One engine or several (`concurrency`): Ray Data sends each bundle of consecutive rows whole to one engine, so
 rows the order put together run on the same engine. Nothing here needs the proxy.
@@ -49,10 +45,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from moe_cohort.batch.follow import sample_size
-from moe_cohort.batch.ray_llm_first import Part, hand_over, learn_first_split, part_sizes
 from moe_cohort.batch.probe_request import probe_body, prompt_profile
-from moe_cohort.batch.ray_llm_rows import plan, probed_plan, row_text, with_expert_args
+from moe_cohort.batch.ray_llm_rows import part_sizes, plan, probed_plan, row_text, with_expert_args
 from moe_cohort.send.profiles import Predictor
 
 log = logging.getLogger(__name__)
@@ -62,7 +56,7 @@ PLUGIN = "moe_cohort"
 PENDING_PER_SLOT = 4  # rows inside vLLM per slot: the running ones and a waiting queue three times as deep
 ROW, PROFILE, PROBE = "moe_row", "moe_profile", "moe_probe"  # the columns `order` adds
 ENGINE_STAGE = "vLLMEngineStage"
-HAND_OVER_JOIN_S = 10.0  # how long `learn` waits for a learn-first run's hand-over to end
+HAND_OVER_JOIN_S = 10.0  # how long `learn` waits for a probing run's hand-over to end
 
 
 class OrderingProcessor:
@@ -82,19 +76,6 @@ class OrderingProcessor:
 
     def __getattr__(self, name: str):
         return getattr(self.processor, name)
-
-
-class LatestHead:
-    """An online learner's latest head, for a predictor to follow (send.profiles.Learned)."""
-
-    on = True
-
-    def __init__(self, learner) -> None:
-        self.learner = learner
-
-    @property
-    def head(self):
-        return self.learner.head
 
 
 def _taken(taken: dict[str, dict]):
@@ -131,7 +112,6 @@ class ExpertAware:
     probed: int = 0  # rows of this run ordered by their probe's profile
     _box: Any = None
     _handing_over: threading.Thread | None = None
-    _following: bool = False  # whether the predictor follows a learner's latest head
 
     @classmethod
     def load(cls, data_dir: str | None = None, encoder: str = "static", *, probe: bool = True, learn: bool = False,
@@ -141,7 +121,7 @@ class ExpertAware:
         order, no probes) with the head learned in `data_dir` (the proxy's and the batch runner's); learning into
         that head with `learn`. A probing run that does not learn loads no encoder."""
         from moe_cohort.send.learning.learning import learned_folder, load_learner
-        from moe_cohort.send.profiles import make_predictor
+        from moe_cohort.send.profiles import FixedHead, make_predictor
         from moe_cohort.send.setting_sources import load_settings
 
         overrides = {"encoder": encoder, **({"data_dir": data_dir} if data_dir else {})}
@@ -154,26 +134,22 @@ class ExpertAware:
         aware = cls(predictor, max_num_seqs, learner if learn and predictor is not None else None,
                     learned_folder(settings), probe=probe)
         if predictor is not None and learner.head is not None:
-            aware._follow(learner)
+            predictor.follow(FixedHead(learner.head))  # ordering by the head learned there
         return aware
 
     def order(self, ds, text: Callable[[dict], str] = row_text):
-        """`ds` in the order of admission by predicted experts, with `moe_row` and `moe_profile` added (a learn-first
-        run: its first rows, then the rest in the order its head gives: module doc); the returned Dataset keeps that
-        order through the processor's stages (`preserve_order`). The rows are read into this process once: a plan
-        of the whole Dataset needs all of them."""
+        """`ds` in the order of admission by expert profiles, with `moe_row` and `moe_profile` added (a probing run:
+        its probes, then the rows in the order the probes give: module doc); the returned Dataset keeps that order
+        through the processor's stages (`preserve_order`). The rows are read into this process once: a plan of the
+        whole Dataset needs all of them."""
         import ray.data
 
         rows = list(ds.iter_rows())
         texts = [text(r) for r in rows]
         self.texts = dict(enumerate(texts))
         rows = [{**r, ROW: i} for i, r in enumerate(rows)]
-        first = None if self.probe else self._learn_first(rows)
         if self.probe:
             out = self._probed(rows)
-        elif first is not None:
-            out = self._parts([rows[i] for i in first], len(rows) - len(first))
-            log.info("learning first from %d of %d rows, then ordering the rest", len(first), len(rows))
         else:
             order, profiles = plan(texts, self.predictor, self.max_num_seqs)
             ordered = [{**rows[i], PROFILE: profiles[i]} for i in order]
@@ -183,31 +159,28 @@ class ExpertAware:
         out.context.execution_options.preserve_order = True  # stages hand the engine its rows in this order
         return out
 
-    def _parts(self, first: list[dict], rest: int):
-        """A Dataset of the `first` rows at once, then `rest` more in parts (`_part_size`), each once the driver
-        hands it to the box: one read task at a time, each waiting for its part."""
+    def _probed(self, rows: list[dict]):
+        """A probing run's Dataset: a probe of every row at once (in blocks of a batch), then the rows in parts (an
+        engine-full each) as `_order_by_probes` hands them over: one read task at a time, each waiting for its
+        part."""
         import ray.data
 
         from moe_cohort.batch.ray_llm_box import handed_over
-        from moe_cohort.batch.ray_llm_source import LearnFirstSource
+        from moe_cohort.batch.ray_llm_source import PartsSource
 
-        parts = part_sizes(rest, self._part_size())
-        source = LearnFirstSource(first, functools.partial(handed_over, self._observations()), parts, PROFILE,
-                                  self.batch)
-        return ray.data.read_datasource(source, override_num_blocks=1 + len(parts), num_cpus=0, concurrency=1)
-
-    def _probed(self, rows: list[dict]):
-        """A probing run's Dataset: a probe of every row, then the rows in parts as `_order_by_probes` hands them over."""
         rows = [{**r, PROBE: False} for r in rows]
-        self._observations()
-        self._handing_over = threading.Thread(target=self._order_by_probes, args=(rows,),
+        parts = part_sizes(len(rows), math.ceil(PENDING_PER_SLOT * self.max_num_seqs / self.batch) * self.batch)
+        box = self._observations()
+        self._handing_over = threading.Thread(target=self._order_by_probes, args=(rows, parts),
                                               name="moe-cohort-probed-order", daemon=True)
         self._handing_over.start()
         log.info("probing the prompts of %d rows, then sending them in the order the engine's routing gives",
                  len(rows))
-        return self._parts([{**r, PROBE: True} for r in rows], len(rows))
+        source = PartsSource([{**r, PROBE: True} for r in rows], functools.partial(handed_over, box), parts,
+                             PROFILE, self.batch)
+        return ray.data.read_datasource(source, override_num_blocks=1 + len(parts), num_cpus=0, concurrency=1)
 
-    def _order_by_probes(self, rows: list[dict]) -> None:
+    def _order_by_probes(self, rows: list[dict], parts: list[int]) -> None:
         """Once every probe is answered, the rows in admission order by their prompts' profiles, given to the box in
         parts, each row with its profile; whatever fails, in the Dataset's order without profiles (the source
         waits for every part)."""
@@ -225,45 +198,10 @@ class ExpertAware:
         except Exception:  # noqa: BLE001 (the run goes on without the order)
             log.exception("cannot order the rows by their probes; they go in the Dataset's order")
         at = 0
-        for k, size in enumerate(part_sizes(len(rows), self._part_size())):
+        for k, size in enumerate(parts):
             part = order[at:at + size]
             self._box.hand_over.remote(k, [rows[i] for i in part], [profiles[i] for i in part])
             at += size
-
-    def _learn_first(self, rows: list[dict]) -> list[int] | None:
-        """A learning run that cannot predict profiles yet, of more `rows` than it sends first: those first rows
-        (`learn_first_split`), with the hand-over of the others started; else None."""
-        if self.learner is None or self.predictor is None or self.predictor.kind == "profile":
-            return None
-        sample = sample_size(self.learner.config.first_fit, len(rows))
-        first, rest = learn_first_split(len(rows), sample, PENDING_PER_SLOT * self.max_num_seqs, self.batch)
-        if not rest:
-            return None
-        self._observations()
-        self._handing_over = threading.Thread(target=self._hand_over, args=(rows, rest, sample, len(first)),
-                                              name="moe-cohort-hand-over", daemon=True)
-        self._handing_over.start()
-        return first
-
-    def _hand_over(self, rows: list[dict], rest: list[int], sample: int, sent: int) -> None:
-        """batch/ray_llm_first.hand_over for this run: its box (each part's rows go with it), its learner,
-        admission by the latest head."""
-        import ray
-
-        def order(remaining: list[int], size: int) -> Part:
-            planned, predicted = plan([self.texts[i] for i in remaining], self.predictor, self.max_num_seqs, size)
-            return [remaining[i] for i in planned], [list(map(int, predicted[i])) for i in planned]
-
-        def give(k: int, part: list[int], profiles: list[list[int]]) -> None:
-            box.hand_over.remote(k, [rows[i] for i in part], profiles)
-
-        box = self._box
-        hand_over(lambda counted, finished: ray.get(box.until.remote(counted, finished)), give, rest,
-                  self._part_size(), sample, sent, lambda: self._fit(ray.get(box.take.remote())), order)
-
-    def _part_size(self) -> int:
-        """An engine-full of rows (PENDING_PER_SLOT x max_num_seqs) in whole batches: the parts of a learn-first run."""
-        return math.ceil(PENDING_PER_SLOT * self.max_num_seqs / self.batch) * self.batch
 
     def configure(self, config):
         """A copy of the vLLMEngineProcessorConfig `config` set up for admission by experts (module doc)."""
@@ -336,8 +274,7 @@ class ExpertAware:
         return self.learned
 
     def _fit(self, taken: dict[str, dict]) -> None:
-        """Observe the engine's counts `taken` (by observe token) and refit the head on everything observed; the
-        predictor predicts with it from now on."""
+        """Observe the engine's counts `taken` (by observe token) and refit the head on everything observed."""
         from moe_cohort.send.learning.behind_serving import fit_apart
 
         pairs = list(_taken(taken))
@@ -349,14 +286,6 @@ class ExpertAware:
         self.learned += len(rows)
         if self.learner.reservoir.size >= 2:
             self.learner.refit(fit_apart)
-            self._follow(self.learner)
-
-    def _follow(self, learner) -> None:
-        """The predictor predicts with `learner`'s latest head from now on (followed once: from then on the
-        predictor keeps each text's features, which later heads read again)."""
-        if not self._following:
-            self.predictor.follow(LatestHead(learner))
-            self._following = True
 
     def _observations(self) -> str:
         """The name of this run's observation box (a Ray actor, started here once)."""

@@ -1,6 +1,6 @@
-"""The actor where a Ray Data LLM run's driver, engine stage and learn-first source meet (batch/ray_llm.py): the
-engine's counts of each observed row, until the driver takes them, and a cold run's later parts, from the driver's
-hand-over until the source reads them.
+"""The actor where a Ray Data LLM run's driver, engine stage and source meet (batch/ray_llm.py): the
+engine's counts of each observed row (a probe, or an answer learned from), until the driver takes them, and a probing
+run's rows in parts, from the driver's hand-over until the source reads them.
 
 This module imports Ray and nothing heavier (no vLLM, no Ray Data LLM): the actor's process, which imports it,
 starts beside an engine that is starting on the same cores, and importing vLLM there would take seconds of a core
@@ -17,15 +17,15 @@ ENV_BOX = "COHORT_RAY_OBSERVATIONS"  # the Ray actor the engine stage hands the 
 
 
 class Observations:
-    """The engine's counts of a run's rows, by observe token, until the driver takes them; a learn-first run's
-    later parts, from the driver's hand-over until the source reads them. Run as an async Ray actor
+    """The engine's counts of a run's rows, by observe token, until the driver takes them; a probing run's rows
+    in parts, from the driver's hand-over until the source reads them. Run as an async Ray actor
     (`ObservationBox`): a caller that waits (`until`, `handed_over`) makes one call that returns when its condition
     holds, instead of asking again and again."""
 
     def __init__(self) -> None:
         self.observed: dict[str, dict] = {}
         self.finished = 0  # rows with a token that finished, counted or not
-        self.parts: dict[int, tuple[list[dict], list[list[int]]]] = {}  # a learn-first run's later rows, profiles
+        self.parts: dict[int, tuple[list[dict], list[list[int]]]] = {}  # a probing run's rows in parts, their profiles
         self.changed = asyncio.Condition()
 
     async def put(self, found: dict[str, dict]) -> None:

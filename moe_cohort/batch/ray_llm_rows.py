@@ -54,6 +54,11 @@ def probed_plan(n: int, profiles: Mapping[int, np.ndarray], max_num_seqs: int) -
     return [x.line for x in sent], [order.compact(i) or [] for i in range(n)]
 
 
+def part_sizes(rows: int, size: int) -> list[int]:
+    """`rows` rows in parts of `size`, the last one less."""
+    return [min(size, rows - k) for k in range(0, rows, size)]
+
+
 def with_expert_args(sampling_params: dict | None, profile: Sequence[int], token: str | None) -> dict:
     """`sampling_params` with the row's profile (when it has one) and observe token (when learning) in its
     `extra_args`, the caller's own extra args kept."""

@@ -1,5 +1,4 @@
-"""A Ray Data LLM run's rows as a Dataset source (batch/ray_llm.py): the first rows at once (a probing run's probes,
-or a cold run's sample), then the rest in parts, each once the driver hands it to the box (batch/ray_llm_box.py),
+"""A probing Ray Data LLM run's rows as a Dataset source (batch/ray_llm.py): the first rows at once (the probes), then the rest in parts, each once the driver hands it to the box (batch/ray_llm_box.py),
 ordered by the profiles the engine's counts gave; and the processor's output without the probes' answers.
 
 This module imports Ray Data and pyarrow, not vLLM: the read tasks run in processes of their own, which import it
@@ -28,7 +27,7 @@ def without(batch: pa.Table, column: str) -> pa.Table:
     return batch.filter(pc.invert(batch[column])).drop_columns([column])
 
 
-class LearnFirstSource(Datasource):
+class PartsSource(Datasource):
     """A run's rows as 1 + len(`parts`) read tasks, in this order: the `first` rows without a profile, at once (in
     blocks of `block` rows: each block goes whole to one engine); then part k (of `parts[k]` rows), the rows and profiles `rest(k)` gives (blocking until the driver
     hands that part over: `handed_over`; a part's rows travel with it, so no task carries the whole Dataset), the

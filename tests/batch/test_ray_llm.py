@@ -1,13 +1,13 @@
 """moe_cohort.batch.ray_llm: the engine set up for admission by experts, and end to end through Ray Data LLM and
-vLLM CPU on the tiny MoE: a cold run learns first and orders and profiles its later rows, a warm one all of them.
-The rows' plan and expert args: test_ray_llm_rows.py; the learn-first schedule: test_ray_llm_first.py."""
+vLLM CPU on the tiny MoE: a probing run orders every row by its prompt's routing (and, learning, saves the head a
+run without probes orders by). The rows' plans and expert args: test_ray_llm_rows.py; the source and the output's
+filter: test_ray_llm_source.py."""
 
 import importlib.util
 
 import pytest
 
 from moe_cohort.batch.ray_llm import PENDING_PER_SLOT, SCHEDULER_CLS, ExpertAware
-from moe_cohort.batch.ray_llm_first import learn_first_split
 from tests.send.learning.test_learning import encoder  # noqa: F401 (a fixture)
 
 needs_ray_llm = pytest.mark.skipif(importlib.util.find_spec("ray") is None or importlib.util.find_spec("vllm") is None,
@@ -73,50 +73,37 @@ def _run(aware, model_dir, n: int) -> list[dict]:
     return processor(ds).take_all()
 
 
+def test_a_run_probes_by_default_and_then_loads_no_encoder_and_without_an_encoder_keeps_the_datasets_order(tmp_path):
+    probing = ExpertAware.load(data_dir=str(tmp_path))
+    assert probing.probe and probing.predictor is None and probing.learner is None
+    plain = ExpertAware.load(data_dir=str(tmp_path), encoder="none", learn=True)
+    assert not plain.probe and plain.predictor is None and plain.learner is None
+
+
 @needs_ray_llm
 @pytest.mark.integration
-def test_a_cold_run_learns_the_head_that_orders_and_profiles_the_next(tiny_moe_dir, encoder, tmp_path):  # noqa: F811
-    """Cold: no head; the first rows (a sample and an engine-full) go without a profile, the rest each with the
-    profile the latest head learned from the engine's counts predicts, in the same run; every row answered once and
-    counted by the engine, the head saved. Warm, on the same data dir: every row's profile reaches vLLM."""
+def test_a_probing_run_orders_each_row_by_its_prompts_routing_and_learns_the_head_a_run_without_probes_uses(
+        tiny_moe_dir, encoder, tmp_path):  # noqa: F811
+    """Probing and learning: every row's prompt is probed by the engine first (one token, counted by our plugin);
+    the rows then go each with the profile its probe gave and counted for learning, one answer per row, the
+    probes' answers not among the outputs; `learn` saves the head. Without probes, on that data dir, every row's
+    profile is the head's."""
     import ray
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
-        cold = ExpertAware.load(data_dir=str(tmp_path / "data"), encoder=encoder, probe=False, learn=True)
-        out = _run(cold, tiny_moe_dir, 64)
-        assert sorted(r["id"] for r in out) == list(range(64)) and {r["tokens"] for r in out} == {4}
-        assert all("moe_observe" in r["params"] for r in out)
-        first, rest = learn_first_split(64, 16, PENDING_PER_SLOT * 4, 8)  # the rest in 2 parts: 2 heads
-        assert {r["id"] for r in out if "moe_profile" not in r["params"]} == set(first)
-        assert {r["id"] for r in out if "moe_profile" in r["params"]} == set(rest)
-        assert cold.learn() == 64 and cold.learner.head is not None
+        probing = ExpertAware.load(data_dir=str(tmp_path / "data"), encoder=encoder, learn=True)
+        out = _run(probing, tiny_moe_dir, 24)
+        assert sorted(r["id"] for r in out) == list(range(24)) and {r["tokens"] for r in out} == {4}
+        assert all("moe_profile" in r["params"] and "moe_observe" in r["params"] for r in out)
+        assert probing.probed == 24
+        assert probing.learn() == 24 and probing.learner.head is not None
         assert (tmp_path / "data" / "learned").is_dir()
 
         warm = ExpertAware.load(data_dir=str(tmp_path / "data"), encoder=encoder, probe=False)
         out = _run(warm, tiny_moe_dir, 16)
         assert sorted(r["id"] for r in out) == list(range(16))
         assert all("moe_profile" in r["params"] and "moe_observe" not in r["params"] for r in out)
-        assert warm.learn() == 0
-    finally:
-        ray.shutdown()
-
-
-@needs_ray_llm
-@pytest.mark.integration
-def test_a_probing_run_orders_every_row_by_its_prompts_routing_and_answers_each_once(tiny_moe_dir, tmp_path):
-    """Every row's prompt is probed by the engine first (one token, counted by our plugin); the rows then go each
-    with the profile its probe gave, one answer per row, the probes' answers not among the outputs. Nothing is
-    learned, and no encoder is loaded."""
-    import ray
-
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        aware = ExpertAware.load(data_dir=str(tmp_path / "data"))
-        assert aware.probe and aware.predictor is None and aware.learner is None
-        out = _run(aware, tiny_moe_dir, 24)
-        assert sorted(r["id"] for r in out) == list(range(24)) and {r["tokens"] for r in out} == {4}
-        assert all("moe_profile" in r["params"] and "moe_observe" not in r["params"] for r in out)
-        assert aware.probed == 24 and aware.learn() == 0
+        assert warm.probed == 0 and warm.learn() == 0
     finally:
         ray.shutdown()

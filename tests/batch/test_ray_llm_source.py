@@ -1,4 +1,4 @@
-"""moe_cohort.batch.ray_llm_source: the learn-first source's blocks (the end-to-end run through Ray Data LLM and
+"""moe_cohort.batch.ray_llm_source: the probing source's blocks (the end-to-end run through Ray Data LLM and
 vLLM is in tests/batch/test_ray_llm.py)."""
 
 import importlib.util
@@ -10,7 +10,7 @@ if importlib.util.find_spec("ray") is None or importlib.util.find_spec("vllm") i
 # here, not in a test: Ray subclasses subprocess.Popen when it is imported, and a quick test's Popen is conftest's guard
 import pyarrow as pa  # noqa: E402
 
-from moe_cohort.batch.ray_llm_source import LearnFirstSource, without  # noqa: E402
+from moe_cohort.batch.ray_llm_source import PartsSource, without  # noqa: E402
 
 
 def test_the_first_rows_go_without_waiting_and_each_later_part_as_handed_over_with_its_profiles():
@@ -22,7 +22,7 @@ def test_the_first_rows_go_without_waiting_and_each_later_part_as_handed_over_wi
         handed.append(k)
         return parts[k]
 
-    tasks = LearnFirstSource([rows[i] for i in [4, 0, 6, 3, 1]], rest, [2, 1], "p").get_read_tasks(3)
+    tasks = PartsSource([rows[i] for i in [4, 0, 6, 3, 1]], rest, [2, 1], "p").get_read_tasks(3)
     assert [t.metadata.num_rows for t in tasks] == [5, 2, 1]
     first = [t.to_pylist() for t in tasks[0].read_fn()]
     assert first == [[{"id": i, "text": f"t{i}", "p": []} for i in [4, 0, 6, 3, 1]]] and not handed
@@ -35,7 +35,7 @@ def test_the_first_rows_go_without_waiting_and_each_later_part_as_handed_over_wi
 
 def test_the_first_rows_go_in_blocks_of_the_size_given():
     rows = [{"id": i} for i in range(5)]
-    tasks = LearnFirstSource(rows, lambda k: ([], []), [], "p", block=2).get_read_tasks(1)
+    tasks = PartsSource(rows, lambda k: ([], []), [], "p", block=2).get_read_tasks(1)
     assert [[r["id"] for r in t.to_pylist()] for t in tasks[0].read_fn()] == [[0, 1], [2, 3], [4]]
 
 
