@@ -30,14 +30,3 @@ def test_the_summary_sets_each_run_against_its_own_rounds_plain_run():
     assert "wall +10.0%, +0.0% (first answer after 50.0 s against 45.0 s, answering 29.0 s against 29.0 s)" in cold
     assert warm.startswith("warm: +20.0% +- 0.0% (+20.0%, +20.0%)") and "our CPU 6.0 s against 5.0 s" in warm
 
-
-def test_rows_the_head_never_saw_are_set_against_their_own_plain_run():
-    def row(kind, r, loads):
-        return {"kind": kind, "round": r, "loads_per_token": loads, "tokens_per_forward": 15.5, "wall_s": 100.0,
-                "first_answer_s": 50.0, "answers_s": 40.0, "cpu_s": 5.0, "answered_once": True}
-
-    rows = [row("plain", 0, 10.0), row("cold", 0, 9.0), row("warm", 0, 8.0), row("new-plain", 0, 20.0),
-            row("new-warm", 0, 19.0)]
-    cold, warm, new = bench_ray_llm.summary(rows)
-    assert warm.startswith("warm: +20.0%")
-    assert new.startswith("new-warm: +5.0% +- 0.0% (+5.0%) fewer decode loads per generated token than plain")
