@@ -160,16 +160,17 @@ class ExpertAware:
         return out
 
     def _probed(self, rows: list[dict]):
-        """A probing run's Dataset: a probe of every row at once (in blocks of a batch), then the rows in parts (an
-        engine-full each) as `_order_by_probes` hands them over: one read task at a time, each waiting for its
-        part."""
+        """A probing run's Dataset: a probe of every row at once, then the rows in parts as `_order_by_probes` hands
+        them over (one read task at a time, each waiting for its part); probes and parts in blocks of an
+        engine-full in whole batches (each block goes whole to one engine, and each is one task per stage)."""
         import ray.data
 
         from moe_cohort.batch.ray_llm_box import handed_over
         from moe_cohort.batch.ray_llm_source import PartsSource
 
         rows = [{**r, PROBE: False} for r in rows]
-        parts = part_sizes(len(rows), math.ceil(PENDING_PER_SLOT * self.max_num_seqs / self.batch) * self.batch)
+        size = math.ceil(PENDING_PER_SLOT * self.max_num_seqs / self.batch) * self.batch  # an engine-full
+        parts = part_sizes(len(rows), size)
         box = self._observations()
         self._handing_over = threading.Thread(target=self._order_by_probes, args=(rows, parts),
                                               name="moe-cohort-probed-order", daemon=True)
@@ -177,7 +178,7 @@ class ExpertAware:
         log.info("probing the prompts of %d rows, then sending them in the order the engine's routing gives",
                  len(rows))
         source = PartsSource([{**r, PROBE: True} for r in rows], functools.partial(handed_over, box), parts,
-                             PROFILE, self.batch)
+                             PROFILE, size)
         return ray.data.read_datasource(source, override_num_blocks=1 + len(parts), num_cpus=0, concurrency=1)
 
     def _order_by_probes(self, rows: list[dict], parts: list[int]) -> None:
