@@ -138,6 +138,7 @@ class Step:
     all_topk: bool  # every span's effective policy is top-k: routing stays as the router chose
     record: bool  # some span is recorded
     observe: bool = False  # some span's experts are counted (moe_observe)
+    prefilling: bool = False  # some span holds prompt tokens (their routing is the request's profile)
 
     @property
     def steady(self) -> bool:
@@ -185,4 +186,5 @@ def build_step(req_ids: Sequence[str], query_start_loc: Sequence[int], positions
         all_topk=not any(s.rerouted for s in spans),
         record=any(s.options.record for s in spans),
         observe=any(s.options.observe for s in spans),
+        prefilling=any(s.phase == PREFILL for s in spans),
     )

@@ -37,6 +37,7 @@ from moe_cohort.engine.engine_state import RequestOptions, Step, request_options
 from moe_cohort.engine.expert_counts import ExpertCounts
 from moe_cohort.engine.metrics import ExpertLoadMetrics
 from moe_cohort.engine.policy import Policy, PolicyError, TopK
+from moe_cohort.engine.prompt_routing import PromptRouting
 from moe_cohort.engine.recorder import TraceRecorder
 from moe_cohort.engine.routing_tables import TableMode
 from moe_cohort.engine.selection import select_experts_mixed
@@ -100,6 +101,8 @@ class RoutingHook(TableMode, StepOutputs):
         self._captured: list[tuple[Kept, Kept]] = []  # per layer: ids [n, k], weights [n, k]
         self._counted: list[Kept] = []  # per layer: ids [n, k] after the policies, for the observed requests' counts
         self.counts: ExpertCounts | None = None  # observed requests' expert counts (created with the first)
+        self.route_prompts = False  # count every prompt's routing for the decode gate (engine.scheduler)
+        self.prompts: PromptRouting | None = None  # ... its counts (created with the first prefill)
         self._warned: set[str] = set()
         self.tables: StepTables | None = None
         self._published: Step | None = None  # the step the tables hold (a steady Step is reused)
@@ -144,6 +147,8 @@ class RoutingHook(TableMode, StepOutputs):
         self._options.pop(req_id, None)
         if self.counts is not None:
             self.counts.finish(req_id)
+        if self.prompts is not None:
+            self.prompts.finish(req_id)
         if self._recorder is None or not self._recorder.is_recording(req_id):
             return None
         return self._recorder.finish(req_id, list(prompt_token_ids or []), list(output_token_ids))
@@ -192,7 +197,7 @@ class RoutingHook(TableMode, StepOutputs):
             self._routed.append((keep(kept_ids), None if new_ids is ids else keep(kept_new)))
         if step.record and self.observe:
             self._captured.append((keep(kept_new), keep(kept_w)))
-        if step.observe and self.observe:
+        if (step.observe or (step.prefilling and self.route_prompts)) and self.observe:
             self._counted.append(keep(kept_new))
         return new_w, new_ids
 

@@ -6,12 +6,21 @@ The one name fits both of vLLM's scheduling modes: with async scheduling on (vLL
 GPU) it builds on AsyncScheduler, otherwise on Scheduler (see ExpertAwareScheduler.__new__).
 
 vLLM's own scheduler (FCFS) is kept whole: running requests, preemption, chunked prefill, the
-KV budget and skipped requests all work as in vLLM. Only its waiting queue is replaced by
-`engine.expert_queue.ExpertAwareQueue`, whose front is the waiting request expected to add
-the fewest experts per step to the running set, read from the `moe_profile` the proxy sends in
-`vllm_xargs` (requests without one keep FCFS). vLLM warns that the scheduler interface is not
-public: these classes are written for, and tested on, the versions of
-`engine.vllm_plugin.TESTED_VERSIONS` (vLLM 0.32); `check_vllm_version` refuses others.
+KV budget and skipped requests all work as in vLLM. Two things are added:
+
+- prefill ahead (on by default): the engine prefills up to `COHORT_PREFILL_AHEAD` requests more than
+  it decodes and holds them, KV kept, until a decode slot frees; then `engine.decode_gate.DecodeGate`
+  admits to decode the held request whose prompt routing (counted by the plugin during that request's
+  own prefill) best fits the decoding ones. max_num_seqs stays the number of sequences decoded per step:
+  the model runner gets max_num_seqs + ahead slots (`reserve_prefill_ahead`, run by the plugin where
+  vLLM builds its config), and a held request is kept out of the step with vLLM's
+  `Request.next_decode_eligible_step`;
+- its waiting queue is `engine.expert_queue.ExpertAwareQueue`, whose front is the waiting request
+  expected to add the fewest experts per step to the running set, read from the `moe_profile` the
+  proxy sends in `vllm_xargs` (requests without one keep FCFS).
+
+vLLM warns that the scheduler interface is not public: these classes are written for, and tested on,
+the versions of `engine.vllm_plugin.TESTED_VERSIONS` (vLLM 0.32); `check_vllm_version` refuses others.
 
 Environment (read when the engine builds the scheduler), the fairness bounds under the proxy's names for
 them (its settings max_queue_ms and max_passed: one environment sets both alike):
@@ -19,6 +28,10 @@ them (its settings max_queue_ms and max_passed: one environment sets both alike)
     COHORT_MAX_QUEUE_MS   a request waiting this many milliseconds goes first (default 30000)
     COHORT_MAX_PASSED     a request that this many later arrivals were admitted before goes first
                           (default, and 0: 3 x max_num_seqs)
+    COHORT_PREFILL_AHEAD  requests prefilled and held ahead of decode (default: max_num_seqs, one per
+                          decode slot; 0: off, admission by the proxy's predicted profiles alone).
+                          Needs the plugin loaded where vLLM builds its config (VLLM_PLUGINS unset or
+                          naming moe_cohort)
 """
 
 from __future__ import annotations
@@ -32,12 +45,16 @@ from vllm.v1.core.sched.request_queue import RequestQueue, SchedulingPolicy
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from moe_cohort.admission.fairness import MAX_WAIT_S, PASSED_PER_SLOT
-from moe_cohort.engine.expert_queue import ExpertAwareQueue
+from moe_cohort.engine.decode_gate import DecodeGate
+from moe_cohort.engine.expert_queue import ExpertAwareQueue, profile_of
+from moe_cohort.engine.prompt_routing import OUTPUT_ATTR
 from moe_cohort.engine.vllm_plugin import ENV_ALLOW, check_vllm_version
 
 log = logging.getLogger(__name__)
 
-ENV_MAX_WAIT, ENV_MAX_PASSED = "COHORT_MAX_QUEUE_MS", "COHORT_MAX_PASSED"
+ENV_MAX_WAIT, ENV_MAX_PASSED, ENV_AHEAD = "COHORT_MAX_QUEUE_MS", "COHORT_MAX_PASSED", "COHORT_PREFILL_AHEAD"
+DECODE_SLOTS_ATTR = "cohort_decode_seqs"  # on vLLM's SchedulerConfig: the user's max_num_seqs, when prefill ahead is on
+HOLD = 1 << 62  # a held request's next_decode_eligible_step: no step reaches it
 RequestQueue.register(ExpertAwareQueue)  # it implements the whole contract, without importing vLLM
 
 
@@ -65,6 +82,44 @@ def max_passed(max_num_seqs: int, environ=None) -> int:
     return int(text) or PASSED_PER_SLOT * max_num_seqs
 
 
+def prefill_ahead(max_num_seqs: int, environ=None) -> int:
+    """Requests prefilled and held ahead of decode (COHORT_PREFILL_AHEAD; unset: one per decode slot; 0: off)."""
+    env = os.environ if environ is None else environ
+    text = env.get(ENV_AHEAD, str(max_num_seqs))
+    if not text.isdigit():
+        raise ValueError(f"{ENV_AHEAD} must be a whole number of requests >= 0 (0: no prefill ahead), got {text!r}")
+    return int(text)
+
+
+def decode_slots(scheduler_config) -> int | None:
+    """Sequences decoded per step where prefill ahead is on (the user's max_num_seqs), else None."""
+    return getattr(scheduler_config, DECODE_SLOTS_ATTR, None)
+
+
+def reserve_prefill_ahead(vllm_config) -> None:
+    """Where vLLM's scheduler is ours and prefill ahead is on: the model runner gets max_num_seqs + ahead slots,
+    and the user's max_num_seqs is kept as the decode width (`DECODE_SLOTS_ATTR`). Runs where vLLM builds its
+    config (the plugin's EngineArgs.create_engine_config), before the runner and the scheduler exist; once."""
+    config = vllm_config.scheduler_config
+    if decode_slots(config) is not None or not _is_ours(config):
+        return
+    ahead = prefill_ahead(config.max_num_seqs)
+    if ahead == 0:
+        return
+    setattr(config, DECODE_SLOTS_ATTR, config.max_num_seqs)
+    config.max_num_seqs += ahead
+    config.max_num_batched_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
+
+
+def _is_ours(scheduler_config) -> bool:
+    if scheduler_config.scheduler_cls is None:
+        return False
+    try:
+        return issubclass(scheduler_config.get_scheduler_cls(), _ExpertAware)
+    except (ImportError, AttributeError, ValueError):
+        return False
+
+
 def routed_experts(hf_config) -> int:
     """Routed experts per MoE layer, under the names the MoE architectures vLLM serves use."""
     for name in ("num_experts", "n_routed_experts", "num_local_experts"):
@@ -85,9 +140,43 @@ class _ExpertAware:
                              f"--scheduling-policy {self.policy.value}: use fcfs, or drop --scheduler-cls")
         self.waiting = ExpertAwareQueue(lambda: self.running, routed_experts(self.vllm_config.model_config.hf_text_config),
                                         max_wait_s=max_wait_s(),
-                                        max_passed=max_passed(self.vllm_config.scheduler_config.max_num_seqs))
+                                        max_passed=max_passed(decode_slots(self.scheduler_config)
+                                                              or self.scheduler_config.max_num_seqs))
         log.info("moe-cohort: admission by predicted experts (fairness bounds %.1f s, %s admissions)",
                  self.waiting.max_wait_s, self.waiting.max_passed)
+        self.gate, self._held = self._decode_gate(), {}
+
+    def _decode_gate(self) -> DecodeGate | None:
+        slots = decode_slots(self.scheduler_config)
+        if slots is None:
+            log.info("moe-cohort: no prefill ahead (%s=0, or the plugin did not build this engine's config)", ENV_AHEAD)
+            return None
+        log.info("moe-cohort: prefill ahead: %d sequences decode per step, up to %d more prefilled and held; "
+                 "admission to decode by each prompt's routing", slots, self.max_num_running_reqs - slots)
+        return DecodeGate(slots, max_wait_s=self.waiting.max_wait_s, max_passed=self.waiting.max_passed,
+                          fallback=lambda request: profile_of(request, self.waiting.num_experts))
+
+    def schedule(self, *args, **kwargs):
+        if self.gate is not None:
+            self._gate_decode()
+        return super().schedule(*args, **kwargs)
+
+    def _gate_decode(self) -> None:
+        """Before vLLM's pass over RUNNING: the held requests sit this step out, the rest may decode."""
+        _, held = self.gate.step(self.running)
+        held = {r.request_id: r for r in held}
+        for rid, request in self._held.items():
+            if rid not in held:  # admitted to decode, or left RUNNING (a preempted one must prefill again)
+                request.next_decode_eligible_step = 0
+        for request in held.values():
+            request.next_decode_eligible_step = HOLD
+        self._held = held
+
+    def update_from_output(self, scheduler_output, model_runner_output):
+        routing = getattr(model_runner_output, OUTPUT_ATTR, None)
+        if routing and self.gate is not None:
+            self.gate.routed(routing)
+        return super().update_from_output(scheduler_output, model_runner_output)
 
 
 class ExpertAwareScheduler(_ExpertAware, Scheduler):

@@ -16,8 +16,9 @@ import numpy as np
 import torch
 
 from moe_cohort.engine.distinct import distinct_experts
-from moe_cohort.engine.engine_state import Step
+from moe_cohort.engine.engine_state import PREFILL, Step
 from moe_cohort.engine.expert_counts import ExpertCounts
+from moe_cohort.engine.prompt_routing import PromptRouting
 from moe_cohort.engine.recorder import TraceRecorder
 
 log = logging.getLogger(__name__)
@@ -39,8 +40,8 @@ class StepOutputs:
             self.metrics.flush()
         if step.record and self._captured:
             self._store_rows(step)
-        if step.observe and self._counted:
-            self._count_observed(step)
+        if self._counted:
+            self._count_counted(step)
         self._routed.clear()
         self._captured.clear()
         self._counted.clear()
@@ -68,16 +69,28 @@ class StepOutputs:
                 recorder.add_rows(span.req_id, span.options.label, span.position,
                                   ids[span.start:span.end], weights[span.start:span.end])
 
-    def _count_observed(self, step: Step) -> None:
+    def _count_counted(self, step: Step) -> None:
+        """The observed requests' expert counts, and the prompts' routing where the decode gate asks for it."""
         if len(self._counted) != len(self.layers):
             self._warn_once("counted", "counting experts needs every MoE layer per forward; saw %d of %d",
                             len(self._counted), len(self.layers))
             return
         ids = np.stack(_host(self._counted), axis=1)  # [n, L, k]
-        if self.counts is None:
-            self.counts = ExpertCounts(len(self.layers), next(iter(self.layers.values())).num_experts)
-        self.counts.add_step([(span.req_id, span.options.observe, span.position, span.num_prompt_tokens, span.start,
-                               span.end) for span in step.spans if span.options.observe], ids)
+        num_experts = next(iter(self.layers.values())).num_experts
+        if step.observe:
+            if self.counts is None:
+                self.counts = ExpertCounts(len(self.layers), num_experts)
+            self.counts.add_step([(span.req_id, span.options.observe, span.position, span.num_prompt_tokens,
+                                   span.start, span.end) for span in step.spans if span.options.observe], ids)
+        if step.prefilling and self.route_prompts:
+            if self.prompts is None:
+                self.prompts = PromptRouting(len(self.layers), num_experts)
+            self.prompts.add_step([(span.req_id, span.position, span.num_prompt_tokens, span.start, span.end)
+                                   for span in step.spans if span.phase == PREFILL], ids)
+
+    def take_prompt_routing(self) -> dict[str, np.ndarray]:
+        """The prompt routings [L, E] of the prefills that ended since the last call (engine.prompt_routing)."""
+        return {} if self.prompts is None else self.prompts.take()
 
     def take_observed(self, tokens: Sequence[str]) -> dict[str, dict]:
         """The finished observed requests' counts under `tokens` (engine.expert_counts), handed over once."""

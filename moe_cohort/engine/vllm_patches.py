@@ -21,6 +21,11 @@ Imported only by `engine.vllm_plugin.register()`. Patched (vLLM 0.32; names unch
   step's request spans before the forward (`begin_step`), then metrics and recording (`end_step`).
 - `GPUModelRunner._update_states`: requests in `finished_req_ids` are finished in the hook
   (their trace is written, their expert counts wait for the proxy) before vLLM forgets them.
+- `GPUModelRunner.sample_tokens`: under our scheduler with prefill ahead, the prompt routings of the
+  prefills that ended ride to the scheduler on the step's ModelRunnerOutput (`OUTPUT_ATTR`, an
+  attribute: the output is pickled whole between the worker and the engine core).
+- `EngineArgs.create_engine_config` also reserves the runner's slots for the requests held ahead of
+  decode (`engine.scheduler.reserve_prefill_ahead`).
 - `WorkerBase.cohort_take_observed` (added, not patched): the observed requests' expert counts, for
   `collective_rpc` from the API server (engine.observed_endpoint).
 
@@ -53,6 +58,7 @@ from moe_cohort.engine.engine_info import engine_info, info_labels
 from moe_cohort.engine.engine_state import build_step, request_options
 from moe_cohort.engine.metrics import ExpertLoadMetrics, publish_engine_info, setup_serving_process, worker_directory
 from moe_cohort.engine.policy import ENV_POLICY, Policy, PolicyError, TopK
+from moe_cohort.engine.prompt_routing import OUTPUT_ATTR
 from moe_cohort.engine.routing_hook import HookConfig, LayerInfo, RoutingHook
 from moe_cohort.engine.selection.step_tables import capture_error
 
@@ -70,7 +76,9 @@ PATCHED = (
     ("vllm.model_executor.layers.fused_moe.router.fused_moe_router", "FusedMoERouter", "select_experts"),
     ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "_model_forward"),
     ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "_update_states"),
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "sample_tokens"),
 )
+
 
 
 @dataclass
@@ -177,6 +185,9 @@ def _patch_engine_args(config) -> None:
             check_policy(config.default_policy, config)
         except PolicyError as exc:
             raise PolicyError(f"{ENV_POLICY}={config.default_policy}: {exc}") from None
+        from moe_cohort.engine.scheduler import reserve_prefill_ahead
+
+        reserve_prefill_ahead(vllm_config)
         describe_engine(vllm_config, config)
         return vllm_config
 
@@ -367,6 +378,9 @@ def _observer_setup(runner) -> None:
         hook.metrics = None
         hook.observe = False
     hook.model_name = str(runner.model_config.served_model_name or runner.model_config.model)
+    from moe_cohort.engine.scheduler import decode_slots
+
+    hook.route_prompts = decode_slots(runner.vllm_config.scheduler_config) is not None
     hook.decode_text = _text_decoder(runner.model_config)
 
 
@@ -434,8 +448,29 @@ def _patch_model_runner() -> None:
         hook.plugin_ns += _clock() - t0
         return orig_update(self, scheduler_output)
 
+    orig_sample = GPUModelRunner.sample_tokens
+
+    @functools.wraps(orig_sample)
+    def sample_tokens(self, *args, **kwargs):
+        return with_prompt_routing(orig_sample(self, *args, **kwargs))
+
     GPUModelRunner._model_forward = _model_forward
     GPUModelRunner._update_states = _update_states
+    GPUModelRunner.sample_tokens = sample_tokens
+
+
+def with_prompt_routing(output):
+    """The step's output, carrying the prompt routings of the prefills that ended (`OUTPUT_ATTR`) where
+    the hook counted any; vLLM's shared empty output carries none (they wait for the next step's)."""
+    from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+
+    hook = STATE.hook
+    if hook is None or hook.prompts is None or not hook.prompts.done:
+        return output
+    target = getattr(output, "_model_runner_output", output)  # async scheduling wraps the output
+    if isinstance(target, ModelRunnerOutput) and target is not EMPTY_MODEL_RUNNER_OUTPUT:
+        setattr(target, OUTPUT_ATTR, hook.take_prompt_routing())
+    return output
 
 
 def take_observed(worker, tokens: list[str]) -> dict[str, dict]:

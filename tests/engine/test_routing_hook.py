@@ -229,6 +229,37 @@ def test_observed_requests_are_counted_after_their_policy_and_handed_over_once()
     assert hook.take_observed(["tok-1"]) == {}
 
 
+@pytest.mark.parametrize("route_prompts", [True, False])
+def test_prompt_routing_for_the_decode_gate_covers_every_prompt_and_is_handed_over_once_its_prefill_ends(route_prompts):
+    hook = _hook()
+    hook.route_prompts = route_prompts
+    plain = RequestOptions(TopK(), False)
+    used = {"a": [], "b": []}
+    # a: 4 prompt tokens in two chunks; b: 2 prompt tokens, then a decode beside a's last chunk
+    for index, (ids, qsl, pos) in enumerate([(["a", "b"], [0, 2, 4], [0, 0]), (["a", "b"], [0, 2, 3], [2, 2])]):
+        step = build_step(ids, qsl, pos, [4, 2], [plain, plain])
+        assert step.prefilling
+        hook.begin_step(step)
+        for layer in range(LAYERS):
+            _, new_ids = hook.route(layer, *_router(qsl[-1], seed=10 * index + layer))
+            used["a"].append((layer, new_ids[0:2].numpy().copy()))
+            if index == 0:
+                used["b"].append((layer, new_ids[2:4].numpy().copy()))
+        hook.end_step()
+        if index == 0 and route_prompts:
+            assert list(hook.take_prompt_routing()) == ["b"]
+    got = hook.take_prompt_routing()
+    if not route_prompts:
+        assert got == {} and hook.prompts is None
+        return
+    assert list(got) == ["a"] and hook.take_prompt_routing() == {}
+    want = np.zeros((LAYERS, E))
+    for layer, ids in used["a"]:
+        for row in ids:
+            want[layer, row] += 1
+    np.testing.assert_allclose(got["a"], want / 4)
+
+
 def test_a_batch_with_nobody_observed_counts_nothing_and_stays_steady():
     hook = _hook()
     step = build_step(["p"], [0, 1], [5], [2], [RequestOptions(TopK(), False)])

