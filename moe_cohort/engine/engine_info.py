@@ -7,9 +7,10 @@ Computed once per engine config from attributes of vLLM's config and the model's
      "plugin_version": "<moe-cohort's version>", "vllm_version": "<vllm.__version__>",
      "model": "<served model name>",
      "moe": {"layers": L, "experts": E, "top_k": k} or null (not an MoE model),
-     "max_num_seqs": S,
+     "max_num_seqs": S,   (sequences decoded per step: the user's --max-num-seqs)
      "scheduler": {"expert_aware": <the scheduler is engine.scheduler's>, "class": "<dotted name>",
-                   "base": "Scheduler" | "AsyncScheduler"},
+                   "base": "Scheduler" | "AsyncScheduler",
+                   "prefill_ahead": <requests prefilled and held ahead of decode, 0: none>},
      "observed_counts": <POST /v1/cohort/observed is served (the endpoint plugin is loaded)>,
      "policies": [<routing policy names, engine.policy.POLICY_NAMES>]}
 
@@ -30,6 +31,7 @@ OUR_SCHEDULERS = "moe_cohort.engine.scheduler.ExpertAware"  # ExpertAwareSchedul
 SCHEDULER_CLS = OUR_SCHEDULERS + "Scheduler"  # what `vllm serve --scheduler-cls` names to admit by experts
 VLLM_SCHEDULERS = {False: "vllm.v1.core.sched.scheduler.Scheduler",  # what vLLM builds when none is named
                    True: "vllm.v1.core.sched.async_scheduler.AsyncScheduler"}
+DECODE_SLOTS_ATTR = "cohort_decode_seqs"  # on vLLM's SchedulerConfig: the user's max_num_seqs, with prefill ahead
 _EXPERTS = ("num_experts", "n_routed_experts", "num_local_experts")  # routed experts, by architecture
 _TOP_K = ("num_experts_per_tok", "experts_per_token")  # the second: gpt-oss's original config
 
@@ -42,7 +44,7 @@ def engine_info(vllm_config, environ: Mapping[str, str], vllm_version: str | Non
             "vllm_version": vllm_version or _vllm_version(),
             "model": str(model_config.served_model_name or model_config.model),
             "moe": moe_shape(model_config.hf_text_config),
-            "max_num_seqs": int(scheduler_config.max_num_seqs),
+            "max_num_seqs": decode_slots(scheduler_config) or int(scheduler_config.max_num_seqs),
             "scheduler": scheduler_info(scheduler_config),
             "observed_counts": endpoint_plugin_loaded(environ),
             "policies": list(POLICY_NAMES)}
@@ -83,8 +85,16 @@ def scheduler_info(scheduler_config) -> dict:
     async_on = bool(getattr(scheduler_config, "async_scheduling", False))
     name = dotted_name(scheduler_config.scheduler_cls) or VLLM_SCHEDULERS[async_on]
     async_base = async_on or name.endswith(".ExpertAwareAsyncScheduler")  # naming that one forces the async base
+    slots = decode_slots(scheduler_config)
     return {"expert_aware": name.startswith(OUR_SCHEDULERS), "class": name,
-            "base": "AsyncScheduler" if async_base else "Scheduler"}
+            "base": "AsyncScheduler" if async_base else "Scheduler",
+            "prefill_ahead": 0 if slots is None else int(scheduler_config.max_num_seqs) - slots}
+
+
+def decode_slots(scheduler_config) -> int | None:
+    """Sequences decoded per step where our scheduler prefills ahead (the user's max_num_seqs; vLLM's
+    max_num_seqs then counts the held requests too: engine.scheduler.reserve_prefill_ahead), else None."""
+    return getattr(scheduler_config, DECODE_SLOTS_ATTR, None)
 
 
 def dotted_name(cls: str | type | None) -> str | None:
@@ -114,7 +124,8 @@ def info_labels(info: dict) -> dict[str, str]:
             "moe_layers": str(moe.get("layers", "")), "experts": str(moe.get("experts", "")),
             "top_k": str(moe.get("top_k", "")), "max_num_seqs": str(info["max_num_seqs"]),
             "expert_aware_scheduler": _bool(scheduler["expert_aware"]), "scheduler_class": scheduler["class"],
-            "scheduler_base": scheduler["base"], "observed_counts": _bool(info["observed_counts"]),
+            "scheduler_base": scheduler["base"], "prefill_ahead": str(scheduler.get("prefill_ahead", 0)),
+            "observed_counts": _bool(info["observed_counts"]),
             "policies": ",".join(info["policies"])}
 
 

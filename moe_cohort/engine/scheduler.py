@@ -46,6 +46,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 
 from moe_cohort.admission.fairness import MAX_WAIT_S, PASSED_PER_SLOT
 from moe_cohort.engine.decode_gate import DecodeGate
+from moe_cohort.engine.engine_info import DECODE_SLOTS_ATTR, decode_slots
 from moe_cohort.engine.expert_queue import ExpertAwareQueue, profile_of
 from moe_cohort.engine.prompt_routing import OUTPUT_ATTR
 from moe_cohort.engine.vllm_plugin import ENV_ALLOW, check_vllm_version
@@ -53,7 +54,6 @@ from moe_cohort.engine.vllm_plugin import ENV_ALLOW, check_vllm_version
 log = logging.getLogger(__name__)
 
 ENV_MAX_WAIT, ENV_MAX_PASSED, ENV_AHEAD = "COHORT_MAX_QUEUE_MS", "COHORT_MAX_PASSED", "COHORT_PREFILL_AHEAD"
-DECODE_SLOTS_ATTR = "cohort_decode_seqs"  # on vLLM's SchedulerConfig: the user's max_num_seqs, when prefill ahead is on
 HOLD = 1 << 62  # a held request's next_decode_eligible_step: no step reaches it
 RequestQueue.register(ExpertAwareQueue)  # it implements the whole contract, without importing vLLM
 
@@ -89,11 +89,6 @@ def prefill_ahead(max_num_seqs: int, environ=None) -> int:
     if not text.isdigit():
         raise ValueError(f"{ENV_AHEAD} must be a whole number of requests >= 0 (0: no prefill ahead), got {text!r}")
     return int(text)
-
-
-def decode_slots(scheduler_config) -> int | None:
-    """Sequences decoded per step where prefill ahead is on (the user's max_num_seqs), else None."""
-    return getattr(scheduler_config, DECODE_SLOTS_ATTR, None)
 
 
 def reserve_prefill_ahead(vllm_config) -> None:

@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 import torch
 
 from moe_cohort.admission.wire import OBSERVE_KEY, RECORD_KEY, ROUTING_KEY
-from moe_cohort.engine.engine_info import engine_info, info_labels
+from moe_cohort.engine.engine_info import decode_slots, engine_info, info_labels
 from moe_cohort.engine.engine_state import build_step, request_options
 from moe_cohort.engine.metrics import ExpertLoadMetrics, publish_engine_info, setup_serving_process, worker_directory
 from moe_cohort.engine.policy import ENV_POLICY, Policy, PolicyError, TopK
@@ -378,8 +378,6 @@ def _observer_setup(runner) -> None:
         hook.metrics = None
         hook.observe = False
     hook.model_name = str(runner.model_config.served_model_name or runner.model_config.model)
-    from moe_cohort.engine.scheduler import decode_slots
-
     hook.route_prompts = decode_slots(runner.vllm_config.scheduler_config) is not None
     hook.decode_text = _text_decoder(runner.model_config)
 

@@ -22,6 +22,9 @@ Rules (a setting the user gave wins over each of them):
   profile is forwarded unless asked: the
   engine's choice among a few queued lines saved nothing more and cost engine time per step
   (docs/results.md). Setting: batch_max_in_flight, else max_in_flight; forward_profiles.
+  Where vLLM's scheduler prefills ahead (engine.scheduler), each line's prompt is routed in its own prefill
+  and the engine admits to decode by that routing: no probe, and the runner keeps the engine's slots, the
+  requests it holds ahead and a queue as deep as its slots there (`batch_fed`), in file order.
 
 Pure: no I/O; the proxy asks the replicas and applies the plan (proxy/app.py).
 """
@@ -87,10 +90,14 @@ def plan_batch_replica(settings: Settings, info: EngineInfo) -> ReplicaPlan:
     """How to send a batch's lines to one replica that answered the handshake with `info` (the module docstring)."""
     given = settings.batch_max_in_flight or settings.max_in_flight
     seqs = info.max_num_seqs
-    slots = given or (batch_fed(seqs) if seqs else UNKNOWN_SLOTS)
+    slots = given or (batch_fed(seqs, info.prefill_ahead) if seqs else UNKNOWN_SLOTS)
     forward = bool(settings.forward_profiles)
     said = " (--max-in-flight)" if given else f" ({seqs} for its max_num_seqs and a queue of {slots - seqs})" \
         if seqs else UNKNOWN_SEQS
+    if info.prefill_ahead:
+        return ReplicaPlan(slots, forward, f"each line's prompt routed in its own prefill, and admitted to decode by "
+                                           f"that routing inside vLLM (its scheduler prefills {info.prefill_ahead} "
+                                           f"ahead), {slots} at a time{said}")
     with_profiles = ", with predicted profiles (--forward-profiles)" if forward else ""
     why = "not answering yet: " if info.source == UNREACHABLE else "no moe-cohort plugin: " if not info.plugin else ""
     return ReplicaPlan(slots, forward, f"{why}each line chosen from the whole file in the proxy, {slots} at a time"
@@ -103,12 +110,13 @@ def fed(max_num_seqs: int) -> int:
     return max_num_seqs + max(QUEUE_MIN, max_num_seqs // QUEUE_SHARE)
 
 
-def batch_fed(max_num_seqs: int) -> int:
+def batch_fed(max_num_seqs: int, prefill_ahead: int = 0) -> int:
     """A batch's lines at an engine of `max_num_seqs` slots: its slots and a queue as deep. Lines of one length
     (as a batch's often are) admitted together finish at the same step; vLLM then refills every slot from its own
     queue while their answers travel back and the next lines come in, instead of running empty until they do
-    (which, on a machine where vLLM's busy-waiting processes share the cores with its API server, takes seconds)."""
-    return 2 * max_num_seqs
+    (which, on a machine where vLLM's busy-waiting processes share the cores with its API server, takes seconds).
+    An engine that prefills ahead holds `prefill_ahead` more, whose choice it makes: those come on top."""
+    return 2 * max_num_seqs + prefill_ahead
 
 
 def fed_at(infos: Sequence[EngineInfo]) -> int:
@@ -175,6 +183,8 @@ def plan_probe(settings: Settings, infos: Sequence[EngineInfo]) -> tuple[bool, s
         return False, "file order (--encoder none)"
     if settings.batch_probe is not None:
         return settings.batch_probe, f"probing {'on (--probe)' if settings.batch_probe else 'off (--no-probe)'}"
+    if infos and all(i.prefill_ahead for i in infos):
+        return False, "no probe: vLLM routes each prompt in its own prefill (--probe: a one-token probe first)"
     if infos and all(i.observed_counts for i in infos):
         return True, ("each line's prompt routed by the engine before its turn, lines admitted by that routing "
                       "(--no-probe: by the profile head)")

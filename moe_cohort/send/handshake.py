@@ -48,6 +48,7 @@ class EngineInfo:
     expert_aware: bool = False  # vLLM runs moe_cohort's ExpertAwareScheduler
     observed_counts: bool = False  # POST /v1/cohort/observed is served (learning's source)
     plugin_version: str | None = None
+    prefill_ahead: int = 0  # requests our scheduler prefills ahead of decode and admits by their routing (0: none)
 
     @property
     def plugin(self) -> bool:
@@ -66,7 +67,8 @@ def from_json(body: object) -> EngineInfo:
     return EngineInfo(ROUTE, _count(body.get("max_num_seqs"), "max_num_seqs"),
                       None if moe is None else tuple(_count(moe.get(k), f"moe.{k}") for k in ("layers", "experts", "top_k")),
                       _flag(scheduler.get("expert_aware"), "scheduler.expert_aware"),
-                      _flag(body.get("observed_counts"), "observed_counts"), str(body.get("plugin_version") or "") or None)
+                      _flag(body.get("observed_counts"), "observed_counts"), str(body.get("plugin_version") or "") or None,
+                      _ahead(scheduler.get("prefill_ahead", 0)))
 
 
 def from_metrics(text: str) -> EngineInfo | None:
@@ -90,7 +92,7 @@ def _from_labels(labels: dict[str, str]) -> EngineInfo:
         moe = tuple(_count(_int(labels.get(k)), k) for k in ("moe_layers", "experts", "top_k"))
     return EngineInfo(METRICS, _count(_int(labels.get("max_num_seqs")), "max_num_seqs"), moe,
                       labels.get("expert_aware_scheduler") == "true", labels.get("observed_counts") == "true",
-                      labels.get("plugin_version") or None)
+                      labels.get("plugin_version") or None, _ahead(_int(labels.get("prefill_ahead", "0"))))
 
 
 async def ask(client: BackendClient, timeout_s: float = TIMEOUT_S) -> EngineInfo:
@@ -152,4 +154,11 @@ def _count(value: object, name: str) -> int:
 def _flag(value: object, name: str) -> bool:
     if not isinstance(value, bool):
         raise MalformedInfo(f"{name} must be true or false, got {value!r}")
+    return value
+
+
+def _ahead(value: object) -> int:
+    """scheduler.prefill_ahead: a whole number >= 0 (an engine of an older plugin does not say it: 0)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise MalformedInfo(f"scheduler.prefill_ahead must be a whole number >= 0, got {value!r}")
     return value
