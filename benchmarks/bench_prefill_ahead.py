@@ -1,0 +1,128 @@
+"""End to end through vLLM CPU, on a cold prefix cache: one prefill per request (our scheduler's prefill ahead)
+against file order and against today's one-token probe.
+
+    python -m benchmarks.bench_prefill_ahead [--model-dir DIR] [--lines 600] [--rounds 2] [--slots 16]
+        [--max-tokens 64] [--ahead N] [--probe] [--json FILE]
+
+The served model is the tiny MoE a user gets (`cohort serve`'s embedded default, trained without COHORT_DATA;
+give a widened copy, `cohort make-tiny-moe --trained DIR --expert-width N`, for wall time on experts of real size),
+on vLLM CPU with the plugin and `--scheduler-cls ...ExpertAwareScheduler`, eager, max_num_seqs = --slots, pinned to
+a core of its own; the runner runs on the other core. The file: --lines prompts that no model here saw and that
+the tiny MoE was not trained on (the held-out side of the Puffin chat prompts), --max-tokens each (`ignore_eos`).
+
+Every run gets a FRESH vLLM server (an empty prefix cache, as a user's batch finds it), and each round alternates
+which run goes first:
+- file order: COHORT_PREFILL_AHEAD=0 and `cohort batch run --encoder none` (vLLM's own first come, first served);
+- prefill ahead: the default server and the bare `cohort batch run --backend URL` (each prompt routed in its own
+  prefill, admitted to decode by that routing);
+- with --probe, today's probe: COHORT_PREFILL_AHEAD=0 and the bare command (a one-token probe of every line first).
+
+Per run: decode expert loads per GENERATED token and decode tokens per forward (the plugin's counters), wall time
+(from the runner's first request, and with start-up), our runner's CPU seconds, every line answered exactly once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks import bench_proxy
+from benchmarks.bench_batch_out_of_box import MAX_CHARS, batch_file, cli_run, measured
+from benchmarks.bench_out_of_box import SCHEDULER, finish
+from benchmarks.bench_proxy import split_cpus
+from benchmarks.heldout import TRACES, data_path
+from moe_cohort.embedded.backend import default_model_dir, ensure_trained_model
+from moe_cohort.traces.split import split_requests
+
+RUNS = {  # name -> (server environment, runner flags)
+    "file order": ({"COHORT_PREFILL_AHEAD": "0"}, ["--encoder", "none"]),
+    "prefill ahead": ({}, []),
+    "probe": ({"COHORT_PREFILL_AHEAD": "0"}, []),
+}
+
+
+def puffin_heldout(n: int, seed: int = 0) -> list[str]:
+    """`n` held-out Puffin chat prompts (a source the tiny MoE was not trained on), shuffled."""
+    lines = (data_path(TRACES) / "prompts.jsonl").read_text(encoding="utf-8").splitlines()
+    texts = [json.loads(line)["text"] for line in lines if line.strip()]
+    texts = [texts[i][:MAX_CHARS] for i in split_requests(len(texts), groups=texts)[1] if texts[i].strip()]
+    random.Random(seed).shuffle(texts)
+    if len(texts) < n:
+        raise SystemExit(f"only {len(texts)} held-out Puffin prompts; ask for --lines {len(texts)} or fewer")
+    return texts[:n]
+
+
+def one_run(name: str, model: Path, src: Path, work: Path, args, layers: int, r: int) -> dict:
+    from moe_cohort.embedded.vllm_server import start
+
+    env, flags = RUNS[name]
+    env = {**env, **({"COHORT_PREFILL_AHEAD": str(args.ahead)} if args.ahead is not None and not env else {})}
+    tag = name.replace(" ", "-")
+    with start(model, extra_env=env, max_num_seqs=args.slots, max_model_len=1024, extra_args=SCHEDULER,
+               log_path=work / f"vllm-{tag}-r{r}.log") as server:
+        row = measured(f"{name} r{r}", server.url, layers,
+                       cli_run(src, work / f"{tag}-r{r}.jsonl", server.url,
+                               ["--data-dir", str(work / f"data-{tag}-r{r}"), *flags]))
+    return {**row, "kind": name, "round": r}
+
+
+def summary(rows: list[dict]) -> list[str]:
+    out = []
+    for kind in [k for k in RUNS if k != "file order"]:
+        pairs = [(b, o) for b in rows if b["kind"] == "file order"
+                 for o in rows if o["kind"] == kind and o["round"] == b["round"]]
+        if not pairs:
+            continue
+        saving = np.array([1 - o["loads_per_token"] / b["loads_per_token"] for b, o in pairs])
+        tpf = np.array([o["tokens_per_forward"] / b["tokens_per_forward"] for b, o in pairs])
+        wall = np.array([o["wall_after_start_s"] / b["wall_after_start_s"] - 1 for b, o in pairs])
+        out.append(f"{kind} against file order, {len(pairs)} rounds: {saving.mean():+.1%} fewer decode loads per "
+                   f"generated token (rounds {', '.join(f'{s:+.1%}' for s in saving)}), tokens per forward "
+                   f"{tpf.mean():.3f} x, wall {', '.join(f'{w:+.1%}' for w in wall)}, our CPU "
+                   f"{np.mean([o['cpu_s'] for _, o in pairs]):.1f} s against "
+                   f"{np.mean([b['cpu_s'] for b, _ in pairs]):.1f} s, every line once: "
+                   f"{all(o['once'] and b['once'] for b, o in pairs)}")
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model-dir", default=str(default_model_dir()), help="the trained tiny MoE (trained here if "
+                                                                          "missing), or a widened copy of it")
+    p.add_argument("--lines", type=int, default=600)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--slots", type=int, default=16, help="vLLM's max_num_seqs")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--ahead", type=int, default=None, help="COHORT_PREFILL_AHEAD of the prefill-ahead server "
+                                                           "(default: the scheduler's, one per slot)")
+    p.add_argument("--probe", action="store_true", help="also today's one-token probe, on a server without prefill ahead")
+    p.add_argument("--json", help="also write the rows here")
+    args = p.parse_args()
+    model = ensure_trained_model(Path(args.model_dir))
+    layers = json.loads((model / "config.json").read_text())["num_hidden_layers"]
+    work = Path(tempfile.mkdtemp(prefix="bench-prefill-ahead-"))
+    src = batch_file(work / "in.jsonl", puffin_heldout(args.lines), args.max_tokens)
+    backend_cpus, bench_proxy.PROXY_CPUS = split_cpus()
+    os.sched_setaffinity(0, backend_cpus)  # vLLM inherits it; the runner goes to the other core
+    print(f"{args.lines} held-out Puffin lines, {args.max_tokens} tokens each, max_num_seqs {args.slots}, a fresh vLLM "
+          f"per run on CPUs {sorted(backend_cpus)}, runner on {sorted(bench_proxy.PROXY_CPUS)}; model {model}",
+          flush=True)
+    kinds = [k for k in RUNS if args.probe or k != "probe"]
+    rows = []
+    for r in range(args.rounds):
+        for name in (kinds if r % 2 == 0 else kinds[::-1]):  # alternate which goes first
+            rows.append(one_run(name, model, src, work, args, layers, r))
+    for row in rows:
+        row.pop("log")
+    finish(summary(rows), rows, work, args.json)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()
