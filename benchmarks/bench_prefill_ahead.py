@@ -7,8 +7,9 @@ against file order and against today's one-token probe.
 The served model is the tiny MoE a user gets (`cohort serve`'s embedded default, trained without COHORT_DATA;
 give a widened copy, `cohort make-tiny-moe --trained DIR --expert-width N`, for wall time on experts of real size),
 on vLLM CPU with the plugin and `--scheduler-cls ...ExpertAwareScheduler`, eager, max_num_seqs = --slots, pinned to
-a core of its own; the runner runs on the other core. The file: --lines prompts that no model here saw and that
-the tiny MoE was not trained on (the held-out side of the Puffin chat prompts), --max-tokens each (`ignore_eos`).
+a core of its own; the runner runs on the other core. The file: --lines prompts that no model here saw (the
+held-out sides of the Puffin chat prompts and of mixed.jsonl; the user's tiny MoE, trained without COHORT_DATA,
+saw neither source), shuffled, --max-tokens each (`ignore_eos`).
 
 Every run gets a FRESH vLLM server (an empty prefix cache, as a user's batch finds it), and each round alternates
 which run goes first:
@@ -26,36 +27,22 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import tempfile
 from pathlib import Path
 
 import numpy as np
 
 from benchmarks import bench_proxy
-from benchmarks.bench_batch_out_of_box import MAX_CHARS, batch_file, cli_run, measured
+from benchmarks.bench_batch_out_of_box import batch_file, cli_run, heldout_prompts, measured
 from benchmarks.bench_out_of_box import SCHEDULER, finish
 from benchmarks.bench_proxy import split_cpus
-from benchmarks.heldout import TRACES, data_path
 from moe_cohort.embedded.backend import default_model_dir, ensure_trained_model
-from moe_cohort.traces.split import split_requests
 
 RUNS = {  # name -> (server environment, runner flags)
     "file order": ({"COHORT_PREFILL_AHEAD": "0"}, ["--encoder", "none"]),
     "prefill ahead": ({}, []),
     "probe": ({"COHORT_PREFILL_AHEAD": "0"}, []),
 }
-
-
-def puffin_heldout(n: int, seed: int = 0) -> list[str]:
-    """`n` held-out Puffin chat prompts (a source the tiny MoE was not trained on), shuffled."""
-    lines = (data_path(TRACES) / "prompts.jsonl").read_text(encoding="utf-8").splitlines()
-    texts = [json.loads(line)["text"] for line in lines if line.strip()]
-    texts = [texts[i][:MAX_CHARS] for i in split_requests(len(texts), groups=texts)[1] if texts[i].strip()]
-    random.Random(seed).shuffle(texts)
-    if len(texts) < n:
-        raise SystemExit(f"only {len(texts)} held-out Puffin prompts; ask for --lines {len(texts)} or fewer")
-    return texts[:n]
 
 
 def one_run(name: str, model: Path, src: Path, work: Path, args, layers: int, r: int) -> dict:
@@ -107,10 +94,10 @@ def main() -> None:
     model = ensure_trained_model(Path(args.model_dir))
     layers = json.loads((model / "config.json").read_text())["num_hidden_layers"]
     work = Path(tempfile.mkdtemp(prefix="bench-prefill-ahead-"))
-    src = batch_file(work / "in.jsonl", puffin_heldout(args.lines), args.max_tokens)
+    src = batch_file(work / "in.jsonl", heldout_prompts(args.lines), args.max_tokens)
     backend_cpus, bench_proxy.PROXY_CPUS = split_cpus()
     os.sched_setaffinity(0, backend_cpus)  # vLLM inherits it; the runner goes to the other core
-    print(f"{args.lines} held-out Puffin lines, {args.max_tokens} tokens each, max_num_seqs {args.slots}, a fresh vLLM "
+    print(f"{args.lines} held-out lines, {args.max_tokens} tokens each, max_num_seqs {args.slots}, a fresh vLLM "
           f"per run on CPUs {sorted(backend_cpus)}, runner on {sorted(bench_proxy.PROXY_CPUS)}; model {model}",
           flush=True)
     kinds = [k for k in RUNS if args.probe or k != "probe"]

@@ -127,7 +127,7 @@ def configured(settings: Settings, job: FileJob) -> tuple[Settings, int | None, 
     learn, probe = plan.learn and job.runner == "local" and settings.encoder.lower() != "none", plan.probe
     said = plan.line + ("" if learn == plan.learn else " (not with --runner ray)")
     settings = replace(settings, max_in_flight=plan.max_in_flight, forward_profiles=plan.forward_profiles, learn=learn,
-                       batch_probe=probe)
+                       batch_probe=probe, encoder="none" if plan.engine_orders else settings.encoder)
     return settings, plan.layers, said
 
 

@@ -159,6 +159,7 @@ class BatchPlan:
     probe: bool  # each line's prompt is routed by the engine before its turn, and lines admitted by that routing
     line: str  # what was chosen and why (the run's first line)
     layers: int | None  # the model's MoE layers, when an engine said (decode loads per token in the summary)
+    engine_orders: bool = False  # every engine prefills ahead and admits by the routing: the lines go in file order
 
 
 def plan_batch(settings: Settings, urls: Sequence[str], infos: Sequence[EngineInfo], *,
@@ -168,13 +169,15 @@ def plan_batch(settings: Settings, urls: Sequence[str], infos: Sequence[EngineIn
     A run that probes learns only when asked: its order does not read the head."""
     plans = [plan_batch_replica(settings, info) for info in infos]
     probe, probed = plan_probe(settings, infos) if local else (False, "")
+    engine_orders = bool(infos) and all(i.prefill_ahead for i in infos) and not probe
     learning = plan_learning(settings, infos)
-    if probe and settings.learn is None and learning.on:
+    if (probe or engine_orders) and settings.learn is None and learning.on:
         learning = LearningPlan(False, "learning off: the engine's routing orders the lines (--learn also learns a "
                                        "head, for cohort serve)")
     layers = next((info.moe[0] for info in infos if info.moe), None)
     return BatchPlan(min(p.max_in_flight for p in plans), all(p.engine_side for p in plans), bool(learning.on), probe,
-                     describe(urls, plans, learning) + (f" | {probed}" if probed else ""), layers)
+                     describe(urls, plans, learning) + (f" | {probed}" if probed else ""), layers,
+                     engine_orders and not learning.on)
 
 
 def plan_probe(settings: Settings, infos: Sequence[EngineInfo]) -> tuple[bool, str]:

@@ -87,7 +87,7 @@ def test_engine_info_has_the_versioned_shape():
                     "vllm_version": "0.32.0", "model": "tiny", "moe": {"layers": 4, "experts": 16, "top_k": 4},
                     "max_num_seqs": 16,
                     "scheduler": {"expert_aware": False, "class": "vllm.v1.core.sched.scheduler.Scheduler",
-                                  "base": "Scheduler"},
+                                  "base": "Scheduler", "prefill_ahead": 0},
                     "observed_counts": True, "policies": list(POLICY_NAMES)}
     assert info["policies"][:2] == ["topk", "xshare"]
 
@@ -97,13 +97,13 @@ class PlainScheduler:  # a scheduler class given as a class, not a name
 
 
 @pytest.mark.parametrize("scheduler_cls, async_scheduling, expected", [
-    (None, False, {"expert_aware": False, "class": "vllm.v1.core.sched.scheduler.Scheduler", "base": "Scheduler"}),
+    (None, False, {"expert_aware": False, "class": "vllm.v1.core.sched.scheduler.Scheduler", "base": "Scheduler", "prefill_ahead": 0}),
     (None, True, {"expert_aware": False, "class": "vllm.v1.core.sched.async_scheduler.AsyncScheduler",
-                  "base": "AsyncScheduler"}),
-    (OURS, False, {"expert_aware": True, "class": OURS, "base": "Scheduler"}),
-    (OURS, True, {"expert_aware": True, "class": OURS, "base": "AsyncScheduler"}),
-    (OURS_ASYNC, False, {"expert_aware": True, "class": OURS_ASYNC, "base": "AsyncScheduler"}),  # forces async
-    (PlainScheduler, False, {"expert_aware": False, "class": f"{__name__}.PlainScheduler", "base": "Scheduler"}),
+                  "base": "AsyncScheduler", "prefill_ahead": 0}),
+    (OURS, False, {"expert_aware": True, "class": OURS, "base": "Scheduler", "prefill_ahead": 0}),
+    (OURS, True, {"expert_aware": True, "class": OURS, "base": "AsyncScheduler", "prefill_ahead": 0}),
+    (OURS_ASYNC, False, {"expert_aware": True, "class": OURS_ASYNC, "base": "AsyncScheduler", "prefill_ahead": 0}),  # forces async
+    (PlainScheduler, False, {"expert_aware": False, "class": f"{__name__}.PlainScheduler", "base": "Scheduler", "prefill_ahead": 0}),
 ])
 def test_scheduler_is_named_and_ours_recognised(scheduler_cls, async_scheduling, expected):
     info = engine_info(_vllm_config(scheduler_cls, async_scheduling), {}, vllm_version="0.32.0")
@@ -141,7 +141,7 @@ def test_info_labels_are_the_facts_as_strings():
     assert info_labels(info) == {
         "schema": "1", "plugin_version": version("moe-cohort"), "vllm_version": "0.32.0", "model": "tiny",
         "moe_layers": "4", "experts": "16", "top_k": "4", "max_num_seqs": "16", "expert_aware_scheduler": "true",
-        "scheduler_class": OURS, "scheduler_base": "Scheduler", "observed_counts": "false",
+        "scheduler_class": OURS, "scheduler_base": "Scheduler", "prefill_ahead": "0", "observed_counts": "false",
         "policies": ",".join(POLICY_NAMES)}
     dense = info_labels({**info, "moe": None})
     assert (dense["moe_layers"], dense["experts"], dense["top_k"]) == ("", "", "")
@@ -187,10 +187,14 @@ def test_engine_info_of_a_real_vllm_config(tmp_path):
     config.scheduler_config.scheduler_cls = OURS
     import vllm
 
+    from moe_cohort.engine.scheduler import reserve_prefill_ahead
+
+    reserve_prefill_ahead(config)  # what the plugin does where vLLM builds its config: 3 decode + 3 ahead
+    assert config.scheduler_config.max_num_seqs == 6
     info = engine_info(config, {"VLLM_PLUGINS": "moe_cohort"})
     assert info["vllm_version"] == vllm.__version__ and info["model"] == "tiny" and info["max_num_seqs"] == 3
     assert routed_layers("qwen", hf) == 2  # layers 1 and 5 (3 is listed dense)
     assert info["moe"] == {"layers": 2, "experts": 16, "top_k": 4}
     base = "AsyncScheduler" if config.scheduler_config.async_scheduling else "Scheduler"  # vLLM CPU: off
-    assert info["scheduler"] == {"expert_aware": True, "class": OURS, "base": base}
+    assert info["scheduler"] == {"expert_aware": True, "class": OURS, "base": base, "prefill_ahead": 3}
     assert info["observed_counts"] is True

@@ -242,3 +242,20 @@ def test_the_fairness_bound_is_three_rounds_of_the_smallest_replica_admitting_in
 
     engine, proxy8, proxy16 = ReplicaPlan(256, True, ""), ReplicaPlan(8, False, ""), ReplicaPlan(16, False, "")
     assert passed_bound([engine, proxy16, proxy8]) == 24 and passed_bound([engine]) == 768
+
+
+def test_a_batch_in_front_of_an_engine_that_prefills_ahead_goes_in_file_order_without_probe_or_learning():
+    from moe_cohort.send.autoconfig import plan_batch
+
+    ahead = EngineInfo(ROUTE, 16, (4, 64, 4), True, True, prefill_ahead=16)
+    plan = plan_batch(Settings(), ["http://e"], [ahead], local=True)
+    assert (plan.probe, plan.learn, plan.engine_orders, plan.max_in_flight) == (False, False, True, 48)  # 2 x 16 + 16
+    assert "no probe" in plan.line and "prefills 16 ahead" in plan.line
+    asked = plan_batch(Settings(learn=True), ["http://e"], [ahead], local=True)
+    assert asked.learn and not asked.engine_orders  # learning reads the encoder: the run keeps its predictor
+    probed = plan_batch(Settings(batch_probe=True), ["http://e"], [ahead], local=True)
+    assert probed.probe and not probed.engine_orders
+    today = plan_batch(Settings(), ["http://e"], [AWARE], local=True)
+    assert today.probe and not today.engine_orders and today.max_in_flight == 32
+    assert from_json({"object": "cohort.engine_info", "schema": 1, "max_num_seqs": 16, "moe": None, "observed_counts": True,
+                      "scheduler": {"expert_aware": True, "prefill_ahead": 16}}).prefill_ahead == 16
