@@ -46,14 +46,15 @@ from vllm.v1.core.sched.scheduler import Scheduler
 
 from moe_cohort.admission.fairness import MAX_WAIT_S, PASSED_PER_SLOT
 from moe_cohort.engine.decode_gate import DecodeGate
-from moe_cohort.engine.engine_info import DECODE_SLOTS_ATTR, decode_slots
+from moe_cohort.engine.engine_info import decode_slots
+from moe_cohort.engine.prefill_ahead import ENV_AHEAD, prefill_ahead, reserve_prefill_ahead  # noqa: F401 (public here too)
 from moe_cohort.engine.expert_queue import ExpertAwareQueue, profile_of
 from moe_cohort.engine.prompt_routing import OUTPUT_ATTR
 from moe_cohort.engine.vllm_plugin import ENV_ALLOW, check_vllm_version
 
 log = logging.getLogger(__name__)
 
-ENV_MAX_WAIT, ENV_MAX_PASSED, ENV_AHEAD = "COHORT_MAX_QUEUE_MS", "COHORT_MAX_PASSED", "COHORT_PREFILL_AHEAD"
+ENV_MAX_WAIT, ENV_MAX_PASSED = "COHORT_MAX_QUEUE_MS", "COHORT_MAX_PASSED"
 HOLD = 1 << 62  # a held request's next_decode_eligible_step: no step reaches it
 RequestQueue.register(ExpertAwareQueue)  # it implements the whole contract, without importing vLLM
 
@@ -80,39 +81,6 @@ def max_passed(max_num_seqs: int, environ=None) -> int:
         raise ValueError(f"{ENV_MAX_PASSED} must be a whole number of admissions >= 0 (0: 3 x max_num_seqs), "
                          f"got {text!r}")
     return int(text) or PASSED_PER_SLOT * max_num_seqs
-
-
-def prefill_ahead(max_num_seqs: int, environ=None) -> int:
-    """Requests prefilled and held ahead of decode (COHORT_PREFILL_AHEAD; unset: one per decode slot; 0: off)."""
-    env = os.environ if environ is None else environ
-    text = env.get(ENV_AHEAD, str(max_num_seqs))
-    if not text.isdigit():
-        raise ValueError(f"{ENV_AHEAD} must be a whole number of requests >= 0 (0: no prefill ahead), got {text!r}")
-    return int(text)
-
-
-def reserve_prefill_ahead(vllm_config) -> None:
-    """Where vLLM's scheduler is ours and prefill ahead is on: the model runner gets max_num_seqs + ahead slots,
-    and the user's max_num_seqs is kept as the decode width (`DECODE_SLOTS_ATTR`). Runs where vLLM builds its
-    config (the plugin's EngineArgs.create_engine_config), before the runner and the scheduler exist; once."""
-    config = vllm_config.scheduler_config
-    if decode_slots(config) is not None or not _is_ours(config):
-        return
-    ahead = prefill_ahead(config.max_num_seqs)
-    if ahead == 0:
-        return
-    setattr(config, DECODE_SLOTS_ATTR, config.max_num_seqs)
-    config.max_num_seqs += ahead
-    config.max_num_batched_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
-
-
-def _is_ours(scheduler_config) -> bool:
-    if scheduler_config.scheduler_cls is None:
-        return False
-    try:
-        return issubclass(scheduler_config.get_scheduler_cls(), _ExpertAware)
-    except (ImportError, AttributeError, ValueError):
-        return False
 
 
 def routed_experts(hf_config) -> int:

@@ -185,7 +185,7 @@ def _patch_engine_args(config) -> None:
             check_policy(config.default_policy, config)
         except PolicyError as exc:
             raise PolicyError(f"{ENV_POLICY}={config.default_policy}: {exc}") from None
-        from moe_cohort.engine.scheduler import reserve_prefill_ahead
+        from moe_cohort.engine.prefill_ahead import reserve_prefill_ahead
 
         reserve_prefill_ahead(vllm_config)
         describe_engine(vllm_config, config)

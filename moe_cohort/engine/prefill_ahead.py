@@ -1,0 +1,44 @@
+"""How many requests our scheduler prefills ahead of decode, and the model-runner slots that takes.
+
+Read where vLLM builds its config (the plugin's EngineArgs.create_engine_config) and by engine.scheduler; no vLLM
+import. The environment variable:
+
+    COHORT_PREFILL_AHEAD  requests prefilled and held ahead of decode (default: max_num_seqs, one per decode
+                          slot; 0: off)
+"""
+
+from __future__ import annotations
+
+import os
+
+from moe_cohort.engine.engine_info import DECODE_SLOTS_ATTR, decode_slots, scheduler_info
+
+ENV_AHEAD = "COHORT_PREFILL_AHEAD"
+
+
+def prefill_ahead(max_num_seqs: int, environ=None) -> int:
+    """Requests prefilled and held ahead of decode (COHORT_PREFILL_AHEAD; unset: one per decode slot; 0: off)."""
+    env = os.environ if environ is None else environ
+    text = env.get(ENV_AHEAD, str(max_num_seqs))
+    if not text.isdigit():
+        raise ValueError(f"{ENV_AHEAD} must be a whole number of requests >= 0 (0: no prefill ahead), got {text!r}")
+    return int(text)
+
+
+def reserve_prefill_ahead(vllm_config) -> None:
+    """Where vLLM's scheduler is ours and prefill ahead is on: the model runner gets max_num_seqs + ahead slots,
+    and the user's max_num_seqs is kept as the decode width (`DECODE_SLOTS_ATTR`). Runs where vLLM builds its
+    config (the plugin's EngineArgs.create_engine_config), before the runner and the scheduler exist; once."""
+    config = vllm_config.scheduler_config
+    if decode_slots(config) is not None or not _is_ours(config):
+        return
+    ahead = prefill_ahead(config.max_num_seqs)
+    if ahead == 0:
+        return
+    setattr(config, DECODE_SLOTS_ATTR, config.max_num_seqs)
+    config.max_num_seqs += ahead
+    config.max_num_batched_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
+
+
+def _is_ours(scheduler_config) -> bool:
+    return scheduler_info(scheduler_config)["expert_aware"]
