@@ -376,7 +376,7 @@ def test_engine_describes_itself_on_the_info_route_and_on_metrics(server, capsys
                     "moe": {"layers": tiny.num_layers, "experts": tiny.num_experts, "top_k": tiny.top_k},
                     "max_num_seqs": 16,
                     "scheduler": {"expert_aware": False, "class": "vllm.v1.core.sched.scheduler.Scheduler",
-                                  "base": "Scheduler"},  # vLLM CPU turns async scheduling off
+                                  "base": "Scheduler", "prefill_ahead": 0},  # vLLM CPU: async scheduling off
                     "observed_counts": True, "policies": list(POLICY_NAMES)}
     assert info["vllm_version"].startswith("0.")
     text = httpx.get(server.url + "/metrics", timeout=30).text
