@@ -4,7 +4,8 @@ In order:
 1. fairness: a request that has waited `max_wait` goes first, the longest-waiting first (ties: the first to join);
    then one that `max_passed` later arrivals have been admitted before goes first, the first to join first. The
    second bound is in admissions, not seconds, so it holds at any speed: no request waits more than `max_passed`
-   admissions longer than first come, first served would have made it wait;
+   admissions longer than first come, first served would have made it wait. A request added unbounded (a batch
+   line, `admission.wire.BATCH_KEY`: its file is waited on as a whole, not line by line) is under neither bound;
 2. a request without a predicted profile keeps first-come-first-served: when it is the oldest
    waiting request it goes, and no request that arrived after it is chosen before it;
 3. with nobody resident (who has a profile), the oldest: there is nothing to fit yet;
@@ -41,7 +42,8 @@ def _blas() -> ThreadpoolController:
 class WaitingPool:
     """Waiting requests by key, each with its vector ([L*E] profile, [D] embedding, or None) and arrival time.
 
-    The first vector added fixes the pool's vector size; a vector of another size counts as none.
+    The first vector added fixes the pool's vector size; a vector of another size counts as none. `bounded`
+    False: the request is under neither fairness bound (rule 1).
     """
 
     def __init__(self, capacity: int = 64) -> None:
@@ -54,6 +56,7 @@ class WaitingPool:
         self.arrived = np.zeros(capacity, np.float64)  # [capacity]
         self.seq = np.zeros(capacity, np.int64)  # [capacity] arrival order
         self.passed = np.zeros(capacity, np.int64)  # [capacity] later arrivals admitted while it waited
+        self.bounded = np.zeros(capacity, bool)  # [capacity] under the fairness bounds
         self._count = 0
 
     def __len__(self) -> int:
@@ -62,11 +65,11 @@ class WaitingPool:
     def __contains__(self, key: Hashable) -> bool:
         return key in self.rows
 
-    def add(self, key: Hashable, vector: np.ndarray | None, arrived: float) -> None:
+    def add(self, key: Hashable, vector: np.ndarray | None, arrived: float, bounded: bool = True) -> None:
         if key in self.rows:
             raise ValueError(f"{key!r} is waiting already")
         row = self._free_row()
-        self.keys[row], self.rows[key] = key, row
+        self.keys[row], self.rows[key], self.bounded[row] = key, row, bounded
         self.active[row], self.arrived[row], self.seq[row], self.passed[row] = True, arrived, self._count, 0
         self._count += 1
         self.profiled[row] = self._store(row, vector)
@@ -117,16 +120,16 @@ class WaitingPool:
         """Row of the first-arrived request passed over `max_passed` times or more, else None."""
         if max_passed is None:
             return None
-        over = self.active & (self.passed >= max_passed)  # [capacity]
+        over = self.active & self.bounded & (self.passed >= max_passed)  # [capacity]
         return int(np.argmin(np.where(over, self.seq, _LAST))) if over.any() else None
 
     def _overdue(self, now: float, max_wait: float | None) -> int | None:
         """Row of the longest-waiting request if it waited >= `max_wait` (ties: the earliest arrival), else None."""
         if max_wait is None:
             return None
-        arrived = np.where(self.active, self.arrived, np.inf)  # [capacity]
+        arrived = np.where(self.active & self.bounded, self.arrived, np.inf)  # [capacity]
         first = arrived.min()
-        if now - first < max_wait:
+        if not now - first >= max_wait:  # also when no bounded request waits (first: inf)
             return None
         return int(np.argmin(np.where(arrived == first, self.seq, _LAST)))
 
@@ -151,7 +154,8 @@ class WaitingPool:
             return int(free[0])
         old = len(self.keys)  # full: double every per-row array
         self.keys += [None] * old
-        self.active, self.profiled = (np.concatenate([a, np.zeros(old, bool)]) for a in (self.active, self.profiled))
+        self.active, self.profiled, self.bounded = (np.concatenate([a, np.zeros(old, bool)])
+                                                    for a in (self.active, self.profiled, self.bounded))
         self.arrived, self.seq = np.concatenate([self.arrived, np.zeros(old)]), np.concatenate([self.seq, np.zeros(old, np.int64)])
         self.passed = np.concatenate([self.passed, np.zeros(old, np.int64)])
         if self.size is not None:

@@ -8,6 +8,9 @@ One module for both sides, so a renamed key or a changed encoding cannot leave o
 - `PROFILE_KEY`: the request's predicted expert profile in compact form (`compact`), for an engine
   that admits from its own queue by the same rule (engine.scheduler).
 - `RECORD_KEY`: whether the plugin records this request's expert trace.
+- `BATCH_KEY`: 1 for a batch line (a batch file's, the Batch API's, a Ray Data LLM row): its file is waited on
+  as a whole, so the engine chooses it under neither fairness bound (admission.waiting, rule 1). A client may
+  send it too; it gives up only its own bound.
 - `OBSERVE_KEY`: a token under which the plugin counts this request's experts (prompt and generated tokens
   apart, counts only) for the proxy's online learning to take (engine.observed_endpoint).
 
@@ -32,6 +35,7 @@ ROUTING_KEY = "moe_routing"
 PROFILE_KEY = "moe_profile"
 RECORD_KEY = "moe_record"
 OBSERVE_KEY = "moe_observe"
+BATCH_KEY = "moe_batch"
 
 COMPACT_TOP = 8
 _LEVELS = 255

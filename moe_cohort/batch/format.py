@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO, Iterator, Mapping
 
+from moe_cohort.admission.wire import BATCH_KEY
 from moe_cohort.encoder.inputs import InputError, load_record
 from moe_cohort.send.errors import ProxyError
 from moe_cohort.send.hints import HintRules
@@ -113,6 +114,7 @@ def parse_request_line(raw: bytes | str, line: int, *, default_policy: str, urls
         request = prepare_body(body, urls[url], {}, default_policy=default_policy, rules=rules)
     except ProxyError as exc:
         raise InputError(line, exc.message) from exc
+    request.body["vllm_xargs"][BATCH_KEY] = 1  # the engine chooses it under no fairness bound
     return BatchRequest(line, custom_id, url, request.body, request.policy, request.text)
 
 

@@ -9,7 +9,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from moe_cohort.admission.wire import OBSERVE_KEY, PROFILE_KEY, Prediction
+from moe_cohort.admission.wire import BATCH_KEY, OBSERVE_KEY, PROFILE_KEY, Prediction
 from moe_cohort.batch.order import ProbedOrder, make_order, simulated_order
 from moe_cohort.encoder.text import RequestTextError, request_text
 from moe_cohort.send.profiles import Predictor
@@ -61,13 +61,12 @@ def part_sizes(rows: int, size: int) -> list[int]:
 
 def with_expert_args(sampling_params: dict | None, profile: Sequence[int], token: str | None) -> dict:
     """`sampling_params` with the row's profile (when it has one) and observe token (when learning) in its
-    `extra_args`, the caller's own extra args kept."""
+    `extra_args`, marked a batch line (no fairness bound at the engine), the caller's own extra args kept."""
     params = dict(sampling_params or {})
-    extra = dict(params.get("extra_args") or {})
+    extra = {**(params.get("extra_args") or {}), BATCH_KEY: 1}
     if len(profile):
         extra[PROFILE_KEY] = [int(c) for c in profile]  # Arrow hands lists back as numpy arrays
     if token:
         extra[OBSERVE_KEY] = token
-    if extra:
-        params["extra_args"] = extra
+    params["extra_args"] = extra
     return params

@@ -42,16 +42,18 @@ class DecodeGate:
     """The RUNNING requests' decode admission; see the module docstring.
 
     `fallback(request)` gives a profile for a request whose prompt routing never arrives (the proxy's
-    prediction in `vllm_xargs.moe_profile`, or None); `clock()` is comparable with `arrival_time`.
+    prediction in `vllm_xargs.moe_profile`, or None); `bounded(request)` whether the fairness bounds hold for it
+    (not for a batch line); `clock()` is comparable with `arrival_time`.
     """
 
     def __init__(self, slots: int, *, max_wait_s: float | None = None, max_passed: int | None = None,
                  fallback: Callable[[Any], np.ndarray | None] = lambda request: None,
+                 bounded: Callable[[Any], bool] = lambda request: True,
                  clock: Callable[[], float] = time.time) -> None:
         if slots < 1:
             raise ValueError(f"a decode gate needs >= 1 slot, got {slots}")
         self.slots, self.max_wait_s, self.max_passed = slots, max_wait_s, max_passed
-        self._fallback, self._clock = fallback, clock
+        self._fallback, self._bounded, self._clock = fallback, bounded, clock
         self.decoding: dict[str, np.ndarray | None] = {}  # request id -> the vector it joined the residents with
         self.held: dict[str, Any] = {}  # request id -> request, prefilled and waiting for a decode slot
         self._pool = WaitingPool()  # the held requests' vectors, for the choice
@@ -98,7 +100,7 @@ class DecodeGate:
             fallback = self._fallback(request)
             vector = None if fallback is None else np.asarray(fallback, np.float32).ravel()
         self.held[rid] = request
-        self._pool.add(rid, vector, request.arrival_time)
+        self._pool.add(rid, vector, request.arrival_time, bounded=self._bounded(request))
 
     def _admit(self, rid: str):
         row = self._pool.rows[rid]

@@ -38,9 +38,15 @@ import numpy as np
 
 from moe_cohort.admission.resident import ResidentExperts
 from moe_cohort.admission.waiting import WaitingPool
-from moe_cohort.admission.wire import COMPACT_TOP, PROFILE_KEY, decode_profile
+from moe_cohort.admission.wire import BATCH_KEY, COMPACT_TOP, PROFILE_KEY, decode_profile
 
 log = logging.getLogger(__name__)
+
+
+def batch_line(request) -> bool:
+    """Whether the request is a batch line (`vllm_xargs.moe_batch`): chosen under neither fairness bound."""
+    extra = getattr(getattr(request, "sampling_params", None), "extra_args", None) or {}
+    return extra.get(BATCH_KEY) == 1  # vLLM's API makes a JSON true 1 (vllm_xargs holds str, int, float)
 
 
 def profile_of(request, num_experts: int) -> np.ndarray | None:
@@ -80,7 +86,8 @@ class ExpertAwareQueue:
     # --- the RequestQueue contract -------------------------------------------------------
     def add_request(self, request) -> None:
         self._pool[request.request_id] = request
-        self._waiting.add(request.request_id, self._profile(request), request.arrival_time)
+        self._waiting.add(request.request_id, self._profile(request), request.arrival_time,
+                          bounded=not batch_line(request))
         self._remember(request)
 
     def pop_request(self):

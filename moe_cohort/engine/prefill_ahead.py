@@ -3,8 +3,9 @@
 Read where vLLM builds its config (the plugin's EngineArgs.create_engine_config) and by engine.scheduler; no vLLM
 import. The environment variable:
 
-    COHORT_PREFILL_AHEAD  requests prefilled and held ahead of decode (default: max_num_seqs, one per decode
-                          slot; 0: off)
+    COHORT_PREFILL_AHEAD  requests prefilled and held ahead of decode (default: AHEAD_PER_SLOT x max_num_seqs;
+                          0: off). The more are held, the wider the choice of the one to decode next, and the
+                          more KV the held prompts take (vLLM preempts the newest when its KV runs short)
 """
 
 from __future__ import annotations
@@ -14,12 +15,14 @@ import os
 from moe_cohort.engine.engine_info import DECODE_SLOTS_ATTR, decode_slots, scheduler_info
 
 ENV_AHEAD = "COHORT_PREFILL_AHEAD"
+AHEAD_PER_SLOT = 4  # the default held ahead per decode slot (docs/results.md, "One prefill")
 
 
 def prefill_ahead(max_num_seqs: int, environ=None) -> int:
-    """Requests prefilled and held ahead of decode (COHORT_PREFILL_AHEAD; unset: one per decode slot; 0: off)."""
+    """Requests prefilled and held ahead of decode (COHORT_PREFILL_AHEAD; unset: AHEAD_PER_SLOT per decode slot;
+    0: off)."""
     env = os.environ if environ is None else environ
-    text = env.get(ENV_AHEAD, str(max_num_seqs))
+    text = env.get(ENV_AHEAD, str(AHEAD_PER_SLOT * max_num_seqs))
     if not text.isdigit():
         raise ValueError(f"{ENV_AHEAD} must be a whole number of requests >= 0 (0: no prefill ahead), got {text!r}")
     return int(text)

@@ -28,8 +28,9 @@ them (its settings max_queue_ms and max_passed: one environment sets both alike)
     COHORT_MAX_QUEUE_MS   a request waiting this many milliseconds goes first (default 30000)
     COHORT_MAX_PASSED     a request that this many later arrivals were admitted before goes first
                           (default, and 0: 3 x max_num_seqs)
-    COHORT_PREFILL_AHEAD  requests prefilled and held ahead of decode (default: max_num_seqs, one per
-                          decode slot; 0: off, admission by the proxy's predicted profiles alone).
+    COHORT_PREFILL_AHEAD  requests prefilled and held ahead of decode (default: 4 x max_num_seqs; 0: off,
+                          admission by the proxy's predicted profiles alone). A batch line
+                          (`vllm_xargs.moe_batch`) is held under neither fairness bound.
                           Needs the plugin loaded where vLLM builds its config (VLLM_PLUGINS unset or
                           naming moe_cohort)
 """
@@ -48,7 +49,7 @@ from moe_cohort.admission.fairness import MAX_WAIT_S, PASSED_PER_SLOT
 from moe_cohort.engine.decode_gate import DecodeGate
 from moe_cohort.engine.engine_info import decode_slots
 from moe_cohort.engine.prefill_ahead import ENV_AHEAD, prefill_ahead, reserve_prefill_ahead  # noqa: F401 (public here too)
-from moe_cohort.engine.expert_queue import ExpertAwareQueue, profile_of
+from moe_cohort.engine.expert_queue import ExpertAwareQueue, batch_line, profile_of
 from moe_cohort.engine.prompt_routing import OUTPUT_ATTR
 from moe_cohort.engine.vllm_plugin import ENV_ALLOW, check_vllm_version
 
@@ -117,7 +118,8 @@ class _ExpertAware:
         log.info("moe-cohort: prefill ahead: %d sequences decode per step, up to %d more prefilled and held; "
                  "admission to decode by each prompt's routing", slots, self.max_num_running_reqs - slots)
         return DecodeGate(slots, max_wait_s=self.waiting.max_wait_s, max_passed=self.waiting.max_passed,
-                          fallback=lambda request: profile_of(request, self.waiting.num_experts))
+                          fallback=lambda request: profile_of(request, self.waiting.num_experts),
+                          bounded=lambda request: not batch_line(request))
 
     def schedule(self, *args, **kwargs):
         if self.gate is not None:

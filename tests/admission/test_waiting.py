@@ -7,9 +7,10 @@ from moe_cohort.admission.resident import ResidentEmbedding, ResidentExperts
 from moe_cohort.admission.waiting import WaitingPool
 
 
-def brute_force(waited, profiles, residents, max_wait):
+def brute_force(waited, profiles, residents, max_wait, bounded=None):
     """Index (in arrival order) of the request the rules admit; ties go to the earliest arrival."""
-    overdue = [i for i, w in enumerate(waited) if w >= max_wait]
+    bounded = bounded or [True] * len(waited)
+    overdue = [i for i, w in enumerate(waited) if w >= max_wait and bounded[i]]
     if overdue:
         return max(overdue, key=lambda i: (waited[i], -i))
     if profiles[0] is None or not residents:
@@ -29,7 +30,7 @@ def test_matches_brute_force_on_random_pools_with_arrivals_and_departures():
         keys = [f"k{i}" for i in range(int(rng.integers(2, 9)))]
         for k in keys:
             vector = None if rng.random() < 0.2 else (rng.random(size) * (rng.random(size) < 0.5)).astype(np.float32)
-            pool.add(k, vector, arrived=float(rng.integers(0, 12)))
+            pool.add(k, vector, arrived=float(rng.integers(0, 12)), bounded=rng.random() < 0.7)
         gone = keys[int(rng.integers(0, len(keys)))]
         pool.remove(gone)  # a departure leaves a hole that a later arrival fills: rows are not arrival order
         keys.remove(gone)
@@ -42,7 +43,9 @@ def test_matches_brute_force_on_random_pools_with_arrivals_and_departures():
         rows = [pool.rows[k] for k in keys]
         profiles = [pool.matrix[r] if pool.profiled[r] else None for r in rows]
         waited = [12.0 - pool.arrived[r] for r in rows]
-        assert pool.pick(resident, now=12.0, max_wait=10.0) == keys[brute_force(waited, profiles, residents, 10.0)], trial
+        bounded = [bool(pool.bounded[r]) for r in rows]
+        assert pool.pick(resident, now=12.0, max_wait=10.0) == keys[brute_force(waited, profiles, residents, 10.0,
+                                                                                 bounded)], trial
 
 
 @pytest.mark.parametrize("resident", [ResidentExperts(1, 2), ResidentEmbedding(2)], ids=["experts", "embedding"])
@@ -76,11 +79,11 @@ def test_a_request_passed_over_max_passed_times_goes_first_counted_against_a_rep
         for step in range(30):
             if rng.random() < 0.6 or not order:
                 key = f"k{trial}-{step}"
-                pool.add(key, rng.random(4).astype(np.float32), 0.0)
+                pool.add(key, rng.random(4).astype(np.float32), 0.0, bounded=rng.random() < 0.8)
                 order.append(key)
                 passed[key] = 0
                 continue
-            over = [k for k in order if passed[k] >= max_passed]
+            over = [k for k in order if passed[k] >= max_passed and pool.bounded[pool.rows[k]]]
             chosen = pool.pick(resident, 0.0, None, max_passed)
             if over:
                 assert chosen == over[0]  # the first to arrive of those passed over enough
@@ -93,7 +96,8 @@ def test_a_request_passed_over_max_passed_times_goes_first_counted_against_a_rep
                 resident.add(rng.random(4).astype(np.float32))
             order.remove(chosen)
             del passed[chosen]
-        assert max(passed.values(), default=0) <= max_passed + len(order)  # the count stays bounded by the rule
+        bounded = [passed[k] for k in order if pool.bounded[pool.rows[k]]]
+        assert max(bounded, default=0) <= max_passed + len(order)  # the count stays bounded by the rule
 
 
 def test_without_max_passed_a_poor_fit_may_wait_for_ever():
@@ -107,3 +111,16 @@ def test_without_max_passed_a_poor_fit_may_wait_for_ever():
         picks.append(pool.pick(resident, 0.0, None, max_passed=None if len(picks) < 3 else 3))
         pool.remove(picks[-1], admitted=True)
     assert picks[:3] == ["fit0", "fit1", "fit2"] and picks[3] == "misfit"  # passed 3 times: its turn
+
+
+def test_a_batch_line_is_under_neither_bound_and_a_poor_fit_waits_while_better_ones_come():
+    pool, resident = WaitingPool(), ResidentExperts(1, 2)
+    resident.add(np.array([1.0, 0.0], np.float32))
+    pool.add("line", np.array([0.0, 1.0], np.float32), 0.0, bounded=False)  # waited 100 s, passed 4 times below
+    for i in range(4):
+        pool.add(f"fit{i}", np.array([1.0, 0.0], np.float32), 99.5)
+    picks = []
+    for _ in range(5):
+        picks.append(pool.pick(resident, 100.0, max_wait=5.0, max_passed=1))
+        pool.remove(picks[-1], admitted=True)
+    assert picks == ["fit0", "fit1", "fit2", "fit3", "line"]  # bounded: "line" would have gone first (waited)

@@ -33,6 +33,7 @@ def test_valid_lines_keep_numbers_policy_and_text(tmp_path):
     assert [(r.line, r.custom_id, r.text) for r in parsed.requests] == [(1, "a", "first"), (3, "b", "second"), (4, "c", "hi")]
     assert parsed.requests[0].policy.startswith("xshare") and parsed.requests[2].policy.startswith("oea")
     assert parsed.requests[0].body["vllm_xargs"]["moe_routing"] == parsed.requests[0].policy
+    assert all(r.body["vllm_xargs"]["moe_batch"] == 1 for r in parsed.requests)  # no fairness bound at the engine
     assert not parsed.errors and parsed.lines == 4 and parsed.size == path.stat().st_size and len(parsed.sha256) == 64
 
 

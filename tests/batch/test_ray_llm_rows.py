@@ -51,8 +51,9 @@ def test_a_rows_text_is_what_the_proxy_reads_of_a_body():
 def test_expert_args_join_the_users_sampling_parameters():
     params = {"max_tokens": 8, "extra_args": {"mine": 1}}
     out = with_expert_args(params, np.array([3, 5]), "run-7")
-    assert out == {"max_tokens": 8, "extra_args": {"mine": 1, "moe_profile": [3, 5], "moe_observe": "run-7"}}
+    assert out == {"max_tokens": 8, "extra_args": {"mine": 1, "moe_batch": 1, "moe_profile": [3, 5],
+                                                   "moe_observe": "run-7"}}
     assert all(type(c) is int for c in out["extra_args"]["moe_profile"])  # Arrow hands lists back as arrays
     assert params == {"max_tokens": 8, "extra_args": {"mine": 1}}  # the caller's dict untouched
-    assert with_expert_args({"max_tokens": 8}, [], None) == {"max_tokens": 8}  # nothing to add, no extra_args
-    assert with_expert_args(None, [], "t") == {"extra_args": {"moe_observe": "t"}}
+    assert with_expert_args({"max_tokens": 8}, [], None) == {"max_tokens": 8, "extra_args": {"moe_batch": 1}}
+    assert with_expert_args(None, [], "t") == {"extra_args": {"moe_batch": 1, "moe_observe": "t"}}

@@ -97,9 +97,10 @@ def test_a_held_request_without_routing_goes_first_come_first_served_and_the_fal
     assert [r.request_id for r in admitted] == ["b"]
 
 
-@pytest.mark.parametrize("now, second", [(0.0, "near"), (10.0, "far")])
-def test_the_fairness_bound_admits_a_request_that_waited_too_long_before_a_better_fit(now, second):
-    gate = DecodeGate(2, max_wait_s=5.0, clock=lambda: now)
+@pytest.mark.parametrize("now, batch, second", [(0.0, False, "near"), (10.0, False, "far"), (10.0, True, "near")])
+def test_the_fairness_bound_admits_a_request_that_waited_too_long_before_a_better_fit_unless_a_batch_line(
+        now, batch, second):
+    gate = DecodeGate(2, max_wait_s=5.0, clock=lambda: now, bounded=lambda request: not batch)
     first, far, near = request("first", 0.0), request("far", 0.5), request("near", 1.0)
     for r in (first, far, near):
         run_prefill(r)

