@@ -5,7 +5,8 @@ import. The environment variable:
 
     COHORT_PREFILL_AHEAD  requests prefilled and held ahead of decode (default: AHEAD_PER_SLOT x max_num_seqs;
                           0: off). The more are held, the wider the choice of the one to decode next, and the
-                          more KV the held prompts take (vLLM preempts the newest when its KV runs short)
+                          more KV the held prompts take: no request is taken in to be held once the KV cache
+                          is AHEAD_KV_SHARE full (`active_limit`), so that decoding never preempts for them
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import os
 from moe_cohort.engine.engine_info import DECODE_SLOTS_ATTR, decode_slots, scheduler_info
 
 ENV_AHEAD = "COHORT_PREFILL_AHEAD"
-AHEAD_PER_SLOT = 4  # the default held ahead per decode slot (docs/results.md, "One prefill")
+AHEAD_PER_SLOT = 16  # the default held ahead per decode slot (docs/results.md, "One prefill")
+AHEAD_KV_SHARE = 0.5  # past this share of the KV cache in use, requests enter RUNNING only to fill decode slots
 
 
 def prefill_ahead(max_num_seqs: int, environ=None) -> int:
@@ -45,3 +47,12 @@ def reserve_prefill_ahead(vllm_config) -> None:
 
 def _is_ours(scheduler_config) -> bool:
     return scheduler_info(scheduler_config)["expert_aware"]
+
+
+def active_limit(decode_slots: int, runner_slots: int, running: int, kv_usage: float) -> int:
+    """How many requests may be in RUNNING after this step's admissions (vLLM's `max_num_active_reqs`): all the
+    runner's slots while the KV cache is under AHEAD_KV_SHARE full; past it, no more than are there already,
+    and never fewer than the decode slots (work conservation: a free decode slot is filled from the waiting)."""
+    if kv_usage < AHEAD_KV_SHARE:
+        return runner_slots
+    return min(runner_slots, max(decode_slots, running))

@@ -13,8 +13,9 @@ KV budget and skipped requests all work as in vLLM. Two things are added:
   admits to decode the held request whose prompt routing (counted by the plugin during that request's
   own prefill) best fits the decoding ones. max_num_seqs stays the number of sequences decoded per step:
   the model runner gets max_num_seqs + ahead slots (`reserve_prefill_ahead`, run by the plugin where
-  vLLM builds its config), and a held request is kept out of the step with vLLM's
-  `Request.next_decode_eligible_step`;
+  vLLM builds its config), a held request is kept out of the step with vLLM's
+  `Request.next_decode_eligible_step`, and past half the KV cache no request is taken in to be held
+  (`active_limit`, through vLLM's `max_num_active_reqs`);
 - its waiting queue is `engine.expert_queue.ExpertAwareQueue`, whose front is the waiting request
   expected to add the fewest experts per step to the running set, read from the `moe_profile` the
   proxy sends in `vllm_xargs` (requests without one keep FCFS).
@@ -28,7 +29,7 @@ them (its settings max_queue_ms and max_passed: one environment sets both alike)
     COHORT_MAX_QUEUE_MS   a request waiting this many milliseconds goes first (default 30000)
     COHORT_MAX_PASSED     a request that this many later arrivals were admitted before goes first
                           (default, and 0: 3 x max_num_seqs)
-    COHORT_PREFILL_AHEAD  requests prefilled and held ahead of decode (default: 4 x max_num_seqs; 0: off,
+    COHORT_PREFILL_AHEAD  requests prefilled and held ahead of decode (default: 16 x max_num_seqs; 0: off,
                           admission by the proxy's predicted profiles alone). A batch line
                           (`vllm_xargs.moe_batch`) is held under neither fairness bound.
                           Needs the plugin loaded where vLLM builds its config (VLLM_PLUGINS unset or
@@ -48,7 +49,8 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from moe_cohort.admission.fairness import MAX_WAIT_S, PASSED_PER_SLOT
 from moe_cohort.engine.decode_gate import DecodeGate
 from moe_cohort.engine.engine_info import decode_slots
-from moe_cohort.engine.prefill_ahead import ENV_AHEAD, prefill_ahead, reserve_prefill_ahead  # noqa: F401 (public here too)
+from moe_cohort.engine.prefill_ahead import (ENV_AHEAD, active_limit, prefill_ahead,  # noqa: F401 (public here too)
+                                             reserve_prefill_ahead)
 from moe_cohort.engine.expert_queue import ExpertAwareQueue, batch_line, profile_of
 from moe_cohort.engine.prompt_routing import OUTPUT_ATTR
 from moe_cohort.engine.vllm_plugin import ENV_ALLOW, check_vllm_version
@@ -124,6 +126,8 @@ class _ExpertAware:
     def schedule(self, *args, **kwargs):
         if self.gate is not None:
             self._gate_decode()
+            self.max_num_active_reqs = active_limit(self.gate.slots, self.max_num_running_reqs, len(self.running),
+                                                    self.kv_cache_manager.usage)
         return super().schedule(*args, **kwargs)
 
     def _gate_decode(self) -> None:

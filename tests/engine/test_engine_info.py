@@ -189,12 +189,12 @@ def test_engine_info_of_a_real_vllm_config(tmp_path):
 
     from moe_cohort.engine.scheduler import reserve_prefill_ahead
 
-    reserve_prefill_ahead(config)  # what the plugin does where vLLM builds its config: 3 decode + 3 ahead
-    assert config.scheduler_config.max_num_seqs == 6
+    reserve_prefill_ahead(config)  # what the plugin does where vLLM builds its config: 3 decode + 16 x 3 ahead
+    assert config.scheduler_config.max_num_seqs == 3 + 48
     info = engine_info(config, {"VLLM_PLUGINS": "moe_cohort"})
     assert info["vllm_version"] == vllm.__version__ and info["model"] == "tiny" and info["max_num_seqs"] == 3
     assert routed_layers("qwen", hf) == 2  # layers 1 and 5 (3 is listed dense)
     assert info["moe"] == {"layers": 2, "experts": 16, "top_k": 4}
     base = "AsyncScheduler" if config.scheduler_config.async_scheduling else "Scheduler"  # vLLM CPU: off
-    assert info["scheduler"] == {"expert_aware": True, "class": OURS, "base": base, "prefill_ahead": 3}
+    assert info["scheduler"] == {"expert_aware": True, "class": OURS, "base": base, "prefill_ahead": 48}
     assert info["observed_counts"] is True

