@@ -197,3 +197,53 @@ def test_dry_run_plans_with_the_encoder_and_sends_nothing(tmp_path, capsys):
         batches.setdefault(p["batch"], set()).add(p["custom_id"][0])
     assert sorted(map(sorted, batches.values())) == [["m"], ["p"]]  # one topic per batch
     assert not (tmp_path / "out.jsonl").exists() and not (tmp_path / "out.jsonl.journal").exists()
+
+
+def _served(server) -> float:
+    """Requests the vLLM server has answered so far (vllm:request_success_total)."""
+    import re
+    import urllib.request
+
+    with urllib.request.urlopen(server.url + "/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    return sum(float(v) for v in re.findall(r"^vllm:request_success_total(?:\{[^}]*\})? ([0-9.e+]+)$", text, re.M))
+
+
+def test_killed_in_its_probes_and_in_its_lines_a_run_answers_each_line_once_and_probes_no_answered_line(
+        vllm_server, encoder, tmp_path):
+    """kill -9 while only probes have been answered, again once lines are in the journal, then a run to the end:
+    every line answered exactly once, and the last run sends at most a probe and the line itself for each line
+    not answered before it (no answered line's prompt is routed again)."""
+    n = 120
+    src = write(tmp_path / "in.jsonl", [request_line(f"q{i}", f"probe kill {i} about {'rice' if i % 2 else 'lists'}")
+                                        for i in range(n)])
+    out, journal = tmp_path / "out.jsonl", tmp_path / "out.jsonl.journal"
+    cmd = [sys.executable, "-m", "moe_cohort.cli", "batch", "run", "--input", str(src), "--output", str(out),
+           "--backend", vllm_server.url, "--encoder", encoder, "--data-dir", str(tmp_path / "data"),
+           "--max-in-flight", "2", "--no-progress"]
+
+    def killed_once(ready) -> None:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 120
+        while not ready():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read().decode()
+            time.sleep(0.005)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+
+    start = _served(vllm_server)
+    killed_once(lambda: _served(vllm_server) - start >= 3)  # probes answered (the lines wait for theirs)
+    assert journal_entries(journal) == 0, "the first kill came after the probes"
+    killed_once(lambda: journal_entries(journal) >= 20)
+    answered = journal_entries(journal)
+    assert 20 <= answered < n, "the second run was not killed mid-way"
+
+    before = _served(vllm_server)
+    rerun = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0 and "probed:" in rerun.stderr, rerun.stderr
+    final = results(out)
+    ids = [r["custom_id"] for r in final]
+    assert sorted(ids) == sorted(f"q{i}" for i in range(n)) and len(ids) == len(set(ids))
+    assert all(r["response"]["status_code"] == 200 for r in final)
+    time.sleep(1.0)  # vLLM's counters follow its last answers
+    assert _served(vllm_server) - before <= 2 * (n - answered)
