@@ -2,7 +2,7 @@
 against file order and against today's one-token probe.
 
     python -m benchmarks.bench_prefill_ahead [--model-dir DIR] [--lines 600] [--rounds 2] [--slots 16]
-        [--max-tokens 64] [--ahead N] [--probe] [--json FILE]
+        [--max-tokens 64] [--ahead N] [--probe] [--online [--clients 64]] [--json FILE]
 
 The served model is the tiny MoE a user gets (`cohort serve`'s embedded default, trained without COHORT_DATA;
 give a widened copy, `cohort make-tiny-moe --trained DIR --expert-width N`, for wall time on experts of real size),
@@ -20,6 +20,11 @@ which run goes first:
 
 Per run: decode expert loads per GENERATED token and decode tokens per forward (the plugin's counters), wall time
 (from the runner's first request, and with start-up), our runner's CPU seconds, every line answered exactly once.
+
+With --online the same prompts are chat requests from --clients closed-loop clients instead of a file: through a
+first come, first served proxy (`cohort serve --backend URL --encoder none`) on the file-order server, through the
+bare `cohort serve --backend URL` (a fresh data dir) on the prefill-ahead one; each run also prints p50 and p99
+latency of a whole answer, and failures.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ import numpy as np
 
 from benchmarks import bench_proxy
 from benchmarks.bench_batch_out_of_box import batch_file, cli_run, heldout_prompts, measured
-from benchmarks.bench_out_of_box import SCHEDULER, finish
+from benchmarks.bench_out_of_box import SCHEDULER, finish, through
 from benchmarks.bench_proxy import split_cpus
 from moe_cohort.embedded.backend import default_model_dir, ensure_trained_model
 
@@ -53,6 +58,11 @@ def one_run(name: str, model: Path, src: Path, work: Path, args, layers: int, r:
     tag = name.replace(" ", "-")
     with start(model, extra_env=env, max_num_seqs=args.slots, max_model_len=1024, extra_args=SCHEDULER,
                log_path=work / f"vllm-{tag}-r{r}.log") as server:
+        if args.online:  # the same flags make the FCFS proxy (--encoder none) and the bare one
+            row = through(server.url, [*flags, "--data-dir", str(work / f"data-{tag}-r{r}")], work, f"{name} r{r}",
+                          args.prompts, args, layers)
+            return {**row, "kind": name, "round": r, "wall_after_start_s": row["wall_s"], "cpu_s": float("nan"),
+                    "once": row["failed"] == 0, "log": None}
         row = measured(f"{name} r{r}", server.url, layers,
                        cli_run(src, work / f"{tag}-r{r}.jsonl", server.url,
                                ["--data-dir", str(work / f"data-{tag}-r{r}"), *flags]))
@@ -87,14 +97,18 @@ def main() -> None:
     p.add_argument("--slots", type=int, default=16, help="vLLM's max_num_seqs")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--ahead", type=int, default=None, help="COHORT_PREFILL_AHEAD of the prefill-ahead server "
-                                                           "(default: the scheduler's, one per slot)")
+                                                           "(default: the scheduler's, 16 per slot)")
     p.add_argument("--probe", action="store_true", help="also today's one-token probe, on a server without prefill ahead")
+    p.add_argument("--online", action="store_true", help="closed-loop chat clients through the proxy, not a file")
+    p.add_argument("--clients", type=int, default=64, help="with --online: clients, each sends its next prompt when "
+                                                           "answered")
     p.add_argument("--json", help="also write the rows here")
     args = p.parse_args()
     model = ensure_trained_model(Path(args.model_dir))
     layers = json.loads((model / "config.json").read_text())["num_hidden_layers"]
     work = Path(tempfile.mkdtemp(prefix="bench-prefill-ahead-"))
-    src = batch_file(work / "in.jsonl", heldout_prompts(args.lines), args.max_tokens)
+    args.prompts = heldout_prompts(args.lines)
+    src = batch_file(work / "in.jsonl", args.prompts, args.max_tokens)
     backend_cpus, bench_proxy.PROXY_CPUS = split_cpus()
     os.sched_setaffinity(0, backend_cpus)  # vLLM inherits it; the runner goes to the other core
     print(f"{args.lines} held-out lines, {args.max_tokens} tokens each, max_num_seqs {args.slots}, a fresh vLLM "

@@ -73,7 +73,7 @@ async def follow_heads(head: Callable[[], object], predict: Predict, order: Expe
 
 async def order_after(core, predictor: Awaitable, learning, *, sample: int,
                       run: Callable[..., Awaitable] = asyncio.to_thread) -> None:
-    """Beside the sends of `core` (proxy/batch/core.BatchCore, sending in a SpreadOrder): once `predictor`
+    """Beside the sends of `core` (batch/core.BatchCore, sending in a SpreadOrder): once `predictor`
     (awaited: send.profiles.Predictor) can predict, after `sample` new observations of `learning`
     (send.learning.learning.Learning) when it can only once a head is learned, hand `core` over to admission by the
     predicted profiles of every waiting line; then follow the later heads. `run` calls the predictions (the

@@ -4,7 +4,7 @@ Batch API's jobs and benchmarks/bench_batch.py.
 1. lines the journal already has are finished: they are neither planned nor sent again;
 2. invalid lines (when skipped) go to the error file first, once;
 3. the remaining requests are sent with at most `max_in_flight` at the backend (its max_num_seqs, plus a short
-   queue vLLM refills a freed slot from: proxy/autoconfig.plan_batch); a slot that frees goes at once to the
+   queue vLLM refills a freed slot from: send/autoconfig.plan_batch); a slot that frees goes at once to the
    waiting request that best fits the requests out now (batch/order.py: admission by the predictor's
    expert profiles, predicted once for the whole file, or file order without a predictor), so the backend stays
    full and its resident set stays alike. With `config.probe` (one backend, no gate) the profiles are the

@@ -1,5 +1,5 @@
 """`cohort batch run --backend URL` configures itself from the engine's handshake, as `cohort serve` does
-(proxy/autoconfig.plan_batch): the slots, whether it learns; flags win (and forward profiles when asked).
+(send/autoconfig.plan_batch): the slots, whether it learns; flags win (and forward profiles when asked).
 The engines are stand-ins on real sockets that answer the handshake as moe-cohort's vLLM would (with and without
 our scheduler, with and without the expert counts), or as a plain vLLM; the learning one counts experts as our
 plugin does (tests/send/learning/test_learning.py)."""

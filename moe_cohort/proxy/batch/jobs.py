@@ -66,7 +66,7 @@ class BatchJobs:
         self._closing = False
 
     def configure(self, plan: BatchPlan) -> None:
-        """Run batches as the engines' handshake says (proxy/autoconfig.plan_batch): lines out at once, shared by
+        """Run batches as the engines' handshake says (send/autoconfig.plan_batch): lines out at once, shared by
         the running batches, and whether each carries its predicted profile."""
         self.config = replace(self.config, max_in_flight=plan.max_in_flight, forward_profiles=plan.forward_profiles)
         self.share.resize(plan.max_in_flight)

@@ -28,7 +28,7 @@ class FairShare:
         self._waiting: dict[str, dict[str, deque[asyncio.Future]]] = {}  # tenant -> batch -> waiters, in turn order
 
     def resize(self, slots: int) -> None:
-        """Share `slots` from now on (the engines' handshake: proxy/autoconfig.plan_batch); requests out beyond a
+        """Share `slots` from now on (the engines' handshake: send/autoconfig.plan_batch); requests out beyond a
         smaller size finish as they are, and no slot is handed out until they did."""
         if slots < 1:
             raise ValueError(f"a share needs at least one slot, got {slots}")
