@@ -11,6 +11,8 @@ One module for both sides, so a renamed key or a changed encoding cannot leave o
 - `BATCH_KEY`: 1 for a batch line (a batch file's, the Batch API's, a Ray Data LLM row): its file is waited on
   as a whole, so the engine chooses it under neither fairness bound (admission.waiting, rule 1). A client may
   send it too; it gives up only its own bound.
+- `FCFS_KEY`: 1 for a request the engine must admit first come, first served (no routing of its prompt is used,
+  so it joins no resident set): `cohort compare` sends its baseline so.
 - `OBSERVE_KEY`: a token under which the plugin counts this request's experts (prompt and generated tokens
   apart, counts only) for the proxy's online learning to take (engine.observed_endpoint).
 
@@ -36,6 +38,7 @@ PROFILE_KEY = "moe_profile"
 RECORD_KEY = "moe_record"
 OBSERVE_KEY = "moe_observe"
 BATCH_KEY = "moe_batch"
+FCFS_KEY = "moe_fcfs"
 
 COMPACT_TOP = 8
 _LEVELS = 255

@@ -4,9 +4,10 @@
     cohort compare                # --proxy http://127.0.0.1:8080, its backend from the proxy's /health
 
 Prompts no model saw (the held-out side of devtools/corpus.py's split) go, in each of --rounds rounds,
-first DIRECTLY to the backend (vLLM's own queue, first come, first served: they carry no profile, so
-even our scheduler admits them in arrival order), then through the proxy (admission by predicted
-experts, in the proxy or inside vLLM). Each round takes the next --requests held-out prompts: a
+first DIRECTLY to the backend (first come, first served: they carry no profile and ask the engine for
+arrival order, `vllm_xargs.moe_fcfs`, so that our scheduler orders them neither by a profile nor by
+their prompt's routing), then through the proxy (admission by predicted experts, in the proxy or
+inside vLLM). Each round takes the next --requests held-out prompts: a
 learning proxy learns from what it serves, so a prompt sent through it in an earlier round would no
 longer be one it never saw (they repeat only when rounds x requests exceed the held-out side). Before
 the rounds, --learn-requests prompts of the training side go through the proxy, so that a learning
@@ -37,6 +38,7 @@ import sys
 import time
 from dataclasses import dataclass
 
+from moe_cohort.admission.wire import FCFS_KEY
 from moe_cohort.cli.checks import positive_int
 from moe_cohort.send.engine_counters import (DecodeCounters, MetricsUnreadable, has_plugin_counters, parse_counters,
                                              read_counters, read_metrics)
@@ -261,11 +263,12 @@ async def _send(target: Target, url: str, prompts: list[str], clients: int, max_
 
     pending = iter(prompts)
     headers = target.headers(url)
+    direct = {"vllm_xargs": {FCFS_KEY: 1}} if url == target.backend else {}  # the engine's own order: arrival
 
     async def client(http: aiohttp.ClientSession) -> None:
         for prompt in pending:
             body = {"model": target.model, "messages": [{"role": "user", "content": prompt}],
-                    "max_tokens": max_tokens, "ignore_eos": True, "truncate_prompt_tokens": 256}
+                    "max_tokens": max_tokens, "ignore_eos": True, "truncate_prompt_tokens": 256, **direct}
             async with http.post(url + "/v1/chat/completions", json=body, headers=headers) as resp:
                 text = await resp.text()
                 if resp.status != 200:

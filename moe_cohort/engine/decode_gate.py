@@ -43,17 +43,19 @@ class DecodeGate:
 
     `fallback(request)` gives a profile for a request whose prompt routing never arrives (the proxy's
     prediction in `vllm_xargs.moe_profile`, or None); `bounded(request)` whether the fairness bounds hold for it
-    (not for a batch line); `clock()` is comparable with `arrival_time`.
+    (not for a batch line); `ordered(request)` whether its routing may order it (not for a request that asked for
+    first come, first served: it waits as one without a vector); `clock()` is comparable with `arrival_time`.
     """
 
     def __init__(self, slots: int, *, max_wait_s: float | None = None, max_passed: int | None = None,
                  fallback: Callable[[Any], np.ndarray | None] = lambda request: None,
                  bounded: Callable[[Any], bool] = lambda request: True,
+                 ordered: Callable[[Any], bool] = lambda request: True,
                  clock: Callable[[], float] = time.time) -> None:
         if slots < 1:
             raise ValueError(f"a decode gate needs >= 1 slot, got {slots}")
         self.slots, self.max_wait_s, self.max_passed = slots, max_wait_s, max_passed
-        self._fallback, self._bounded, self._clock = fallback, bounded, clock
+        self._fallback, self._bounded, self._ordered, self._clock = fallback, bounded, ordered, clock
         self.decoding: dict[str, np.ndarray | None] = {}  # request id -> the vector it joined the residents with
         self.held: dict[str, Any] = {}  # request id -> request, prefilled and waiting for a decode slot
         self._pool = WaitingPool()  # the held requests' vectors, for the choice
@@ -65,7 +67,7 @@ class DecodeGate:
         for rid, profile in profiles.items():
             vector = np.asarray(profile, np.float32).ravel()
             self._routing[rid] = vector
-            if rid in self.held:
+            if rid in self.held and self._ordered(self.held[rid]):
                 self._pool.update(rid, vector)
 
     def step(self, running: Iterable[Any]) -> tuple[list[Any], list[Any]]:
@@ -94,13 +96,19 @@ class DecodeGate:
             del self._routing[rid]
 
     def _hold(self, request) -> None:
-        rid = request.request_id
-        vector = self._routing.get(rid)
+        self.held[request.request_id] = request
+        self._pool.add(request.request_id, self._vector(request), request.arrival_time, bounded=self._bounded(request))
+
+    def _vector(self, request) -> np.ndarray | None:
+        """What a held request is chosen by: its prompt routing, else the fallback; None (first come, first served)
+        for one that is not to be ordered."""
+        if not self._ordered(request):
+            return None
+        vector = self._routing.get(request.request_id)
         if vector is None:
             fallback = self._fallback(request)
             vector = None if fallback is None else np.asarray(fallback, np.float32).ravel()
-        self.held[rid] = request
-        self._pool.add(rid, vector, request.arrival_time, bounded=self._bounded(request))
+        return vector
 
     def _admit(self, rid: str):
         row = self._pool.rows[rid]

@@ -38,15 +38,23 @@ import numpy as np
 
 from moe_cohort.admission.resident import ResidentExperts
 from moe_cohort.admission.waiting import WaitingPool
-from moe_cohort.admission.wire import BATCH_KEY, COMPACT_TOP, PROFILE_KEY, decode_profile
+from moe_cohort.admission.wire import BATCH_KEY, COMPACT_TOP, FCFS_KEY, PROFILE_KEY, decode_profile
 
 log = logging.getLogger(__name__)
 
 
 def batch_line(request) -> bool:
     """Whether the request is a batch line (`vllm_xargs.moe_batch`): chosen under neither fairness bound."""
-    extra = getattr(getattr(request, "sampling_params", None), "extra_args", None) or {}
-    return extra.get(BATCH_KEY) == 1  # vLLM's API makes a JSON true 1 (vllm_xargs holds str, int, float)
+    return _extra(request).get(BATCH_KEY) == 1  # vLLM's API makes a JSON true 1 (vllm_xargs holds str, int, float)
+
+
+def first_come(request) -> bool:
+    """Whether the request asks to be admitted first come, first served (`vllm_xargs.moe_fcfs`)."""
+    return _extra(request).get(FCFS_KEY) == 1
+
+
+def _extra(request) -> dict:
+    return getattr(getattr(request, "sampling_params", None), "extra_args", None) or {}
 
 
 def profile_of(request, num_experts: int) -> np.ndarray | None:

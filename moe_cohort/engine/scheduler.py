@@ -51,7 +51,7 @@ from moe_cohort.engine.decode_gate import DecodeGate
 from moe_cohort.engine.engine_info import decode_slots
 from moe_cohort.engine.prefill_ahead import (ENV_AHEAD, active_limit, prefill_ahead,  # noqa: F401 (public here too)
                                              reserve_prefill_ahead)
-from moe_cohort.engine.expert_queue import ExpertAwareQueue, batch_line, profile_of
+from moe_cohort.engine.expert_queue import ExpertAwareQueue, batch_line, first_come, profile_of
 from moe_cohort.engine.prompt_routing import OUTPUT_ATTR
 from moe_cohort.engine.vllm_plugin import ENV_ALLOW, check_vllm_version
 
@@ -121,7 +121,8 @@ class _ExpertAware:
                  "admission to decode by each prompt's routing", slots, self.max_num_running_reqs - slots)
         return DecodeGate(slots, max_wait_s=self.waiting.max_wait_s, max_passed=self.waiting.max_passed,
                           fallback=lambda request: profile_of(request, self.waiting.num_experts),
-                          bounded=lambda request: not batch_line(request))
+                          bounded=lambda request: not batch_line(request),
+                          ordered=lambda request: not first_come(request))
 
     def schedule(self, *args, **kwargs):
         if self.gate is not None:

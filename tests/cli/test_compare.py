@@ -121,3 +121,24 @@ def _ok(url: str) -> bool:
         return httpx.get(url, timeout=2).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def test_the_direct_run_asks_the_engine_for_arrival_order_and_the_proxys_run_does_not():
+    """Our scheduler orders what it holds by each prompt's routing; the baseline must not be ordered so."""
+    from moe_cohort.cli.compare import Target, _send
+
+    seen = []
+
+    async def record(request: web.BaseRequest) -> web.StreamResponse:
+        seen.append((request.host, (await request.json()).get("vllm_xargs")))
+        return answer({"object": "chat.completion", "choices": [{"index": 0, "message": {"content": "hi"}}]})
+
+    async def main_():
+        async with local_backend(record) as backend, local_backend(record) as proxy:
+            target = Target(proxy=proxy, backend=backend, model="tiny")
+            await _send(target, backend, ["a", "b"], 2, 4)
+            await _send(target, proxy, ["c"], 1, 4)
+            return backend.removeprefix("http://")
+
+    host = asyncio.run(main_())
+    assert [x for h, x in seen if h == host] == [{"moe_fcfs": 1}] * 2 and [x for h, x in seen if h != host] == [None]

@@ -121,3 +121,15 @@ def test_a_request_that_leaves_running_leaves_the_gate_and_comes_back_held_after
     run_prefill(a)
     admitted, held = gate.step([b, a])
     assert not admitted and [r.request_id for r in held] == ["a"]
+
+
+def test_a_request_that_asks_for_first_come_first_served_is_admitted_in_arrival_order_despite_its_routing():
+    gate = DecodeGate(1, clock=lambda: 0.0, ordered=lambda request: False)
+    first, far, near = request("first", 0.0), request("far", 0.5), request("near", 1.0)
+    for r in (first, far, near):
+        run_prefill(r)
+    gate.routed({"first": np.eye(L, E), "far": np.roll(np.eye(L, E), 3, axis=1), "near": np.eye(L, E)})
+    order = [r.request_id for r in gate.step([first, far, near])[0]]
+    order += [r.request_id for r in gate.step([far, near])[0]]  # first finished
+    assert order == ["first", "far"]  # ordered by routing, "near" (like "first") would go before "far"
+    assert not gate._pool.profiled[gate._pool.rows["near"]] and gate._resident is None
