@@ -24,7 +24,8 @@ OTHER_VARIABLES = {
     "COHORT_GRAPH_RANK_WIDTH": "vLLM's plugin with CUDA graphs: experts ranked per token, the largest OEA max_p "
                                "served (default 2 x top_k)",
     "COHORT_PREFILL_AHEAD": "vLLM's ExpertAwareScheduler: requests prefilled and held beyond --max-num-seqs, admitted "
-                            "to decode by their prompt's routing (default: 16 x max_num_seqs, within half the KV cache; 0: off)",
+                            "to decode by their prompt's routing (default: 16 x max_num_seqs, within half the KV "
+                            "cache; 0: off)",
     "COHORT_DIE_WITH_PARENT": "set by `cohort serve` for its embedded vLLM: each of its processes dies with its parent",
     "COHORT_METRICS_DIR": "set by vLLM's plugin for vLLM's own processes: where they write their metrics",
     "COHORT_RAY_OBSERVATIONS": "set by `ExpertAware` for Ray Data LLM's engine stage: the Ray actor it hands the "

@@ -5,8 +5,9 @@ import. The environment variable:
 
     COHORT_PREFILL_AHEAD  requests prefilled and held ahead of decode (default: AHEAD_PER_SLOT x max_num_seqs;
                           0: off). The more are held, the wider the choice of the one to decode next, and the
-                          more KV the held prompts take: no request is taken in to be held once the KV cache
-                          is AHEAD_KV_SHARE full (`active_limit`), so that decoding never preempts for them
+                          more KV the held prompts take: no request is taken in to be held at a step that
+                          starts with the KV cache AHEAD_KV_SHARE full (`active_limit`), so that the decoding
+                          requests keep room to grow (a step's own admissions may pass the share once)
 """
 
 from __future__ import annotations

@@ -31,7 +31,8 @@ them (its settings max_queue_ms and max_passed: one environment sets both alike)
                           (default, and 0: 3 x max_num_seqs)
     COHORT_PREFILL_AHEAD  requests prefilled and held ahead of decode (default: 16 x max_num_seqs; 0: off,
                           admission by the proxy's predicted profiles alone). A batch line
-                          (`vllm_xargs.moe_batch`) is held under neither fairness bound.
+                          (`vllm_xargs.moe_batch`) is held under neither fairness bound; a request
+                          with `vllm_xargs.moe_fcfs` is held in arrival order, its routing unused.
                           Needs the plugin loaded where vLLM builds its config (VLLM_PLUGINS unset or
                           naming moe_cohort)
 """
