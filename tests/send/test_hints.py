@@ -105,7 +105,8 @@ def test_batch_lines_follow_the_same_rules(tmp_path):
 
         assert run([line("a", FORGED)]).status == "completed"
         failed = run([line("b", {"moe_routing": "xshare;m=8"})])
-    assert [b["vllm_xargs"] for _, b in backend.bodies] == [{"moe_routing": "oea;k0=1", "temperature_x": 3}]
+    assert [b["vllm_xargs"] for _, b in backend.bodies] == [{"moe_routing": "oea;k0=1", "temperature_x": 3,
+                                                              "moe_batch": 1}]  # the line's mark: no fairness bound
     assert failed.status == "failed" and failed.errors.data[0].line == 1
     assert "is not allowed on this proxy; allowed: oea" in failed.errors.data[0].message
 
