@@ -1,6 +1,7 @@
 """run_batch (the driver) against failures a real vLLM cannot produce on demand (429, 503, hangs, a dead
 backend): the backend is a throwaway local server (tests/proxy/servers.py). The decisions alone, without
-sockets, are in tests/batch/test_core.py; runs against real vLLM in tests/cli/test_batch.py and tests/proxy/batch/test_api.py."""
+sockets, are in tests/batch/test_core.py; runs against real vLLM in tests/cli/test_batch.py and
+tests/proxy/batch/test_api.py."""
 
 import asyncio
 import contextlib

@@ -88,10 +88,11 @@ while engine.has_unfinished_requests():
     waiting_decode.append(len(before))
 print("RESULT " + json.dumps({"outputs": {k: list(v) for k, v in outputs.items()}, "decoders": decoders,
                               "prefilled": waiting_decode, "admitted": admitted, "running": running,
-                              "runner_slots": sched.max_num_running_reqs, "blocks": sched.kv_cache_manager.block_pool.num_gpu_blocks,
+                              "runner_slots": sched.max_num_running_reqs,
+                              "blocks": sched.kv_cache_manager.block_pool.num_gpu_blocks,
                               "aborted_was_held": abort and held_then, "emitted": emitted,
-                              "gate_keeps": sorted({r.split("-")[0] for r in [*gate.held, *gate.decoding, *gate._routing]}
-                                                   if gate is not None else [])}))
+                              "gate_keeps": sorted({r.split("-")[0] for r in
+                                                    [*gate.held, *gate.decoding, *gate._routing]} if gate else [])}))
 """
 
 
