@@ -255,8 +255,7 @@ def _loaded(settings: Settings):
 def _following(loading: Future, learning, settings: Settings) -> Future:
     """`loading`'s predictor, made to follow `learning` (its head, once learned), else the head an earlier run
     saved in the data dir, as soon as it is loaded."""
-    from moe_cohort.send.learning.learning import saved_head
-    from moe_cohort.send.profiles import FixedHead
+    from moe_cohort.send.learning.learning import follow_learned
 
     out: Future = Future()
 
@@ -265,10 +264,7 @@ def _following(loading: Future, learning, settings: Settings) -> Future:
             return
         try:
             predictor = future.result()
-            if learning is not None:
-                predictor.follow(learning)
-            elif (head := saved_head(settings)) is not None:
-                predictor.follow(FixedHead(head))  # not learning: the order reads what an earlier run learned
+            follow_learned(predictor, learning, settings)
             out.set_result(predictor)
         except BaseException as exc:  # the encoder failed to load: the run fails with its error
             out.set_exception(exc)

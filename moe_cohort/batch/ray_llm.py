@@ -120,8 +120,8 @@ class ExpertAware:
         does), or else by the settings' encoder (`encoder`: as `cohort batch run --encoder`; "none": the Dataset's
         order, no probes) with the head learned in `data_dir` (the proxy's and the batch runner's); learning into
         that head with `learn`. A probing run that does not learn loads no encoder."""
-        from moe_cohort.send.learning.learning import learned_folder, load_learner
-        from moe_cohort.send.profiles import FixedHead, make_predictor
+        from moe_cohort.send.learning.learning import follow_learned, learned_folder, load_learner
+        from moe_cohort.send.profiles import make_predictor
         from moe_cohort.send.setting_sources import load_settings
 
         overrides = {"encoder": encoder, **({"data_dir": data_dir} if data_dir else {})}
@@ -133,8 +133,7 @@ class ExpertAware:
         learner = load_learner(settings)
         aware = cls(predictor, max_num_seqs, learner if learn and predictor is not None else None,
                     learned_folder(settings), probe=probe)
-        if predictor is not None and learner.head is not None:
-            predictor.follow(FixedHead(learner.head))  # ordering by the head learned there
+        follow_learned(predictor, None, settings)  # ordering by the head learned there
         return aware
 
     def order(self, ds, text: Callable[[dict], str] = row_text):

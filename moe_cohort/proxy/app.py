@@ -43,10 +43,10 @@ from moe_cohort.send.backend_client import BackendClient
 from moe_cohort.send.gate import AdmissionGate, Profiler
 from moe_cohort.send.handshake import UNREACHABLE, EngineInfo, ask
 from moe_cohort.send.hints import HintRules
-from moe_cohort.send.learning.learning import Learning, learned_folder, load_learner, saved_head
+from moe_cohort.send.learning.learning import Learning, follow_learned, learned_folder, load_learner
 from moe_cohort.send.lifecycle import Lifecycle
 from moe_cohort.send.metrics import ProxyMetrics, watch_loop_lag
-from moe_cohort.send.profiles import FixedHead, Predictor, make_predictor
+from moe_cohort.send.profiles import Predictor, make_predictor
 from moe_cohort.send.protocol import Route, check_size, read_body, read_request
 from moe_cohort.send.replicas import ReplicaSet
 from moe_cohort.send.setting_sources import load_settings
@@ -174,10 +174,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     learner = load_learner(settings) if settings.learn is not False and settings.encoder.lower() != "none" else None
     predictor = make_predictor(settings, threads=settings.encoder_threads)
     proxy = Proxy(settings, predictor, learner)
-    if proxy.learning is not None:
-        predictor.follow(proxy.learning)  # admission reads the learned head, and whether learning is on
-    elif predictor is not None and (head := saved_head(settings)) is not None:
-        predictor.follow(FixedHead(head))  # not learning: admission reads what an earlier run learned
+    follow_learned(predictor, proxy.learning, settings)  # admission reads the learned head, and whether learning is on
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -216,11 +213,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def completions(request: Request) -> Response:
         return await proxy.completion(request, "completion")
 
-    # the two hot routes skip FastAPI's layers (proxy/http/fastpath.py); routes here too, for the OpenAPI schema
-    app.post(PATHS["chat"])(chat_completions)
-    app.post(PATHS["completion"])(completions)
-    app.add_middleware(FastPath, routes={PATHS["chat"]: (chat_completions, "chat"),
-                                         PATHS["completion"]: (completions, "completion")},
+    async def responses(request: Request) -> Response:  # admitted like a completion, its text from `input`
+        return await proxy.completion(request, "responses")
+
+    # the generating routes skip FastAPI's layers (proxy/http/fastpath.py); routes here too, for the OpenAPI schema
+    admitted = {"chat": chat_completions, "completion": completions, "responses": responses}
+    for route, handler in admitted.items():
+        app.post(PATHS[route])(handler)
+    app.add_middleware(FastPath, routes={PATHS[route]: (handler, route) for route, handler in admitted.items()},
                        on_error=error_answer)
 
     add_relay_routes(app, proxy)

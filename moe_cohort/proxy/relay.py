@@ -5,8 +5,6 @@
     POST /v1/embeddings           relayed, unplanned (no generation to plan)
     POST /tokenize, /detokenize   relayed, unplanned, to a healthy replica (in turn)
     GET  /version                 relayed
-    POST /v1/responses            generates tokens: admitted like a completion (holds a slot, text from
-                                  `input`), streamed or whole, with its routing policy as a chat's
 
 What the backend does not offer answers with the backend's own status in the OpenAI error shape (vLLM
 answers {"detail": "Not Found"} for /v1/embeddings on a generative model: a 404 naming the route).
@@ -61,7 +59,3 @@ def add_relay_routes(app: FastAPI, proxy) -> None:
 
     for path in POST_ROUTES:
         app.add_api_route(path, relay_post, methods=["POST"])
-
-    @app.post("/v1/responses")
-    async def responses(request: Request) -> Response:
-        return await proxy.completion(request, "responses")

@@ -1,10 +1,10 @@
-"""The hot routes' short way through the app: POST /v1/chat/completions and /v1/completions.
+"""The generating routes' short way through the app: POST /v1/chat/completions, /v1/completions, /v1/responses.
 
-Under load a large share of the proxy's CPU per request goes to FastAPI's layers around these two
+Under load a large share of the proxy's CPU per request goes to FastAPI's layers around these hot
 routes (py-spy on `cohort serve` under benchmarks/bench_proxy.py): route matching over every
 route, the dependency solver, the exception and exit-stack middlewares, the response wrappers. The
 proxy's own work (auth, parse, admit, forward) does not need them. `FastPath` is plain ASGI
-middleware that sends these two paths straight to their handlers and everything else on to the
+middleware that sends these paths straight to their handlers and everything else on to the
 app; the handlers and the error answers are the same functions the app's routes and exception
 handlers use, so the two ways cannot drift apart. It sits inside `RequestContext`
 (proxy/http/middleware.py): request ids, access log lines and the last-resort 500 are unchanged.

@@ -262,6 +262,19 @@ def saved_head(settings) -> ProfileHead | None:
     return load_learner(settings).head
 
 
+def follow_learned(predictor, learning: "Learning | None", settings) -> None:
+    """The one wiring of a predictor (send.profiles.Predictor; None: nothing to wire) to a head: the one `learning`
+    learns, read per prediction, else the head an earlier run saved in the settings' data dir, if any."""
+    from moe_cohort.send.profiles import FixedHead
+
+    if predictor is None:
+        return
+    if learning is not None:
+        predictor.follow(learning)
+    elif (head := saved_head(settings)) is not None:
+        predictor.follow(FixedHead(head))  # not learning: admission reads what an earlier run learned
+
+
 def learned_folder(settings) -> Path:
     """Where the proxy keeps what it learned: `--data-dir`/learned."""
     return settings.data_path / "learned"
