@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from moe_cohort.batch.format import BatchFile, BatchRequest, failure_line, new_id, result_line
-from moe_cohort.batch.journal import Record
+from moe_cohort.batch.journal import Journal, Record
 from moe_cohort.batch.order import FileOrder, Order
 from moe_cohort.send.engine_counters import DecodeCounters
 from moe_cohort.send.settings import Settings
@@ -202,6 +202,15 @@ class BatchCore:
 
 def retryable(status: int) -> bool:
     return status in (408, 429) or status >= 500
+
+
+def left_to_run(batch: BatchFile, journal: Journal, skip_invalid: bool) -> tuple[list[BatchRequest], RunStats]:
+    """What is left of a file: the requests no run has finished (batch/journal.py's `done`), and the run's stats
+    counting those finished before; invalid lines, when skipped, go to the error file first, once."""
+    if skip_invalid:
+        journal.commit(invalid_records(batch, journal.done))
+    pending = [r for r in batch.requests if r.line not in journal.done]
+    return pending, RunStats(total=len(batch.requests), finished_before=len(batch.requests) - len(pending))
 
 
 def invalid_records(batch: BatchFile, done: dict[int, str]) -> list[Record]:

@@ -35,7 +35,7 @@ import logging
 import os
 from typing import Callable, Sequence
 
-from moe_cohort.batch.core import BatchCore, RunConfig, RunStats, invalid_records
+from moe_cohort.batch.core import BatchCore, RunConfig, RunStats, left_to_run
 from moe_cohort.batch.format import BatchFile, BatchRequest
 from moe_cohort.batch.journal import Journal, JournalError, Record
 from moe_cohort.batch.run import RunAborted
@@ -69,12 +69,9 @@ def run_batch_ray(settings: Settings, batch: BatchFile, journal: Journal, predic
 
     from moe_cohort.batch.order import make_order, simulated_order
 
-    if skip_invalid:
-        journal.commit(invalid_records(batch, journal.done))
+    pending, stats = left_to_run(batch, journal, skip_invalid)
     config = RunConfig.from_settings(settings, metrics_interval_s=0)
     urls = list(settings.backends)
-    pending = [r for r in batch.requests if r.line not in journal.done]
-    stats = RunStats(total=len(batch.requests), finished_before=len(batch.requests) - len(pending))
     if not pending:
         return stats
     order = simulated_order(pending, make_order(pending, predictor, config.max_in_flight), config.max_in_flight)

@@ -46,7 +46,7 @@ from typing import Awaitable, Callable, Protocol, Sequence, TypeVar
 import numpy as np
 
 from moe_cohort.batch.core import (Abort, Answered, BatchCore, Outcome, Retry, RunConfig, RunStats, Send, Stop, TimedOut,
-                                   Unreachable, invalid_records)
+                                   Unreachable, left_to_run)
 from moe_cohort.batch.follow import follow_heads, order_after, sample_size
 from moe_cohort.batch.format import BatchFile, BatchRequest
 from moe_cohort.batch.journal import Journal, JournalError, Record
@@ -105,10 +105,7 @@ async def run_batch(batch: BatchFile, journal: Journal, replicas: Sequence[Backe
     `learning` (send/learning/learning.py, with `predictor` made to read its head): the run learns from its answers."""
     if gate is None and len(replicas) != 1:
         raise ValueError(f"without the proxy's gate a run sends to one backend, got {len(replicas)}")
-    if skip_invalid:
-        journal.commit(invalid_records(batch, journal.done))
-    pending = [r for r in batch.requests if r.line not in journal.done]
-    stats = RunStats(total=len(batch.requests), finished_before=len(batch.requests) - len(pending))
+    pending, stats = left_to_run(batch, journal, skip_invalid)
     if not pending:
         return stats
     core = BatchCore(pending, config, stats, deadline=deadline)
