@@ -209,14 +209,19 @@ def summary(rows: list[dict]) -> list[str]:
     return out
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_file_arguments(p: argparse.ArgumentParser, rounds: int) -> None:
+    """The arguments every held-out batch benchmark takes: the model, the file's size, rounds, slots, tokens."""
     p.add_argument("--model-dir", default=str(default_model_dir()), help="the trained tiny MoE (trained here if "
                                                                           "missing), or a widened copy of it")
     p.add_argument("--lines", type=int, default=600)
-    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=rounds)
     p.add_argument("--slots", type=int, default=16, help="vLLM's max_num_seqs")
     p.add_argument("--max-tokens", type=int, default=64)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_file_arguments(p, rounds=4)
     p.add_argument("--new-lines", type=int, default=0, help="also a second file of this many other held-out lines, "
                    "ordered by the head the cold run learned (its saving on lines it never saw)")
     p.add_argument("--api", action="store_true", help="also through the Batch API of a bare cohort serve")

@@ -38,10 +38,10 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks import bench_proxy
-from benchmarks.bench_batch_out_of_box import batch_file, cli_run, heldout_prompts, measured
+from benchmarks.bench_batch_out_of_box import add_file_arguments, batch_file, cli_run, heldout_prompts, measured
 from benchmarks.bench_out_of_box import SCHEDULER, finish, through
 from benchmarks.bench_proxy import split_cpus
-from moe_cohort.embedded.backend import default_model_dir, ensure_trained_model
+from moe_cohort.embedded.backend import ensure_trained_model
 
 RUNS = {  # name -> (server environment, runner flags)
     "file order": ({"COHORT_PREFILL_AHEAD": "0"}, ["--encoder", "none"]),
@@ -90,12 +90,7 @@ def summary(rows: list[dict]) -> list[str]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model-dir", default=str(default_model_dir()), help="the trained tiny MoE (trained here if "
-                                                                          "missing), or a widened copy of it")
-    p.add_argument("--lines", type=int, default=600)
-    p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--slots", type=int, default=16, help="vLLM's max_num_seqs")
-    p.add_argument("--max-tokens", type=int, default=64)
+    add_file_arguments(p, rounds=2)
     p.add_argument("--ahead", type=int, default=None, help="COHORT_PREFILL_AHEAD of the prefill-ahead server "
                                                            "(default: the scheduler's, 16 per slot)")
     p.add_argument("--probe", action="store_true", help="also today's one-token probe, on a server without prefill ahead")

@@ -11,8 +11,8 @@ and answers the sender (batch/run.py), which does the sending, the sleeping and 
     on_outcome(send, o)    Finish(record) | Retry(delay_s, reason) | Abort(message)
     committed(records)     count records the journal made durable into RunStats (usage included)
 
-Retries: 429, 408, 5xx and timeouts are retried with exponential backoff and jitter in [50%, 100%]
-of the step (so the retries of one batch spread out); a request keeps its slot while it waits, so an
+Retries: 429, 408, 5xx and timeouts are retried with exponential backoff, each wait drawn between half
+and all of its step (so the retries of one batch spread out); a request keeps its slot while it waits, so an
 overloaded backend is not sent more. After `max_retries` the backend's answer (or a backend_timeout
 error) finishes the request in the error file; another 4xx does at once. An unreachable backend after
 the retries is an Abort: the requests are fine, the backend is not, and a rerun resumes.
