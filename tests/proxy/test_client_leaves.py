@@ -12,6 +12,7 @@ import json
 import socket
 import threading
 import time
+import uuid
 
 import pytest
 
@@ -239,7 +240,7 @@ def test_a_client_that_leaves_at_any_moment_takes_its_request_with_it(served, mo
     engine, app, port = served
     if moment == MOMENTS[1] and engine.info is not None:
         pytest.skip("an engine that admits gets every request at once: nothing waits in the proxy")
-    name = f"{moment}-{route}-{stream}"
+    name = f"{moment}-{route}-{stream}-{uuid.uuid4().hex[:8]}"  # its own, also when the test is repeated
     client = RawClient(port, route, name, stream)
     blocker = None
     if moment == MOMENTS[0]:
