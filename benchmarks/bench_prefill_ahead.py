@@ -2,7 +2,8 @@
 against file order and against today's one-token probe.
 
     python -m benchmarks.bench_prefill_ahead [--model-dir DIR] [--lines 600] [--rounds 2] [--slots 16]
-        [--max-tokens 64] [--ahead N] [--probe] [--online [--clients 64]] [--json FILE]
+        [--max-tokens 64] [--ahead N] [--probe] [--online [--clients 64]] [--plain-vllm] [--shared]
+        [--max-in-flight N] [--json FILE]
 
 The served model is the tiny MoE a user gets (`cohort serve`'s embedded default, trained without COHORT_DATA;
 give a widened copy, `cohort make-tiny-moe --trained DIR --expert-width N`, for wall time on experts of real size),
@@ -20,6 +21,11 @@ which run goes first:
 
 Per run: decode expert loads per GENERATED token and decode tokens per forward (the plugin's counters), wall time
 (from the runner's first request, and with start-up), our runner's CPU seconds, every line answered exactly once.
+
+With --plain-vllm the server runs vLLM's own scheduler (the plugin loaded: it counts experts, so a bare run
+probes), and the runs are file order and the probe; --shared pins nothing (vLLM and the runner share every core,
+as on a user's one machine); --max-in-flight N is every run's `--max-in-flight` (the runner's own default
+otherwise).
 
 With --online the same prompts are chat requests from --clients closed-loop clients instead of a file: through a
 first come, first served proxy (`cohort serve --backend URL --encoder none`) on the file-order server, through the
@@ -55,8 +61,10 @@ def one_run(name: str, model: Path, src: Path, work: Path, args, layers: int, r:
 
     env, flags = RUNS[name]
     env = {**env, **({"COHORT_PREFILL_AHEAD": str(args.ahead)} if args.ahead is not None and not env else {})}
+    flags = [*flags, *(["--max-in-flight", str(args.max_in_flight)] if args.max_in_flight else [])]
     tag = name.replace(" ", "-")
-    with start(model, extra_env=env, max_num_seqs=args.slots, max_model_len=1024, extra_args=SCHEDULER,
+    with start(model, extra_env=env, max_num_seqs=args.slots, max_model_len=1024,
+               extra_args=[] if args.plain_vllm else SCHEDULER,
                log_path=work / f"vllm-{tag}-r{r}.log") as server:
         if args.online:  # the same flags make the FCFS proxy (--encoder none) and the bare one
             row = through(server.url, [*flags, "--data-dir", str(work / f"data-{tag}-r{r}")], work, f"{name} r{r}",
@@ -97,6 +105,10 @@ def main() -> None:
     p.add_argument("--online", action="store_true", help="closed-loop chat clients through the proxy, not a file")
     p.add_argument("--clients", type=int, default=64, help="with --online: clients, each sends its next prompt when "
                                                            "answered")
+    p.add_argument("--plain-vllm", action="store_true", help="vLLM's own scheduler (the plugin loaded): file order "
+                                                             "against the probe")
+    p.add_argument("--shared", action="store_true", help="pin nothing: vLLM and the runner share every core")
+    p.add_argument("--max-in-flight", type=int, default=0, help="every run's --max-in-flight (0: the runner's own)")
     p.add_argument("--json", help="also write the rows here")
     args = p.parse_args()
     model = ensure_trained_model(Path(args.model_dir))
@@ -105,11 +117,13 @@ def main() -> None:
     args.prompts = heldout_prompts(args.lines)
     src = batch_file(work / "in.jsonl", args.prompts, args.max_tokens)
     backend_cpus, bench_proxy.PROXY_CPUS = split_cpus()
+    if args.shared:
+        backend_cpus, bench_proxy.PROXY_CPUS = os.sched_getaffinity(0), None
     os.sched_setaffinity(0, backend_cpus)  # vLLM inherits it; the runner goes to the other core
-    print(f"{args.lines} held-out lines, {args.max_tokens} tokens each, max_num_seqs {args.slots}, a fresh vLLM "
-          f"per run on CPUs {sorted(backend_cpus)}, runner on {sorted(bench_proxy.PROXY_CPUS)}; model {model}",
-          flush=True)
-    kinds = [k for k in RUNS if args.probe or k != "probe"]
+    print(f"{args.lines} held-out lines, {args.max_tokens} tokens each, max_num_seqs {args.slots}, a fresh "
+          f"{'plain ' if args.plain_vllm else ''}vLLM per run on CPUs {sorted(backend_cpus)}, runner on "
+          f"{sorted(bench_proxy.PROXY_CPUS or backend_cpus)}; model {model}", flush=True)
+    kinds = ["file order", "probe"] if args.plain_vllm else [k for k in RUNS if args.probe or k != "probe"]
     rows = []
     for r in range(args.rounds):
         for name in (kinds if r % 2 == 0 else kinds[::-1]):  # alternate which goes first

@@ -69,7 +69,6 @@ class RunStats:
     completion_tokens: int = 0
     decode: DecodeCounters | None = None  # the plugin's decode counters over this run (send/engine_counters.py)
     probed: int | None = None  # lines whose prompt the engine routed before their turn (None: the run does not probe)
-    probe_s: float = 0.0  # seconds spent probing before the first line was sent (not in `elapsed`)
 
     def __post_init__(self) -> None:
         self.started = self.started or self.clock()

@@ -7,11 +7,15 @@ under the line's own routing policy. It predicts the answer's routing far better
 text (docs/results.md, "Probing"), and costs the engine one prefill, whose full blocks vLLM's prefix cache
 keeps for the line's own request.
 
-Lines are probed in file order, `concurrency` at a time, each once, while fewer than PROBE_AHEAD probed lines
-wait; a line already sent is skipped. A probe
-that fails (an error answer, counts that never come) leaves its line without a profile: it is sent like any
-other, and its own request says what is wrong; once one finds the backend unreachable, no more are sent. Chat
-and completions lines are probed; other lines go without.
+This is the path for an engine that counts experts but does not schedule by them (vLLM's own scheduler with our
+plugin): its queue is first come, first served, so a probe sent ahead of a line's request takes the slot that
+line would have taken, for one step. The rule that keeps the engine full: no barrier (the first lines go at
+once, from the far end of the file: ProbedOrder), and PROBE_CONCURRENCY probes at once, so a slot that frees
+serves at most that many probes before the next line. Lines are probed in file order, each once, while fewer than
+PROBE_AHEAD probed lines wait; a line already sent is skipped. A probe that fails (an error answer, counts that
+never come) leaves its line without a profile: it is sent like any other, and its own request says what is wrong;
+once one finds the backend unreachable, no more are sent. Chat and completions lines are probed; other lines go
+without.
 """
 
 from __future__ import annotations
@@ -34,11 +38,13 @@ log = logging.getLogger(__name__)
 
 PROBED_URLS = ("/v1/chat/completions", "/v1/completions")
 COUNTS_WAIT_S = 5.0  # after the last probe, how long its counts are waited for
+COUNTS_POLL_S = 0.05  # how often the counts of answered probes are asked for: a line waits for its profile only so long
 # lines probed before the first is sent, and the most that wait probed later: admission chooses among as many as
 # ExpertOrder looks ahead over (the whole of a smaller file), a file's first lines are not sent unprobed while the
 # probes catch up with them, and on a file of any size the pool (what each choice scans) and the prompts vLLM's
 # prefix cache must keep until their lines go stay bounded
 PROBE_AHEAD = DEFAULT_WINDOW
+PROBE_CONCURRENCY = 1  # probes at the engine at once (see above: each may take a freed slot from a line for a step)
 ROOM_POLL_S = 0.05  # how often a probe that waits for room asks again
 
 
@@ -48,7 +54,7 @@ class Probes:
     def __init__(self, client: BackendClient, concurrency: int, found: Callable[[int, Prediction], None],
                  headers: dict[str, str] | None = None) -> None:
         self.client, self.concurrency, self.headers = client, concurrency, headers or {}
-        self.counts = ObservedCounts([client], self._deliver)
+        self.counts = ObservedCounts([client], self._deliver, poll_s=COUNTS_POLL_S)
         self._found = found
         self.unreachable = False  # a probe found no backend: the others are not sent
 
@@ -95,11 +101,10 @@ class Probes:
         self._found(int(line), Prediction.of_profile(prompt_profile(counts)))
 
 
-async def probed_order(pending: Sequence[BatchRequest], client: BackendClient, stats: RunStats, max_in_flight: int,
-                       headers: dict[str, str]) -> tuple[ProbedOrder, Callable[[], Awaitable[None]]]:
-    """A probing run's order, once the first PROBE_AHEAD of the `pending` lines are probed (`max_in_flight` probes at
-    a time: the engine busy with their prefills), and the task that probes the rest while the run goes. `stats`
-    counts the profiles found and the seconds spent before the first line; its `elapsed` starts after them."""
+def probed_order(pending: Sequence[BatchRequest], client: BackendClient, stats: RunStats, max_in_flight: int,
+                 headers: dict[str, str]) -> tuple[ProbedOrder, Callable[[], Awaitable[None]]]:
+    """A probing run's order and the task that probes the `pending` lines while the run goes (PROBE_CONCURRENCY at a
+    time, while fewer than PROBE_AHEAD probed lines wait). `stats.probed` counts the profiles found."""
     order = ProbedOrder(max_in_flight)
     stats.probed = 0
 
@@ -107,7 +112,5 @@ async def probed_order(pending: Sequence[BatchRequest], client: BackendClient, s
         stats.probed += 1
         order.predicted({line: prediction})
 
-    probes = Probes(client, max_in_flight, found, headers)
-    await probes.run(pending[:PROBE_AHEAD], order.out)
-    stats.probe_s, stats.started = stats.clock() - stats.started, stats.clock()
-    return order, lambda: probes.run(pending[PROBE_AHEAD:], order.out, lambda: order.router.waiting() < PROBE_AHEAD)
+    probes = Probes(client, PROBE_CONCURRENCY, found, headers)
+    return order, lambda: probes.run(pending, order.out, lambda: order.router.waiting() < PROBE_AHEAD)

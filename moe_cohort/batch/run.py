@@ -8,9 +8,8 @@ Batch API's jobs and benchmarks/bench_batch.py.
    waiting request that best fits the requests out now (batch/order.py: admission by the predictor's
    expert profiles, predicted once for the whole file, or file order without a predictor), so the backend stays
    full and its resident set stays alike. With `config.probe` (one backend, no gate) the profiles are the
-   engine's own routing of each prompt (batch/probe.py): the first PROBE_AHEAD lines are probed before any is
-   sent (the engine busy with their prefills, which its prefix cache keeps for the lines themselves), the rest
-   while the run goes; a line goes without a profile only when no probed line waits. Otherwise, while nothing
+   engine's own routing of each prompt (batch/probe.py), probed while the lines go, never ahead of the
+   first; a line goes without a profile only when no probed line waits. Otherwise, while nothing
    can be predicted yet (the encoder loading, or no head while one is learned) the run sends a sample drawn
    from across the file, learns from its answers, then
    hands over to admission (batch/follow.py); with `learning` (send/learning/learning.py) each later head
@@ -111,9 +110,8 @@ async def run_batch(batch: BatchFile, journal: Journal, replicas: Sequence[Backe
     core = BatchCore(pending, config, stats, deadline=deadline)
     sender = _Sender(core, journal, replicas, gate, on_progress or (lambda stats: None), clock, seat, learning)
     background = asyncio.to_thread if learning is None else learning.in_background
-    if config.probe and gate is None:  # the engine's routing of each prompt: the first window's before any line
-        core.order, sender.follow = await probed_order(pending, replicas[0], stats, config.max_in_flight,
-                                                       sender.headers)
+    if config.probe and gate is None:  # the engine's routing of each prompt, probed while the lines go
+        core.order, sender.follow = probed_order(pending, replicas[0], stats, config.max_in_flight, sender.headers)
     elif predictor is not None and not inspect.isawaitable(predictor) and predictor.ready():
         core.order = await asyncio.to_thread(make_order, pending, predictor, config.max_in_flight)
         if learning is not None:

@@ -48,8 +48,7 @@ def summary(stats, counts: dict[str, int], paths, layers: int | None, wall_s: fl
           f"({wall_s:.1f} s with start-up), {stats.tokens_per_s:.0f} generated tokens/s", file=sys.stderr)
     if stats.probed is not None:
         print(f"probed: {stats.probed} of {stats.succeeded + stats.failed} lines' prompts routed by the engine before "
-              f"their turn (the rest went without a profile), {stats.probe_s:.1f} s before the first line was sent",
-              file=sys.stderr)
+              f"their turn (the rest went without a profile)", file=sys.stderr)
     if stats.decode is not None:
         _decode_summary(stats.decode, layers)
 

@@ -11,7 +11,7 @@ import pytest
 from moe_cohort.admission.wire import OBSERVE_KEY, Prediction
 from moe_cohort.batch.core import RunConfig
 from moe_cohort.batch.order import ProbedOrder, simulated_order
-from moe_cohort.batch.probe import Probes
+from moe_cohort.batch.probe import PROBE_CONCURRENCY, Probes
 from moe_cohort.send.backend_client import BackendClient
 from moe_cohort.traces.observed import from_routed_experts
 from tests.batch.test_order import brute_force_order, parsed
@@ -28,10 +28,11 @@ def _routing(prompt: str, generated: int) -> np.ndarray:  # [tokens - 1, L, k]
     return np.tile(np.array(experts, np.uint8), (PROMPT_TOKENS + generated - 1, LAYERS, 1))
 
 
-def counting_engine(bodies: list, fail_probes: bool = False, latency_s: float = 0.01):
-    """A stand-in vLLM: completions answered after `latency_s`, the bodies recorded in order of arrival, the expert
-    counts of marked requests handed over at /v1/cohort/observed; `fail_probes`: one-token requests get a 500."""
-    done = {}
+def counting_engine(bodies: list, fail_probes: bool = False, latency_s: float = 0.01, at_once: list | None = None):
+    """A stand-in vLLM: completions answered after `latency_s` per generated token (a probe is one), the bodies
+    recorded in order of arrival, the expert counts of marked requests handed over at /v1/cohort/observed;
+    `fail_probes`: one-token requests get a 500; `at_once`: [now, most] one-token requests at the engine at once."""
+    done, at_once = {}, [0, 0] if at_once is None else at_once
 
     async def handler(request):
         body = await body_of(request)
@@ -40,8 +41,13 @@ def counting_engine(bodies: list, fail_probes: bool = False, latency_s: float = 
         bodies.append(body)
         if fail_probes and body.get("max_tokens") == 1:
             return answer({"error": {"message": "boom"}}, 500)
-        await asyncio.sleep(latency_s)
         generated = body.get("max_tokens", 2)
+        at_once[0] += generated == 1
+        at_once[1] = max(at_once)
+        try:
+            await asyncio.sleep(latency_s * generated)
+        finally:
+            at_once[0] -= generated == 1
         token = body.get("vllm_xargs", {}).get(OBSERVE_KEY)
         if token:
             done[token] = from_routed_experts(_routing(body["prompt"], generated), PROMPT_TOKENS, EXPERTS).to_wire()
@@ -111,21 +117,24 @@ def _run(tmp_path, batch, handler, config):
 PROBING = RunConfig(max_in_flight=3, metrics_interval_s=0, probe=True)
 
 
-def test_a_probing_run_probes_each_line_once_and_sends_lines_of_one_topic_together(tmp_path):
+def test_a_probing_run_sends_its_first_lines_at_once_probes_one_at_a_time_and_groups_lines_of_one_topic(tmp_path):
     topics = list(TOPICS)
     prompts = [f"{topics[i % 3]} question {i}" for i in range(48)]  # the topics interleaved in the file
-    bodies = []
-    stats, answered = _run(tmp_path, _file(tmp_path, prompts), counting_engine(bodies), PROBING)
+    bodies, at_once = [], [0, 0]
+    engine = counting_engine(bodies, latency_s=0.002, at_once=at_once)  # a line of 32 tokens, a probe of one
+    stats, answered = _run(tmp_path, _file(tmp_path, prompts, max_tokens=32), engine, PROBING)
     assert sorted(answered) == sorted(f"c{i}" for i in range(48)) and stats.failed == 0  # every line once
-    assert stats.probed == 48 and stats.probe_s > 0  # the probes went first (`elapsed` counts from the first line)
     probes = [b["prompt"] for b in bodies if b["max_tokens"] == 1]
-    lines = [b["prompt"] for b in bodies if b["max_tokens"] == 8]
-    assert sorted(probes) == sorted(prompts)  # each once
-    assert all(b["max_tokens"] == 1 for b in bodies[:48])  # a file this small is probed before any line goes
+    lines = [b["prompt"] for b in bodies if b["max_tokens"] == 32]
+    assert len(probes) == len(set(probes)) == stats.probed and stats.probed >= 40  # each at most once
     assert all(OBSERVE_KEY in b["vllm_xargs"] for b in bodies if b["max_tokens"] == 1)
-    # what filled the 3 slots together (16 lines of each topic: the last 3 mix)
-    rounds = [{p.split()[0] for p in lines[i:i + 3]} for i in range(0, 45, 3)]
-    assert all(len(topics) == 1 for topics in rounds), lines  # in file order every round mixes the 3 topics
+    assert at_once[1] == PROBE_CONCURRENCY  # never more probes at the engine, taking slots from lines
+    assert sorted(lines[:3]) == sorted(prompts[45:])  # no barrier: the far end of the file goes at once
+    assert not set(lines[:3]) & set(probes)  # lines out are not probed
+    # in file order the topic changes at every line (44 times); here lines of one topic fill the slots together (the
+    # stand-in ends the 3 out at once, and then the next round starts afresh: about 3 of a topic in a row)
+    sent = [p.split()[0] for p in lines[3:]]
+    assert sum(a != b for a, b in zip(sent, sent[1:])) <= len(sent) // 2, " ".join(sent)
 
 
 def test_a_failing_probe_leaves_its_line_to_go_without_a_profile(tmp_path):

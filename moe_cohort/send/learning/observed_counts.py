@@ -2,7 +2,7 @@
 
 - Our plugin (`ObservedCounts`): a body `mark`ed with `vllm_xargs.moe_observe` = a token has its request's
   experts counted in the engine; once the request left its replica (`finished`), that replica hands the counts
-  over at `POST /v1/cohort/observed` (engine.observed_endpoint), asked every POLL_S while tokens wait, a token
+  over at `POST /v1/cohort/observed` (engine.observed_endpoint), asked every POLL_S (or the caller's `poll_s`) while tokens wait, a token
   given up after GIVE_UP_S. Streamed or not, embedded or across containers. Bodies are marked only once a
   replica said it serves that route (`probe` asks them all); one that answers 404/405 does not, and a warning
   says so; when none does, nothing is marked.
@@ -50,8 +50,9 @@ class ObservedCounts:
     """Our plugin's counts: marks request bodies, then takes the counts of finished ones from their replicas."""
 
     def __init__(self, replicas: Sequence[BackendClient], deliver: Deliver, lost: Lost = _nothing,
-                 cpu: Callable[[float], None] = _nothing) -> None:
+                 cpu: Callable[[float], None] = _nothing, poll_s: float = POLL_S) -> None:
         self.replicas = list(replicas)  # each asked whether it serves OBSERVED_PATH
+        self.poll_s = poll_s  # how often the counts of finished requests are asked for while some wait
         self.serves: bool | None = None  # whether one does (None: not known yet)
         self._deliver, self._lost, self._cpu = deliver, lost, cpu  # cpu(s): event-loop CPU seconds taking counts
         self._probe_after, self._probes = 0.0, set()
@@ -131,7 +132,7 @@ class ObservedCounts:
 
     async def _poll(self) -> None:
         while self._waiting:
-            await asyncio.sleep(POLL_S)
+            await asyncio.sleep(self.poll_s)
             await self._take_all()
 
     async def _take_all(self) -> None:
