@@ -20,7 +20,7 @@ from moe_cohort.send.gate import AdmissionGate, Profiler
 from moe_cohort.send.metrics import ProxyMetrics
 from moe_cohort.send.replicas import ReplicaSet
 from tests.conftest import random_traces
-from tests.proxy.servers import idle_clients
+from tests.helpers.idle_clients import idle_clients
 
 N, MAX_WAIT = 24, 15  # requests; the fairness bound in steps (seconds on the proxy's clock)
 

@@ -8,7 +8,7 @@ import importlib.util
 import pytest
 
 from moe_cohort.batch.ray_llm import PENDING_PER_SLOT, SCHEDULER_CLS, ExpertAware
-from tests.send.learning.test_learning import encoder  # noqa: F401 (a fixture)
+from tests.helpers.encoders import encoder  # noqa: F401 (a fixture)
 
 needs_ray_llm = pytest.mark.skipif(importlib.util.find_spec("ray") is None or importlib.util.find_spec("vllm") is None,
                                    reason="Ray Data LLM needs ray and vLLM (bash scripts/setup.sh dev)")

@@ -8,7 +8,7 @@ from moe_cohort.admission.wire import Prediction
 from moe_cohort.admission.wire import compact
 from moe_cohort.batch.ray_llm_rows import plan, probed_plan, row_text, with_expert_args
 from moe_cohort.send.profiles import Predictor
-from tests.batch.test_order import brute_force_order
+from tests.helpers.brute_force import brute_force_order
 
 
 def _predictor(vectors):

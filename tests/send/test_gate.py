@@ -14,7 +14,7 @@ from moe_cohort.admission.wire import Prediction
 from moe_cohort.send.gate import AdmissionGate, Profiler
 from moe_cohort.send.metrics import ProxyMetrics
 from moe_cohort.send.replicas import ReplicaSet
-from tests.proxy.servers import idle_clients
+from tests.helpers.idle_clients import idle_clients
 
 A, B = np.array([1.0, 1.0, 0.0, 0.0]), np.array([0.0, 0.0, 1.0, 1.0])  # [L*E] profiles of two kinds
 PROFILES = {"a1": A, "a2": A, "a3": A, "b1": B, "b2": B}

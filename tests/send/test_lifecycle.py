@@ -23,8 +23,10 @@ from moe_cohort.send.lifecycle import Lifecycle
 from moe_cohort.send.metrics import ProxyMetrics
 from moe_cohort.send.replicas import ReplicaSet
 from moe_cohort.send.settings import Settings
-from tests.proxy.servers import (CHAT, OK_BODY, ProxyThread, alive_but_dropping, answer, body_of, dying_server, local_backend,
-                                 named, refused_url, run)
+from tests.helpers.proxy_client import CHAT, run
+from tests.helpers.proxy_thread import ProxyThread
+from tests.helpers.vllm_stub import (OK_BODY, alive_but_dropping, answer, body_of, dying_server, local_backend, named,
+                                     refused_url)
 
 PATH = "/v1/completions"
 

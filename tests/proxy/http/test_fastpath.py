@@ -11,7 +11,8 @@ from starlette.routing import Route
 
 from moe_cohort.proxy.http.fastpath import FastPath
 from moe_cohort.send.errors import InvalidRequest, ProxyError
-from tests.proxy.servers import CHAT, ok, proxy_client
+from tests.helpers.proxy_client import CHAT, proxy_client
+from tests.helpers.vllm_stub import ok
 
 
 def _client(app) -> httpx.AsyncClient:
