@@ -13,7 +13,7 @@ from moe_cohort.batch.journal import Journal, JournalPaths
 from moe_cohort.batch.run import run_batch
 from moe_cohort.send.backend_client import BackendClient
 from moe_cohort.send.learning.learning import Learning
-from moe_cohort.send.metrics import ProxyMetrics
+from moe_cohort.send.metrics import Metrics
 from moe_cohort.send.profiles import make_predictor
 from moe_cohort.send.settings import Settings
 from moe_cohort.train.online import LearnConfig, OnlineLearner
@@ -62,7 +62,7 @@ async def _learning_run(parsed, tmp_path, learner, encoder, prompts, tokens, *, 
 
     async with local_backend(_slow(plugin_backend(tokens), prompts)) as url:
         backend = BackendClient(url, timeout_s=5)
-        learning = Learning(learner, predictor.features, tmp_path / "learned", ProxyMetrics(), 0.0, [backend])
+        learning = Learning(learner, predictor.features, tmp_path / "learned", Metrics(), 0.0, [backend])
         predictor.follow(learning)
         journal = Journal.open(paths, parsed.journal_meta)
         try:
@@ -140,8 +140,8 @@ def test_a_request_a_refused_replica_never_ran_is_learned_once_from_the_replica_
     async def main():
         async with local_backend(_slow(plugin_backend(tokens), prompts)) as url:
             live, down = BackendClient(url, timeout_s=5), BackendClient(refused_url(), timeout_s=5)
-            gate = AdmissionGate(None, ProxyMetrics(), ReplicaSet([down, live], [2, 2], "least-loaded"))
-            learning = Learning(learner, predictor.features, tmp_path / "learned", ProxyMetrics(), 0.0, [live])
+            gate = AdmissionGate(None, Metrics(), ReplicaSet([down, live], [2, 2], "least-loaded"))
+            learning = Learning(learner, predictor.features, tmp_path / "learned", Metrics(), 0.0, [live])
             predictor.follow(learning)
             journal = Journal.open(JournalPaths.for_output(tmp_path / "out.jsonl"), parsed.journal_meta)
             try:

@@ -19,7 +19,7 @@ from moe_cohort.batch.run import RunAborted, run_batch, write_plan
 from moe_cohort.encoder.plans import read_plan_file
 from moe_cohort.send.backend_client import BackendClient
 from moe_cohort.send.gate import AdmissionGate
-from moe_cohort.send.metrics import ProxyMetrics
+from moe_cohort.send.metrics import Metrics
 from moe_cohort.send.profiles import Predictor
 from moe_cohort.send.replicas import ReplicaSet
 from tests.helpers.batch_files import batch_file
@@ -150,7 +150,7 @@ def test_gate_gives_batch_work_only_the_slots_online_traffic_leaves(tmp_path):
         paths = JournalPaths.for_output(tmp_path / "out.jsonl")
         async with local_backend(backend) as url:
             client = BackendClient(url)
-            gate = AdmissionGate(None, ProxyMetrics(), ReplicaSet([client], [3]))
+            gate = AdmissionGate(None, Metrics(), ReplicaSet([client], [3]))
             await gate.admit("online 1")  # two interactive requests hold two of the three slots
             await gate.admit("online 2")
             journal = Journal.open(paths, parsed.journal_meta)

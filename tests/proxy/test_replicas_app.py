@@ -19,7 +19,7 @@ from moe_cohort.batch.run import run_batch
 from moe_cohort.proxy.app import create_app
 from moe_cohort.send.backend_client import BackendClient
 from moe_cohort.send.gate import AdmissionGate
-from moe_cohort.send.metrics import ProxyMetrics
+from moe_cohort.send.metrics import Metrics
 from moe_cohort.send.replicas import ReplicaSet
 from moe_cohort.send.settings import Settings
 from tests.helpers.batch_files import batch_file
@@ -167,7 +167,7 @@ def test_batch_work_takes_background_slots_on_both_replicas(tmp_path):
     async def main():
         async with local_backend(await slow("a")) as a, local_backend(await slow("b")) as b:
             replicas = ReplicaSet([BackendClient(a), BackendClient(b)], [1, 1], "least-loaded")
-            gate = AdmissionGate(None, ProxyMetrics(), replicas=replicas)
+            gate = AdmissionGate(None, Metrics(), replicas=replicas)
             journal = Journal.open(paths, parsed.journal_meta)
             try:
                 return await run_batch(parsed, journal, replicas.clients, None, CONFIG, gate=gate)

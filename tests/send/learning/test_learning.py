@@ -335,7 +335,7 @@ def test_the_learning_worker_keeps_the_serving_priority_on_one_blas_thread(tmp_p
     from threadpoolctl import threadpool_info
 
     from moe_cohort.send.learning.learning import Learning
-    from moe_cohort.send.metrics import ProxyMetrics
+    from moe_cohort.send.metrics import Metrics
     from moe_cohort.train.online import OnlineLearner
 
     def where() -> tuple[int, set[int]]:
@@ -343,7 +343,7 @@ def test_the_learning_worker_keeps_the_serving_priority_on_one_blas_thread(tmp_p
         return os.getpriority(os.PRIO_PROCESS, threading.get_native_id()), blas
 
     learning = Learning(OnlineLearner(), lambda texts: (np.zeros((len(texts), 1)), [None] * len(texts)),
-                        tmp_path, ProxyMetrics(), on=False)
+                        tmp_path, Metrics(), on=False)
     try:
         nice, blas = asyncio.run(learning.in_background(where))
     finally:
@@ -429,14 +429,14 @@ def test_the_learning_worker_refits_through_the_learner_process(tmp_path, monkey
 def _learning_fed(folder, n: int):
     """A Learning that fits its first head at 4 observations and refits every 4, fed `n` random ones."""
     from moe_cohort.send.learning.learning import Learning
-    from moe_cohort.send.metrics import ProxyMetrics
+    from moe_cohort.send.metrics import Metrics
     from moe_cohort.traces.observed import Observed
     from moe_cohort.train.online import LearnConfig, OnlineLearner
 
     rng = np.random.default_rng(0)
     learning = Learning(OnlineLearner(LearnConfig(first_fit=4, refit_every=4, ngram_dim=0)),
                         lambda texts: (rng.normal(size=(len(texts), 6)).astype(np.float32), [None] * len(texts)),
-                        folder, ProxyMetrics())
+                        folder, Metrics())
     for i in range(n):
         counts = rng.integers(0, 5, (2, 8))  # [L, E]
         learning.add(f"prompt {i}", Observed(counts, counts, 4, 4), "plugin", True)
