@@ -27,10 +27,10 @@ def error_answer(request: Request, exc: ServiceError) -> Response:
 
 
 def add_error_handlers(app: FastAPI) -> None:
-    """`app` answers ProxyErrors and the framework's HTTP errors in the OpenAI shape."""
+    """`app` answers ServiceErrors and the framework's HTTP errors in the OpenAI shape."""
 
     @app.exception_handler(ServiceError)
-    async def proxy_error(request: Request, exc: ServiceError) -> Response:
+    async def service_error(request: Request, exc: ServiceError) -> Response:
         return error_answer(request, exc)
 
     @app.exception_handler(StarletteHTTPException)
