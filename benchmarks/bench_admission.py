@@ -32,7 +32,7 @@ from moe_cohort.batch.format import BatchRequest
 from moe_cohort.batch.order import ExpertOrder
 from moe_cohort.engine.expert_queue import ExpertAwareQueue
 from moe_cohort.send.gate import AdmissionGate, Profiler
-from moe_cohort.send.metrics import ProxyMetrics
+from moe_cohort.send.metrics import Metrics
 from moe_cohort.send.replicas import ReplicaSet
 
 
@@ -68,7 +68,7 @@ def proxy_side(pool: int, resident: int, layers: int, experts: int, rng) -> floa
 
     async def main() -> float:
         replicas = ReplicaSet([None], [resident], "affinity", max_queue_s=1e9)
-        gate = AdmissionGate(Profiler(lambda texts: [Prediction(vectors[int(t)]) for t in texts]), ProxyMetrics(), replicas)
+        gate = AdmissionGate(Profiler(lambda texts: [Prediction(vectors[int(t)]) for t in texts]), Metrics(), replicas)
         held = [await gate.admit(str(i)) for i in range(resident)]
         waiting = [asyncio.ensure_future(gate.admit(str(resident + i))) for i in range(pool + 200)]
         while replicas.router.waiting() < pool + 200:

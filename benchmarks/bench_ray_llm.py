@@ -1,4 +1,4 @@
-"""End to end through Ray Data LLM and vLLM CPU: the plain vLLM processor against ours (batch/ray_llm.py).
+"""End to end through Ray Data LLM and vLLM CPU: the plain vLLM processor against ours (batch/ray_llm/processor.py).
 
     python -m benchmarks.bench_ray_llm [--lines 600] [--rounds 2] [--max-tokens 64] [--slots 16] [--model-dir DIR]
         [--concurrency 1] [--ray-cpus N] [--json FILE]

@@ -186,7 +186,7 @@ class FileRun:
         from moe_cohort.batch.run import run_batch
         from moe_cohort.send.backend_client import BackendClient
         from moe_cohort.send.learning.learning import Learning, learned_folder, load_learner
-        from moe_cohort.send.metrics import ProxyMetrics
+        from moe_cohort.send.metrics import Metrics
         from moe_cohort.send.profiles import limit_threads
 
         settings = self.settings
@@ -199,7 +199,7 @@ class FileRun:
         if settings.learn:
             learning = Learning(load_learner(settings, _refit_every(settings)),
                                 lambda texts: loading.result().features(texts), learned_folder(settings),
-                                ProxyMetrics(), settings.learn_sample_rate, [backend])
+                                Metrics(), settings.learn_sample_rate, [backend])
         predictor = None if loading is None else asyncio.wrap_future(_following(loading, learning, settings))
         before = await _decode_counters(backend)
         try:

@@ -29,7 +29,7 @@ from typing import BinaryIO, Iterator, Mapping
 
 from moe_cohort.admission.wire import BATCH_KEY
 from moe_cohort.encoder.inputs import InputError, load_record
-from moe_cohort.send.errors import ProxyError
+from moe_cohort.send.errors import ServiceError
 from moe_cohort.send.hints import HintRules
 from moe_cohort.send.protocol import Route, prepare_body
 
@@ -112,7 +112,7 @@ def parse_request_line(raw: bytes | str, line: int, *, default_policy: str, urls
         raise InputError(line, "'stream' is not supported in batch requests; remove it from the body")
     try:
         request = prepare_body(body, urls[url], {}, default_policy=default_policy, rules=rules)
-    except ProxyError as exc:
+    except ServiceError as exc:
         raise InputError(line, exc.message) from exc
     request.body["vllm_xargs"][BATCH_KEY] = 1  # the engine chooses it under no fairness bound
     return BatchRequest(line, custom_id, url, request.body, request.policy, request.text)

@@ -30,7 +30,7 @@ from moe_cohort.batch.format import BatchRequest
 from moe_cohort.batch.order import DEFAULT_WINDOW, ProbedOrder
 from moe_cohort.batch.probe_request import probe_body, prompt_profile
 from moe_cohort.send.backend_client import BackendClient
-from moe_cohort.send.errors import BackendUnreachable, ProxyError
+from moe_cohort.send.errors import BackendUnreachable, ServiceError
 from moe_cohort.send.learning.observed_counts import ObservedCounts
 from moe_cohort.traces.observed import Observed
 
@@ -90,7 +90,7 @@ class Probes:
         except BackendUnreachable as exc:  # no probe more: the run's own requests retry, then stop it
             self.unreachable = True
             log.debug("the probe of line %d found no backend: %s", request.line, exc)
-        except ProxyError as exc:  # the line goes without a profile; its own request reports the error
+        except ServiceError as exc:  # the line goes without a profile; its own request reports the error
             log.debug("the probe of line %d failed: %s", request.line, exc)
         else:
             self.counts.finished(self.client, body, str(request.line))  # the counts come back under the line

@@ -2,7 +2,7 @@
 the expert counts of moe-cohort's vLLM plugin, whose prompt counts per token are the request's profile [L, E].
 
 This module imports no HTTP client and no Ray: the batch runner's probes (batch/probe.py) and Ray Data LLM's
-(batch/ray_llm.py, in Ray's workers) both use it.
+(batch/ray_llm/processor.py, in Ray's workers) both use it.
 """
 
 from __future__ import annotations

@@ -59,7 +59,7 @@ from moe_cohort.send.engine_counters import DecodeCounters, fetch_counters
 from moe_cohort.send.gate import AdmissionGate, OneBackend
 from moe_cohort.send.learning.learning import Learning
 from moe_cohort.send.lifecycle import Lifecycle
-from moe_cohort.send.metrics import ProxyMetrics
+from moe_cohort.send.metrics import Metrics
 from moe_cohort.send.profiles import Predictor
 
 log = logging.getLogger(__name__)
@@ -149,7 +149,7 @@ class _Sender:
                  learning: Learning | None = None) -> None:
         self.core, self.journal, self.replicas, self.seat = core, journal, replicas, seat
         # without the proxy's gate, the one backend's slots are this run's alone: the core counts them
-        self.gate = gate or OneBackend(replicas[0], ProxyMetrics())
+        self.gate = gate or OneBackend(replicas[0], Metrics())
         self.learning = learning
         self.follow: Callable[[], Awaitable[None]] | None = None  # runs beside the sends (follow_heads)
         self.on_progress, self.clock = on_progress, clock

@@ -45,7 +45,7 @@ from moe_cohort.send.handshake import UNREACHABLE, EngineInfo, ask
 from moe_cohort.send.hints import HintRules
 from moe_cohort.send.learning.learning import Learning, follow_learned, learned_folder, load_learner
 from moe_cohort.send.lifecycle import Lifecycle
-from moe_cohort.send.metrics import ProxyMetrics, watch_loop_lag
+from moe_cohort.send.metrics import Metrics, watch_loop_lag
 from moe_cohort.send.profiles import Predictor, make_predictor
 from moe_cohort.send.protocol import Route, check_size, read_body, read_request
 from moe_cohort.send.replicas import ReplicaSet
@@ -65,7 +65,7 @@ class Proxy:
 
     def __init__(self, settings: Settings, predictor: Predictor | None, learner: OnlineLearner | None = None) -> None:
         self.settings, self.predictor = settings, predictor
-        self.metrics = ProxyMetrics()
+        self.metrics = Metrics()
         clients = [BackendClient.of(settings, url) for url in settings.backends]
         self.learning = None if learner is None or predictor is None else Learning(
             learner, predictor.features, learned_folder(settings), self.metrics, settings.learn_sample_rate, clients,

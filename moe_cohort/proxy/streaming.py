@@ -25,7 +25,7 @@ from typing import AsyncIterator
 from starlette.responses import Response, StreamingResponse
 
 from moe_cohort.proxy.whole import unless_client_leaves
-from moe_cohort.send.errors import CLIENT_CLOSED, ProxyError
+from moe_cohort.send.errors import CLIENT_CLOSED, ServiceError
 from moe_cohort.send.lifecycle import Lifecycle
 
 log = logging.getLogger(__name__)
@@ -89,7 +89,7 @@ class StreamRelay:
         try:  # a replica that dies mid-stream: the client gets an SSE error event, the request is not resent
             async for chunk in self.life.slot.client.iter_raw(self._response):
                 yield chunk
-        except ProxyError as exc:
+        except ServiceError as exc:
             log.warning("backend stream broke: %s", exc.message)
             yield self._failed(exc)
         self._ended = True
@@ -101,14 +101,14 @@ class StreamRelay:
             await asyncio.wait({self._admit}, timeout=self.keepalive_s)
         try:
             await self._open()
-        except ProxyError as exc:
+        except ServiceError as exc:
             yield self._failed(exc)
             self._ended = True
             return
         async for chunk in self._relay():
             yield chunk
 
-    def _failed(self, exc: ProxyError) -> bytes:
+    def _failed(self, exc: ServiceError) -> bytes:
         self.state["outcome"] = exc.status_code
         return _sse_error(exc)
 
@@ -123,7 +123,7 @@ class StreamRelay:
         await self.life.close()
 
 
-def _sse_error(exc: ProxyError) -> bytes:
+def _sse_error(exc: ServiceError) -> bytes:
     body = exc.body()
     if hasattr(exc, "content"):  # a backend error status: relay its own body when it is JSON
         with contextlib.suppress(ValueError):

@@ -133,13 +133,13 @@ async def fetch_counters(replicas: Sequence) -> DecodeCounters | None:
     once, parsed on a thread, off the loop that feeds the engine); None when one cannot be read."""
     import asyncio
 
-    from moe_cohort.send.errors import ProxyError
+    from moe_cohort.send.errors import ServiceError
 
     async def one(client) -> DecodeCounters | None:
         try:
             text = (await client.request("GET", "/metrics")).text
             return await asyncio.to_thread(parse_counters, text)
-        except (ProxyError, ValueError) as exc:
+        except (ServiceError, ValueError) as exc:
             log.debug("no decode counters from %s: %s", client.base_url, exc)
             return None
 

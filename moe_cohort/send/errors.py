@@ -1,6 +1,7 @@
-"""The proxy's exception tree; each error knows its HTTP status and renders the OpenAI error shape.
+"""The send path's exception tree (the proxy's and the batch runner's); each error knows its HTTP status and
+renders the OpenAI error shape.
 
-    ProxyError
+    ServiceError
     ├── InvalidRequest      400  bad JSON, bad fields, bad routing policy
     ├── Unauthorized        401  missing or wrong proxy API key
     ├── NotFound            404  no such file or batch (Batch API)
@@ -21,7 +22,7 @@ import json
 CLIENT_CLOSED = 499  # the client left before its answer (nginx's code): an outcome, never sent
 
 
-class ProxyError(Exception):
+class ServiceError(Exception):
     status_code = 500
     error_type = "internal_error"
 
@@ -34,32 +35,32 @@ class ProxyError(Exception):
         return {"error": {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}}
 
 
-class InvalidRequest(ProxyError):
+class InvalidRequest(ServiceError):
     status_code = 400
     error_type = "invalid_request_error"
 
 
-class Unauthorized(ProxyError):
+class Unauthorized(ServiceError):
     status_code = 401
     error_type = "invalid_request_error"
 
 
-class NotFound(ProxyError):
+class NotFound(ServiceError):
     status_code = 404
     error_type = "invalid_request_error"
 
 
-class PayloadTooLarge(ProxyError):
+class PayloadTooLarge(ServiceError):
     status_code = 413
     error_type = "invalid_request_error"
 
 
-class NotReady(ProxyError):
+class NotReady(ServiceError):
     status_code = 503
     error_type = "service_unavailable"
 
 
-class BackendError(ProxyError):
+class BackendError(ServiceError):
     status_code = 502
     error_type = "backend_error"
 
@@ -98,6 +99,6 @@ class BackendStatusError(BackendError):
         message = f"{what}: the backend answered {self.status_code} ({detail})"
         if self.status_code == 404:
             message += "; the backend does not offer this route or resource"
-        error = ProxyError(message, code=str(self.status_code))
+        error = ServiceError(message, code=str(self.status_code))
         error.error_type = "invalid_request_error" if self.status_code < 500 else "backend_error"
         return json.dumps(error.body()).encode(), "application/json"

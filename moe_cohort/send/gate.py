@@ -49,7 +49,7 @@ from prometheus_client import Histogram
 
 from moe_cohort.admission.wire import Prediction
 from moe_cohort.send.backend_client import BackendClient
-from moe_cohort.send.metrics import ProxyMetrics
+from moe_cohort.send.metrics import Metrics
 from moe_cohort.send.profiles import PredictFn
 from moe_cohort.send.replicas import ReplicaSet, Slot
 
@@ -102,7 +102,7 @@ class AdmissionGate:
     `replicas` (one backend is a set of one); the metrics waiting / in_flight / queue_seconds."""
 
     profiler: Profiler | None
-    metrics: ProxyMetrics
+    metrics: Metrics
     replicas: ReplicaSet
     # True: the prediction is forwarded (an engine with our scheduler chooses by it), so a request waits for it
     # while the engines are fed (`fed_at`); False: admission is the proxy's, and no request waits for its prediction
@@ -218,7 +218,7 @@ class OneBackend:
     its in-flight cap, in the order it chose): a request is granted at once, so each line is admitted once and its
     slot counted once. Speaks for AdmissionGate to a Lifecycle; a request whose backend is down is not moved."""
 
-    def __init__(self, client: BackendClient, metrics: ProxyMetrics) -> None:
+    def __init__(self, client: BackendClient, metrics: Metrics) -> None:
         self.client, self.metrics = client, metrics
         self._ids = itertools.count()
 

@@ -24,7 +24,7 @@ from typing import Sequence
 from prometheus_client.parser import text_string_to_metric_families
 
 from moe_cohort.send.backend_client import BackendClient
-from moe_cohort.send.errors import BackendStatusError, BackendTimeout, BackendUnreachable, ProxyError
+from moe_cohort.send.errors import BackendStatusError, BackendTimeout, BackendUnreachable, ServiceError
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +112,7 @@ async def _ask(client: BackendClient) -> EngineInfo:
         return EngineInfo(UNREACHABLE)
     except (MalformedInfo, ValueError) as exc:
         log.warning("%s%s: ignored, not the engine handshake (%s)", client.base_url, INFO_PATH, exc)
-    except ProxyError as exc:  # 404: the endpoint plugin is not loaded; try the info series
+    except ServiceError as exc:  # 404: the endpoint plugin is not loaded; try the info series
         if not isinstance(exc, BackendStatusError):
             return EngineInfo(UNREACHABLE)
     return await _ask_metrics(client)
@@ -126,7 +126,7 @@ async def _ask_metrics(client: BackendClient) -> EngineInfo:
         return EngineInfo(UNREACHABLE)
     except MalformedInfo as exc:
         log.warning("%s/metrics: %s; read as a vLLM without the moe-cohort plugin", client.base_url, exc)
-    except ProxyError:
+    except ServiceError:
         pass
     return EngineInfo(PLAIN)
 

@@ -30,7 +30,7 @@ from moe_cohort.send.errors import BackendUnreachable
 from moe_cohort.send.gate import AdmissionGate
 from moe_cohort.send.learning.learning import Learning
 from moe_cohort.send.learning.observed_counts import client_answer
-from moe_cohort.send.metrics import ProxyMetrics
+from moe_cohort.send.metrics import Metrics
 from moe_cohort.send.replicas import Slot
 
 T = TypeVar("T")
@@ -55,7 +55,7 @@ class Lifecycle:
 
     def __init__(self, gate: AdmissionGate, path: str, body: dict, text: str, headers: dict[str, str], *,
                  learning: Learning | None = None, background: bool = False, route: str = "batch",
-                 metrics: ProxyMetrics | None = None, started: float | None = None,
+                 metrics: Metrics | None = None, started: float | None = None,
                  profile: list[int] | None = None) -> None:
         self.gate, self.path, self.text, self.headers = gate, path, text, headers
         self.profile = profile  # the compact profile predicted before the gate (a batch's order) to forward

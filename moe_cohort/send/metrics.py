@@ -14,7 +14,7 @@ LAG_EVERY_S = 0.1  # how often the event loop's lag is sampled
 OWN_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1)
 
 
-class ProxyMetrics:
+class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry

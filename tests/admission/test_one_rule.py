@@ -17,10 +17,10 @@ from moe_cohort.admission.wire import Prediction
 from moe_cohort.eval.policies import by_profile
 from moe_cohort.eval.replay import decode_profiles, decode_tokens
 from moe_cohort.send.gate import AdmissionGate, Profiler
-from moe_cohort.send.metrics import ProxyMetrics
+from moe_cohort.send.metrics import Metrics
 from moe_cohort.send.replicas import ReplicaSet
 from tests.conftest import random_traces
-from tests.proxy.servers import idle_clients
+from tests.helpers.idle_clients import idle_clients
 
 N, MAX_WAIT = 24, 15  # requests; the fairness bound in steps (seconds on the proxy's clock)
 
@@ -50,7 +50,7 @@ async def _proxy_order(profiles, times, lengths, slots):
     """Admission order of the proxy's gate, driven step by step: the step's arrival, then its departure."""
     now = [0.0]
     replicas = ReplicaSet(idle_clients(1), [slots], "affinity", max_queue_s=MAX_WAIT, clock=lambda: now[0])
-    gate = AdmissionGate(Profiler(lambda texts: [Prediction(profiles[int(t)]) for t in texts]), ProxyMetrics(), replicas)
+    gate = AdmissionGate(Profiler(lambda texts: [Prediction(profiles[int(t)]) for t in texts]), Metrics(), replicas)
     tasks, admitted, finish = {}, {}, {}  # request -> its admit() task, its Admission, its finishing step
     step = 0
     while len(finish) < N or any(f >= step for f in finish.values()):

@@ -5,55 +5,26 @@ import numpy as np
 import pytest
 
 from moe_cohort.admission.resident import ResidentEmbedding, ResidentExperts
-
-
-def _profiles(n, layers=3, experts=8, seed=0):
-    rng = np.random.default_rng(seed)
-    p = rng.random((n, layers, experts)) * (rng.random((n, layers, experts)) < 0.5)
-    return (p / np.maximum(p.max(axis=-1, keepdims=True), 1e-9)).astype(np.float32)  # [n, L, E] in [0, 1]
-
-
-def _brute_expected_new(resident, cand):
-    """sum_{l,e} u_c[l,e] * prod_r (1 - u_r[l,e]), by loops."""
-    total = 0.0
-    for l in range(cand.shape[0]):
-        for e in range(cand.shape[1]):
-            idle = 1.0
-            for r in resident:
-                idle *= 1.0 - min(float(r[l, e]), 1 - 1e-3)
-            total += float(cand[l, e]) * idle
-    return total
+from tests.helpers.brute_force import brute_expected_new, embedded_residents, random_profiles
 
 
 def test_expected_new_experts_follow_adds_and_removes():
-    p = _profiles(9)
+    p = random_profiles(9)
     state = ResidentExperts(3, 8)
     for r in (0, 1, 2, 3):
         state.add(p[r])
     state.remove(p[1])
     got = state.cost(p[4:])
-    want = [_brute_expected_new([p[0], p[2], p[3]], c) for c in p[4:]]
+    want = [brute_expected_new([p[0], p[2], p[3]], c) for c in p[4:]]
     np.testing.assert_allclose(got, want, rtol=1e-5)
 
 
 def test_an_empty_resident_set_counts_every_expert_of_the_candidate_as_new():
-    p = _profiles(4, seed=2)
+    p = random_profiles(4, seed=2)
     state = ResidentExperts(3, 8)
     state.add(p[0])
     state.remove(p[0])
     np.testing.assert_allclose(state.cost(p), p.sum(axis=(1, 2)), rtol=1e-6)
-
-
-def embedded_residents() -> tuple[np.ndarray, ResidentEmbedding]:
-    """20 unit embeddings [20, 5] and a resident set that holds rows 2 and 9 (4 came and left)."""
-    rng = np.random.default_rng(3)
-    x = rng.normal(size=(20, 5)).astype(np.float32)
-    x /= np.linalg.norm(x, axis=1, keepdims=True)
-    state = ResidentEmbedding(5)
-    for r in (2, 4, 9):
-        state.add(x[r])
-    state.remove(x[4])
-    return x, state
 
 
 def test_embedding_cost_is_minus_the_cosine_with_the_resident_sum():

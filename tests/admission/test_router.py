@@ -4,15 +4,10 @@ import numpy as np
 import pytest
 
 from moe_cohort.admission.router import ROUTINGS, ReplicaRouter
+from tests.helpers.brute_force import expected_new
 
 A, B = np.array([1.0, 1.0, 0, 0, 0, 0]), np.array([0, 0, 0, 0, 1.0, 1.0])  # two experts each, disjoint
 A2, B2 = np.array([1.0, 0, 1.0, 0, 0, 0]), np.array([0, 0, 0, 1.0, 0, 1.0])  # one new expert next to A / B
-
-
-def _expected_new(vector, residents):
-    """Brute force: expected new experts of `vector` next to `residents` (independent tokens, u clipped at 0.999)."""
-    idle = np.prod([1.0 - np.clip(r, 0, 0.999) for r in residents], axis=0) if residents else np.ones_like(vector)
-    return float((vector * idle).sum())
 
 
 def test_round_robin_binds_on_arrival_and_serves_each_queue_in_order():
@@ -60,8 +55,8 @@ def test_affinity_matches_brute_force_on_random_pools():
                 assert rep == int(np.argmax([s - len(placed[r]) for r, s in enumerate(slots)])), trial
                 residents = [vectors[k] for k in placed[rep]]
                 if residents:  # the admitting replica's best fit among the waiting ones
-                    scores = [_expected_new(vectors[k], residents) for k in waiting]
-                    assert _expected_new(vectors[key], residents) <= min(scores) + 1e-5, trial
+                    scores = [expected_new(vectors[k], residents) for k in waiting]
+                    assert expected_new(vectors[key], residents) <= min(scores) + 1e-5, trial
                 else:  # nothing to fit yet: the oldest
                     assert key == waiting[0], trial
                 waiting.remove(key)

@@ -7,7 +7,7 @@ import pytest
 
 from moe_cohort.batch.file_run import BatchRunError, FileJob, InvalidLines, run_file
 from moe_cohort.send.settings import Settings
-from tests.proxy.servers import EchoBackend
+from tests.helpers.vllm_stub import EchoBackend
 
 
 def _file(tmp_path, lines):

@@ -12,7 +12,8 @@ from moe_cohort.batch.journal import Journal, JournalError, JournalPaths, Record
 
 from moe_cohort.embedded.vllm_server import free_port
 from moe_cohort.send.settings import Settings
-from tests.proxy.servers import SEPARATORS, EchoBackend, ProxyThread
+from tests.helpers.proxy_thread import ProxyThread
+from tests.helpers.vllm_stub import SEPARATORS, EchoBackend
 
 
 def test_batch_output_lines_escape_unicode_line_separators(tmp_path):

@@ -1,38 +1,14 @@
 """Batch orders: admission by predicted vectors against a brute-force replay, and the dry run's simulation."""
 
-import json
 
 import numpy as np
 
 from moe_cohort.admission.resident import ResidentEmbedding, ResidentExperts
 from moe_cohort.admission.wire import Prediction
-from moe_cohort.batch.format import read_batch_file
 from moe_cohort.batch.order import ExpertOrder, FileOrder, make_order, simulated_order
 from moe_cohort.send.profiles import Predictor
-
-
-def parsed(tmp_path, prompts):
-    path = tmp_path / "in.jsonl"
-    path.write_text("".join(json.dumps({"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions",
-                                        "body": {"prompt": p}}) + "\n" for i, p in enumerate(prompts)))
-    return read_batch_file(path, default_policy="topk", max_line_bytes=10_000).requests
-
-
-def brute_force_order(vectors, concurrency):
-    """Send the oldest while nothing is out, else the one adding the fewest expected experts to those out."""
-    waiting, out, sent = list(range(len(vectors))), [], []
-    while waiting:
-        if len(out) >= concurrency:
-            out.pop(0)
-        if not out:
-            choice = waiting[0]
-        else:
-            idle = np.prod([1 - np.clip(vectors[o], 0, 0.999) for o in out], axis=0)
-            choice = min(waiting, key=lambda i: (round(float(vectors[i] @ idle), 9), i))
-        waiting.remove(choice)
-        out.append(choice)
-        sent.append(choice)
-    return sent
+from tests.helpers.batch_files import parsed
+from tests.helpers.brute_force import brute_force_order
 
 
 def test_simulated_admission_matches_brute_force(tmp_path):

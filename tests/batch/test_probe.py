@@ -14,18 +14,11 @@ from moe_cohort.batch.order import ProbedOrder, simulated_order
 from moe_cohort.batch.probe import PROBE_CONCURRENCY, Probes
 from moe_cohort.send.backend_client import BackendClient
 from moe_cohort.traces.observed import from_routed_experts
-from tests.batch.test_order import brute_force_order, parsed
-from tests.batch.test_run import run
-from tests.proxy.servers import answer, body_of, local_backend
-
-LAYERS, EXPERTS = 2, 8
-TOPICS = {"python": [0, 1], "cooking": [4, 5], "chess": [2, 3]}  # a prompt's tokens route to these experts
-PROMPT_TOKENS = 4
-
-
-def _routing(prompt: str, generated: int) -> np.ndarray:  # [tokens - 1, L, k]
-    experts = next(e for topic, e in TOPICS.items() if topic in prompt)
-    return np.tile(np.array(experts, np.uint8), (PROMPT_TOKENS + generated - 1, LAYERS, 1))
+from tests.helpers.batch_files import parsed
+from tests.helpers.batch_run import run
+from tests.helpers.brute_force import brute_force_order
+from tests.helpers.probe_routing import EXPERTS, PROMPT_TOKENS, TOPICS, routing_of
+from tests.helpers.vllm_stub import answer, body_of, local_backend
 
 
 def counting_engine(bodies: list, fail_probes: bool = False, latency_s: float = 0.01, at_once: list | None = None):
@@ -50,7 +43,7 @@ def counting_engine(bodies: list, fail_probes: bool = False, latency_s: float = 
             at_once[0] -= generated == 1
         token = body.get("vllm_xargs", {}).get(OBSERVE_KEY)
         if token:
-            done[token] = from_routed_experts(_routing(body["prompt"], generated), PROMPT_TOKENS, EXPERTS).to_wire()
+            done[token] = from_routed_experts(routing_of(body["prompt"], generated), PROMPT_TOKENS, EXPERTS).to_wire()
         return answer({"id": "c", "object": "text_completion", "choices": [{"index": 0, "text": "ok"}],
                        "usage": {"prompt_tokens": PROMPT_TOKENS, "completion_tokens": generated,
                                  "total_tokens": PROMPT_TOKENS + generated}})

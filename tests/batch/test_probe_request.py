@@ -4,7 +4,7 @@ import numpy as np
 
 from moe_cohort.batch.probe_request import probe_body, prompt_profile
 from moe_cohort.traces.observed import from_routed_experts
-from tests.batch.test_probe import EXPERTS, LAYERS, PROMPT_TOKENS, _routing
+from tests.helpers.probe_routing import EXPERTS, LAYERS, PROMPT_TOKENS, routing_of
 
 
 def test_a_probe_asks_one_token_of_the_same_prompt_under_the_same_policy():
@@ -17,7 +17,7 @@ def test_a_probe_asks_one_token_of_the_same_prompt_under_the_same_policy():
 
 
 def test_a_prompt_profile_is_each_experts_share_of_the_prompt_tokens():
-    counts = from_routed_experts(_routing("chess", 3), PROMPT_TOKENS, EXPERTS)
+    counts = from_routed_experts(routing_of("chess", 3), PROMPT_TOKENS, EXPERTS)
     profile = prompt_profile(counts)  # [L, E]
     expected = np.zeros((LAYERS, EXPERTS))
     expected[:, [2, 3]] = 1.0  # every prompt token picked experts 2 and 3

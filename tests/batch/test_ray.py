@@ -11,8 +11,8 @@ import pytest
 from aiohttp import web
 
 from moe_cohort.cli import main
-from tests.cli.test_batch import request_line, results, write
-from tests.proxy.servers import answer, body_of, drop, local_backend
+from tests.helpers.batch_files import request_line, results, write
+from tests.helpers.vllm_stub import answer, body_of, drop, local_backend
 
 ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.integration  # a local Ray instance, or a process

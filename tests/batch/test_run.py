@@ -1,5 +1,5 @@
 """run_batch (the driver) against failures a real vLLM cannot produce on demand (429, 503, hangs, a dead
-backend): the backend is a throwaway local server (tests/proxy/servers.py). The decisions alone, without
+backend): the backend is a throwaway local server (tests/helpers/vllm_stub.py). The decisions alone, without
 sockets, are in tests/batch/test_core.py; runs against real vLLM in tests/cli/test_batch.py and
 tests/proxy/batch/test_api.py."""
 
@@ -14,44 +14,17 @@ import pytest
 from moe_cohort.admission.resident import ResidentExperts
 from moe_cohort.admission.wire import Prediction
 from moe_cohort.batch.core import RunConfig
-from moe_cohort.batch.format import read_batch_file
 from moe_cohort.batch.journal import Journal, JournalPaths
 from moe_cohort.batch.run import RunAborted, run_batch, write_plan
 from moe_cohort.encoder.plans import read_plan_file
 from moe_cohort.send.backend_client import BackendClient
 from moe_cohort.send.gate import AdmissionGate
-from moe_cohort.send.metrics import ProxyMetrics
+from moe_cohort.send.metrics import Metrics
 from moe_cohort.send.profiles import Predictor
 from moe_cohort.send.replicas import ReplicaSet
-from tests.proxy.servers import answer, body_of, drop, local_backend
-
-OK = {"id": "cmpl", "object": "text_completion", "choices": [{"index": 0, "text": "ok"}],
-      "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}
-CONFIG = RunConfig(max_in_flight=3, max_retries=3, backoff_s=0.001, max_backoff_s=0.01, metrics_interval_s=0)
-
-
-def batch_file(tmp_path, ids):
-    path = tmp_path / "in.jsonl"
-    path.write_text("".join(json.dumps({"custom_id": i, "method": "POST", "url": "/v1/completions",
-                                        "body": {"model": "tiny", "prompt": i, "max_tokens": 2}}) + "\n" for i in ids))
-    return read_batch_file(path, default_policy="topk", max_line_bytes=10_000)
-
-
-def run(tmp_path, parsed, handler, config=CONFIG, predictor=None):
-    """Run `parsed` against a local server answering with `handler`; (stats, journal paths)."""
-    paths = JournalPaths.for_output(tmp_path / "out.jsonl")
-
-    async def main():
-        async with local_backend(handler) as url:
-            backend = BackendClient(url, timeout_s=0.3)
-            journal = Journal.open(paths, parsed.journal_meta)
-            try:
-                return await run_batch(parsed, journal, [backend], predictor, config)
-            finally:
-                journal.close()
-                await backend.close()
-
-    return asyncio.run(main()), paths
+from tests.helpers.batch_files import batch_file
+from tests.helpers.batch_run import CONFIG, OK, run
+from tests.helpers.vllm_stub import answer, body_of, drop, local_backend
 
 
 def read_lines(path):
@@ -177,7 +150,7 @@ def test_gate_gives_batch_work_only_the_slots_online_traffic_leaves(tmp_path):
         paths = JournalPaths.for_output(tmp_path / "out.jsonl")
         async with local_backend(backend) as url:
             client = BackendClient(url)
-            gate = AdmissionGate(None, ProxyMetrics(), ReplicaSet([client], [3]))
+            gate = AdmissionGate(None, Metrics(), ReplicaSet([client], [3]))
             await gate.admit("online 1")  # two interactive requests hold two of the three slots
             await gate.admit("online 2")
             journal = Journal.open(paths, parsed.journal_meta)

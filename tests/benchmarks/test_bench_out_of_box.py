@@ -2,7 +2,7 @@ import asyncio
 
 from benchmarks.bench_learning_e2e import send
 from benchmarks.bench_out_of_box import summary
-from tests.proxy.servers import answer, local_backend
+from tests.helpers.vllm_stub import answer, local_backend
 
 
 def test_the_summary_takes_each_round_against_its_own_fcfs():

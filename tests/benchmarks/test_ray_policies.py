@@ -11,7 +11,7 @@ from moe_cohort.eval.engine import lengths_from_spec
 from moe_cohort.eval.replay import decode_tokens, replay
 from moe_cohort.eval.replicas import evaluate_replicas, format_replica_table
 from tests.conftest import random_traces
-from tests.eval.test_replicas import HAND, _traces
+from tests.helpers.replica_traces import HAND, expert_set_traces
 
 # the a requests share a 64-character opening, the b requests another; only the tail differs
 HAND_TEXTS = [("Solve step by step and show the work for this algebra exercise: " if i in (0, 1, 4) else
@@ -21,7 +21,7 @@ HAND_TEXTS = [("Solve step by step and show the work for this algebra exercise: 
 def test_power_of_two_on_two_replicas_of_two_slots_by_hand():
     # two replicas: the two drawn are both, so the emptier (resident + queued) on arrival: round-robin's pairs,
     # (4 + 4) x 2 steps + (2 + 2) x 2 = 24 (tests/eval/test_replicas.py)
-    ts = _traces(HAND)
+    ts = expert_set_traces(HAND)
     tok = decode_tokens(ts, "proxy")
     got = RayPolicy("power-of-two").run(tok, np.full(6, 2), [2, 2])
     assert (int(got.loads.sum()), got.tokens, got.makespan, got.violations) == (24, 12, 4, 0)
@@ -31,7 +31,7 @@ def test_prefix_routing_by_hand_keeps_each_opening_on_one_replica():
     # a0 opens replica 0 (power-of-two on empty replicas: the lower), a1 matches it; b0 matches nothing and
     # goes to the emptier replica 1, b1 and b2 follow it, a2 follows a0: replica 0 runs {0,1} then {0,2},
     # replica 1 {4,5} then {4,6}: (2 + 2) x 2 steps + (2 + 2) x 2 = 16
-    ts = _traces(HAND)
+    ts = expert_set_traces(HAND)
     tok = decode_tokens(ts, "proxy")
     got = by_prefix(HAND_TEXTS).run(tok, np.full(6, 2), [2, 2])
     assert got.replica.tolist() == [0, 0, 1, 1, 0, 1]
@@ -49,7 +49,7 @@ def test_power_of_two_replays_with_the_runs_seed():
 
 
 def test_routings_that_bind_on_arrival_may_idle_a_replica_and_are_reported_not_refused():
-    ts = _traces(HAND)
+    ts = expert_set_traces(HAND)
     tok = decode_tokens(ts, "proxy")
     # power-of-two pairs as round-robin does on two replicas; prefix keeps the a requests (short here) on
     # replica 0, which runs dry while replica 1 queues

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from benchmarks.ray_routers import RAY_ROUTINGS, RayRouter, prefix_blocks
-from tests.admission.test_router import _expected_new
+from tests.helpers.brute_force import expected_new
 
 
 def _two_choices(rng, up, load):
@@ -169,8 +169,8 @@ def test_inside_each_replica_admits_from_its_own_queue_by_fit(routing):
             assert key in waiting
             residents = [vectors[k] for k in placed[r]]
             if residents:
-                best = min(_expected_new(vectors[k], residents) for k in waiting)
-                assert _expected_new(vectors[key], residents) <= best + 1e-5
+                best = min(expected_new(vectors[k], residents) for k in waiting)
+                assert expected_new(vectors[key], residents) <= best + 1e-5
             else:
                 assert key == waiting[0]  # nothing to fit yet: the oldest
             placed[r].append(key)

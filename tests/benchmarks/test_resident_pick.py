@@ -6,17 +6,17 @@ import pytest
 
 from benchmarks.resident_pick import pick
 from moe_cohort.admission.resident import ResidentExperts
-from tests.admission.test_resident import _brute_expected_new, _profiles, embedded_residents
+from tests.helpers.brute_force import brute_expected_new, embedded_residents, random_profiles
 
 
 def test_pick_is_the_allowed_candidate_with_the_fewest_expected_new_experts():
-    p = _profiles(30, seed=1)
+    p = random_profiles(30, seed=1)
     state = ResidentExperts(3, 8)
     for r in (0, 5):
         state.add(p[r])
     allowed = np.ones(30, bool)
     allowed[[0, 5, 7]] = False
-    brute = [(_brute_expected_new([p[0], p[5]], p[c]), c) for c in range(30) if allowed[c]]
+    brute = [(brute_expected_new([p[0], p[5]], p[c]), c) for c in range(30) if allowed[c]]
     assert pick(state, p, allowed) == min(brute)[1]
 
 
@@ -31,4 +31,4 @@ def test_pick_is_the_allowed_candidate_nearest_the_resident_embeddings():
 
 def test_pick_refuses_an_empty_choice():
     with pytest.raises(ValueError):
-        pick(ResidentExperts(3, 8), _profiles(3), np.zeros(3, bool))
+        pick(ResidentExperts(3, 8), random_profiles(3), np.zeros(3, bool))

@@ -10,22 +10,8 @@ import time
 import pytest
 
 from moe_cohort.cli import main
-from tests.send.learning.test_learning import encoder  # noqa: F401 (a fixture)
-
-
-def request_line(cid, content, max_tokens=4, url="/v1/chat/completions"):
-    body = {"model": "tiny", "max_tokens": max_tokens, "ignore_eos": True}
-    body.update({"messages": [{"role": "user", "content": content}]} if "chat" in url else {"prompt": content})
-    return json.dumps({"custom_id": cid, "method": "POST", "url": url, "body": body})
-
-
-def write(path, lines):
-    path.write_text("\n".join(lines) + "\n")
-    return path
-
-
-def results(path):
-    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+from tests.helpers.batch_files import request_line, results, write
+from tests.helpers.encoders import encoder  # noqa: F401 (a fixture)
 
 
 def journal_entries(path):

@@ -2,7 +2,7 @@
 (send/autoconfig.plan_batch): the slots, whether it learns; flags win (and forward profiles when asked).
 The engines are stand-ins on real sockets that answer the handshake as moe-cohort's vLLM would (with and without
 our scheduler, with and without the expert counts), or as a plain vLLM; the learning one counts experts as our
-plugin does (tests/send/learning/test_learning.py)."""
+plugin does (tests/helpers/plugin_vllm.py)."""
 
 import asyncio
 import json
@@ -14,9 +14,10 @@ from moe_cohort.cli import main
 from moe_cohort.send.autoconfig import BatchPlan, plan_batch
 from moe_cohort.send.handshake import EngineInfo
 from moe_cohort.send.settings import Settings
-from tests.proxy.servers import BackendThread, answer, body_of
-from tests.send.learning.test_learning import _plugin_backend, _prompt, encoder  # noqa: F401 (a fixture)
-from tests.send.test_handshake import AWARE, OURS, PLAIN_VLLM, info, metrics_text
+from tests.helpers.encoders import encoder  # noqa: F401 (a fixture)
+from tests.helpers.handshake import AWARE, OURS, PLAIN_VLLM, info, metrics_text
+from tests.helpers.plugin_vllm import plugin_backend, topic_prompt
+from tests.helpers.vllm_stub import BackendThread, answer, body_of
 
 LINES = 40
 
@@ -64,7 +65,7 @@ def _engine(info_body, metrics, bodies: list, counting: bool, latency_s: float =
     """A stand-in vLLM: the handshake from `info_body` (None: 404) and `metrics`; chats answered after a while
     (so that requests overlap), their bodies and the most at once recorded; expert counts when `counting`."""
     tokens, out = [], {"now": 0, "most": 0}
-    plugin = _plugin_backend(tokens)
+    plugin = plugin_backend(tokens)
 
     async def handler(request):
         if request.path == "/v1/cohort/info":
@@ -92,7 +93,8 @@ def _marked_or_profiled(bodies) -> bool:
 def _run(tmp_path, capsys, handler, *flags, lines: int = LINES) -> str:
     src = tmp_path / "in.jsonl"
     src.write_text("".join(json.dumps({"custom_id": f"c{i}", "method": "POST", "url": "/v1/chat/completions",
-                                       "body": {"model": "tiny", "messages": [{"role": "user", "content": _prompt(i)}]}})
+                                       "body": {"model": "tiny",
+                                                "messages": [{"role": "user", "content": topic_prompt(i)}]}})
                            + "\n" for i in range(lines)))
     with BackendThread(handler) as engine:
         code = main(["batch", "run", "--input", str(src), "--output", str(tmp_path / "out.jsonl"), "--backend",

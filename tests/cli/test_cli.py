@@ -1,31 +1,14 @@
 """What every `cohort` subcommand shares: -v at any level, one flag name and one encoder default per setting,
 help texts that name no source file."""
 
-import argparse
-import importlib
 import logging
 import re
 
 import pytest
 
-from moe_cohort.cli import SUBCOMMANDS, ArgumentParser, add_verbose, main
+from moe_cohort.cli import SUBCOMMANDS, main
 from moe_cohort.send.settings import DEFAULT_ENCODER, SECTIONS, Settings
-
-
-def parsers():
-    """Every parser of every subcommand, sub-actions included (`cohort batch run`), as `main` builds them."""
-    def below(parser):
-        yield parser
-        for action in parser._actions:
-            if isinstance(action, argparse._SubParsersAction):
-                for sub in action.choices.values():
-                    yield from below(sub)
-
-    for name, (module_name, help_text) in SUBCOMMANDS.items():
-        parser = ArgumentParser(prog=f"cohort {name}", description=help_text)
-        importlib.import_module(module_name).add_arguments(parser)
-        add_verbose(parser)
-        yield from below(parser)
+from tests.helpers.cli_parsers import parsers
 
 
 @pytest.mark.parametrize("argv, level", [

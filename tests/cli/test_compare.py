@@ -16,7 +16,7 @@ from aiohttp import web
 
 from moe_cohort.cli import main
 from moe_cohort.embedded.vllm_server import free_port
-from tests.proxy.servers import answer, local_backend
+from tests.helpers.vllm_stub import answer, local_backend
 
 PER_TOKEN = re.compile(r"(\S+) decode expert loads per generated token, +(\S+) decode tokens per forward")
 

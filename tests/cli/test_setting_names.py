@@ -14,7 +14,7 @@ from moe_cohort.cli.config_reference import OTHER_VARIABLES
 from moe_cohort.cli.setting_flags import flag_overrides
 from moe_cohort.send.setting_sources import CONFIG_VARIABLE, load_settings
 from moe_cohort.send.settings import ENGINE_READS, Settings, flag_of, variable_of
-from tests.cli.test_cli import parsers
+from tests.helpers.cli_parsers import parsers
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVE_FLAGS_AT_MOST = 14  # -h/--help aside

@@ -4,7 +4,7 @@ import numpy as np
 
 from moe_cohort.cli import main
 from moe_cohort.traces.importers import load_traces
-from tests.traces.test_router_json import write_router_dir
+from tests.helpers.router_dir import write_router_dir
 
 
 def test_import_then_info(tmp_path, capsys):

@@ -9,20 +9,13 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from moe_cohort.engine.metrics import ExpertLoadMetrics, SnapshotCollector
-
-
-def _observe(metrics: ExpertLoadMetrics) -> None:
-    # 2 layers; groups: (decode, topk) and (decode, lynx)
-    metrics.observe_forward(
-        groups=[("decode", "topk"), ("decode", "lynx-lat;drop=2")], tokens=[3, 2],
-        before=[[5, 4], [6, 3]], after=[[5, 2], [6, 1]], batch=("decode", "mixed"),
-        batch_before=[8, 8], batch_after=[6, 7])
+from tests.helpers.worker_metrics import observe_sample_forward
 
 
 def test_totals_in_memory():
     metrics = ExpertLoadMetrics()
-    _observe(metrics)
-    _observe(metrics)
+    observe_sample_forward(metrics)
+    observe_sample_forward(metrics)
     assert metrics.value("cohort_moe_expert_loads_before_total", "decode", "topk") == 22
     assert metrics.value("cohort_moe_expert_loads_after_total", "decode", "lynx-lat;drop=2") == 6
     assert metrics.value("cohort_moe_layer_forwards_total", "decode", "topk") == 4
@@ -33,17 +26,6 @@ def test_totals_in_memory():
     assert metrics.value("cohort_moe_distinct_experts_after_sum", "decode", "lynx-lat;drop=2") == 6
 
 
-def write(directory: str, which: str) -> None:
-    """One worker process's metrics: `_observe` once (which="a") or a forward of its own ("b"), flushed."""
-    metrics = ExpertLoadMetrics(directory)
-    if which == "a":
-        _observe(metrics)
-    else:
-        metrics.observe_forward([("decode", "topk")], [4], [[7], [5]], [[7], [5]], ("decode", "topk"), [7, 5], [7, 5])
-    metrics.add_time(0.25, 1.5)
-    metrics.flush(force=True)
-
-
 def _write_in_processes(directory, multiprocess_mode: bool) -> None:
     """Two worker processes, in prometheus_client's multiprocess mode (PROMETHEUS_MULTIPROC_DIR set
     before it is imported) or not (vLLM's default: snapshots in `directory`)."""
@@ -52,7 +34,7 @@ def _write_in_processes(directory, multiprocess_mode: bool) -> None:
     if multiprocess_mode:
         env["PROMETHEUS_MULTIPROC_DIR"] = str(directory)
     for which in ("a", "b"):
-        code = "import sys; from tests.engine.test_metrics import write; write(sys.argv[1], sys.argv[2])"
+        code = "import sys; from tests.helpers.worker_metrics import write; write(sys.argv[1], sys.argv[2])"
         subprocess.run([sys.executable, "-c", code, str(directory), which], check=True, cwd=os.getcwd(), env=env)
 
 
@@ -107,7 +89,7 @@ def test_setup_serving_process_serves_worker_snapshots_on_the_default_registry(t
     code = ("from prometheus_client import REGISTRY, generate_latest\n"
             "from moe_cohort.engine.metrics import ExpertLoadMetrics, setup_serving_process, worker_directory\n"
             "setup_serving_process(); setup_serving_process()  # idempotent\n"
-            "from tests.engine.test_metrics import write\n"
+            "from tests.helpers.worker_metrics import write\n"
             "write(str(worker_directory()), 'a')\n"
             "print(generate_latest(REGISTRY).decode())")
     env = {k: v for k, v in os.environ.items() if k not in ("PROMETHEUS_MULTIPROC_DIR", "COHORT_METRICS_DIR")}
@@ -124,10 +106,10 @@ def _snapshot_value(directory, sample="cohort_moe_expert_loads_before_total", la
 
 def test_snapshots_are_rate_limited_unless_forced(tmp_path):
     metrics = ExpertLoadMetrics(tmp_path, flush_interval=3600)
-    _observe(metrics)
+    observe_sample_forward(metrics)
     metrics.flush()  # the first flush writes
     assert _snapshot_value(tmp_path) == 11
-    _observe(metrics)
+    observe_sample_forward(metrics)
     metrics.flush()  # within the interval: kept in memory
     assert _snapshot_value(tmp_path) == 11 and metrics.value("cohort_moe_expert_loads_before_total", "decode", "topk") == 22
     metrics.flush(force=True)  # what the plugin does when the engine goes idle

@@ -14,20 +14,7 @@ from moe_cohort.eval.policies import Policy, by_profile
 from moe_cohort.eval.replay import decode_profiles, decode_tokens, replay
 from moe_cohort.eval.replicas import evaluate_replicas, format_replica_table, routings_for
 from tests.conftest import random_traces
-from moe_cohort.traces.format import TraceSet
-
-
-def _traces(sets, num_experts=8):
-    """One MoE layer, top-2; request i's prompt is BOS + one token with experts sets[i] (its decode proxy token)."""
-    rows = [r for s in sets for r in ([[7, 6]], [sorted(s)])]  # [2N, 1, 2]
-    return TraceSet(num_experts=num_experts, num_layers=1, top_k=2,
-                    token_offsets=np.arange(0, 2 * len(sets) + 1, 2, dtype=np.int64),
-                    experts=np.array(rows, np.uint8), num_prompt_tokens=np.full(len(sets), 2, np.int64),
-                    request_ids=np.array([f"r{i}" for i in range(len(sets))]))
-
-
-# trace order a0, a1, b0, b1, a2, b2: two alike pairs and one neighbour of each
-HAND = [{0, 1}, {0, 1}, {4, 5}, {4, 5}, {0, 2}, {4, 6}]
+from tests.helpers.replica_traces import HAND, expert_set_traces
 
 
 @pytest.mark.parametrize("routing,loads", [
@@ -39,7 +26,7 @@ HAND = [{0, 1}, {0, 1}, {4, 5}, {4, 5}, {0, 2}, {4, 6}]
     ("affinity", 22),
 ])
 def test_two_replicas_of_two_slots_by_hand(routing, loads):
-    ts = _traces(HAND)
+    ts = expert_set_traces(HAND)
     tok = decode_tokens(ts, "proxy")
     prof = decode_profiles(tok, ts).reshape(len(ts), -1)
     got = Policy(routing, prof).run(tok, np.full(6, 2), [2, 2])
@@ -47,7 +34,7 @@ def test_two_replicas_of_two_slots_by_hand(routing, loads):
 
 
 def test_round_robin_on_identical_requests_is_least_loaded():
-    ts = _traces([{1, 3}] * 9)
+    ts = expert_set_traces([{1, 3}] * 9)
     tok = decode_tokens(ts, "proxy")
     rr, ll = (Policy(name).run(tok, np.full(9, 5), [2, 2]) for name in ("round-robin", "least-loaded"))
     assert (int(rr.loads.sum()), rr.tokens) == (int(ll.loads.sum()), ll.tokens)
@@ -55,7 +42,7 @@ def test_round_robin_on_identical_requests_is_least_loaded():
 
 
 def test_round_robin_can_idle_a_replica_and_a_shared_pool_may_not():
-    ts = _traces(HAND)
+    ts = expert_set_traces(HAND)
     tok = decode_tokens(ts, "proxy")
     lengths = np.array([1, 9, 1, 9, 1, 9])  # replica 0 gets the short ones and runs dry while replica 1 queues
     assert Policy("round-robin").run(tok, lengths, [1, 1]).violations > 0

@@ -26,7 +26,8 @@ from moe_cohort.embedded.vllm_server import free_port
 from moe_cohort.proxy.app import create_app
 from moe_cohort.send.profiles import Predictor
 from moe_cohort.send.settings import Settings
-from tests.proxy.servers import BackendThread, ProxyThread, answer
+from tests.helpers.proxy_thread import ProxyThread
+from tests.helpers.vllm_stub import BackendThread, answer
 
 TOKEN_S = 0.01  # the stand-in's time per token
 MAX_TOKENS = 1000  # more than any client here waits for

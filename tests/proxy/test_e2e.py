@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from moe_cohort.embedded.vllm_server import free_port
 from moe_cohort.send.settings import Settings
-from tests.proxy.servers import ProxyThread
+from tests.helpers.proxy_thread import ProxyThread
 
 MESSAGES = [{"role": "user", "content": "Write a poem about the sea"}]
 # one client for the metrics polls: each `httpx.get` builds an SSL context (OpenSSL reads the CA bundle, holding

@@ -1,6 +1,6 @@
 """`cohort serve --backend A --backend B`: the proxy app in front of two replicas, with the official openai
 client. Failover, health, merged /v1/models and Batch API slots against throwaway local servers
-(tests/proxy/servers.py: a refused port is a replica that is down, one that cuts its stream dies
+(tests/helpers/vllm_stub.py: a refused port is a replica that is down, one that cuts its stream dies
 mid-answer); then one run against two real vLLM CPU servers."""
 
 import asyncio
@@ -19,12 +19,12 @@ from moe_cohort.batch.run import run_batch
 from moe_cohort.proxy.app import create_app
 from moe_cohort.send.backend_client import BackendClient
 from moe_cohort.send.gate import AdmissionGate
-from moe_cohort.send.metrics import ProxyMetrics
+from moe_cohort.send.metrics import Metrics
 from moe_cohort.send.replicas import ReplicaSet
 from moe_cohort.send.settings import Settings
-from tests.batch.test_run import CONFIG, OK, batch_file
-from tests.proxy.servers import answer, body_of, local_backend
-from tests.proxy.test_streaming import sse
+from tests.helpers.batch_files import batch_file
+from tests.helpers.batch_run import CONFIG, OK
+from tests.helpers.vllm_stub import answer, body_of, local_backend, sse
 
 CHAT_OK = {"id": "x", "object": "chat.completion", "created": 0, "model": "tiny",
            "choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "hi"}}]}
@@ -167,7 +167,7 @@ def test_batch_work_takes_background_slots_on_both_replicas(tmp_path):
     async def main():
         async with local_backend(await slow("a")) as a, local_backend(await slow("b")) as b:
             replicas = ReplicaSet([BackendClient(a), BackendClient(b)], [1, 1], "least-loaded")
-            gate = AdmissionGate(None, ProxyMetrics(), replicas=replicas)
+            gate = AdmissionGate(None, Metrics(), replicas=replicas)
             journal = Journal.open(paths, parsed.journal_meta)
             try:
                 return await run_batch(parsed, journal, replicas.clients, None, CONFIG, gate=gate)
@@ -204,7 +204,7 @@ def test_two_vllm_replicas_both_serve_and_one_killed_with_requests_in_flight_los
 
 def _both_serve(servers):
     from moe_cohort.embedded.vllm_server import free_port
-    from tests.proxy.servers import ProxyThread
+    from tests.helpers.proxy_thread import ProxyThread
 
     before = [_requests_served(s.url) for s in servers]
     settings = Settings(backends=tuple(s.url for s in servers), port=free_port(), max_in_flight=4,
@@ -247,7 +247,7 @@ def _killed_loses_none(a, b, caplog):
     import signal
 
     from moe_cohort.embedded.vllm_server import free_port
-    from tests.proxy.servers import ProxyThread
+    from tests.helpers.proxy_thread import ProxyThread
 
     settings = Settings(backends=(a.url, b.url), port=free_port(), max_in_flight=4, encoder="none",
                         replica_routing="least-loaded")
@@ -304,7 +304,7 @@ def test_the_running_proxy_checks_its_replicas_in_the_background(monkeypatch):
     it answers, by the periodic health checks alone (no request, no /health call)."""
     import moe_cohort.proxy.app
     from moe_cohort.embedded.vllm_server import free_port
-    from tests.proxy.servers import ProxyThread
+    from tests.helpers.proxy_thread import ProxyThread
 
     monkeypatch.setattr(moe_cohort.proxy.app, "HEALTH_EVERY_S", 0.05)
 

@@ -14,8 +14,9 @@ import pytest
 from moe_cohort.embedded.vllm_server import free_port
 from moe_cohort.proxy.app import create_app
 from moe_cohort.send.settings import Settings
-from tests.proxy.servers import ProxyThread, answer
-from tests.proxy.servers import CHAT, OK_BODY, ok, proxy_client, run
+from tests.helpers.proxy_client import CHAT, proxy_client, run
+from tests.helpers.proxy_thread import ProxyThread
+from tests.helpers.vllm_stub import OK_BODY, answer, ok
 
 CHUNK = 64 * 1024
 # what the proxy may read past a limit: the one body message that crosses it (uvicorn stops reading from the

@@ -11,8 +11,8 @@ import pytest
 from aiohttp import web
 
 from moe_cohort.send.replicas import ReplicaSet
-from tests.proxy.servers import answer
-from tests.proxy.servers import CHAT, OK_BODY, proxy_client, run
+from tests.helpers.proxy_client import CHAT, proxy_client, run
+from tests.helpers.vllm_stub import OK_BODY, answer
 
 BACKEND_S = 0.25  # how long the backend takes to answer, on the test's clock (a binary fraction: sums are exact)
 

@@ -9,21 +9,9 @@ from aiohttp import web
 
 from moe_cohort.embedded.vllm_server import free_port
 from moe_cohort.send.settings import Settings
-from tests.proxy.servers import CHAT, OK_BODY, ProxyThread, answer, body_of, local_backend, post, proxy_client, run
-
-
-async def sse(request, *chunks, drop=False):
-    """An event stream of `chunks`; with `drop`, the connection is cut instead of ending the stream."""
-    response = web.StreamResponse(headers={"content-type": "text/event-stream"})
-    await response.prepare(request)
-    for chunk in chunks:
-        await response.write(chunk)
-    if drop:
-        await asyncio.sleep(0.01)
-        request.transport.abort()
-    else:
-        await response.write_eof()
-    return response
+from tests.helpers.proxy_client import CHAT, post, proxy_client, run
+from tests.helpers.proxy_thread import ProxyThread
+from tests.helpers.vllm_stub import OK_BODY, answer, body_of, local_backend, sse
 
 
 def test_stream_dropped_by_the_backend_ends_with_an_error_event():

@@ -20,8 +20,8 @@ from moe_cohort.proxy.app import create_app
 from moe_cohort.send.auth import Authorizer
 from moe_cohort.send.errors import Unauthorized
 from moe_cohort.send.settings import Settings, SettingsError
-from tests.proxy.batch.test_api import jsonl, request_line, settings, wait_for
-from tests.proxy.servers import ProxyThread
+from tests.helpers.batch_api import jsonl, request_line, settings, wait_for
+from tests.helpers.proxy_thread import ProxyThread
 
 ALICE, BOB = "sk-alice-7f3c9a", "sk-bob-12d4e8"
 

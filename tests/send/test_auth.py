@@ -2,7 +2,8 @@
 
 
 
-from tests.proxy.servers import CHAT, OK_BODY, answer, proxy_client, run
+from tests.helpers.proxy_client import CHAT, proxy_client, run
+from tests.helpers.vllm_stub import OK_BODY, answer
 
 
 def test_proxy_keys_and_backend_key():

@@ -8,7 +8,7 @@ import openai
 from moe_cohort.embedded.vllm_server import free_port, start
 from moe_cohort.send.autoconfig import TURN_ON_SCHEDULER
 from moe_cohort.send.settings import Settings
-from tests.proxy.servers import ProxyThread
+from tests.helpers.proxy_thread import ProxyThread
 
 SCHEDULER = ["--scheduler-cls", "moe_cohort.engine.scheduler.ExpertAwareScheduler"]
 

@@ -14,7 +14,7 @@ from aiohttp import web
 
 from moe_cohort.send.backend_client import BackendClient
 from moe_cohort.send.errors import BackendStatusError, BackendUnreachable
-from tests.proxy.servers import answer, local_backend
+from tests.helpers.vllm_stub import answer, local_backend
 
 
 def peer_port(request) -> int:

@@ -13,7 +13,7 @@ from moe_cohort.admission.wire import Prediction
 from moe_cohort.proxy.app import create_app
 from moe_cohort.send.cohort_key import HEADER, cohort_key, cohort_key_header
 from moe_cohort.send.settings import Settings
-from tests.proxy.servers import answer, body_of, local_backend
+from tests.helpers.vllm_stub import answer, body_of, local_backend
 
 OK_BODY = {"id": "x", "object": "chat.completion", "created": 0, "model": "tiny",
            "choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "hi"}}]}

@@ -12,7 +12,7 @@ from moe_cohort.engine.metrics import COUNTERS
 from moe_cohort.send.backend_client import BackendClient
 from moe_cohort.send.engine_counters import (FAMILIES, DecodeCounters, MetricsUnreadable, fetch_counters,
                                              has_plugin_counters, metric_sum, parse_counters, read_counters)
-from tests.proxy.servers import local_backend
+from tests.helpers.vllm_stub import local_backend
 
 # decode sums, by hand: batch_before 40+60, batch_after 40+30, batch_layer_steps 10+10, loads 48+24,
 # layer_forwards 16+8, tokens 12+6; every other phase, family or metric must not count

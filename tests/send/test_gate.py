@@ -12,9 +12,9 @@ import numpy as np
 import moe_cohort.send.gate
 from moe_cohort.admission.wire import Prediction
 from moe_cohort.send.gate import AdmissionGate, Profiler
-from moe_cohort.send.metrics import ProxyMetrics
+from moe_cohort.send.metrics import Metrics
 from moe_cohort.send.replicas import ReplicaSet
-from tests.proxy.servers import idle_clients
+from tests.helpers.idle_clients import idle_clients
 
 A, B = np.array([1.0, 1.0, 0.0, 0.0]), np.array([0.0, 0.0, 1.0, 1.0])  # [L*E] profiles of two kinds
 PROFILES = {"a1": A, "a2": A, "a3": A, "b1": B, "b2": B}
@@ -29,7 +29,7 @@ def gate(capacity, now=None, predict=predict, profile_first=True):
     """A gate of one slot-only replica of `capacity` slots (fairness bound 30 s); `now`: a clock [seconds]."""
     clock = (lambda: now[0]) if now is not None else time.monotonic
     replicas = ReplicaSet(idle_clients(1), [capacity], "affinity", max_queue_s=30.0, clock=clock)
-    return AdmissionGate(Profiler(predict), ProxyMetrics(), replicas, profile_first=profile_first)
+    return AdmissionGate(Profiler(predict), Metrics(), replicas, profile_first=profile_first)
 
 
 def in_flight(g):
@@ -304,7 +304,7 @@ def test_a_predictor_with_nothing_to_predict_yet_is_not_asked_first_come_first_s
     async def main():
         clock = [0.0]
         replicas = ReplicaSet(idle_clients(1), [1], "affinity", max_queue_s=30.0, clock=lambda: clock[0])
-        g = AdmissionGate(Profiler(counting_predict, ready=lambda: False), ProxyMetrics(), replicas)
+        g = AdmissionGate(Profiler(counting_predict, ready=lambda: False), Metrics(), replicas)
         first = await g.admit("a1")
         waiting = [asyncio.ensure_future(g.admit(t)) for t in ("b1", "a2")]
         await until(pooled(g, 2))

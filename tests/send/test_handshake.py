@@ -1,13 +1,12 @@
 """The engine handshake, proxy side: what each replica says it is (send/handshake.py), how the proxy serves it
 (send/autoconfig.py), and the running app configured by it, against real throwaway servers
-(tests/proxy/servers.py) that answer as moe-cohort's vLLM would, as a plain vLLM, or badly."""
+(tests/helpers/vllm_stub.py) that answer as moe-cohort's vLLM would, as a plain vLLM, or badly."""
 
 import asyncio
 
 import httpx
 import pytest
 from aiohttp import web
-from prometheus_client import CollectorRegistry, Gauge, generate_latest
 
 from moe_cohort.proxy.app import create_app
 from moe_cohort.send.autoconfig import (INSTALL_PLUGIN, TURN_ON_COUNTS, TURN_ON_SCHEDULER, fed, fed_at,
@@ -16,27 +15,11 @@ from moe_cohort.send.backend_client import BackendClient
 from moe_cohort.send.handshake import (METRICS, PLAIN, ROUTE, UNREACHABLE, EngineInfo, MalformedInfo, ask,
                                        from_json, from_metrics)
 from moe_cohort.send.settings import Settings
-from tests.proxy.servers import answer, local_backend
+from tests.helpers.handshake import AWARE, OURS, PLAIN_VLLM, info, metrics_text
+from tests.helpers.vllm_stub import answer, local_backend
 
 CHAT_OK = {"id": "x", "object": "chat.completion", "created": 0, "model": "tiny",
            "choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "hi"}}]}
-
-
-def info(max_num_seqs=16, expert_aware=True, observed=True, **changes) -> dict:
-    body = {"object": "cohort.engine_info", "schema": 1, "plugin_version": "0.1.0", "vllm_version": "0.32.0",
-            "model": "tiny", "moe": {"layers": 4, "experts": 64, "top_k": 4}, "max_num_seqs": max_num_seqs,
-            "scheduler": {"expert_aware": expert_aware, "class": "x", "base": "Scheduler"},
-            "observed_counts": observed, "policies": ["topk", "xshare"]}
-    return {**body, **changes}
-
-
-def metrics_text(**labels) -> str:
-    """A /metrics exposition with the plugin's info series (as the general plugin publishes it) beside vLLM's own."""
-    registry = CollectorRegistry()
-    Gauge("vllm:num_requests_waiting", "waiting", registry=registry).set(3)
-    if labels:
-        Gauge("cohort_engine_info", "moe-cohort engine", list(labels), registry=registry).labels(**labels).set(1)
-    return generate_latest(registry).decode()
 
 
 SERIES = dict(schema="1", plugin_version="0.1.0", model="tiny", moe_layers="4", experts="64", top_k="4",
@@ -124,9 +107,6 @@ def test_a_replica_that_is_down_or_hangs_is_unreachable_not_an_error():
 
 
 # ---- the plan ----------------------------------------------------------------------------------------------------
-
-AWARE, OURS, PLAIN_VLLM = EngineInfo(ROUTE, 16, (4, 64, 4), True, True), EngineInfo(METRICS, 16, None, False, False), \
-    EngineInfo(PLAIN)
 
 
 @pytest.mark.parametrize("settings, engine_info, slots, engine_side, could", [

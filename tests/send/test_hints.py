@@ -10,7 +10,8 @@ import pytest
 
 from moe_cohort.embedded.vllm_server import free_port
 from moe_cohort.send.settings import Settings
-from tests.proxy.servers import EchoBackend, ProxyThread
+from tests.helpers.proxy_thread import ProxyThread
+from tests.helpers.vllm_stub import EchoBackend
 
 
 FORGED = {"moe_profile": [1, 2, 3, 4, 5, 6, 7, 8], "moe_record": True, "moe_routing": "OEA; k0=1", "temperature_x": 3}

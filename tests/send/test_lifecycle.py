@@ -20,11 +20,13 @@ from moe_cohort.send.backend_client import BackendClient
 from moe_cohort.send.errors import BackendUnreachable
 from moe_cohort.send.gate import AdmissionGate
 from moe_cohort.send.lifecycle import Lifecycle
-from moe_cohort.send.metrics import ProxyMetrics
+from moe_cohort.send.metrics import Metrics
 from moe_cohort.send.replicas import ReplicaSet
 from moe_cohort.send.settings import Settings
-from tests.proxy.servers import (CHAT, OK_BODY, ProxyThread, alive_but_dropping, answer, body_of, dying_server, local_backend,
-                                 named, refused_url, run)
+from tests.helpers.proxy_client import CHAT, run
+from tests.helpers.proxy_thread import ProxyThread
+from tests.helpers.vllm_stub import (OK_BODY, alive_but_dropping, answer, body_of, dying_server, local_backend, named,
+                                     refused_url)
 
 PATH = "/v1/completions"
 
@@ -32,7 +34,7 @@ PATH = "/v1/completions"
 def gate_of(*urls: str, health_timeout_s: float = 5.0) -> AdmissionGate:
     replicas = ReplicaSet([BackendClient(u) for u in urls], [1] * len(urls), "least-loaded",
                           health_timeout_s=health_timeout_s)
-    return AdmissionGate(None, ProxyMetrics(), replicas)
+    return AdmissionGate(None, Metrics(), replicas)
 
 
 def freed(gate: AdmissionGate) -> bool:

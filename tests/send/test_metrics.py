@@ -1,10 +1,10 @@
 import asyncio
 import time
 
-from moe_cohort.send.metrics import ProxyMetrics, watch_loop_lag
+from moe_cohort.send.metrics import Metrics, watch_loop_lag
 
 
-def _samples(metrics: ProxyMetrics) -> dict[str, float]:
+def _samples(metrics: Metrics) -> dict[str, float]:
     return {f"{s.name}{s.labels.get('le', '')}": s.value
             for f in metrics.registry.collect() if f.name == "cohort_event_loop_lag_seconds" for s in f.samples}
 
@@ -12,7 +12,7 @@ def _samples(metrics: ProxyMetrics) -> dict[str, float]:
 def test_the_loop_lag_watch_sees_a_blocked_event_loop():
     """A callback that holds the event loop for 0.3 s makes the watch's timer that long late: one sample over
     0.25 s, the others (a free loop) under 0.1 s."""
-    metrics = ProxyMetrics()
+    metrics = Metrics()
 
     async def run() -> None:
         watch = asyncio.get_running_loop().create_task(watch_loop_lag(metrics.loop_lag, every_s=0.02))

@@ -4,7 +4,8 @@ import pytest
 
 from moe_cohort.send.errors import InvalidRequest, PayloadTooLarge
 from moe_cohort.send.protocol import check_size, parse_request
-from tests.proxy.servers import OK_BODY, answer, body_of, post, run
+from tests.helpers.proxy_client import post, run
+from tests.helpers.vllm_stub import OK_BODY, answer, body_of
 
 
 def parse(body, route="chat", headers=None, default="topk", max_bytes=10_000):

@@ -9,7 +9,7 @@ import pytest
 from moe_cohort.send.backend_client import BackendClient
 from moe_cohort.send.errors import BackendUnreachable
 from moe_cohort.send.replicas import ReplicaSet, Slot
-from tests.proxy.servers import local_backend, named, refused_url
+from tests.helpers.vllm_stub import local_backend, named, refused_url
 
 A, B = np.array([1.0, 1.0, 0, 0]), np.array([0, 0, 1.0, 1.0])
 

@@ -11,7 +11,7 @@
     POST /v1/batches/{batch_id}/cancel                                      -> Batch
 
 Endpoints: /v1/chat/completions and /v1/completions. Errors use the OpenAI error shape (the app's
-ProxyError handler). Every route acts for the caller's owner (`authorize` returns it, send/auth.py):
+ServiceError handler). Every route acts for the caller's owner (`authorize` returns it, send/auth.py):
 files and batches of another key or tenant are answered exactly as ids that do not exist (404),
 and lists show only the caller's own. Storage and jobs: proxy/batch/store.py, proxy/batch/jobs.py.
 """

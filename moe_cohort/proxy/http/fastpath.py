@@ -18,10 +18,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from moe_cohort.send.errors import ProxyError
+from moe_cohort.send.errors import ServiceError
 
 Handler = Callable[[Request], Awaitable[Response]]
-ErrorAnswer = Callable[[Request, ProxyError], Response]
+ErrorAnswer = Callable[[Request, ServiceError], Response]
 
 
 class FastPath:
@@ -40,6 +40,6 @@ class FastPath:
         request = Request(scope, receive)
         try:
             response = await handler(request)
-        except ProxyError as exc:
+        except ServiceError as exc:
             response = self.on_error(request, exc)
         await response(scope, receive, send)

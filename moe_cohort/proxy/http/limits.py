@@ -28,12 +28,12 @@ import json
 import logging
 from dataclasses import dataclass
 
-from moe_cohort.send.errors import ProxyError
+from moe_cohort.send.errors import ServiceError
 
 log = logging.getLogger(__name__)
 
 
-class HeadersTooLarge(ProxyError):
+class HeadersTooLarge(ServiceError):
     status_code = 431
     error_type = "invalid_request_error"
 
@@ -66,7 +66,7 @@ def refusal(problem: str) -> HeadersTooLarge:
     return HeadersTooLarge(problem, code="request_header_fields_too_large")
 
 
-class HeadTimeout(ProxyError):
+class HeadTimeout(ServiceError):
     status_code = 408
     error_type = "invalid_request_error"
 
@@ -76,7 +76,7 @@ def _answer_431(problem: str, default_headers) -> bytes:
     return _answer(refusal(problem), b"431 Request Header Fields Too Large", default_headers)
 
 
-def _answer(error: ProxyError, status: bytes, default_headers) -> bytes:
+def _answer(error: ServiceError, status: bytes, default_headers) -> bytes:
     """The whole HTTP/1.1 answer of `error` in the OpenAI error shape, connection closed."""
     body = json.dumps(error.body()).encode()
     head = [b"HTTP/1.1 " + status + b"\r\n"]

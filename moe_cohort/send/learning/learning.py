@@ -31,7 +31,7 @@ from moe_cohort.send.backend_client import BackendClient
 from moe_cohort.send.learning.behind_serving import fit_apart, one_blas_thread, start_apart, stop_apart
 from moe_cohort.send.learning.observed_counts import (ROUTED_EXPERTS, ObservedCounts, client_answer, marked,
                                                       one_routed_choice, routed_counts)
-from moe_cohort.send.metrics import ProxyMetrics
+from moe_cohort.send.metrics import Metrics
 from moe_cohort.traces.observed import BadObservation, Observed
 from moe_cohort.train.online import LearnConfig, OnlineLearner
 
@@ -49,7 +49,7 @@ Pending = tuple[str, Observed, str, bool]  # text, counts, source, kept
 class Learning:
     """The proxy's learner: observations come in on the event loop; the worker thread learns from them."""
 
-    def __init__(self, learner: OnlineLearner, featurize: Featurize, folder: Path, metrics: ProxyMetrics,
+    def __init__(self, learner: OnlineLearner, featurize: Featurize, folder: Path, metrics: Metrics,
                  sample_rate: float = 0.05, replicas: Sequence[BackendClient] = (), on: bool | None = True) -> None:
         self.learner, self.featurize, self.folder, self.metrics = learner, featurize, folder, metrics
         self.sample_rate = sample_rate
@@ -237,7 +237,7 @@ class Learning:
             self.learner.save(self.folder)
 
 
-def _show(learner: OnlineLearner, metrics: ProxyMetrics) -> None:
+def _show(learner: OnlineLearner, metrics: Metrics) -> None:
     """The learned head's gauges, read at each scrape: its age, what it was fitted on, its live fit."""
     metrics.learned_head_age.set_function(lambda: time.time() - learner.fitted_at if learner.head else float("nan"))
     metrics.learned_head_observations.set_function(lambda: learner.fitted_on if learner.head else 0)

@@ -26,7 +26,7 @@ from typing import Callable, Sequence
 
 from moe_cohort.admission.wire import OBSERVE_KEY, with_xargs
 from moe_cohort.send.backend_client import BackendClient
-from moe_cohort.send.errors import BackendStatusError, ProxyError
+from moe_cohort.send.errors import BackendStatusError, ServiceError
 from moe_cohort.traces.observed import BadObservation, Observed, decode_npy, from_routed_experts
 
 log = logging.getLogger(__name__)
@@ -96,7 +96,7 @@ class ObservedCounts:
             if exc.status_code not in (404, 405):
                 return None
             serves = False
-        except (ProxyError, ValueError, AttributeError):
+        except (ServiceError, ValueError, AttributeError):
             return None
         if not serves:
             log.warning("learning: %s has no %s, so the proxy learns from vLLM's routed_experts answers only; for our "
@@ -147,7 +147,7 @@ class ObservedCounts:
     async def _take(self, client: BackendClient, waiting: Waiting) -> None:
         try:
             answer = await client.request("POST", OBSERVED_PATH, json={"tokens": list(waiting)[:MAX_TAKE]})
-        except ProxyError:  # unreachable now (or a replica without the plugin): the tokens wait, and expire
+        except ServiceError:  # unreachable now (or a replica without the plugin): the tokens wait, and expire
             answer = None
         started = time.thread_time()
         for token, obj in (json.loads(answer.content).get("observed", {}) if answer else {}).items():

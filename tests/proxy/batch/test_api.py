@@ -9,42 +9,16 @@ import httpx
 import openai
 import pytest
 
-from moe_cohort.embedded.vllm_server import free_port
 from moe_cohort.proxy.app import create_app
 from moe_cohort.proxy.batch.store import BatchStore
 from moe_cohort.send.settings import Settings
-from tests.proxy.servers import ProxyThread
-from tests.send.learning.test_learning import encoder  # noqa: F401 (a fixture)
-
-
-def request_line(cid, content, max_tokens=6, **body):
-    return json.dumps({"custom_id": cid, "method": "POST", "url": "/v1/chat/completions",
-                       "body": {"model": "tiny", "messages": [{"role": "user", "content": content}],
-                                "max_tokens": max_tokens, "ignore_eos": True, **body}})
-
-
-def jsonl(lines):
-    return ("\n".join(lines) + "\n").encode()
-
-
-def settings(vllm_server, data_dir, **kw):
-    base = dict(backends=(vllm_server.url,), port=free_port(), encoder="none", batch_max_in_flight=4,
-                data_dir=str(data_dir))
-    return Settings(**{**base, **kw})
+from tests.helpers.batch_api import jsonl, request_line, settings, wait_for
+from tests.helpers.encoders import encoder  # noqa: F401 (a fixture)
+from tests.helpers.proxy_thread import ProxyThread
 
 
 def client_for(proxy):
     return openai.OpenAI(base_url=proxy.url + "/v1", api_key="unused", max_retries=0)
-
-
-def wait_for(client, batch_id, statuses=("completed", "failed", "cancelled"), timeout=120, until=None):
-    deadline = time.monotonic() + timeout
-    while True:
-        batch = client.batches.retrieve(batch_id)
-        if batch.status in statuses or (until and until(batch)):
-            return batch
-        assert time.monotonic() < deadline, f"batch still {batch.status}: {batch.request_counts}"
-        time.sleep(0.2)
 
 
 def output_lines(client, file_id):

@@ -13,7 +13,7 @@ from moe_cohort.proxy.batch.jobs import BatchJobs
 from moe_cohort.proxy.batch.store import BatchStore
 from moe_cohort.send.backend_client import BackendClient
 from moe_cohort.send.settings import Settings
-from tests.proxy.servers import answer, body_of, local_backend
+from tests.helpers.vllm_stub import answer, body_of, local_backend
 
 OK = {"id": "cmpl", "object": "text_completion", "choices": [{"index": 0, "text": "ok"}],
       "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}

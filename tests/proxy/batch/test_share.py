@@ -12,7 +12,8 @@ import pytest
 from moe_cohort.embedded.vllm_server import free_port
 from moe_cohort.proxy.batch.share import FairShare
 from moe_cohort.send.settings import Settings
-from tests.proxy.servers import ProxyThread, answer, body_of, local_backend
+from tests.helpers.proxy_thread import ProxyThread
+from tests.helpers.vllm_stub import answer, body_of, local_backend
 
 OK = {"id": "cmpl", "object": "chat.completion",
       "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],

@@ -1,6 +1,6 @@
 """Errors in the OpenAI shape: the backend's own, a timeout (504), an unreachable backend (502), the proxy's
 refusals (size, JSON, unknown routes), as the official client sees them. The backend is a throwaway local server
-(tests/proxy/servers.py); the proxy runs in-process behind httpx.ASGITransport."""
+(tests/helpers/vllm_stub.py); the proxy runs in-process behind httpx.ASGITransport."""
 
 import asyncio
 
@@ -10,7 +10,8 @@ import pytest
 
 from moe_cohort.proxy.app import create_app
 from moe_cohort.send.settings import Settings
-from tests.proxy.servers import CHAT, OK_BODY, answer, ok, post, proxy_client, run
+from tests.helpers.proxy_client import CHAT, post, proxy_client, run
+from tests.helpers.vllm_stub import OK_BODY, answer, ok
 
 
 def test_backend_error_status_and_body_pass_through():

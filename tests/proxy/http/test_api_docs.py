@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from moe_cohort.embedded.vllm_server import free_port
 from moe_cohort.send.settings import Settings
-from tests.proxy.servers import ProxyThread
+from tests.helpers.proxy_thread import ProxyThread
 
 
 DOCS_ROUTES = ["/openapi.json", "/docs", "/redoc", "/docs/oauth2-redirect"]

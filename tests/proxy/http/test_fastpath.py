@@ -1,5 +1,5 @@
 """The hot routes' short way (proxy/http/fastpath.py): its paths reach their handlers without the app, every
-other path and method reaches the app, a ProxyError becomes the app's own error answer, and the request carries
+other path and method reaches the app, a ServiceError becomes the app's own error answer, and the request carries
 its route's name for the metrics."""
 
 import asyncio
@@ -10,8 +10,9 @@ from starlette.responses import JSONResponse, PlainTextResponse
 from starlette.routing import Route
 
 from moe_cohort.proxy.http.fastpath import FastPath
-from moe_cohort.send.errors import InvalidRequest, ProxyError
-from tests.proxy.servers import CHAT, ok, proxy_client
+from moe_cohort.send.errors import InvalidRequest, ServiceError
+from tests.helpers.proxy_client import CHAT, proxy_client
+from tests.helpers.vllm_stub import ok
 
 
 def _client(app) -> httpx.AsyncClient:
@@ -29,7 +30,7 @@ def test_fast_paths_skip_the_app_and_others_reach_it():
         seen.append(("fast", request.method, request.url.path, await request.body()))
         return PlainTextResponse("fast")
 
-    def on_error(request, exc: ProxyError):
+    def on_error(request, exc: ServiceError):
         return JSONResponse({**exc.body(), "label": request.scope["state"]["route"]}, status_code=exc.status_code)
 
     inner = Starlette(routes=[Route("/v1/completions", app_route, methods=["GET", "POST"]),
@@ -51,7 +52,7 @@ def test_a_proxy_error_on_a_fast_path_is_the_error_answer_with_its_label():
     async def fails(request):
         raise InvalidRequest("bad field", param="model")
 
-    def on_error(request, exc: ProxyError):
+    def on_error(request, exc: ServiceError):
         return JSONResponse({**exc.body(), "label": request.scope["state"]["route"]}, status_code=exc.status_code)
 
     app = FastPath(Starlette(), {"/v1/chat/completions": (fails, "chat")}, on_error)

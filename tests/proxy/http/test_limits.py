@@ -16,7 +16,7 @@ from moe_cohort.embedded.vllm_server import free_port
 from moe_cohort.proxy.app import create_app
 from moe_cohort.proxy.http.limits import HeadLimits, h11_protocol, server_options
 from moe_cohort.send.settings import Settings
-from tests.proxy.servers import ProxyThread
+from tests.helpers.proxy_thread import ProxyThread
 
 
 def exchange(port: int, chunks, timeout: float = 30.0) -> tuple[bytes, int]:

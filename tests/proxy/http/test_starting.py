@@ -22,7 +22,8 @@ from moe_cohort.encoder.static import save_static, static_path
 from moe_cohort.proxy.app import create_app
 from moe_cohort.proxy.http.starting import Starting
 from moe_cohort.send.settings import Settings
-from tests.proxy.servers import ProxyThread, answer, local_backend
+from tests.helpers.proxy_thread import ProxyThread
+from tests.helpers.vllm_stub import answer, local_backend
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hello world"}], "max_tokens": 1}
 OK = {"id": "x", "object": "chat.completion", "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}}]}

@@ -8,7 +8,6 @@ import io
 import re
 import sys
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
@@ -18,24 +17,15 @@ import pytest
 from moe_cohort.proxy.app import create_app
 from moe_cohort.send.settings import Settings, SettingsError
 from moe_cohort.train.online import Reservoir
-from tests.proxy.servers import answer, body_of, local_backend
-
-LAYERS, EXPERTS, K = 2, 8, 2
-TOPICS = {"python": 0, "cooking": 4}  # a prompt about X routes every generated token to experts X, X + 1 (all layers)
+from tests.helpers.encoders import encoder  # noqa: F401 (a fixture)
+from tests.helpers.plugin_vllm import EXPERTS, K, LAYERS, plugin_backend, topic_prompt, topic_routing
+from tests.helpers.vllm_stub import answer, body_of, local_backend
 
 
 def _b64_npy(array):
     buf = io.BytesIO()
     np.save(buf, array)
     return base64.b64encode(buf.getvalue()).decode()
-
-
-def _routing(prompt: str, prompt_tokens: int = 5, generated: int = 6) -> np.ndarray:  # [tokens - 1, L, k] uint8
-    first = TOPICS["python" if "python" in prompt else "cooking"]
-    rows = np.zeros((prompt_tokens + generated - 1, LAYERS, K), np.uint8)
-    rows[:prompt_tokens] = [7, 6]  # prompt tokens: experts the head must not learn as the answer's
-    rows[prompt_tokens:] = [first, first + 1]
-    return rows
 
 
 async def vllm_like(request):
@@ -47,24 +37,8 @@ async def vllm_like(request):
     prompt = body["messages"][-1]["content"]
     return answer({"id": "c", "object": "chat.completion", "model": "tiny",
                    "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop",
-                                "routed_experts": _b64_npy(_routing(prompt))}],
+                                "routed_experts": _b64_npy(topic_routing(prompt))}],
                    "usage": {"prompt_tokens": 5, "completion_tokens": 6, "total_tokens": 11}})
-
-
-@pytest.fixture
-def encoder(tmp_path) -> str:
-    from tokenizers import Tokenizer
-
-    from moe_cohort.encoder.embedding import resolve_model
-    from moe_cohort.encoder.static import save_static
-
-    tokenizer = Tokenizer.from_file(str(Path(resolve_model(None)) / "tokenizer.json"))
-    weights = np.random.default_rng(0).standard_normal((tokenizer.get_vocab_size(), 8)).astype(np.float32)
-    return str(save_static(tokenizer, weights, tmp_path / "enc"))
-
-
-def _prompt(i: int) -> str:
-    return f"question {i} about {'python lists' if i % 2 else 'cooking rice'}"
 
 
 async def _serve(url, encoder, data_dir, requests, **extra):
@@ -73,7 +47,7 @@ async def _serve(url, encoder, data_dir, requests, **extra):
     try:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy") as client:
             answers = [await client.post("/v1/chat/completions", json={
-                "model": "tiny", "messages": [{"role": "user", "content": _prompt(i)}]}) for i in range(requests)]
+                "model": "tiny", "messages": [{"role": "user", "content": topic_prompt(i)}]}) for i in range(requests)]
             deadline = time.monotonic() + 30
             while proxy.learning.learner.observed < requests and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)  # the worker thread learns off the event loop
@@ -154,7 +128,7 @@ def test_a_client_that_asked_gets_the_routed_experts_and_bad_ones_are_counted_no
         if request.path != "/v1/chat/completions":
             return answer({"detail": "Not Found"}, status=404)
         body = await body_of(request)
-        routed = "bm90IGFuIGFycmF5" if "bad" in body["messages"][-1]["content"] else _b64_npy(_routing("python"))
+        routed = "bm90IGFuIGFycmF5" if "bad" in body["messages"][-1]["content"] else _b64_npy(topic_routing("python"))
         return answer({"id": "c", "object": "chat.completion", "choices": [
             {"index": 0, "message": {"role": "assistant", "content": "ok"}, "routed_experts": routed}],
             "usage": {"prompt_tokens": 5, "completion_tokens": 6, "total_tokens": 11}})
@@ -174,7 +148,7 @@ def test_a_client_that_asked_gets_the_routed_experts_and_bad_ones_are_counted_no
                 await app.state.proxy.close()
 
     asked, bad, metrics = asyncio.run(main())
-    assert asked.json()["choices"][0]["routed_experts"] == _b64_npy(_routing("python"))
+    assert asked.json()["choices"][0]["routed_experts"] == _b64_npy(topic_routing("python"))
     assert bad.status_code == 200 and "routed_experts" not in bad.json()["choices"][0]
     assert _metric(metrics, 'cohort_learned_dropped_total{reason="invalid"}') == 1
     assert _metric(metrics, 'cohort_learned_profiles_total{source="routed_experts"}') == 1
@@ -185,47 +159,17 @@ def test_learning_needs_an_encoder():
         Settings(backends=("http://x:1",), encoder="none", learn=True)
 
 
-def _plugin_backend(seen_tokens: list):
-    """A vLLM with our plugin: counts the experts of requests marked vllm_xargs.moe_observe, hands them over at
-    POST /v1/cohort/observed (engine.observed_endpoint's format), streams when asked."""
-    from moe_cohort.traces.observed import from_routed_experts
-
-    done = {}
-
-    async def handler(request):
-        if request.method == "GET":
-            return answer({})
-        body = await body_of(request)
-        if request.path == "/v1/cohort/observed":
-            return answer({"observed": {t: done.pop(t) for t in body["tokens"] if t in done}})
-        token = body.get("vllm_xargs", {}).get("moe_observe")
-        seen_tokens.append(token)
-        if token:
-            done[token] = from_routed_experts(_routing(body["messages"][-1]["content"]), 5, EXPERTS).to_wire()
-        if body.get("stream"):
-            from aiohttp import web
-
-            response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-            await response.prepare(request)
-            await response.write(b'data: {"choices": [{"index": 0, "delta": {"content": "ok"}}]}\n\ndata: [DONE]\n\n')
-            return response
-        return answer({"id": "c", "object": "chat.completion", "choices": [
-            {"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}]})
-
-    return handler
-
-
 def test_the_proxy_learns_from_the_plugins_counts_of_streamed_and_whole_answers(encoder, tmp_path):
     seen = []
 
     async def main():
-        async with local_backend(_plugin_backend(seen)) as url:
+        async with local_backend(plugin_backend(seen)) as url:
             app = create_app(Settings(backends=(url,), encoder=encoder, learn=True, data_dir=str(tmp_path / "d")))
             proxy = app.state.proxy
             try:
                 async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy") as c:
                     for i in range(21):
-                        chat = {"model": "tiny", "messages": [{"role": "user", "content": _prompt(i)}],
+                        chat = {"model": "tiny", "messages": [{"role": "user", "content": topic_prompt(i)}],
                                 "stream": i % 3 == 0, "vllm_xargs": {"moe_observe": "a client's own token"}}
                         assert (await c.post("/v1/chat/completions", json=chat)).status_code == 200
                         await asyncio.sleep(0.02)
@@ -252,14 +196,14 @@ def test_once_the_reservoir_is_full_the_proxy_marks_only_what_it_keeps_and_a_sam
     seen = []
 
     async def main():
-        async with local_backend(_plugin_backend(seen)) as url:
+        async with local_backend(plugin_backend(seen)) as url:
             app = create_app(Settings(backends=(url,), encoder=encoder, learn=True, learn_capacity=16,
                                       learn_sample_rate=0.25, data_dir=str(tmp_path / "d")))
             learning = app.state.proxy.learning
             async with app.router.lifespan_context(app):  # asks the backend first: every request is offered
                 async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy") as c:
                     for i in range(120):
-                        chat = {"model": "tiny", "messages": [{"role": "user", "content": _prompt(i)}]}
+                        chat = {"model": "tiny", "messages": [{"role": "user", "content": topic_prompt(i)}]}
                         assert (await c.post("/v1/chat/completions", json=chat)).status_code == 200
                     marked = [t for t in seen if t]
                     deadline = time.monotonic() + 30
@@ -283,11 +227,11 @@ def test_a_proxy_that_starts_asks_the_backend_first_and_marks_its_first_request(
     seen = []
 
     async def main():
-        async with local_backend(_plugin_backend(seen)) as url:
+        async with local_backend(plugin_backend(seen)) as url:
             app = create_app(Settings(backends=(url,), encoder=encoder, learn=True, data_dir=str(tmp_path / "d")))
             async with app.router.lifespan_context(app):  # what uvicorn runs at start-up
                 async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy") as c:
-                    chat = {"model": "tiny", "messages": [{"role": "user", "content": _prompt(1)}]}
+                    chat = {"model": "tiny", "messages": [{"role": "user", "content": topic_prompt(1)}]}
                     assert (await c.post("/v1/chat/completions", json=chat)).status_code == 200
 
     asyncio.run(main())
@@ -391,7 +335,7 @@ def test_the_learning_worker_keeps_the_serving_priority_on_one_blas_thread(tmp_p
     from threadpoolctl import threadpool_info
 
     from moe_cohort.send.learning.learning import Learning
-    from moe_cohort.send.metrics import ProxyMetrics
+    from moe_cohort.send.metrics import Metrics
     from moe_cohort.train.online import OnlineLearner
 
     def where() -> tuple[int, set[int]]:
@@ -399,7 +343,7 @@ def test_the_learning_worker_keeps_the_serving_priority_on_one_blas_thread(tmp_p
         return os.getpriority(os.PRIO_PROCESS, threading.get_native_id()), blas
 
     learning = Learning(OnlineLearner(), lambda texts: (np.zeros((len(texts), 1)), [None] * len(texts)),
-                        tmp_path, ProxyMetrics(), on=False)
+                        tmp_path, Metrics(), on=False)
     try:
         nice, blas = asyncio.run(learning.in_background(where))
     finally:
@@ -485,14 +429,14 @@ def test_the_learning_worker_refits_through_the_learner_process(tmp_path, monkey
 def _learning_fed(folder, n: int):
     """A Learning that fits its first head at 4 observations and refits every 4, fed `n` random ones."""
     from moe_cohort.send.learning.learning import Learning
-    from moe_cohort.send.metrics import ProxyMetrics
+    from moe_cohort.send.metrics import Metrics
     from moe_cohort.traces.observed import Observed
     from moe_cohort.train.online import LearnConfig, OnlineLearner
 
     rng = np.random.default_rng(0)
     learning = Learning(OnlineLearner(LearnConfig(first_fit=4, refit_every=4, ngram_dim=0)),
                         lambda texts: (rng.normal(size=(len(texts), 6)).astype(np.float32), [None] * len(texts)),
-                        folder, ProxyMetrics())
+                        folder, Metrics())
     for i in range(n):
         counts = rng.integers(0, 5, (2, 8))  # [L, E]
         learning.add(f"prompt {i}", Observed(counts, counts, 4, 4), "plugin", True)

@@ -14,7 +14,7 @@ from moe_cohort.send.backend_client import BackendClient
 from moe_cohort.send.learning.observed_counts import (ObservedCounts, marked, one_routed_choice, routed_answer, routed_counts,
                                                       without_routed)
 from moe_cohort.traces.observed import BadObservation, from_routed_experts
-from tests.proxy.servers import answer, body_of, local_backend
+from tests.helpers.vllm_stub import answer, body_of, local_backend
 
 LAYERS, EXPERTS = 2, 8
 ROWS = np.array([[[7, 6], [7, 6]]] * 3 + [[[0, 1], [0, 1]]] * 2, np.uint8)  # [tokens - 1, L, k]: 3 prompt tokens

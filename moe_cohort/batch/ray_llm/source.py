@@ -1,8 +1,8 @@
-"""A probing Ray Data LLM run's rows as a Dataset source (batch/ray_llm.py): the first rows at once (the probes), then the rest in parts, each once the driver hands it to the box (batch/ray_llm_box.py),
+"""A probing Ray Data LLM run's rows as a Dataset source (batch/ray_llm/processor.py): the first rows at once (the probes), then the rest in parts, each once the driver hands it to the box (batch/ray_llm/box.py),
 ordered by the profiles the engine's counts gave; and the processor's output without the probes' answers.
 
 This module imports Ray Data and pyarrow, not vLLM: the read tasks run in processes of their own, which import it
-beside an engine that is starting on the same cores (batch/ray_llm_box.py says why that matters).
+beside an engine that is starting on the same cores (batch/ray_llm/box.py says why that matters).
 """
 
 from __future__ import annotations

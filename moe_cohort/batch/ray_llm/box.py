@@ -1,4 +1,4 @@
-"""The actor where a Ray Data LLM run's driver, engine stage and source meet (batch/ray_llm.py): the
+"""The actor where a Ray Data LLM run's driver, engine stage and source meet (batch/ray_llm/processor.py): the
 engine's counts of each observed row (a probe, or an answer learned from), until the driver takes them, and a probing
 run's rows in parts, from the driver's hand-over until the source reads them.
 
@@ -13,7 +13,7 @@ import asyncio
 
 import ray
 
-ENV_BOX = "COHORT_RAY_OBSERVATIONS"  # the Ray actor the engine stage hands the counts to (set by batch/ray_llm.py)
+ENV_BOX = "COHORT_RAY_OBSERVATIONS"  # the Ray actor the engine stage hands the counts to (set by ray_llm/processor.py)
 
 
 class Observations:

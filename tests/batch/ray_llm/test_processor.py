@@ -1,14 +1,14 @@
-"""moe_cohort.batch.ray_llm: the engine set up for admission by experts, and end to end through Ray Data LLM and
-vLLM CPU on the tiny MoE: a probing run orders every row by its prompt's routing (and, learning, saves the head a
-run without probes orders by). The rows' plans and expert args: test_ray_llm_rows.py; the source and the output's
-filter: test_ray_llm_source.py."""
+"""moe_cohort.batch.ray_llm (processor.py): the engine set up for admission by experts, and end to end through
+Ray Data LLM and vLLM CPU on the tiny MoE: a probing run orders every row by its prompt's routing (and, learning,
+saves the head a run without probes orders by). The rows' plans and expert args: test_rows.py; the source and the
+output's filter: test_source.py."""
 
 import importlib.util
 
 import pytest
 
 from moe_cohort.batch.ray_llm import PENDING_PER_SLOT, SCHEDULER_CLS, ExpertAware
-from tests.send.learning.test_learning import encoder  # noqa: F401 (a fixture)
+from tests.helpers.encoders import encoder  # noqa: F401 (a fixture)
 
 needs_ray_llm = pytest.mark.skipif(importlib.util.find_spec("ray") is None or importlib.util.find_spec("vllm") is None,
                                    reason="Ray Data LLM needs ray and vLLM (bash scripts/setup.sh dev)")
@@ -42,9 +42,9 @@ def test_the_engine_is_set_up_for_admission_by_experts_and_the_users_choices_win
 def test_a_run_that_ended_before_its_last_part_was_sent_learns_nothing(monkeypatch, caplog):
     import threading
 
-    from moe_cohort.batch import ray_llm
+    from moe_cohort.batch.ray_llm import processor
 
-    monkeypatch.setattr(ray_llm, "HAND_OVER_JOIN_S", 0.01)
+    monkeypatch.setattr(processor, "HAND_OVER_JOIN_S", 0.01)
     waiting = threading.Event()
     aware = ExpertAware(predictor=None, learner=object(), _box=object(),
                         _handing_over=threading.Thread(target=waiting.wait, daemon=True))

@@ -1,8 +1,8 @@
-"""Servers for tests. `local_backend`: a throwaway HTTP server for backend failures a real vLLM
-cannot be made to produce on demand (a 5xx, a hang, a dropped connection): aiohttp's low-level
-server on 127.0.0.1, run in the test's own event loop; `handler(request) ->
-aiohttp.web.StreamResponse` answers every request. `ProxyThread`: the proxy app under uvicorn in
-a background thread, as `cohort serve` runs it."""
+"""Stand-in vLLM servers on real local sockets, for backend behaviour a real vLLM cannot be made to produce on
+demand (a 5xx, a hang, a dropped connection, a replica that is down or dies with a request in hand).
+`local_backend`: aiohttp's low-level server on 127.0.0.1, run in the test's own event loop; `handler(request) ->
+aiohttp.web.StreamResponse` answers every request. `BackendThread`: the same in a background thread, for code
+that runs its own loop. `EchoBackend`: a stdlib server in a thread. The answers they give: `answer`, `sse`, `drop`."""
 
 from __future__ import annotations
 
@@ -11,16 +11,9 @@ import contextlib
 import json
 import socket
 import threading
-import time
 
-import httpx
-import uvicorn
 from aiohttp import web
 from aiohttp.test_utils import RawTestServer
-
-from moe_cohort.proxy.app import create_app
-from moe_cohort.proxy.http.limits import server_options
-from moe_cohort.send.settings import Settings
 
 
 @contextlib.asynccontextmanager
@@ -48,27 +41,18 @@ def drop(request: web.BaseRequest) -> web.Response:
     return web.Response()
 
 
-class ProxyThread:
-    """uvicorn serving the proxy app (or `app`, an ASGI app of the same settings) in a background thread
-    (its own event loop)."""
-
-    def __init__(self, settings: Settings, app=None) -> None:
-        options = {**server_options(settings), "host": "127.0.0.1"}  # as `cohort serve` runs it (head limits)
-        self.server = uvicorn.Server(uvicorn.Config(app or create_app(settings), log_level="warning", **options))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.url = f"http://127.0.0.1:{settings.port}"
-
-    def __enter__(self):
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert time.monotonic() < deadline, "proxy did not start"
-            time.sleep(0.05)
-        return self
-
-    def __exit__(self, *exc):
-        self.server.should_exit = True
-        self.thread.join(10)
+async def sse(request, *chunks, drop=False):
+    """An event stream of `chunks`; with `drop`, the connection is cut instead of ending the stream."""
+    response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+    await response.prepare(request)
+    for chunk in chunks:
+        await response.write(chunk)
+    if drop:
+        await asyncio.sleep(0.01)
+        request.transport.abort()
+    else:
+        await response.write_eof()
+    return response
 
 
 class BackendThread:
@@ -91,13 +75,6 @@ class BackendThread:
         asyncio.run_coroutine_threadsafe(self._server.close(), self._loop).result(10)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
-
-
-def idle_clients(n: int) -> list:
-    """`n` backend clients for tests of the slots alone: they are never sent anything (port 9, discard)."""
-    from moe_cohort.send.backend_client import BackendClient
-
-    return [BackendClient("http://127.0.0.1:9") for _ in range(n)]
 
 
 def named(name: str, seen: list, health: dict | None = None):
@@ -196,31 +173,8 @@ class EchoBackend:
         self.server.server_close()
 
 
-CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
 OK_BODY = {"id": "x", "object": "chat.completion", "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}}]}
 
 
 async def ok(request):
     return answer(OK_BODY)
-
-
-@contextlib.asynccontextmanager
-async def proxy_client(handler, **settings):
-    """An httpx client of the in-process proxy, in front of a local server answering with `handler`."""
-    async with local_backend(handler) as url:
-        base = {"backends": (url,), "encoder": "none", **settings}
-        app = create_app(Settings(**base))
-        try:
-            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy") as c:
-                yield c
-        finally:
-            await app.state.proxy.close()
-
-
-async def post(handler, body=CHAT, path="/v1/chat/completions", settings=None, **kw):
-    async with proxy_client(handler, **(settings or {})) as c:
-        return await c.post(path, json=body, **kw)
-
-
-def run(coro):
-    return asyncio.run(coro)

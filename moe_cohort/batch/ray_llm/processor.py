@@ -14,8 +14,8 @@ What each step keeps:
   [] when none).
 - A probing run (the default) first sends every row as a probe: a copy with the `moe_probe` column true, which
   asks one token of the same prompt (batch/probe_request.py) under a `moe_observe` token, so that our plugin
-  counts the prompt's experts. The engine stage (batch/ray_llm_engine.py) hands each probe's counts to a Ray
-  actor (batch/ray_llm_box.py); once every probe is answered, a driver thread orders the rows by their prompts'
+  counts the prompt's experts. The engine stage (batch/ray_llm/engine.py) hands each probe's counts to a Ray
+  actor (batch/ray_llm/box.py); once every probe is answered, a driver thread orders the rows by their prompts'
   profiles (`probed_plan`) and hands them over in parts, each with its profiles, in the same execution (one
   engine start). The probes' answers are dropped from the output. The engine's own routing of a prompt predicts
   its answer's routing far better than a head that reads the text (docs/results.md).
@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from moe_cohort.batch.probe_request import probe_body, prompt_profile
-from moe_cohort.batch.ray_llm_rows import part_sizes, plan, probed_plan, row_text, with_expert_args
+from moe_cohort.batch.ray_llm.rows import part_sizes, plan, probed_plan, row_text, with_expert_args
 from moe_cohort.send.profiles import Predictor
 
 log = logging.getLogger(__name__)
@@ -69,7 +69,7 @@ class OrderingProcessor:
         out = self.processor(self.aware.order(ds))
         if not self.aware.probe:
             return out
-        from moe_cohort.batch.ray_llm_source import without
+        from moe_cohort.batch.ray_llm.source import without
 
         # with the postprocessing's resources, so that Ray fuses the two (a task of a whole CPU would wait)
         return out.map_batches(without, fn_args=(PROBE,), batch_format="pyarrow", **self.remote)
@@ -164,8 +164,8 @@ class ExpertAware:
         engine-full in whole batches (each block goes whole to one engine, and each is one task per stage)."""
         import ray.data
 
-        from moe_cohort.batch.ray_llm_box import handed_over
-        from moe_cohort.batch.ray_llm_source import PartsSource
+        from moe_cohort.batch.ray_llm.box import handed_over
+        from moe_cohort.batch.ray_llm.source import PartsSource
 
         rows = [{**r, PROBE: False} for r in rows]
         size = math.ceil(PENDING_PER_SLOT * self.max_num_seqs / self.batch) * self.batch  # an engine-full
@@ -214,7 +214,7 @@ class ExpertAware:
         plugins = [p for p in env.get("VLLM_PLUGINS", PLUGIN).split(",") if p]
         env["VLLM_PLUGINS"] = ",".join(plugins if PLUGIN in plugins else [*plugins, PLUGIN])
         if self.learner is not None or self.probe:
-            from moe_cohort.batch.ray_llm_box import ENV_BOX
+            from moe_cohort.batch.ray_llm.box import ENV_BOX
 
             env[ENV_BOX] = self._observations()
         pending = config.max_pending_requests or PENDING_PER_SLOT * self.max_num_seqs
@@ -247,7 +247,7 @@ class ExpertAware:
         processor = build_processor(self.configure(config), preprocess=expert_preprocess,
                                     postprocess=probe_postprocess if probing else postprocess, **kwargs)
         if learning or probing:
-            from moe_cohort.batch.ray_llm_engine import ObservingEngineUDF
+            from moe_cohort.batch.ray_llm.engine import ObservingEngineUDF
 
             # a copy, not an assignment: assigning re-runs the stage's validation, which resolved (and removed)
             # its placement group once already, and would ask for a GPU
@@ -289,7 +289,7 @@ class ExpertAware:
 
     def _observations(self) -> str:
         """The name of this run's observation box (a Ray actor, started here once)."""
-        from moe_cohort.batch.ray_llm_box import ObservationBox
+        from moe_cohort.batch.ray_llm.box import ObservationBox
 
         name = f"moe-cohort-observations-{self.run}"
         if self._box is None:

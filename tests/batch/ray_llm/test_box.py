@@ -1,4 +1,4 @@
-"""moe_cohort.batch.ray_llm_box: the box answers each wait once its condition holds, and its module loads no vLLM."""
+"""moe_cohort.batch.ray_llm.box: the box answers each wait once its condition holds, and its module loads no vLLM."""
 
 import asyncio
 import importlib.util
@@ -11,7 +11,7 @@ import pytest
 if importlib.util.find_spec("ray") is None:
     pytest.skip("the box is a Ray actor (bash scripts/setup.sh dev installs ray)", allow_module_level=True)
 # here, not in a test: Ray subclasses subprocess.Popen when it is imported, and a quick test's Popen is conftest's guard
-from moe_cohort.batch.ray_llm_box import Observations  # noqa: E402
+from moe_cohort.batch.ray_llm.box import Observations  # noqa: E402
 
 
 def test_the_box_answers_a_wait_once_its_condition_holds():
@@ -40,7 +40,7 @@ def test_the_box_answers_a_wait_once_its_condition_holds():
 @pytest.mark.integration
 def test_the_box_and_the_source_load_no_vllm():
     """Their processes start beside an engine that is starting: importing vLLM there would take its CPU."""
-    code = ("import sys, json; import moe_cohort.batch.ray_llm_box, moe_cohort.batch.ray_llm_source; "
+    code = ("import sys, json; import moe_cohort.batch.ray_llm.box, moe_cohort.batch.ray_llm.source; "
             "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] == 'vllm' or m.startswith('ray.llm'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr

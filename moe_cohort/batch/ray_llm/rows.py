@@ -1,6 +1,6 @@
-"""What batch/ray_llm.py reads and writes of a Ray Data LLM row: its text, its place in the admission order (by
-predicted profiles, or by the profiles its prompt's probe gave), and the expert args its sampling parameters carry
-to our scheduler and plugin."""
+"""What batch/ray_llm/processor.py reads and writes of a Ray Data LLM row: its text, its place in the admission
+order (by predicted profiles, or by the profiles its prompt's probe gave), and the expert args its sampling
+parameters carry to our scheduler and plugin."""
 
 from __future__ import annotations
 

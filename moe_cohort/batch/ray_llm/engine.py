@@ -1,9 +1,9 @@
-"""The engine stage of batch/ray_llm.py that hands each row's expert counts on.
+"""The engine stage of batch/ray_llm/processor.py that hands each row's expert counts on.
 
 `ObservingEngineUDF` is Ray's own engine stage (tested on Ray 2.60, whose stage class is internal) with one
-addition: a row sent with a `moe_observe` token (batch/ray_llm.py's preprocess) has the counts our plugin took
+addition: a row sent with a `moe_observe` token (batch/ray_llm/processor.py's preprocess) has the counts our plugin took
 of its request fetched from the engine once it finished (`cohort_take_observed`, as the proxy's learner
-fetches them over HTTP: engine/observed_endpoint.py) and put in the run's box (batch/ray_llm_box.py), a Ray actor
+fetches them over HTTP: engine/observed_endpoint.py) and put in the run's box (batch/ray_llm/box.py), a Ray actor
 the driver reads. Every such row is counted there as finished, counts or not. The row's output is the plain
 stage's.
 """
@@ -20,7 +20,7 @@ import ray
 from ray.llm._internal.batch.stages.vllm_engine_stage import vLLMEngineStageUDF
 
 from moe_cohort.admission.wire import OBSERVE_KEY
-from moe_cohort.batch.ray_llm_box import ENV_BOX
+from moe_cohort.batch.ray_llm.box import ENV_BOX
 
 log = logging.getLogger(__name__)
 

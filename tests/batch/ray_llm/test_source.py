@@ -1,5 +1,5 @@
-"""moe_cohort.batch.ray_llm_source: the probing source's blocks (the end-to-end run through Ray Data LLM and
-vLLM is in tests/batch/test_ray_llm.py)."""
+"""moe_cohort.batch.ray_llm.source: the probing source's blocks (the end-to-end run through Ray Data LLM and
+vLLM is in tests/batch/ray_llm/test_processor.py)."""
 
 import importlib.util
 
@@ -10,7 +10,7 @@ if importlib.util.find_spec("ray") is None or importlib.util.find_spec("vllm") i
 # here, not in a test: Ray subclasses subprocess.Popen when it is imported, and a quick test's Popen is conftest's guard
 import pyarrow as pa  # noqa: E402
 
-from moe_cohort.batch.ray_llm_source import PartsSource, without  # noqa: E402
+from moe_cohort.batch.ray_llm.source import PartsSource, without  # noqa: E402
 
 
 def test_the_first_rows_go_without_waiting_and_each_later_part_as_handed_over_with_its_profiles():

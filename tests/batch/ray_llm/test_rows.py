@@ -1,4 +1,4 @@
-"""moe_cohort.batch.ray_llm_rows: a row's text, the plan against brute force on small inputs, and the expert args
+"""moe_cohort.batch.ray_llm.rows: a row's text, the plan against brute force on small inputs, and the expert args
 its sampling parameters carry."""
 
 import numpy as np
@@ -6,9 +6,9 @@ import numpy as np
 from moe_cohort.admission.resident import ResidentExperts
 from moe_cohort.admission.wire import Prediction
 from moe_cohort.admission.wire import compact
-from moe_cohort.batch.ray_llm_rows import plan, probed_plan, row_text, with_expert_args
+from moe_cohort.batch.ray_llm.rows import plan, probed_plan, row_text, with_expert_args
 from moe_cohort.send.profiles import Predictor
-from tests.batch.test_order import brute_force_order
+from tests.helpers.brute_force import brute_force_order
 
 
 def _predictor(vectors):

@@ -1,0 +1,1 @@
+"""What tests share, no tests of its own: stand-in vLLM servers, fixtures, input builders, brute-force references."""
