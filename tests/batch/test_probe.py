@@ -211,3 +211,51 @@ def test_probes_wait_for_room_and_go_on_when_there_is(tmp_path):
                 await backend.close()
     assert asyncio.run(main()) == 3  # no probe while there was no room
     assert len(bodies) == 6 and set(found) == {r.line for r in batch.requests}
+
+
+def test_a_backend_that_restarts_mid_probe_costs_no_line(tmp_path):
+    """The backend goes away once its first probes came, and is back 0.3 s later on the same port: the probes stop
+    (no backend), the lines retry until it is back, and every line is answered exactly once, none failed."""
+    from dataclasses import replace
+
+    from aiohttp.test_utils import RawTestServer
+
+    from moe_cohort.batch.journal import Journal, JournalPaths
+    from moe_cohort.batch.run import run_batch
+    from moe_cohort.embedded.vllm_server import free_port
+
+    topics = list(TOPICS)
+    batch = _file(tmp_path, [f"{topics[i % 3]} question {i}" for i in range(24)], max_tokens=16)
+    bodies, port = [], free_port("127.0.0.1")
+    engine = counting_engine(bodies, latency_s=0.005)
+    config = replace(PROBING, max_retries=30, backoff_s=0.02, max_backoff_s=0.1)
+    paths = JournalPaths.for_output(tmp_path / "out.jsonl")
+
+    async def restarted(first: RawTestServer) -> RawTestServer:
+        while sum(b["max_tokens"] == 1 for b in bodies) < 3:
+            await asyncio.sleep(0.001)
+        await first.close()  # mid-probe: lines and a probe out
+        await asyncio.sleep(0.3)
+        second = RawTestServer(engine, host="127.0.0.1", port=port)
+        await second.start_server()
+        return second
+
+    async def main():
+        first = RawTestServer(engine, host="127.0.0.1", port=port)
+        await first.start_server()
+        backend = BackendClient(f"http://127.0.0.1:{port}", timeout_s=1.0, connect_timeout_s=0.2)
+        journal = Journal.open(paths, batch.journal_meta)
+        restart = asyncio.create_task(restarted(first))
+        try:
+            return await run_batch(batch, journal, [backend], None, config)
+        finally:
+            journal.close()
+            await backend.close()
+            await (await restart).close()
+
+    stats = asyncio.run(main())
+    answered = [json.loads(x)["custom_id"] for x in paths.output.read_text().splitlines()]
+    assert sorted(answered) == sorted(f"c{i}" for i in range(24)) and len(set(answered)) == 24
+    assert stats.failed == 0 and stats.succeeded == 24
+    assert not paths.errors.exists() or paths.errors.read_text() == ""
+    assert 3 <= sum(b["max_tokens"] == 1 for b in bodies) < 24  # probes went, and stopped when it went away
