@@ -127,7 +127,7 @@ async def run_batch(batch: BatchFile, journal: Journal, replicas: Sequence[Backe
              else "file order" if predictor is None else "admission order" if isinstance(core.order, ExpertOrder)
              else "a sample drawn from across the file until there are predictions, then admission order")
     if learning is not None:
-        await learning.probe()  # the first requests are marked when the backend counts experts
+        await learning.ask_served()  # the first requests are marked when the backend counts experts
     return await sender.run(stop or asyncio.Event())
 
 

@@ -57,7 +57,7 @@ log = logging.getLogger(__name__)
 
 PATHS: dict[Route, str] = {"chat": "/v1/chat/completions", "completion": "/v1/completions",
                            "responses": "/v1/responses"}
-HEALTH_EVERY_S = 2.0  # how often the replicas are probed (GET /health each)
+HEALTH_EVERY_S = 2.0  # how often the replicas are checked (GET /health each)
 
 
 class Proxy:
@@ -121,7 +121,7 @@ class Proxy:
                 self.learning.decide(self.learning_plan.on)
 
     async def watch_replicas(self, every_s: float | None = None) -> None:
-        """Every `every_s`: probe the replicas (send/replicas.py: one that stops answering goes out, never the
+        """Every `every_s`: check the replicas (send/replicas.py: one that stops answering goes out, never the
         last; one that answers again comes back); a replica that came back, or never answered the handshake, is
         asked it again and served by its answer."""
         while True:
@@ -182,7 +182,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         log.info("%s", proxy.configuration)
         await batch_jobs.resume()  # batches that were running when the proxy stopped
         if proxy.learning is not None and proxy.learning.on:
-            await proxy.learning.probe()  # whether the backend's plugin serves expert counts
+            await proxy.learning.ask_served()  # whether the backend's plugin serves expert counts
         # Everything loaded so far (encoder, FAISS, the app) lives as long as the process: keep it out
         # of the garbage collector's full passes, which otherwise stall every request in flight now
         # and then, longer the more objects are loaded (docs/results.md).

@@ -4,7 +4,7 @@
          "admission": {...}, "configuration": {...}}
     503 {"status": "backend unavailable", ...}: no replica answers
 
-Every replica (one backend: a set of one) is probed now. With protect_metrics on (COHORT_PROTECT_METRICS) a
+Every replica (one backend: a set of one) is checked now. With protect_metrics on (COHORT_PROTECT_METRICS) a
 caller without a key gets the status alone: load balancers may probe, but the backends' addresses and the
 admission's state are for key holders.
 """
@@ -18,7 +18,7 @@ from moe_cohort.send.autoconfig import health
 
 
 async def health_answer(proxy, request: Request) -> Response:
-    """The answer of `proxy` (proxy.app.Proxy) to `request`: each replica probed now (taken out or back in by the
+    """The answer of `proxy` (proxy.app.Proxy) to `request`: each replica checked now (taken out or back in by the
     answer, send/replicas.py); 200 while one is up."""
     shown = not proxy.settings.protect_metrics or proxy.authorize.allows(request.headers)
     up = await proxy.replicas.check()

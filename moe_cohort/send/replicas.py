@@ -67,7 +67,7 @@ class ReplicaSet:
 
     def __init__(self, clients: Sequence[BackendClient], capacities: Sequence[int], routing: str = "affinity", *,
                  max_queue_s: float = MAX_WAIT_S, max_passed: int | None = None, health_timeout_s: float = 5.0,
-                 failover_probe_s: float = 1.0,
+                 failover_check_s: float = 1.0,
                  clock: Callable[[], float] = time.monotonic,
                  resident_factory: ResidentFactory = lambda size: ResidentExperts(1, size)):
         if len(clients) != len(capacities) or not clients:
@@ -75,7 +75,7 @@ class ReplicaSet:
         self.clients = list(clients)
         self.router = ReplicaRouter(capacities, routing, max_wait=max_queue_s, max_passed=max_passed,
                                     resident_factory=resident_factory)
-        self.health_timeout_s, self.failover_probe_s, self.clock = health_timeout_s, failover_probe_s, clock
+        self.health_timeout_s, self.failover_check_s, self.clock = health_timeout_s, failover_check_s, clock
         self._waiting: set[Slot] = set()
         self._background: list[Slot] = []  # waiting background work, oldest first
         self._turn = 0
@@ -146,7 +146,7 @@ class ReplicaSet:
         if not others.any() or not isinstance(exc, BackendUnreachable) or exc.answer_started:
             return False
         if (not _never_sent(exc) and self.router.healthy[slot.replica]
-                and await slot.client.alive(self.failover_probe_s)):
+                and await slot.client.alive(self.failover_check_s)):
             return False  # the replica is up: it may be generating this request
         log.warning("replica %d (%s) is down (%s); taking it out and sending the request elsewhere",
                     slot.replica, slot.client.base_url, exc.message)

@@ -104,13 +104,13 @@ class Learning:
         if not self.on:
             return
         if self.counts.serves is None:
-            self.counts.probe_soon()
+            self.counts.ask_served_soon()
         elif self.counts.serves and (kept := self.sample()) is not None:
             self.counts.mark(body, kept)
 
-    async def probe(self) -> None:
+    async def ask_served(self) -> None:
         """Ask the backend now whether it serves the plugin's counts (at start-up: the first requests get marked)."""
-        await self.counts.probe()
+        await self.counts.ask_served()
 
     def answered(self, content: bytes, body: dict, text: str) -> bytes:
         """A whole 200 answer came back for `body` (sent for `text`): learned from when it carries vLLM's routed

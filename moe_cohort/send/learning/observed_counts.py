@@ -4,7 +4,7 @@
   experts counted in the engine; once the request left its replica (`finished`), that replica hands the counts
   over at `POST /v1/cohort/observed` (engine.observed_endpoint), asked every POLL_S (or the caller's `poll_s`) while tokens wait, a token
   given up after GIVE_UP_S. Streamed or not, embedded or across containers. Bodies are marked only once a
-  replica said it serves that route (`probe` asks them all); one that answers 404/405 does not, and a warning
+  replica said it serves that route (`ask_served` asks them all); one that answers 404/405 does not, and a warning
   says so; when none does, nothing is marked.
 - vLLM's `routed_experts` field (`routed_answer`, `routed_counts`): a non-streamed answer of a server started
   with `--enable-return-routed-experts` carries, per choice, base64 `.npy` [tokens - 1, L, k], read with the
@@ -35,7 +35,7 @@ OBSERVED_PATH = "/v1/cohort/observed"
 ROUTED_EXPERTS, PROMPT_START = "routed_experts", "routed_experts_prompt_start"
 LIVE_ONLY = "-live"  # the end of the token of a request marked with kept=False
 POLL_S, GIVE_UP_S, MAX_TAKE = 0.5, 60.0, 4096  # MAX_TAKE: engine.observed_endpoint.MAX_TOKENS
-PROBE_EVERY_S = 10.0  # how often a backend that did not answer whether it serves the counts is asked again
+ASK_EVERY_S = 10.0  # how often a backend that did not answer whether it serves the counts is asked again
 
 Deliver = Callable[[str, Observed, bool], None]  # (the request's text, its counts, kept)
 Lost = Callable[[str, int], None]  # (why: "invalid" or "unclaimed", how many)
@@ -55,7 +55,7 @@ class ObservedCounts:
         self.poll_s = poll_s  # how often the counts of finished requests are asked for while some wait
         self.serves: bool | None = None  # whether one does (None: not known yet)
         self._deliver, self._lost, self._cpu = deliver, lost, cpu  # cpu(s): event-loop CPU seconds taking counts
-        self._probe_after, self._probes = 0.0, set()
+        self._ask_after, self._asking = 0.0, set()
         prefix = secrets.token_hex(4)  # this proxy's: several proxies may share a backend
         self._tokens = (f"{prefix}-{n}" for n in itertools.count())
         self._waiting: dict[BackendClient, Waiting] = {}
@@ -67,20 +67,20 @@ class ObservedCounts:
         token = next(self._tokens) + ("" if kept else LIVE_ONLY)
         body["vllm_xargs"] = with_xargs(body.get("vllm_xargs"), **{OBSERVE_KEY: token})
 
-    async def probe(self) -> None:
+    async def ask_served(self) -> None:
         """Ask the replicas now whether they serve the counts (at start-up, so the first requests get marked)."""
         if self.replicas and self.serves is None:
-            self._probe_after = time.monotonic() + PROBE_EVERY_S
+            self._ask_after = time.monotonic() + ASK_EVERY_S
             await self._ask_all()
 
-    def probe_soon(self) -> None:
-        """Ask the replicas in the background whether they serve the counts, at most every PROBE_EVERY_S."""
-        if not self.replicas or time.monotonic() < self._probe_after:
+    def ask_served_soon(self) -> None:
+        """Ask the replicas in the background whether they serve the counts, at most every ASK_EVERY_S."""
+        if not self.replicas or time.monotonic() < self._ask_after:
             return
-        self._probe_after = time.monotonic() + PROBE_EVERY_S
+        self._ask_after = time.monotonic() + ASK_EVERY_S
         task = asyncio.get_running_loop().create_task(self._ask_all())
-        self._probes.add(task)
-        task.add_done_callback(self._probes.discard)
+        self._asking.add(task)
+        task.add_done_callback(self._asking.discard)
 
     async def _ask_all(self) -> None:
         """Served when one replica serves them, not served when every one said it does not, else not known yet."""

@@ -53,7 +53,7 @@ def test_the_counts_of_a_finished_request_reach_deliver_from_the_replica_that_se
         async with local_backend(_engine(counted, asked)) as url:
             client = BackendClient(url, timeout_s=5)
             counts = ObservedCounts([client], lambda text, obs, kept: delivered.append((text, obs, kept)))
-            await counts.probe()
+            await counts.ask_served()
             kept, live = {}, {}
             counts.mark(kept, True)
             counts.mark(live, False)
@@ -85,7 +85,7 @@ def test_a_backend_without_the_route_is_told_apart_and_nothing_waits_on_it(caplo
         async with local_backend(_engine({}, asked, serves=False)) as url:
             client = BackendClient(url, timeout_s=5)
             counts = ObservedCounts([client], lambda *a: None)
-            await counts.probe()
+            await counts.ask_served()
             counts.finished(client, {"vllm_xargs": {"moe_observe": "t"}}, "text")
             await client.close()
             return counts.serves, counts.waiting_on()
@@ -101,7 +101,7 @@ def test_every_replica_is_asked_and_the_counts_are_served_where_one_serves_them(
                 local_backend(_engine({}, [], serves=plugin[1])) as b:
             clients = [BackendClient(a, timeout_s=5), BackendClient(b, timeout_s=5)]
             counts = ObservedCounts(clients, lambda *a: None)
-            await counts.probe()
+            await counts.ask_served()
             await asyncio.gather(*(c.close() for c in clients))
             return counts.serves
 
