@@ -39,10 +39,9 @@ log = logging.getLogger(__name__)
 PROBED_URLS = ("/v1/chat/completions", "/v1/completions")
 COUNTS_WAIT_S = 5.0  # after the last probe, how long its counts are waited for
 COUNTS_POLL_S = 0.05  # how often the counts of answered probes are asked for: a line waits for its profile only so long
-# lines probed before the first is sent, and the most that wait probed later: admission chooses among as many as
-# ExpertOrder looks ahead over (the whole of a smaller file), a file's first lines are not sent unprobed while the
-# probes catch up with them, and on a file of any size the pool (what each choice scans) and the prompts vLLM's
-# prefix cache must keep until their lines go stay bounded
+# the most probed lines that wait: admission chooses among as many as ExpertOrder looks ahead over (the whole of a
+# smaller file), and on a file of any size the pool (what each choice scans) and the prompts vLLM's prefix cache
+# must keep until their lines go stay bounded
 PROBE_AHEAD = DEFAULT_WINDOW
 PROBE_CONCURRENCY = 1  # probes at the engine at once (see above: each may take a freed slot from a line for a step)
 ROOM_POLL_S = 0.05  # how often a probe that waits for room asks again
