@@ -49,7 +49,7 @@ from moe_cohort.batch.core import (Abort, Answered, BatchCore, Outcome, Retry, R
 from moe_cohort.batch.follow import follow_heads, order_after, sample_size
 from moe_cohort.batch.format import BatchFile, BatchRequest
 from moe_cohort.batch.journal import Journal, JournalError, Record
-from moe_cohort.batch.order import ExpertOrder, ProbedOrder, SpreadOrder, make_order
+from moe_cohort.batch.order import AS_PROFILES_ARRIVE, ExpertOrder, SpreadOrder, make_order
 from moe_cohort.batch.probe import probed_order
 from moe_cohort.encoder.plans import chunk, write_plan_file
 from moe_cohort.send.auth import bearer
@@ -123,7 +123,7 @@ async def run_batch(batch: BatchFile, journal: Journal, replicas: Sequence[Backe
         sender.follow = lambda: order_after(core, predictor if inspect.isawaitable(predictor) else _now(predictor),
                                             learning, sample=sample, run=background)
     log.info("%d requests to send, %d at a time, in %s", len(pending), config.max_in_flight,
-             "admission order by the engine's routing of each prompt" if isinstance(core.order, ProbedOrder)
+             "admission order by the engine's routing of each prompt" if isinstance(core.order, ExpertOrder) and core.order.fill == AS_PROFILES_ARRIVE
              else "file order" if predictor is None else "admission order" if isinstance(core.order, ExpertOrder)
              else "a sample drawn from across the file until there are predictions, then admission order")
     if learning is not None:

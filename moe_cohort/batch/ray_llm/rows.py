@@ -10,7 +10,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from moe_cohort.admission.wire import BATCH_KEY, OBSERVE_KEY, PROFILE_KEY, Prediction
-from moe_cohort.batch.order import ProbedOrder, make_order, simulated_order
+from moe_cohort.batch.order import AS_PROFILES_ARRIVE, ExpertOrder, make_order, simulated_order
 from moe_cohort.encoder.text import RequestTextError, request_text
 from moe_cohort.send.profiles import Predictor
 
@@ -48,7 +48,7 @@ def probed_plan(n: int, profiles: Mapping[int, np.ndarray], max_num_seqs: int) -
     each [L, E]: its prompt's probe) with `max_num_seqs` rows out, finishing first in first out; rows without a
     profile go last."""
     lines = [_Line(i, "") for i in range(n)]
-    order = ProbedOrder(max_num_seqs)
+    order = ExpertOrder(max_num_seqs, fill=AS_PROFILES_ARRIVE)
     order.predicted({i: Prediction.of_profile(p) for i, p in profiles.items()})
     sent = simulated_order(lines, order, max_num_seqs)
     return [x.line for x in sent], [order.compact(i) or [] for i in range(n)]
