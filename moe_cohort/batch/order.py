@@ -180,10 +180,10 @@ def make_order(requests: Sequence[BatchRequest], predictor: Predictor | None, ma
     return order
 
 
-def simulated_order(requests: Sequence[BatchRequest], order: Order, max_in_flight: int,
-                    limit: int | None = None) -> list[BatchRequest]:
-    """The order `order` would send `requests` in if they finished first in, first out (`--dry-run`); the first
-    `limit` of it (None: all)."""
+def sending_order(requests: Sequence[BatchRequest], order: Order, max_in_flight: int,
+                  limit: int | None = None) -> list[BatchRequest]:
+    """The order `order` would send `requests` in, `max_in_flight` at a time, if they finished first in, first out
+    (`--dry-run`, `--runner ray`, the Ray Data LLM rows); the first `limit` of it (None: all)."""
     waiting, out, sent = list(requests), deque(), []
     while waiting and (limit is None or len(sent) < limit):
         if len(out) >= max_in_flight:
@@ -193,3 +193,11 @@ def simulated_order(requests: Sequence[BatchRequest], order: Order, max_in_fligh
         out.append(request)
         sent.append(request)
     return sent
+
+
+def admission_plan(requests: Sequence[BatchRequest], predictor: Predictor | None, max_in_flight: int,
+                   limit: int | None = None) -> tuple[list[BatchRequest], Order]:
+    """(`sending_order` of `make_order`'s order of `requests`, that order: its `compact` profiles): the order
+    admission by `predictor` would send them in, or file order without one."""
+    order = make_order(requests, predictor, max_in_flight)
+    return sending_order(requests, order, max_in_flight, limit), order

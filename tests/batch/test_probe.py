@@ -10,7 +10,7 @@ import pytest
 
 from moe_cohort.admission.wire import OBSERVE_KEY, Prediction
 from moe_cohort.batch.core import RunConfig
-from moe_cohort.batch.order import AS_PROFILES_ARRIVE, ExpertOrder, simulated_order
+from moe_cohort.batch.order import AS_PROFILES_ARRIVE, ExpertOrder, sending_order
 from moe_cohort.batch.probe import PROBE_CONCURRENCY, Probes
 from moe_cohort.send.backend_client import BackendClient
 from moe_cohort.traces.observed import from_routed_experts
@@ -57,7 +57,7 @@ def test_with_every_profile_known_probed_admission_matches_brute_force(tmp_path)
         requests = parsed(tmp_path, [f"p{i}" for i in range(9)])
         order = ExpertOrder(3, fill=AS_PROFILES_ARRIVE)
         order.predicted({r.line: Prediction(v.astype(np.float32)) for r, v in zip(requests, vectors)})
-        got = [requests.index(r) for r in simulated_order(requests, order, max_in_flight=3)]
+        got = [requests.index(r) for r in sending_order(requests, order, max_in_flight=3)]
         assert got == brute_force_order(vectors, 3), trial
 
 
