@@ -15,10 +15,11 @@ Batch API's jobs and benchmarks/bench_batch.py.
    hands over to admission (batch/follow.py); with `learning` (send/learning/learning.py) each later head
    re-predicts the requests next in line (which of these: batch/admission_mode.py, worked out once). With
    `config.forward_profiles` each request carries its predicted profile, for moe-cohort's scheduler in vLLM to
-   choose among the queued ones by. With `gate` (the proxy's online admission, send/gate.py) each request also takes a background slot, so batch work only uses
-   backend capacity that interactive requests leave free, on the replica the gate gives the slot on
-   (`cohort serve` with several --backend); with `seat` (the Batch API's batches) each also holds one
-   of the slots all running batches share, handed out round-robin over tenants (proxy/batch/share.py);
+   choose among the queued ones by. With `gate` (the proxy's online admission, send/gate.py) each request also
+   takes a background slot, so batch work only uses backend capacity that interactive requests leave free, on the
+   replica the gate gives the slot on (`cohort serve` with several --backend); with `seat` (the Batch API's
+   batches) each also holds one of the slots all running batches share, handed out round-robin over tenants
+   (proxy/batch/share.py);
 4. retries, backoff and what fails a request: batch/core.py decides; an unreachable backend
    (after the retries) stops the run with RunAborted, and a rerun resumes;
 5. finished requests are committed to the journal (batch/journal.py) in groups by one writer.
