@@ -92,7 +92,7 @@ def batch_side(pool: int, resident: int, layers: int, experts: int, rng) -> floa
     n = pool + resident + 200
     vectors = {i: u.ravel() for i, u in enumerate(profiles(n, layers, experts, 6, rng))}
     requests = [BatchRequest(i, f"c{i}", "/v1/chat/completions", {}, "none", "") for i in range(n)]
-    order = ExpertOrder(dict(vectors), lambda size: ResidentExperts(1, size), resident)
+    order = ExpertOrder(resident, lambda size: ResidentExperts(1, size), vectors=dict(vectors))
     waiting, out = list(requests), []
     for _ in range(resident):  # the engine filled, as at the start of a run
         request = waiting.pop(order.pick(waiting))

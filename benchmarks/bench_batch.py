@@ -48,7 +48,7 @@ from benchmarks.heldout import prompt_texts
 from moe_cohort.batch.core import RunConfig
 from moe_cohort.batch.format import read_batch_file
 from moe_cohort.batch.journal import Journal, JournalPaths
-from moe_cohort.batch.order import make_order, simulated_order
+from moe_cohort.batch.order import admission_plan
 from moe_cohort.batch.run import run_batch
 from moe_cohort.encoder.plans import chunk
 from moe_cohort.send.backend_client import BackendClient
@@ -121,7 +121,7 @@ async def run_runner(name: str, batch_file: Path, predictor, backend: BackendCli
 async def run_lockstep(name: str, batch_file: Path, predictor, backend: BackendClient, args) -> dict:
     """The order in groups of B, each one multi-prompt /v1/completions request, one group at a time."""
     parsed = read_batch_file(batch_file, default_policy="topk", max_line_bytes=10 << 20)
-    sent = simulated_order(parsed.requests, make_order(parsed.requests, predictor, args.batch_size), args.batch_size)
+    sent, _ = admission_plan(parsed.requests, predictor, args.batch_size)
     batches = [[sent[i] for i in group] for group in chunk(range(len(sent)), args.batch_size)]
     before = await counters(backend)
     start = time.perf_counter()

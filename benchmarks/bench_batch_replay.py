@@ -31,7 +31,7 @@ benchmarks.bench_learning replays them) the batch file is the held-out side of t
 - offline head: the head fitted on the training side (HeldOut.fit_head, static encoder), admitting by the
   rule from the first line: (a) greedy admission, the whole remaining file its pool;
 - plan up front: (b) the order that rule gives if requests finished in the order sent (one out, one in: the
-  runner's simulated_order), made once from the offline head's profiles and sent first come, first served;
+  runner's sending_order), made once from the offline head's profiles and sent first come, first served;
 - plan + admission among the next w: (c) the plan's order, the rule choosing each freed slot's line among the
   plan's next w waiting lines (closed-loop clients, S + w of them: eval.replay), for each w of --windows;
 - reference: the held-out lines' own profiles, by the same rule.
@@ -205,7 +205,7 @@ def mixed(window: int) -> str:
 
 def planned(profiles: np.ndarray, file: np.ndarray, slots: int) -> np.ndarray:
     """The order greedy admission by `profiles` [N, P] gives `file` [N] if the requests finish in the order sent:
-    S out, then one finishes and the freed slot admits the next (the batch runner's simulated_order)."""
+    S out, then one finishes and the freed slot admits the next (the batch runner's sending_order)."""
     policy = by_profile(profiles)
     router = policy.router([slots])
     for key in file:

@@ -134,13 +134,12 @@ def configured(settings: Settings, job: FileJob) -> tuple[Settings, int | None, 
 def dry_run(settings: Settings, batch: BatchFile, plan: Path) -> int:
     """The order admission would send `batch` in if every request finished in order, written to `plan`; nothing
     is sent. Returns how many requests go at a time."""
-    from moe_cohort.batch.order import make_order, simulated_order
+    from moe_cohort.batch.order import admission_plan
     from moe_cohort.batch.run import write_plan
     from moe_cohort.send.profiles import make_predictor
 
     max_in_flight = settings.max_in_flight_for_batches
-    order = simulated_order(batch.requests, make_order(batch.requests, make_predictor(settings), max_in_flight),
-                            max_in_flight)
+    order, _ = admission_plan(batch.requests, make_predictor(settings), max_in_flight)
     write_plan(plan, order, max_in_flight)
     return max_in_flight
 

@@ -1,4 +1,5 @@
-"""Each batch line's prompt routed once by the engine before its turn: the profiles `ProbedOrder` admits by.
+"""Each batch line's prompt routed once by the engine before its turn: the profiles `ExpertOrder` admits by
+(fill="as_profiles_arrive").
 
 A probe is a copy of the line's request that asks for one token, not streamed, marked for the expert counts of
 moe-cohort's vLLM plugin (send/learning/observed_counts.py). The engine prefills the prompt; the prompt's
@@ -10,7 +11,7 @@ keeps for the line's own request.
 This is the path for an engine that counts experts but does not schedule by them (vLLM's own scheduler with our
 plugin): its queue is first come, first served, so a probe sent ahead of a line's request takes the slot that
 line would have taken, for one step. The rule that keeps the engine full: no barrier (the first lines go at
-once, from the far end of the file: ProbedOrder), and PROBE_CONCURRENCY probes at once, so a slot that frees
+once, from the far end of the file: ExpertOrder), and PROBE_CONCURRENCY probes at once, so a slot that frees
 serves at most that many probes before the next line. Lines are probed in file order, each once, while fewer than
 PROBE_AHEAD probed lines wait; a line already sent is skipped. A probe that fails (an error answer, counts that
 never come) leaves its line without a profile: it is sent like any other, and its own request says what is wrong;
@@ -27,7 +28,7 @@ from typing import Awaitable, Callable, Sequence
 from moe_cohort.admission.wire import Prediction
 from moe_cohort.batch.core import RunStats
 from moe_cohort.batch.format import BatchRequest
-from moe_cohort.batch.order import DEFAULT_WINDOW, ProbedOrder
+from moe_cohort.batch.order import AS_PROFILES_ARRIVE, DEFAULT_WINDOW, ExpertOrder
 from moe_cohort.batch.probe_request import probe_body, prompt_profile
 from moe_cohort.send.backend_client import BackendClient
 from moe_cohort.send.errors import BackendUnreachable, ServiceError
@@ -101,10 +102,10 @@ class Probes:
 
 
 def probed_order(pending: Sequence[BatchRequest], client: BackendClient, stats: RunStats, max_in_flight: int,
-                 headers: dict[str, str]) -> tuple[ProbedOrder, Callable[[], Awaitable[None]]]:
+                 headers: dict[str, str]) -> tuple[ExpertOrder, Callable[[], Awaitable[None]]]:
     """A probing run's order and the task that probes the `pending` lines while the run goes (PROBE_CONCURRENCY at a
     time, while fewer than PROBE_AHEAD probed lines wait). `stats.probed` counts the profiles found."""
-    order = ProbedOrder(max_in_flight)
+    order = ExpertOrder(max_in_flight, fill=AS_PROFILES_ARRIVE)
     stats.probed = 0
 
     def found(line: int, prediction: Prediction) -> None:

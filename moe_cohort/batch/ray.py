@@ -67,14 +67,14 @@ def run_batch_ray(settings: Settings, batch: BatchFile, journal: Journal, predic
     import ray
     import ray.data
 
-    from moe_cohort.batch.order import make_order, simulated_order
+    from moe_cohort.batch.order import admission_plan
 
     pending, stats = left_to_run(batch, journal, skip_invalid)
     config = RunConfig.from_settings(settings, metrics_interval_s=0)
     urls = list(settings.backends)
     if not pending:
         return stats
-    order = simulated_order(pending, make_order(pending, predictor, config.max_in_flight), config.max_in_flight)
+    order, _ = admission_plan(pending, predictor, config.max_in_flight)
     started = _connect(ray)
     try:
         counters0 = _read_counters(urls)

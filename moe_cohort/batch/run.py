@@ -13,12 +13,13 @@ Batch API's jobs and benchmarks/bench_batch.py.
    can be predicted yet (the encoder loading, or no head while one is learned) the run sends a sample drawn
    from across the file, learns from its answers, then
    hands over to admission (batch/follow.py); with `learning` (send/learning/learning.py) each later head
-   re-predicts the requests next in line. With `config.forward_profiles` each request carries its predicted
-   profile, for moe-cohort's scheduler in vLLM to choose among the queued ones by. With `gate` (the proxy's online
-   admission, send/gate.py) each request also takes a background slot, so batch work only uses
-   backend capacity that interactive requests leave free, on the replica the gate gives the slot on
-   (`cohort serve` with several --backend); with `seat` (the Batch API's batches) each also holds one
-   of the slots all running batches share, handed out round-robin over tenants (proxy/batch/share.py);
+   re-predicts the requests next in line (which of these: batch/admission_mode.py, worked out once). With
+   `config.forward_profiles` each request carries its predicted profile, for moe-cohort's scheduler in vLLM to
+   choose among the queued ones by. With `gate` (the proxy's online admission, send/gate.py) each request also
+   takes a background slot, so batch work only uses backend capacity that interactive requests leave free, on the
+   replica the gate gives the slot on (`cohort serve` with several --backend); with `seat` (the Batch API's
+   batches) each also holds one of the slots all running batches share, handed out round-robin over tenants
+   (proxy/batch/share.py);
 4. retries, backoff and what fails a request: batch/core.py decides; an unreachable backend
    (after the retries) stops the run with RunAborted, and a rerun resumes;
 5. finished requests are committed to the journal (batch/journal.py) in groups by one writer.
@@ -35,22 +36,19 @@ Prompts are user data: nothing here logs request text or bodies, only custom_ids
 from __future__ import annotations
 
 import asyncio
-import inspect
 import json
 import logging
 import time
 from pathlib import Path
-from typing import Awaitable, Callable, Protocol, Sequence, TypeVar
+from typing import Awaitable, Callable, Protocol, Sequence
 
 import numpy as np
 
+from moe_cohort.batch.admission_mode import admission_mode
 from moe_cohort.batch.core import (Abort, Answered, BatchCore, Outcome, Retry, RunConfig, RunStats, Send, Stop, TimedOut,
                                    Unreachable, left_to_run)
-from moe_cohort.batch.follow import follow_heads, order_after, sample_size
 from moe_cohort.batch.format import BatchFile, BatchRequest
 from moe_cohort.batch.journal import Journal, JournalError, Record
-from moe_cohort.batch.order import ExpertOrder, ProbedOrder, SpreadOrder, make_order
-from moe_cohort.batch.probe import probed_order
 from moe_cohort.encoder.plans import chunk, write_plan_file
 from moe_cohort.send.auth import bearer
 from moe_cohort.send.backend_client import BackendClient
@@ -65,7 +63,6 @@ from moe_cohort.send.profiles import Predictor
 log = logging.getLogger(__name__)
 
 ProgressFn = Callable[[RunStats], None]
-T = TypeVar("T")
 
 
 class Seat(Protocol):
@@ -110,29 +107,14 @@ async def run_batch(batch: BatchFile, journal: Journal, replicas: Sequence[Backe
     core = BatchCore(pending, config, stats, deadline=deadline)
     sender = _Sender(core, journal, replicas, gate, on_progress or (lambda stats: None), clock, seat, learning)
     background = asyncio.to_thread if learning is None else learning.in_background
-    if config.probe and gate is None:  # the engine's routing of each prompt, probed while the lines go
-        core.order, sender.follow = probed_order(pending, replicas[0], stats, config.max_in_flight, sender.headers)
-    elif predictor is not None and not inspect.isawaitable(predictor) and predictor.ready():
-        core.order = await asyncio.to_thread(make_order, pending, predictor, config.max_in_flight)
-        if learning is not None:
-            sender.follow = lambda: follow_heads(lambda: learning.head, predictor.predict, core.order,
-                                                 lambda: core.waiting, background)
-    elif predictor is not None:  # no prediction yet (the encoder loading, or no head learned): a sample first
-        core.order = SpreadOrder((r.line for r in pending), seed=len(batch.requests))
-        sample = sample_size(learning.learner.config.first_fit if learning else 2, len(pending))
-        sender.follow = lambda: order_after(core, predictor if inspect.isawaitable(predictor) else _now(predictor),
-                                            learning, sample=sample, run=background)
-    log.info("%d requests to send, %d at a time, in %s", len(pending), config.max_in_flight,
-             "admission order by the engine's routing of each prompt" if isinstance(core.order, ProbedOrder)
-             else "file order" if predictor is None else "admission order" if isinstance(core.order, ExpertOrder)
-             else "a sample drawn from across the file until there are predictions, then admission order")
+    mode = await admission_mode(core, pending, predictor, config, probe_client=replicas[0] if gate is None else None,
+                                headers=sender.headers, learning=learning, background=background,
+                                seed=len(batch.requests))
+    core.order, sender.follow = mode.order, mode.follow
+    log.info("%d requests to send, %d at a time, in %s", len(pending), config.max_in_flight, mode.description)
     if learning is not None:
         await learning.ask_served()  # the first requests are marked when the backend counts experts
     return await sender.run(stop or asyncio.Event())
-
-
-async def _now(value: T) -> T:
-    return value
 
 
 def write_plan(path: str | Path, requests: Sequence[BatchRequest], max_in_flight: int) -> None:

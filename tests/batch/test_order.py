@@ -5,7 +5,7 @@ import numpy as np
 
 from moe_cohort.admission.resident import ResidentEmbedding, ResidentExperts
 from moe_cohort.admission.wire import Prediction
-from moe_cohort.batch.order import ExpertOrder, FileOrder, make_order, simulated_order
+from moe_cohort.batch.order import ExpertOrder, FileOrder, make_order, sending_order
 from moe_cohort.send.profiles import Predictor
 from tests.helpers.batch_files import parsed
 from tests.helpers.brute_force import brute_force_order
@@ -16,8 +16,8 @@ def test_simulated_admission_matches_brute_force(tmp_path):
     for trial in range(10):
         vectors = [rng.random(6) * (rng.random(6) < 0.4) for _ in range(9)]
         requests = parsed(tmp_path, [f"p{i}" for i in range(9)])
-        order = ExpertOrder({r.line: v for r, v in zip(requests, vectors)}, lambda size: ResidentExperts(1, size), 3)
-        got = [requests.index(r) for r in simulated_order(requests, order, max_in_flight=3)]
+        order = ExpertOrder(3, lambda size: ResidentExperts(1, size), vectors={r.line: v for r, v in zip(requests, vectors)})
+        got = [requests.index(r) for r in sending_order(requests, order, max_in_flight=3)]
         assert got == brute_force_order(vectors, 3), trial
 
 
@@ -25,8 +25,8 @@ def test_the_window_limits_how_far_ahead_admission_looks(tmp_path):
     requests = parsed(tmp_path, ["a", "b", "c", "a"])
     a, b = np.array([1.0, 0.0]), np.array([0.0, 1.0])
     vectors = {r.line: v for r, v in zip(requests, [a, b, b, a])}
-    wide = simulated_order(requests, ExpertOrder(vectors, lambda n: ResidentExperts(1, n), 2), 2)
-    narrow = simulated_order(requests, ExpertOrder(vectors, lambda n: ResidentExperts(1, n), 2, window=1), 2)
+    wide = sending_order(requests, ExpertOrder(2, lambda n: ResidentExperts(1, n), vectors=vectors), 2)
+    narrow = sending_order(requests, ExpertOrder(2, lambda n: ResidentExperts(1, n), window=1, vectors=vectors), 2)
     assert [r.text for r in wide] == ["a", "a", "b", "c"] and [r.text for r in narrow] == ["a", "b", "c", "a"]
 
 
@@ -51,10 +51,10 @@ def test_a_refresh_rescores_the_waiting_requests_in_place(tmp_path):
     for trial in range(10):
         vectors = [rng.random(6) * (rng.random(6) < 0.4) for _ in range(10)]
         requests = parsed(tmp_path, [f"p{i}" for i in range(10)])
-        order = ExpertOrder({r.line: None for r in requests}, lambda size: ResidentExperts(1, size), 3, window=6)
+        order = ExpertOrder(3, lambda size: ResidentExperts(1, size), window=6, vectors={r.line: None for r in requests})
         k = int(rng.integers(3, 7))  # after the first 3 (chosen at once, into the free slots), one choice per send
         waiting, out, sent = list(requests), [], []
-        while waiting:  # simulated_order, with the refresh after k sends
+        while waiting:  # sending_order, with the refresh after k sends
             if len(out) >= 3:
                 order.finished(out.pop(0))
             if len(sent) == k:

@@ -1,4 +1,4 @@
-"""Probing each line's prompt through the engine (batch/probe.py) and admitting by that routing (order.ProbedOrder):
+"""Probing each line's prompt through the engine (batch/probe.py) and admitting by that routing (order.ExpertOrder, filled as profiles arrive):
 the order against a brute-force replay, work conservation while no profile is known, and whole runs against a
 stand-in vLLM that counts experts as our plugin does (prompt tokens routed by the prompt's topic)."""
 
@@ -10,7 +10,7 @@ import pytest
 
 from moe_cohort.admission.wire import OBSERVE_KEY, Prediction
 from moe_cohort.batch.core import RunConfig
-from moe_cohort.batch.order import ProbedOrder, simulated_order
+from moe_cohort.batch.order import AS_PROFILES_ARRIVE, ExpertOrder, sending_order
 from moe_cohort.batch.probe import PROBE_CONCURRENCY, Probes
 from moe_cohort.send.backend_client import BackendClient
 from moe_cohort.traces.observed import from_routed_experts
@@ -55,15 +55,15 @@ def test_with_every_profile_known_probed_admission_matches_brute_force(tmp_path)
     for trial in range(10):
         vectors = [rng.random(6) * (rng.random(6) < 0.4) for _ in range(9)]
         requests = parsed(tmp_path, [f"p{i}" for i in range(9)])
-        order = ProbedOrder(3)
+        order = ExpertOrder(3, fill=AS_PROFILES_ARRIVE)
         order.predicted({r.line: Prediction(v.astype(np.float32)) for r, v in zip(requests, vectors)})
-        got = [requests.index(r) for r in simulated_order(requests, order, max_in_flight=3)]
+        got = [requests.index(r) for r in sending_order(requests, order, max_in_flight=3)]
         assert got == brute_force_order(vectors, 3), trial
 
 
 def test_lines_without_a_profile_go_at_once_from_the_far_end_and_profiled_lines_go_first(tmp_path):
     requests = parsed(tmp_path, [f"p{i}" for i in range(6)])
-    order, waiting = ProbedOrder(2), list(requests)
+    order, waiting = ExpertOrder(2, fill=AS_PROFILES_ARRIVE), list(requests)
 
     def send():
         request = waiting.pop(order.pick(waiting))
@@ -81,7 +81,7 @@ def test_lines_without_a_profile_go_at_once_from_the_far_end_and_profiled_lines_
 
 def test_a_profile_that_comes_for_a_line_out_counts_as_resident_until_it_finishes(tmp_path):
     requests = parsed(tmp_path, ["a", "b", "c"])
-    order, waiting = ProbedOrder(3), list(requests)
+    order, waiting = ExpertOrder(3, fill=AS_PROFILES_ARRIVE), list(requests)
     out = waiting.pop(order.pick(waiting))
     order.sent(out)
     assert order.out(out.line) and not order.out(requests[0].line)

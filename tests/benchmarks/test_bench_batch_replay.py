@@ -177,16 +177,16 @@ def test_the_file_order_and_the_runners_permutation_differ_per_seed():
     assert file.tolist() != perm.tolist() and seed_orders(50, 4)[0].tolist() != file.tolist()
 
 
-def test_the_plan_up_front_is_the_batch_runners_simulated_order(tmp_path):
+def test_the_plan_up_front_is_the_batch_runners_admission_plan(tmp_path):
     """(b)'s plan: greedy admission by the profiles if requests finish in the order sent, as the runner's
-    simulated_order (batch/order.py) plans a --dry-run; its w-window mix keeps every line once."""
+    admission_plan (batch/order.py) plans a --dry-run; its w-window mix keeps every line once."""
     import json
 
     from benchmarks.bench_batch_replay import PLAN, mixed, planned, replay_seed
     from moe_cohort.admission.resident import ResidentExperts
     from moe_cohort.admission.wire import Prediction
     from moe_cohort.batch.format import read_batch_file
-    from moe_cohort.batch.order import make_order, simulated_order
+    from moe_cohort.batch.order import admission_plan
     from moe_cohort.send.profiles import Predictor
 
     rng = np.random.default_rng(3)
@@ -197,7 +197,7 @@ def test_the_plan_up_front_is_the_batch_runners_simulated_order(tmp_path):
     requests = read_batch_file(path, default_policy="topk", max_line_bytes=10_000).requests
     predictor = Predictor(lambda texts: [Prediction(profiles[int(t[1:])]) for t in texts],
                           lambda size: ResidentExperts(1, size), "profile")
-    runner = [r.line - 1 for r in simulated_order(requests, make_order(requests, predictor, 3), 3)]
+    runner = [r.line - 1 for r in admission_plan(requests, predictor, 3)[0]]
     assert planned(profiles, np.arange(14), 3).tolist() == runner
     traces = random_traces(14, num_experts=6, num_layers=2, max_decode=5)
     tokens = decode_tokens(traces)

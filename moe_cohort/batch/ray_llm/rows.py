@@ -10,7 +10,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from moe_cohort.admission.wire import BATCH_KEY, OBSERVE_KEY, PROFILE_KEY, Prediction
-from moe_cohort.batch.order import ProbedOrder, make_order, simulated_order
+from moe_cohort.batch.order import AS_PROFILES_ARRIVE, ExpertOrder, Order, admission_plan, sending_order
 from moe_cohort.encoder.text import RequestTextError, request_text
 from moe_cohort.send.profiles import Predictor
 
@@ -37,20 +37,21 @@ def plan(texts: Sequence[str], predictor: Predictor | None, max_num_seqs: int,
     """(the rows' sending order, its first `limit` rows only when given; each row's compact profile ([] when
     none)): the batch runner's admission by predicted experts with `max_num_seqs` rows out, finishing first in
     first out; the given order without a predictor."""
-    lines = [_Line(i, t) for i, t in enumerate(texts)]
-    order = make_order(lines, predictor, max_num_seqs)
-    sent = simulated_order(lines, order, max_num_seqs, limit)
-    return [x.line for x in sent], [order.compact(i) or [] for i in range(len(lines))]
+    sent, order = admission_plan([_Line(i, t) for i, t in enumerate(texts)], predictor, max_num_seqs, limit)
+    return _rows(sent, order, len(texts))
 
 
 def probed_plan(n: int, profiles: Mapping[int, np.ndarray], max_num_seqs: int) -> tuple[list[int], list[list[int]]]:
     """(the sending order of `n` rows, each row's compact profile ([] when none)): admission by `profiles` (by row,
     each [L, E]: its prompt's probe) with `max_num_seqs` rows out, finishing first in first out; rows without a
     profile go last."""
-    lines = [_Line(i, "") for i in range(n)]
-    order = ProbedOrder(max_num_seqs)
+    order = ExpertOrder(max_num_seqs, fill=AS_PROFILES_ARRIVE)
     order.predicted({i: Prediction.of_profile(p) for i, p in profiles.items()})
-    sent = simulated_order(lines, order, max_num_seqs)
+    return _rows(sending_order([_Line(i, "") for i in range(n)], order, max_num_seqs), order, n)
+
+
+def _rows(sent: Sequence[_Line], order: Order, n: int) -> tuple[list[int], list[list[int]]]:
+    """(the rows in the order `sent`, the compact profile `order` forwards for each of `n` rows ([] when none))."""
     return [x.line for x in sent], [order.compact(i) or [] for i in range(n)]
 
 
