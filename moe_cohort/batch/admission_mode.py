@@ -39,8 +39,8 @@ class AdmissionMode:
     description: str
 
 
-async def admission_mode(core: BatchCore, pending: Sequence[BatchRequest], predictor: Predictor | Awaitable[Predictor] | None,
-                         config: RunConfig, *, probe_client: BackendClient | None, headers: dict[str, str],
+async def admission_mode(core: BatchCore, pending: Sequence[BatchRequest],
+                         predictor: Predictor | Awaitable[Predictor] | None, config: RunConfig, *, probe_client: BackendClient | None, headers: dict[str, str],
                          learning: Learning | None, background: Callable[..., Awaitable], seed: int) -> AdmissionMode:
     """The admission of `core`'s `pending` lines: probed on `probe_client` (with `headers`) when `config.probe` and
     a client is given, else by `predictor` (send/profiles.py, an awaitable of one still loading, or None: file
