@@ -200,7 +200,6 @@ class FileRun:
                                 lambda texts: loading.result().features(texts), learned_folder(settings),
                                 Metrics(), settings.learn_sample_rate, [backend])
         predictor = None if loading is None else asyncio.wrap_future(_following(loading, learning, settings))
-        before = await _decode_counters(backend)
         try:
             result.stats = await run_batch(self.batch, self.journal, [backend], predictor,
                                            RunConfig.from_settings(settings), skip_invalid=self.job.skip_invalid,
@@ -210,10 +209,7 @@ class FileRun:
                 await learning.flush()  # the last answers' counts
                 await asyncio.to_thread(learning.close)  # what it learned is saved for the next run (and serve)
                 result.learner, result.learned_in = learning.learner, learned_folder(settings)
-            after = await _decode_counters(backend)
             await backend.close()
-        if before is not None and after is not None:
-            result.stats.decode = after - before
 
     def _ray(self, on_progress) -> RunStats:
         from moe_cohort.batch.ray import run_batch_ray
@@ -269,14 +265,6 @@ def _following(loading: Future, learning, settings: Settings) -> Future:
             out.set_exception(exc)
     loading.add_done_callback(done)
     return out
-
-
-async def _decode_counters(backend):
-    """The plugin's decode counters on the backend now (send/engine_counters.py: zeros before its first step, or
-    without the plugin); None where /metrics cannot be read."""
-    from moe_cohort.send.engine_counters import fetch_counters
-
-    return await fetch_counters([backend])
 
 
 def _one_backend(settings: Settings) -> str | None:
