@@ -1,7 +1,7 @@
 """End to end through Ray Data LLM and vLLM CPU: the plain vLLM processor against ours (batch/ray_llm/processor.py).
 
     python -m benchmarks.bench_ray_llm [--lines 600] [--rounds 2] [--max-tokens 64] [--slots 16] [--model-dir DIR]
-        [--concurrency 1] [--ray-cpus N] [--json FILE]
+        [--concurrency 1] [--ray-cpus N] [--engine-orders] [--pending N] [--json FILE]
 
 The trained tiny MoE (`cohort serve`'s embedded default; give a widened copy for wall time on experts of real
 size), eager, max_num_seqs = --slots, one engine per --concurrency, each on a Ray placement bundle of one CPU, in a
@@ -17,6 +17,10 @@ Each round, one after the other (the engine drifts over minutes; interleaved rou
   then ordered and profiled by the probes' counts, nothing learned;
 - warm: the same on the data dir the cold run left: a second run (a probing run learns nothing, so it orders as the
   first did; a new engine starts with an empty prefix cache).
+With --engine-orders the runs after plain are instead `ExpertAware.load(encoder="none")`: no probes, the rows in
+the Dataset's order, our scheduler in the engine routing each row's prompt in its own prefill and admitting it to
+decode by that routing (prefill ahead). --pending sets the processor config's `max_pending_requests` (the rows
+inside vLLM at once; default: ExpertAware's).
 Per run: decode expert loads per GENERATED token and decode tokens per forward, from the plugin's counters (each run
 points COHORT_METRICS_DIR at a folder of its own through the runtime env; the engine's worker writes its totals
 there, `cohort-<pid>.prom`, and this process sums them once the run is over), the wall time of the whole run
@@ -77,6 +81,7 @@ def config(args, model: Path, metrics: Path):
                                   "COHORT_METRICS_DIR": str(metrics)}},
         placement_group_config={"bundles": [{"CPU": 1}]}, concurrency=(args.concurrency, args.concurrency),
         batch_size=args.slots, chat_template_stage=ChatTemplateStageConfig(**light),
+        **({"max_pending_requests": args.pending} if args.pending else {}),
         tokenize_stage=TokenizerStageConfig(**light), detokenize_stage=False)
 
 
@@ -129,7 +134,7 @@ def _mean(rows, key: str) -> float:
 
 def summary(rows: list[dict]) -> list[str]:
     lines = []
-    for kind, base in (("cold", "plain"), ("warm", "plain")):
+    for kind, base in (("cold", "plain"), ("warm", "plain"), ("engine", "plain")):
         plain = {r["round"]: r for r in rows if r["kind"] == base}
         mine = [r for r in rows if r["kind"] == kind]
         if not mine:
@@ -165,6 +170,9 @@ def main() -> None:
     p.add_argument("--ray-cpus", type=int, help="logical CPUs of the local Ray (default: this machine's, or what the "
                    "engines and stages ask for where that is more: ray_cpus)")
     p.add_argument("--model-dir", default=str(default_model_dir()))
+    p.add_argument("--engine-orders", action="store_true", help="no probes: the Dataset's order, our scheduler "
+                                                                "admitting each row by its own prefill's routing")
+    p.add_argument("--pending", type=int, default=0, help="max_pending_requests (0: ExpertAware's)")
     p.add_argument("--json", help="also write the rows here")
     args = p.parse_args()
     import ray
@@ -182,6 +190,11 @@ def main() -> None:
         for r in range(args.rounds):
             data = work / f"data-r{r}"
             out.append({**one_run(f"plain r{r}", rows, args, model, layers, work, None), "kind": "plain", "round": r})
+            if args.engine_orders:
+                engine = ExpertAware.load(data_dir=str(data), encoder="none", max_num_seqs=args.slots)
+                out.append({**one_run(f"engine r{r}", rows, args, model, layers, work, engine), "kind": "engine",
+                            "round": r})
+                continue
             cold = ExpertAware.load(data_dir=str(data), max_num_seqs=args.slots)
             out.append({**one_run(f"cold r{r}", rows, args, model, layers, work, cold), "kind": "cold", "round": r})
             warm = ExpertAware.load(data_dir=str(data), max_num_seqs=args.slots)
